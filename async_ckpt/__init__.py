@@ -1,0 +1,25 @@
+"""async_ckpt: asynchronous checkpoints for PyTorch training that restore bit for bit.
+
+The public names are imported lazily so that the writer process, which imports
+``async_ckpt.writer``, never imports torch.
+"""
+
+import importlib
+
+__all__ = ["CheckpointEngine", "load", "errors"]
+__version__ = "0.1.0"
+
+_LAZY = {"CheckpointEngine": "async_ckpt.engine", "load": "async_ckpt.engine",
+         "errors": "async_ckpt.errors"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'async_ckpt' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    return value if name == "errors" else getattr(value, name)
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,143 @@
+"""What the training state is: the registered objects turned into a tree of safe values plus a flat
+list of tensors, and the byte layout (``Plan``) those tensors occupy in a staging slot.
+
+Registered values are objects with ``state_dict()``/``load_state_dict()``, tensors, or plain dicts
+of them (a dict may also hold plain values, which restore assigns back into it). Tensors are
+grouped by the storage they view, so tensors that share memory (tied weights, views) are staged
+once and share memory again after restore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import values
+from .errors import LayoutError
+from .plan import ALIGNMENT, Plan, Region, TensorRecord, align_up
+
+DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass
+class Captured:
+    """The state at one instant: ``tree`` is JSON-safe and already detached from live objects;
+    ``tensors`` still are the live tensors and must be staged before training goes on."""
+
+    tree: dict
+    tensors: list[torch.Tensor]
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
+    """Flatten the registered state. Raises EncodingError/LayoutError naming the key path of a
+    value that cannot be saved safely."""
+    tensors: list[torch.Tensor] = []
+
+    def leaf(value: Any, path: str):
+        if isinstance(value, torch.Tensor):
+            tensors.append(_checked(value, path))
+            return {"$tensor": len(tensors) - 1}
+        return encode_torch_scalar(value)
+
+    def encode(value: Any, path: str):
+        return values.encode(value, allow_pickle=allow_pickle, leaf=leaf, path=path)
+
+    return Captured(_capture_entry(state, "", encode), tensors)
+
+
+def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:
+    if is_stateful(obj):
+        return {"kind": "object", "state": encode(obj.state_dict(), path)}
+    if isinstance(obj, torch.Tensor):
+        return {"kind": "tensor", "state": encode(obj, path)}
+    if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
+        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode)
+                                            for k, v in obj.items()}}
+    return {"kind": "value", "state": encode(obj, path)}
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def encode_torch_scalar(value: Any):
+    """torch values that are not tensors but appear in state dicts; NotImplemented for others."""
+    if isinstance(value, torch.dtype):
+        return {"$dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Size):
+        return {"$size": list(value)}
+    if isinstance(value, torch.device):
+        return {"$device": str(value)}
+    return NotImplemented
+
+
+def _checked(t: torch.Tensor, path: str) -> torch.Tensor:
+    if type(t) not in _PLAIN_TENSOR_TYPES:
+        raise LayoutError(f"{path}: tensor subclass {type(t).__name__} is not supported; "
+                          "save its plain local tensor instead")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise LayoutError(f"{path}: {t.layout} tensors are not supported; convert to dense first")
+    if t.device.type not in ("cpu", "cuda"):
+        raise LayoutError(f"{path}: tensors on {t.device} cannot be staged; move them to CPU or CUDA")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: stage the real values
+    return t.detach()
+
+
+def shuffle_itemsize(t: torch.Tensor) -> int:
+    """The element size the byte-shuffle filter should use: a complex number is two floats."""
+    return t.element_size() // 2 if t.is_complex() else t.element_size()
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    size = t.element_size()
+    start = t.storage_offset() * size
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + span * size
+
+
+def plan_layout(tensors: list[torch.Tensor]) -> tuple[Plan, list[torch.Tensor]]:
+    """Group tensors by storage and lay the used byte range of each storage out in a slot.
+
+    Returns the plan and, per region, a uint8 view of the source bytes to copy into the slot.
+    """
+    groups: dict[tuple, dict] = {}
+    placed = []
+    for t in tensors:
+        if t.numel() == 0:
+            placed.append(None)
+            continue
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        start, end = _byte_extent(t)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = {"storage": storage, "device": t.device, "start": start, "end": end,
+                               "itemsizes": set(), "float": True, "index": len(groups)}
+        g["start"], g["end"] = min(g["start"], start), max(g["end"], end)
+        g["itemsizes"].add(shuffle_itemsize(t))
+        g["float"] &= t.is_floating_point() or t.is_complex()
+        placed.append((g, start))
+
+    regions, sources, offset = [], [], 0
+    for g in groups.values():
+        g["start"] -= g["start"] % ALIGNMENT
+        nbytes = g["end"] - g["start"]
+        itemsize = g["itemsizes"].pop() if len(g["itemsizes"]) == 1 else 1
+        regions.append(Region(offset, nbytes, itemsize, g["float"] and itemsize > 1))
+        sources.append(torch.empty(0, dtype=torch.uint8, device=g["device"]).set_(
+            g["storage"], g["start"], (nbytes,), (1,)))
+        offset += align_up(nbytes)
+
+    records = tuple(
+        TensorRecord(None if p is None else p[0]["index"], 0 if p is None else p[1] - p[0]["start"],
+                     str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
+        for t, p in zip(tensors, placed))
+    return Plan(tuple(regions), records, offset), sources

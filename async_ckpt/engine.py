@@ -1,0 +1,358 @@
+"""The public engine: ``snapshot(step)`` in the training loop, ``restore()`` at start-up.
+
+``snapshot`` captures the state, copies its tensors into a free staging slot and hands the slot to
+the writer process; that is all the training loop ever waits for (plus, when every slot is still
+being written, for one to come free). Everything else (encoding, writing, fsync, commit, retention)
+happens in the writer. Failures of the writer come back as typed errors at the next call.
+
+The engine is driven from one thread (the training loop); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import logging
+import os
+import time
+from typing import Any, MutableMapping, Optional
+
+import psutil
+import torch
+
+from . import errors
+from .capture import capture, plan_layout
+from .errors import (CheckpointDirError, CorruptSnapshotError, EngineClosedError, NoSnapshotError,
+                     UnsupportedFormatError, WriterDiedError)
+from .fsutil import ensure_writable_dir
+from .manifest import leftovers, read_manifest, remove_paths
+from .restore import Entry, apply, read_snapshot
+from .staging import StagingPool
+from .writer import WriterClient
+
+log = logging.getLogger(__name__)
+_STATS_HISTORY = 1000
+_CLOSE_TIMEOUT_S = 600.0
+
+
+class CheckpointEngine:
+    """Asynchronous snapshots of a training state into ``directory``.
+
+    Args:
+        directory: where snapshots and the manifest live; created if missing.
+        state: name -> object with ``state_dict()``/``load_state_dict()``, a tensor, or a plain dict
+            of those (a dict may also hold plain values such as counters).
+        mode: "async" (``snapshot`` returns once the state is staged in CPU memory) or "sync"
+            (returns once the snapshot is committed: the periodic blocking baseline).
+        every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``).
+        keep_last: committed snapshots kept (newest by commit order); at least 1.
+        keep_every: also keep every snapshot whose step is a multiple of this.
+        slots: staging buffers, each the size of the state; more slots absorb slower disks.
+        when_busy: "wait" for a slot when all are being written, or "skip" the step (counted and
+            logged).
+        compression: None (store raw) or "zstd" (sign/exponent byte planes of floats, all of other
+            data); ``level`` is the zstd level.
+        allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
+            values to be loaded. Off by default: loading then never runs code from the file.
+        rank, world_size: this process's shard of a snapshot (one file per rank).
+        writer_nice: niceness added to the writer process; ``writer_low_io`` lowers its I/O
+            priority, so training keeps the CPU and the disk queue.
+        reserve_bytes: refuse to start a snapshot that would leave less free disk than this.
+        lock_timeout: seconds to wait for a previous writer on the same directory to finish.
+    """
+
+    def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
+                 mode: str = "async", every: int = 1, keep_last: int = 3,
+                 keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
+                 compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
+                 rank: int = 0, world_size: int = 1, writer_nice: int = 10,
+                 writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0):
+        _require(mode in ("async", "sync"), f"mode must be 'async' or 'sync', not {mode!r}")
+        _require(when_busy in ("wait", "skip"), f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
+        _require(compression in (None, "zstd"), f"compression must be None or 'zstd', not {compression!r}")
+        _require(isinstance(every, int) and every >= 1, "every must be an int >= 1")
+        _require(isinstance(keep_last, int) and keep_last >= 1, "keep_last must be an int >= 1")
+        _require(keep_every is None or (isinstance(keep_every, int) and keep_every >= 1),
+                 "keep_every must be None or an int >= 1")
+        _require(0 <= rank < world_size, "rank must be in [0, world_size)")
+        if not isinstance(state, MutableMapping):
+            raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
+        self.directory = ensure_writable_dir(directory)
+        self.state = state
+        self.mode, self.every, self.when_busy = mode, every, when_busy
+        self.allow_pickle, self.rank, self.world_size = allow_pickle, rank, world_size
+        self._closed = False
+        self._broken: Optional[WriterDiedError] = None
+        self._pending: collections.deque[dict] = collections.deque()
+        self._failures: collections.deque[errors.CheckpointError] = collections.deque()
+        self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
+        self._counts = collections.Counter()
+        self._writer_plan = None
+        self._lock_fd = self._lock(lock_timeout)
+        self._pool = StagingPool(slots)
+        try:
+            self._writer = WriterClient({
+                "root": self.directory, "rank": rank, "world_size": world_size,
+                "keep_last": keep_last, "keep_every": keep_every, "compression": compression,
+                "level": level, "reserve_bytes": reserve_bytes, "nice": writer_nice,
+                "low_io_priority": writer_low_io, "lock": self._lock_path,
+                "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()})
+        except BaseException:
+            self._pool.close()
+            os.close(self._lock_fd)
+            raise
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    @property
+    def _lock_path(self) -> str:
+        return os.path.join(self.directory, f".lock-rank{self.rank:05d}")
+
+    def _lock(self, timeout: float) -> int:
+        """Take this rank's directory lock, waiting for the writer of a previous engine (perhaps of
+        a killed process) to finish, then clean up what interrupted snapshots left behind."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise CheckpointDirError(
+                        f"another engine (or its writer) is still using {self.directory} for rank "
+                        f"{self.rank}; close it first or use another directory") from None
+                time.sleep(0.05)
+        if self.world_size == 1:
+            stale = leftovers(self.directory, read_manifest(self.directory))
+            if stale:
+                log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
+                remove_paths(self.directory, stale)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
+        return fd
+
+    # --- the training loop ------------------------------------------------------------------
+
+    def snapshot(self, step: int, *, force: bool = False) -> bool:
+        """Take a snapshot tagged ``step``; True if one was taken.
+
+        Async mode returns as soon as the state sits in CPU staging memory: changes to the state
+        made after the call returns never reach this snapshot. Raises the error of an earlier
+        snapshot that failed to write (typed, see ``async_ckpt.errors``).
+        """
+        self._check_usable()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self._drain(block=False)
+        if not force and step % self.every:
+            return False
+        called_at, t0 = time.monotonic(), time.perf_counter()
+        slot = self._acquire_slot()
+        if slot is None:
+            self._counts["skipped"] += 1
+            log.warning("skipped the snapshot of step %d: every staging slot is still being written "
+                        "(%d skipped so far; add slots or snapshot less often)", step,
+                        self._counts["skipped"])
+            return False
+        t_slot = time.perf_counter()
+        captured = capture(self.state, self.allow_pickle)
+        plan, sources = plan_layout(captured.tensors)
+        old_buffer = slot.buffer_id
+        if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
+            if old_buffer >= 0:
+                self._writer.detach(old_buffer)
+            self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
+        t_captured = time.perf_counter()
+        self._pool.stage(plan, sources, slot)
+        del sources, captured.tensors
+        t_staged = time.perf_counter()
+        slot.busy = True
+        self._writer.submit({"step": step, "buffer_id": slot.buffer_id, "tree": captured.tree,
+                             "plan": plan if plan != self._writer_plan else None,
+                             "submitted": time.monotonic()})
+        self._writer_plan = plan
+        blocking = time.perf_counter() - t0
+        self._pending.append({
+            "step": step, "called_at": called_at, "blocking_s": blocking, "wait_slot_s": t_slot - t0,
+            "capture_s": t_captured - t_slot, "staging_s": t_staged - t_captured,
+            "staged_bytes": plan.raw_bytes})
+        if self.mode == "sync":
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until every snapshot in flight is committed (or has failed, which raises)."""
+        self._check_usable()
+        while self._pending:
+            self._handle(self._writer_event(None))
+        self._raise_failures()
+
+    def restore(self, step: Optional[int] = None, *, strict: bool = True) -> Optional[int]:
+        """Load the newest committed snapshot (or ``step``) into the registered objects.
+
+        Returns the restored step, or None when nothing was ever committed. A damaged snapshot is
+        logged and skipped in favour of the previous one; ``restore(step=N)`` never falls back.
+        Raises StateMismatchError, loading nothing, when the snapshot does not fit the state.
+        """
+        self._check_usable()
+        self.wait()
+        step_found, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle)
+        if loaded is None:
+            return None
+        apply(self.state, loaded, step_found, strict)
+        log.info("restored step %d from %s", step_found, self.directory)
+        return step_found
+
+    def committed_steps(self) -> list[int]:
+        """Restorable steps in commit order, oldest first (read from the manifest)."""
+        return read_manifest(self.directory).steps()
+
+    def stats(self) -> dict:
+        """Figures per committed snapshot (newest last) and of the engine as a whole."""
+        if not self._closed and self._broken is None:
+            self._drain(block=False, raise_failures=False)
+        return {
+            "snapshots": [dict(s) for s in self._history],
+            "in_flight": len(self._pending),
+            "committed": self._counts["committed"],
+            "failed": self._counts["failed"],
+            "skipped": self._counts["skipped"],
+            "pool_slots": len(self._pool.slots),
+            "pool_bytes": self._pool.nbytes,
+            "trainer_rss": psutil.Process().memory_info().rss,
+            **({} if self._closed else self._writer.rss()),
+        }
+
+    def close(self) -> None:
+        """Wait for snapshots in flight, then stop the writer and free the staging memory."""
+        if self._closed:
+            return
+        try:
+            if self._broken is None:
+                self.wait()
+        finally:
+            self._closed = True
+            if self._broken is None:
+                self._writer.close(_CLOSE_TIMEOUT_S)
+            self._pool.close()
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except errors.CheckpointError as e:
+            log.error("while closing after %s: %s", exc_type.__name__, e)
+
+    # --- events from the writer --------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this CheckpointEngine is closed; create a new one")
+        if self._broken is not None:
+            raise self._broken
+
+    def _writer_event(self, timeout: Optional[float]) -> Optional[tuple]:
+        try:
+            return self._writer.next_event(timeout)
+        except WriterDiedError as e:
+            self._broken = e
+            self._counts["failed"] += len(self._pending)
+            self._pending.clear()
+            raise
+
+    def _acquire_slot(self):
+        while True:
+            slot = self._pool.free_slot()
+            if slot is not None or self.when_busy == "skip":
+                return slot
+            self._handle(self._writer_event(None))
+
+    def _drain(self, block: bool, raise_failures: bool = True) -> None:
+        while True:
+            event = self._writer_event(None if block else 0)
+            if event is None:
+                break
+            self._handle(event)
+        if raise_failures:
+            self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        if self._failures:
+            raise self._failures.popleft()
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "released":
+            for slot in self._pool.slots:
+                if slot.buffer_id == event[1]:
+                    slot.busy = False
+        elif kind == "committed":
+            record = self._pending.popleft()
+            figures = event[2]
+            record.update(figures)
+            record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
+            self._counts["committed"] += 1
+            self._history.append(record)
+            log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
+                     record["blocking_s"], figures["stored_bytes"] / 1e6)
+        elif kind == "failed":
+            self._pending.popleft()
+            self._counts["failed"] += 1
+            error_type = getattr(errors, event[2], errors.SnapshotWriteError)
+            self._failures.append(error_type(event[3]))
+
+
+def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
+                   allow_pickle: bool = False) -> tuple[Optional[int], Optional[Entry]]:
+    """Read the newest committed snapshot that verifies (or exactly ``step``).
+
+    Returns (step, entry), or (None, None) when nothing was ever committed.
+    """
+    manifest = read_manifest(directory)
+    if step is not None:
+        record = manifest.find(step)
+        if record is None:
+            raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
+                                  f"{manifest.steps() or 'none'}")
+        return step, read_snapshot(directory, record, rank, allow_pickle)
+    problems = []
+    for record in manifest.newest_first():
+        try:
+            return record.step, read_snapshot(directory, record, rank, allow_pickle)
+        except (CorruptSnapshotError, UnsupportedFormatError) as e:
+            log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
+                        record.step, e)
+            problems.append(f"step {record.step}: {e}")
+    if problems:
+        raise NoSnapshotError(
+            f"every committed snapshot in {directory} is damaged: " + "; ".join(problems)
+            + ". Nothing was loaded; inspect them with `async-ckpt verify`")
+    return None, None
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
+         allow_pickle: bool = False) -> tuple[int, dict]:
+    """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
+
+    Returns (step, state) where state mirrors what was registered: each object's state_dict, each
+    tensor, each dict. Tensors that shared memory when saved share it again.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
+    found, loaded = read_committed(directory, step, rank, allow_pickle)
+    if loaded is None:
+        raise NoSnapshotError(f"{directory} holds no committed snapshot")
+    return found, loaded.plain()

@@ -1,0 +1,61 @@
+"""Typed errors. Every message says what went wrong and what the user can do about it.
+
+All errors derive from :class:`CheckpointError`, so ``except CheckpointError`` catches anything the
+library raises on purpose. Tests assert on these types, not on message text.
+"""
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by async_ckpt."""
+
+
+class CheckpointDirError(CheckpointError):
+    """The checkpoint directory is missing, not a directory, or not writable."""
+
+
+class EngineClosedError(CheckpointError):
+    """A method was called on an engine after ``close()``."""
+
+
+class WriterDiedError(CheckpointError):
+    """The background writer process exited unexpectedly (killed, crashed, out of memory)."""
+
+
+class SnapshotWriteError(CheckpointError):
+    """Writing a snapshot failed; the snapshot was discarded and committed ones are untouched."""
+
+
+class DiskFullError(SnapshotWriteError):
+    """The file system ran out of space (ENOSPC/EDQUOT) while writing a snapshot."""
+
+
+class LayoutError(CheckpointError):
+    """The state cannot be captured: an unsupported tensor kind, or a layout the engine cannot follow."""
+
+
+class EncodingError(CheckpointError):
+    """A non-tensor value has no safe encoding; the message names its key path."""
+
+
+class CorruptSnapshotError(CheckpointError):
+    """A snapshot file is damaged: bad checksum, truncated, or structurally invalid."""
+
+
+class ChecksumMismatchError(CorruptSnapshotError):
+    """A chunk's stored bytes do not match the checksum recorded when it was written."""
+
+
+class UnsupportedFormatError(CheckpointError):
+    """The file was written in a format version this library does not read."""
+
+
+class ManifestError(CheckpointError):
+    """The root manifest is missing where required, unreadable, or not an async_ckpt manifest."""
+
+
+class NoSnapshotError(CheckpointError):
+    """No committed snapshot can be restored (none exists, the asked-for step is absent, or all are damaged)."""
+
+
+class StateMismatchError(CheckpointError):
+    """The checkpoint does not fit the registered state: missing, unexpected or mismatched keys."""

@@ -1,0 +1,330 @@
+"""The shard file: one rank's part of a snapshot. Specified in docs/FORMAT.md; keep the two in step.
+
+Layout: a 16-byte header, the chunks of every storage back to back (no holes), a UTF-8 JSON index,
+and a 32-byte trailer that locates and checksums the index. The index is written last so the writer
+can stream chunks without knowing their compressed sizes; a file cut short loses its trailer and is
+refused before anything is read.
+
+Reading is validation first: every offset, length and codec is checked against the file before a
+byte of chunk data is trusted, and every chunk's xxh3-64 checksum is checked before it is decoded.
+This module never imports torch: the writer process uses it, and so does the restore path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from typing import Optional
+
+import xxhash
+import zstandard
+
+from . import filters
+from .errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
+from .fsutil import write_all
+
+FORMAT_VERSION = 1
+MAGIC = b"ACKPT\x00\r\n"
+TRAILER_MAGIC = b"ACKPTEND"
+_HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
+_TRAILER = struct.Struct("<QQQ8s")  # index offset, index length, xxh3-64 of the index, magic
+HEADER_SIZE = _HEADER.size
+TRAILER_SIZE = _TRAILER.size
+CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compression
+MAX_CHUNK_BYTES = 1 << 30
+MAX_INDEX_BYTES = 1 << 30
+CODECS = ("raw", "zstd", "planes")
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.ackpt"
+
+
+def checksum(*buffers) -> str:
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.hexdigest()
+
+
+class ChunkEncoder:
+    """Turns a chunk of raw bytes into what is stored, spending CPU only where it pays.
+
+    Float data is byte-shuffled and only the most significant plane (sign and exponent) is
+    compressed: the mantissa planes of trained weights are noise, and compressing them costs 3-4x
+    the CPU for no gain (measured, see DESIGN.md). Other data is compressed whole. A chunk that
+    does not shrink is stored raw, so decoding it is a plain read.
+    """
+
+    def __init__(self, compression: Optional[str], level: int = 1):
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+        self._zstd = zstandard.ZstdCompressor(level=level) if compression else None
+        self._scratch = bytearray()
+
+    def encode(self, raw: memoryview, itemsize: int, is_float: bool) -> tuple[dict, list]:
+        """Returns the chunk's codec fields and the buffers to write, in order."""
+        if self._zstd is None or len(raw) == 0:
+            return {"codec": "raw"}, [raw]
+        if is_float and itemsize > 1:
+            return self._encode_planes(raw, itemsize)
+        packed = self._zstd.compress(raw)
+        if len(packed) < len(raw):
+            return {"codec": "zstd"}, [packed]
+        return {"codec": "raw"}, [raw]
+
+    def _encode_planes(self, raw: memoryview, itemsize: int) -> tuple[dict, list]:
+        if len(self._scratch) < len(raw):
+            self._scratch = bytearray(len(raw))
+        shuffled = memoryview(self._scratch)[:len(raw)]
+        filters.shuffle(raw, itemsize, shuffled)
+        plane = len(raw) // itemsize
+        low, top = shuffled[:plane * (itemsize - 1)], shuffled[plane * (itemsize - 1):]
+        packed_top = self._zstd.compress(top)
+        if len(packed_top) >= plane:
+            return {"codec": "raw"}, [raw]
+        planes = [["raw", plane]] * (itemsize - 1) + [["zstd", len(packed_top)]]
+        return {"codec": "planes", "planes": planes}, [low, packed_top]
+
+
+class ShardWriter:
+    """Writes one shard file: ``add_storage`` for each region in order, then ``finish``."""
+
+    def __init__(self, path: str, encoder: ChunkEncoder, chunk_bytes: int = CHUNK_BYTES):
+        self.path = path
+        self._encoder = encoder
+        self._chunk_bytes = chunk_bytes
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._storages: list[dict] = []
+        self._offset = 0
+        self._write([_HEADER.pack(MAGIC, FORMAT_VERSION, 0)])
+
+    def _write(self, buffers: list) -> None:
+        for b in buffers:
+            write_all(self._fd, b)
+            self._offset += len(b)
+
+    def add_storage(self, data: memoryview, itemsize: int, is_float: bool) -> None:
+        step = self._chunk_bytes - self._chunk_bytes % itemsize
+        chunks = []
+        for start in range(0, len(data), step):
+            raw = data[start:start + step]
+            fields, buffers = self._encoder.encode(raw, itemsize, is_float)
+            stored = sum(len(b) for b in buffers)
+            chunks.append({"offset": self._offset, "stored": stored, "raw": len(raw),
+                           "xxh3": checksum(*buffers), **fields})
+            self._write(buffers)
+        self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
+                               "chunks": chunks})
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(s["nbytes"] for s in self._storages)
+
+    def finish(self, meta: dict) -> tuple[int, str]:
+        """Write the index (``meta`` plus the storage table) and trailer, fsync, close.
+
+        Returns the file size and the index checksum, which the manifest records.
+        """
+        index = {"format_version": FORMAT_VERSION, "byteorder": sys.byteorder, **meta,
+                 "storages": self._storages}
+        blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
+        digest = xxhash.xxh3_64_intdigest(blob)
+        self._write([blob, _TRAILER.pack(self._offset, len(blob), digest, TRAILER_MAGIC)])
+        os.fsync(self._fd)
+        self.close()
+        return self._offset, f"{digest:016x}"
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ShardReader:
+    """Reads and verifies one shard file. Construction validates the header, trailer and index."""
+
+    def __init__(self, path: str, expected_bytes: Optional[int] = None,
+                 expected_index_xxh3: Optional[str] = None):
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise CorruptSnapshotError(f"{path} is missing; the snapshot is incomplete") from e
+        try:
+            self.size = os.fstat(self._fd).st_size
+            if expected_bytes is not None and self.size != expected_bytes:
+                raise CorruptSnapshotError(
+                    f"{path} has {self.size} bytes, the manifest recorded {expected_bytes}: "
+                    "the file was truncated or replaced")
+            self.index = self._read_index(expected_index_xxh3)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise CorruptSnapshotError(f"{self.path}: short read at offset {offset} (truncated?)")
+        return data
+
+    def _read_index(self, expected_xxh3: Optional[str]) -> dict:
+        if self.size < HEADER_SIZE + TRAILER_SIZE:
+            raise CorruptSnapshotError(f"{self.path} is too short ({self.size} bytes) to be a shard")
+        magic, version, _ = _HEADER.unpack(self._pread(HEADER_SIZE, 0))
+        if magic != MAGIC:
+            raise CorruptSnapshotError(f"{self.path} is not an async_ckpt shard (bad magic)")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{self.path} is format version {version}; this async_ckpt reads version "
+                f"{FORMAT_VERSION}. Install the async_ckpt release that wrote it")
+        offset, length, digest, tmagic = _TRAILER.unpack(
+            self._pread(TRAILER_SIZE, self.size - TRAILER_SIZE))
+        if tmagic != TRAILER_MAGIC:
+            raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
+        if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
+            raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
+        blob = self._pread(length, offset)
+        if xxhash.xxh3_64_intdigest(blob) != digest or (
+                expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
+            raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
+        try:
+            index = json.loads(blob)
+        except (ValueError, RecursionError) as e:
+            raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
+        _validate_index(index, self.path, data_end=offset)
+        return index
+
+    def read_storage(self, i: int, out) -> None:
+        """Fill ``out`` (a writable buffer of the storage's size) with storage ``i``, verified."""
+        storage = self.index["storages"][i]
+        view = memoryview(out).cast("B")
+        if len(view) != storage["nbytes"]:
+            raise ValueError(f"buffer has {len(view)} bytes, storage {i} has {storage['nbytes']}")
+        position = 0
+        for chunk_no, chunk in enumerate(storage["chunks"]):
+            target = view[position:position + chunk["raw"]]
+            self._read_chunk(chunk, storage["itemsize"], target, f"storage {i} chunk {chunk_no}")
+            position += chunk["raw"]
+
+    def _read_chunk(self, chunk: dict, itemsize: int, target: memoryview, where: str) -> None:
+        if chunk["codec"] == "raw":
+            stored = target
+            got = os.preadv(self._fd, [stored], chunk["offset"])
+            if got != chunk["stored"]:
+                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+        else:
+            stored = self._pread(chunk["stored"], chunk["offset"])
+        if checksum(stored) != chunk["xxh3"]:
+            raise ChecksumMismatchError(
+                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
+        if chunk["codec"] == "zstd":
+            target[:] = _unzstd(stored, len(target), self.path, where)
+        elif chunk["codec"] == "planes":
+            self._decode_planes(chunk, itemsize, stored, target, where)
+
+    def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes, target: memoryview,
+                       where: str) -> None:
+        plane = len(target) // itemsize
+        shuffled = bytearray(len(target))
+        src = memoryview(stored)
+        for p, (codec, length) in enumerate(chunk["planes"]):
+            part, src = src[:length], src[length:]
+            out = memoryview(shuffled)[p * plane:(p + 1) * plane]
+            out[:] = part if codec == "raw" else _unzstd(part, plane, self.path, where)
+        filters.unshuffle(shuffled, itemsize, target)
+
+    def verify(self) -> list[str]:
+        """Read every chunk and return one line per damaged chunk (empty when intact)."""
+        problems = []
+        for i, storage in enumerate(self.index["storages"]):
+            buf = bytearray(storage["nbytes"])
+            try:
+                self.read_storage(i, buf)
+            except CorruptSnapshotError as e:
+                problems.append(str(e))
+        return problems
+
+
+def _unzstd(data, size: int, path: str, where: str) -> bytes:
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise CorruptSnapshotError(f"{path}: {where} does not decompress: {e}") from e
+    if len(out) != size:
+        raise CorruptSnapshotError(f"{path}: {where} decompresses to {len(out)} bytes, not {size}")
+    return out
+
+
+def _validate_index(index, path: str, data_end: int) -> None:
+    """Check the index's structure and that its chunks tile the data area exactly."""
+
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{path}: invalid index: {why}")
+
+    def is_int(v, lo=0, hi=None):
+        return type(v) is int and v >= lo and (hi is None or v <= hi)
+
+    if not isinstance(index, dict):
+        raise bad("not an object")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{path}: index format version {index.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if index.get("byteorder") != sys.byteorder:
+        raise UnsupportedFormatError(
+            f"{path} was written on a {index.get('byteorder')}-endian machine; this one is "
+            f"{sys.byteorder}-endian")
+    storages = index.get("storages")
+    if not isinstance(storages, list):
+        raise bad("'storages' is not a list")
+    position = HEADER_SIZE
+    for i, s in enumerate(storages):
+        if not (isinstance(s, dict) and is_int(s.get("nbytes")) and is_int(s.get("itemsize"), 1, 16)
+                and isinstance(s.get("chunks"), list)):
+            raise bad(f"storage {i} is malformed")
+        total = 0
+        for j, c in enumerate(s["chunks"]):
+            if not (isinstance(c, dict) and is_int(c.get("offset")) and is_int(c.get("stored"))
+                    and is_int(c.get("raw"), 1, MAX_CHUNK_BYTES) and c.get("codec") in CODECS
+                    and isinstance(c.get("xxh3"), str)):
+                raise bad(f"storage {i} chunk {j} is malformed")
+            if c["offset"] != position or c["offset"] + c["stored"] > data_end:
+                raise bad(f"storage {i} chunk {j} is not where the previous chunk ended")
+            if c["codec"] == "raw" and c["stored"] != c["raw"]:
+                raise bad(f"storage {i} chunk {j}: raw chunk with stored != raw")
+            if c["codec"] == "planes":
+                _validate_planes(c, s["itemsize"], bad, f"storage {i} chunk {j}")
+            position += c["stored"]
+            total += c["raw"]
+        if total != s["nbytes"]:
+            raise bad(f"storage {i}: chunks hold {total} bytes, the storage {s['nbytes']}")
+    if position != data_end:
+        raise bad(f"{data_end - position} bytes between the last chunk and the index")
+
+
+def _validate_planes(chunk: dict, itemsize: int, bad, where: str) -> None:
+    planes = chunk.get("planes")
+    if chunk["raw"] % itemsize or not isinstance(planes, list) or len(planes) != itemsize:
+        raise bad(f"{where}: plane table does not match the element size")
+    plane = chunk["raw"] // itemsize
+    total = 0
+    for p in planes:
+        if not (isinstance(p, list) and len(p) == 2 and p[0] in ("raw", "zstd")
+                and type(p[1]) is int and p[1] >= 0) or (p[0] == "raw" and p[1] != plane):
+            raise bad(f"{where}: malformed plane {p!r}")
+        total += p[1]
+    if total != chunk["stored"]:
+        raise bad(f"{where}: planes hold {total} bytes, the chunk {chunk['stored']}")

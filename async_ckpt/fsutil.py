@@ -1,0 +1,88 @@
+"""Durability primitives shared by the writer and the manifest: fsync of directories, atomic replace.
+
+A rename is only durable once the directory that holds it is fsynced; a file's contents only once the
+file is. Every commit path in the library goes through these helpers so that the order
+(write, fsync file, rename, fsync directory) is written down once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from .errors import CheckpointDirError, DiskFullError, SnapshotWriteError
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames, creations and deletions inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data) -> None:
+    """``os.write`` until every byte of ``data`` (any buffer) is written; short writes happen."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file, whole.
+
+    The old file is never removed before the new one is durable (the mistake DCP made).
+    """
+    directory = os.path.dirname(path) or "."
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def ensure_writable_dir(path: str) -> str:
+    """Create ``path`` if needed and check it is a writable directory; returns its absolute path."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError as e:
+        raise CheckpointDirError(f"{path} exists and is not a directory; pass a directory path") from e
+    except OSError as e:
+        raise CheckpointDirError(
+            f"cannot create checkpoint directory {path}: {e.strerror}; "
+            "create it yourself or choose a writable location") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CheckpointDirError(
+            f"checkpoint directory {path} is not writable by this process; fix its permissions "
+            "or choose another directory")
+    return path
+
+
+def write_error(exc: OSError, what: str) -> SnapshotWriteError:
+    """Turn an OSError raised while writing ``what`` into the library's typed error."""
+    if exc.errno in _DISK_FULL_ERRNOS:
+        return DiskFullError(
+            f"disk full while writing {what}: {exc.strerror}. Free space (or lower keep_last), "
+            "then snapshot again; committed snapshots are intact")
+    return SnapshotWriteError(
+        f"writing {what} failed: {exc.strerror or exc}. Committed snapshots are intact; "
+        "check the file system, then snapshot again")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

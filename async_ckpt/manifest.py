@@ -1,0 +1,185 @@
+"""The root manifest: the single source of truth for which snapshots are committed.
+
+A snapshot is restorable if and only if the manifest names it. The manifest is replaced atomically
+(temporary file, fsync, ``os.replace``, fsync of the directory), so a crash at any instant leaves
+either the old or the new list. Snapshot directories are deleted only after a manifest that no longer
+names them is durable; directories that no manifest names are leftovers of interrupted writes.
+
+Order is commit order (``seq``), not step order: after a user rewinds to an older step and trains on,
+the snapshot committed last is the one to resume from, and retention must never drop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from .errors import ManifestError, UnsupportedFormatError
+from .fsutil import atomic_write
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "async_ckpt.manifest"
+MANIFEST_VERSION = 1
+_SNAPSHOT_DIR = re.compile(r"^step-(\d{20})\.([0-9a-f]{8})$")
+_MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME) + r"\.tmp-\d+$")
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's file of a snapshot, with what is needed to spot truncation before reading it."""
+
+    rank: int
+    file: str
+    bytes: int
+    index_xxh3: str
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A committed snapshot as the manifest lists it."""
+
+    step: int
+    seq: int
+    dir: str
+    committed_at: float
+    world_size: int
+    shards: tuple[ShardRecord, ...]
+    raw_bytes: int
+    stored_bytes: int
+
+    def to_json(self) -> dict:
+        d = self.__dict__.copy()
+        d["shards"] = [s.__dict__ for s in self.shards]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SnapshotRecord":
+        d = dict(d)
+        d["shards"] = tuple(ShardRecord(**s) for s in d["shards"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Committed snapshots in commit order, oldest first."""
+
+    snapshots: tuple[SnapshotRecord, ...] = ()
+    next_seq: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def steps(self) -> list[int]:
+        return [s.step for s in self.snapshots]
+
+    def find(self, step: int) -> Optional[SnapshotRecord]:
+        for s in self.snapshots:
+            if s.step == step:
+                return s
+        return None
+
+    def newest_first(self) -> list[SnapshotRecord]:
+        return list(reversed(self.snapshots))
+
+    def commit(self, record: SnapshotRecord, keep_last: int,
+               keep_every: Optional[int] = None) -> tuple["Manifest", list[SnapshotRecord]]:
+        """The manifest with ``record`` appended (replacing an older snapshot of the same step) and
+        retention applied; also returns the records it dropped, whose directories may be deleted
+        once the new manifest is durable."""
+        record = SnapshotRecord(**{**record.__dict__, "seq": self.next_seq})
+        replaced = [s for s in self.snapshots if s.step == record.step]
+        ordered = [s for s in self.snapshots if s.step != record.step] + [record]
+        newest = {s.seq for s in ordered[-keep_last:]}
+        kept = [s for s in ordered
+                if s.seq in newest or (keep_every and s.step % keep_every == 0)]
+        dropped = replaced + [s for s in ordered if s not in kept]
+        return Manifest(tuple(kept), self.next_seq + 1, self.extra), dropped
+
+    def without(self, steps: Iterable[int]) -> tuple["Manifest", list[SnapshotRecord]]:
+        """The manifest without the given steps, and the dropped records."""
+        steps = set(steps)
+        kept = tuple(s for s in self.snapshots if s.step not in steps)
+        dropped = [s for s in self.snapshots if s.step in steps]
+        return Manifest(kept, self.next_seq, self.extra), dropped
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "next_seq": self.next_seq,
+            "snapshots": [s.to_json() for s in self.snapshots],
+            **({"extra": self.extra} if self.extra else {}),
+        }
+        return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+
+def manifest_path(root: str) -> str:
+    return os.path.join(root, MANIFEST_NAME)
+
+
+def read_manifest(root: str) -> Manifest:
+    """The committed snapshots under ``root``; an empty manifest when none was ever committed."""
+    path = manifest_path(root)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return Manifest()
+    except OSError as e:
+        raise ManifestError(f"cannot read {path}: {e.strerror}; check permissions") from e
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ManifestError(
+            f"{path} is not valid JSON (damaged?). Committed snapshot directories are still on disk: "
+            "run `async-ckpt verify` on the directory, or restore a step explicitly") from e
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{path} is not an async_ckpt manifest; point the engine at its own directory")
+    if doc.get("version") != MANIFEST_VERSION:
+        raise UnsupportedFormatError(
+            f"{path} has manifest version {doc.get('version')!r}; this async_ckpt reads version "
+            f"{MANIFEST_VERSION}. Upgrade async_ckpt to read it")
+    try:
+        snapshots = tuple(SnapshotRecord.from_json(s) for s in doc["snapshots"])
+        return Manifest(snapshots, int(doc["next_seq"]), doc.get("extra", {}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{path} is structurally invalid ({e!r}); it was damaged or hand-edited") from e
+
+
+def write_manifest(root: str, manifest: Manifest) -> None:
+    """Durably replace the manifest: after this returns, the new list survives a power cut."""
+    atomic_write(manifest_path(root), manifest.to_bytes())
+
+
+def new_snapshot_dir_name(step: int) -> str:
+    """A fresh directory name per attempt, so re-snapshotting a committed step never touches it."""
+    return f"step-{step:020d}.{secrets.token_hex(4)}"
+
+
+def leftovers(root: str, manifest: Manifest) -> list[str]:
+    """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
+    delete while no writer is active on ``root``."""
+    referenced = {s.dir for s in manifest.snapshots}
+    names = []
+    for name in sorted(os.listdir(root)):
+        if _SNAPSHOT_DIR.match(name) and name not in referenced:
+            names.append(name)
+        elif _MANIFEST_TMP.match(name):
+            names.append(name)
+    return names
+
+
+def remove_paths(root: str, names: Iterable[str]) -> None:
+    """Delete snapshot directories or stray files under ``root``; missing ones are fine."""
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,236 @@
+"""Reading a committed snapshot back: verify every chunk, rebuild the tensors (sharing storage where
+they shared it when saved), and load them into the registered objects.
+
+Loading is all-or-nothing: the whole snapshot is read and verified, then checked against the
+registered state (missing, unexpected and mismatched keys are listed together), and only then is
+anything written into the user's objects.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, MutableMapping, Optional
+
+import psutil
+import torch
+
+from . import values
+from .capture import DTYPES, is_stateful
+from .errors import CorruptSnapshotError, StateMismatchError
+from .format import ShardReader
+from .manifest import SnapshotRecord
+
+
+@dataclass
+class Entry:
+    """A restored entry, tagged with how it was captured (object, tensor, dict or value)."""
+
+    kind: str
+    value: Any  # for "dict": dict[str, Entry]
+
+    def plain(self) -> Any:
+        if self.kind == "dict":
+            return {k: e.plain() for k, e in self.value.items()}
+        return self.value
+
+
+def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
+                  allow_pickle: bool = False) -> Entry:
+    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors."""
+    shard = next((s for s in record.shards if s.rank == rank), None)
+    if shard is None:
+        raise CorruptSnapshotError(f"step {record.step} has no shard for rank {rank}")
+    with ShardReader(os.path.join(root, record.dir, shard.file), shard.bytes, shard.index_xxh3) as reader:
+        index = reader.index
+        if index.get("step") != record.step:
+            raise CorruptSnapshotError(
+                f"{reader.path} holds step {index.get('step')!r}, the manifest says {record.step}")
+        storages = index["storages"]
+        _check_fits_in_memory(sum(s["nbytes"] for s in storages), reader.path)
+        buffers = [torch.empty(s["nbytes"], dtype=torch.uint8) for s in storages]
+        for i, buf in enumerate(buffers):
+            reader.read_storage(i, buf.numpy())
+        tensors = _tensors_from_index(index.get("tensors"), buffers, reader.path)
+        return _rebuild(index.get("tree"), tensors, allow_pickle, reader.path)
+
+
+def _check_fits_in_memory(nbytes: int, path: str) -> None:
+    total = psutil.virtual_memory().total
+    if nbytes > total:
+        raise CorruptSnapshotError(
+            f"{path} claims {nbytes / 1e9:.1f} GB of tensors, more than this machine's memory "
+            f"({total / 1e9:.1f} GB): the index is damaged, or restore it on a larger machine")
+
+
+def _tensors_from_index(records: Any, buffers: list[torch.Tensor], path: str) -> list[torch.Tensor]:
+    if not isinstance(records, list):
+        raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+    return [_tensor_from_record(r, buffers, path, i) for i, r in enumerate(records)]
+
+
+def _tensor_from_record(r: Any, buffers: list[torch.Tensor], path: str, i: int) -> torch.Tensor:
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
+
+    if not isinstance(r, dict):
+        raise bad("not an object")
+    dtype = DTYPES.get(r.get("dtype"))
+    shape, stride = r.get("shape"), r.get("stride")
+    if dtype is None:
+        raise bad(f"unknown dtype {r.get('dtype')!r}")
+    if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+            and all(type(n) is int and n >= 0 for n in shape + stride)):
+        raise bad("malformed shape or stride")
+    region, offset = r.get("storage"), r.get("offset")
+    if math.prod(shape) == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype)
+    if not (type(region) is int and 0 <= region < len(buffers) and type(offset) is int and offset >= 0):
+        raise bad("bad storage reference")
+    itemsize = dtype.itemsize
+    end = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
+    if offset % itemsize or end > buffers[region].numel():
+        raise bad("view lies outside its storage")
+    return torch.empty(0, dtype=dtype).set_(
+        buffers[region].untyped_storage(), offset // itemsize, shape, stride)
+
+
+_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v], "$size": lambda v: torch.Size(v),
+               "$device": lambda v: torch.device(v)}
+
+
+def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: str) -> Entry:
+    def leaf(node: dict):
+        if len(node) == 1:
+            (tag, v), = node.items()
+            try:
+                if tag == "$tensor":
+                    return tensors[v]
+                if tag in _TORCH_TAGS:
+                    return _TORCH_TAGS[tag](v)
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise CorruptSnapshotError(f"{path}: bad {tag} value {v!r}") from e
+        return NotImplemented
+
+    def entry(node: Any) -> Entry:
+        if not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value"):
+            raise CorruptSnapshotError(f"{path}: malformed state tree")
+        if node["kind"] == "dict":
+            if not isinstance(node.get("entries"), dict):
+                raise CorruptSnapshotError(f"{path}: malformed state tree")
+            return Entry("dict", {k: entry(v) for k, v in node["entries"].items()})
+        return Entry(node["kind"], values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf))
+
+    return entry(tree)
+
+
+# --- loading into the registered objects -------------------------------------------------------
+
+class _Mismatch:
+    def __init__(self):
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def error(self, step: int) -> StateMismatchError:
+        parts = [f"{name}: {', '.join(keys)}" for name, keys in
+                 (("missing from the checkpoint", self.missing), ("unexpected in the checkpoint",
+                  self.unexpected), ("mismatched", self.mismatched)) if keys]
+        return StateMismatchError(
+            f"snapshot of step {step} does not fit the registered state; nothing was loaded. "
+            + "; ".join(parts) + ". Register the same objects as when saving, or pass strict=False "
+            "to load only what matches")
+
+
+def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True) -> None:
+    """Load ``loaded`` into ``state``'s objects; checks everything before changing anything."""
+    mismatch = _Mismatch()
+    _check("", state, loaded, mismatch, strict)
+    if mismatch:
+        raise mismatch.error(step)
+    _load(state, loaded, strict)
+
+
+def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
+    if not isinstance(saved, torch.Tensor):
+        return f"saved value is a {type(saved).__name__}, not a tensor"
+    if current.shape != saved.shape or current.dtype != saved.dtype:
+        return (f"saved {saved.dtype} {tuple(saved.shape)} vs current "
+                f"{current.dtype} {tuple(current.shape)}")
+    return None
+
+
+def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: bool) -> None:
+    where = path or "<state>"
+    if saved.kind == "dict":
+        if not isinstance(current, MutableMapping) or is_stateful(current):
+            mismatch.mismatched.append(f"{where} (saved a dict, registered a {type(current).__name__})")
+            return
+        for key in saved.value.keys() - current.keys():
+            if strict and saved.value[key].kind != "value":  # plain values are simply assigned
+                mismatch.unexpected.append(_join(path, key))
+        for key in current.keys() - saved.value.keys():
+            if strict:
+                mismatch.missing.append(_join(path, key))
+        for key in saved.value.keys() & current.keys():
+            _check(_join(path, key), current[key], saved.value[key], mismatch, strict)
+    elif saved.kind == "object":
+        if not is_stateful(current):
+            mismatch.mismatched.append(f"{where} (saved a state_dict, registered a {type(current).__name__})")
+        elif isinstance(current, torch.nn.Module):
+            _check_module(path, current, saved.value, mismatch, strict)
+    elif saved.kind == "tensor":
+        problem = (_tensor_mismatch(current, saved.value) if isinstance(current, torch.Tensor)
+                   else f"registered a {type(current).__name__}, not a tensor")
+        if problem:
+            mismatch.mismatched.append(f"{where} ({problem})")
+
+
+def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mismatch,
+                  strict: bool) -> None:
+    if not isinstance(saved, Mapping):
+        mismatch.mismatched.append(f"{path} (saved state is not a dict)")
+        return
+    current = module.state_dict()
+    if strict:
+        mismatch.missing += [_join(path, k) for k in current if k not in saved]
+        mismatch.unexpected += [_join(path, k) for k in saved if k not in current]
+    for key in current.keys() & saved.keys():
+        if isinstance(current[key], torch.Tensor):
+            problem = _tensor_mismatch(current[key], saved[key])
+            if problem and strict:
+                mismatch.mismatched.append(f"{_join(path, key)} ({problem})")
+
+
+def _load(current: Any, saved: Entry, strict: bool) -> None:
+    if saved.kind == "dict":
+        for key, entry in saved.value.items():
+            if entry.kind == "value":
+                current[key] = entry.value
+            elif key in current:
+                _load(current[key], entry, strict)
+    elif saved.kind == "object":
+        if isinstance(current, torch.nn.Module):
+            current.load_state_dict(_matching(current, saved.value) if not strict else saved.value,
+                                    strict=strict)
+        else:
+            current.load_state_dict(saved.value)
+    elif saved.kind == "tensor":
+        with torch.no_grad():
+            current.copy_(saved.value)
+
+
+def _matching(module: torch.nn.Module, saved: Mapping) -> dict:
+    """The part of ``saved`` that fits ``module`` (for strict=False)."""
+    current = module.state_dict()
+    return {k: v for k, v in saved.items()
+            if k not in current or not isinstance(current[k], torch.Tensor)
+            or _tensor_mismatch(current[k], v) is None}
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

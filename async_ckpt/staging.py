@@ -1,0 +1,130 @@
+"""The staging pool: CPU buffers in shared memory, allocated once, pre-faulted, reused.
+
+Each slot is an anonymous shared-memory file (memfd) mapped into the training process and handed to
+the writer process as a file descriptor, so the writer reads the staged bytes without another copy
+and no named file can leak in /dev/shm when a process dies. The first touch of fresh shared memory
+runs at ~0.7 GB/s against ~5 GB/s warm (measured), so slots are faulted in when allocated and kept
+for the engine's lifetime; they grow only when the state grows. With CUDA the slots are page-locked
+so device-to-host copies run at full speed and asynchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .plan import Plan, align_up
+
+log = logging.getLogger(__name__)
+_GROWTH_ALIGNMENT = 2 << 20
+
+
+@dataclass(eq=False)
+class Slot:
+    """One staging buffer. ``buffer_id`` changes whenever the memory behind the slot is replaced."""
+
+    index: int
+    buffer_id: int = -1
+    nbytes: int = 0
+    fd: int = -1
+    busy: bool = False
+    pinned: bool = False
+    _map: Optional[mmap.mmap] = field(default=None, repr=False)
+    tensor: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def free_memory(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.nbytes = 0
+
+
+class StagingPool:
+    """A fixed number of slots; the engine acquires a free one per snapshot and the writer's
+    "released" message frees it."""
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise ValueError("the staging pool needs at least one slot")
+        self.slots = [Slot(i) for i in range(slots)]
+        self._next_buffer_id = 0
+        self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def free_slot(self) -> Optional[Slot]:
+        return next((s for s in self.slots if not s.busy), None)
+
+    def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
+        """Make ``slot`` large enough for ``plan``; True when its memory was replaced.
+
+        ``pin`` asks for page-locked memory; it is asked only when the state has CUDA tensors, so a
+        CPU job on a GPU machine never creates a CUDA context."""
+        replaced = slot.tensor is None or slot.nbytes < plan.nbytes
+        if replaced:
+            slot.free_memory()
+            size = max(align_up(plan.nbytes, _GROWTH_ALIGNMENT), _GROWTH_ALIGNMENT)
+            slot.fd = os.memfd_create(f"async_ckpt-slot{slot.index}", os.MFD_CLOEXEC)
+            os.ftruncate(slot.fd, size)
+            slot._map = mmap.mmap(slot.fd, size)
+            slot.tensor = torch.frombuffer(slot._map, dtype=torch.uint8)
+            slot.tensor.fill_(0)  # fault every page in now, not during a snapshot
+            slot.nbytes = size
+            slot.buffer_id = self._next_buffer_id
+            self._next_buffer_id += 1
+            log.info("staging slot %d: %.1f MB", slot.index, size / 1e6)
+        if pin and not slot.pinned:
+            _pin(slot)
+        return replaced
+
+    def stage(self, plan: Plan, sources: list[torch.Tensor], slot: Slot) -> None:
+        """Copy each region's bytes into the slot; returns once the slot holds them.
+
+        CUDA regions are copied with non-blocking copies on a side stream that first waits for the
+        work already queued on the current stream (the values the caller sees), and the call waits
+        for those copies before returning, so the caller may modify its tensors as soon as it returns.
+        """
+        used_streams = []
+        for region, src in zip(plan.regions, sources):
+            dst = slot.tensor[region.offset:region.offset + region.nbytes]
+            if src.device.type != "cuda":
+                dst.copy_(src)
+                continue
+            stream = self._streams.get(src.device)
+            if stream is None:
+                stream = self._streams[src.device] = torch.cuda.Stream(src.device)
+            if stream not in used_streams:
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                used_streams.append(stream)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=slot.pinned)
+        for stream in used_streams:
+            stream.synchronize()
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.free_memory()
+
+
+def _pin(slot: Slot) -> None:
+    """Page-lock the slot so CUDA copies into it are asynchronous and run at full bandwidth."""
+    err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), slot.nbytes, 0)
+    if int(err) == 0:
+        slot.pinned = True
+    else:
+        log.warning("could not pin staging slot %d (cudaHostRegister error %s); "
+                    "device-to-host copies will be slower", slot.index, err)

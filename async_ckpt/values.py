@@ -1,0 +1,479 @@
+"""Safe encoding of the non-tensor values of a training state into strict JSON data.
+
+Optimizer ``param_groups``, scheduler state, counters and RNG states are turned into a tree of
+``dict`` / ``list`` / ``str`` / ``int`` / finite ``float`` / ``bool`` / ``None`` that
+``json.dumps(..., allow_nan=False)`` accepts and that encodes to strict UTF-8. :func:`decode`
+rebuilds the exact values (same types, same bits) without running code from the file: pickle is
+used only where the caller passes ``allow_pickle=True`` on both sides. Tensors are not handled
+here; the caller's ``leaf`` callback replaces them by placeholders such as ``{"$tensor": 3}``.
+This module never imports torch.
+
+Tag scheme
+----------
+JSON-native values are stored as themselves:
+
+- ``None``, ``bool``, ``str`` (valid Unicode), ``list``;
+- ``int`` in the signed 64-bit range;
+- finite ``float`` (Python writes it with a ``.`` or an exponent, so it reads back as a float;
+  ``-0.0`` keeps its sign);
+- ``dict`` whose keys are all ``str``: a JSON object in the same key order. A key that starts with
+  ``$`` is written with one more ``$`` in front (``"$x"`` -> ``"$$x"``, ``"$"`` -> ``"$$"``), so
+  a user's key can never look like a tag.
+
+Every other value is a *tagged node*: a JSON object with exactly one key, the tag, which starts
+with a single ``$`` (never ``$$``)::
+
+    {"$int": "-0x1f"}                      int outside [-2**63, 2**63-1]; Python hex() form
+    {"$float": "nan" | "inf" | "-inf"}     non-finite float (the sign and payload of NaN are not kept)
+    {"$str": "<base64>"}                   str with lone surrogates (not valid UTF-8); the base64
+                                           holds str.encode("utf-8", "surrogatepass")
+    {"$bytes": "<base64>"}                 bytes
+    {"$bytearray": "<base64>"}             bytearray
+    {"$tuple": [v, ...]}                   tuple
+    {"$set": [v, ...]}                     set; elements sorted by their canonical JSON text
+    {"$frozenset": [v, ...]}               frozenset; same order rule
+    {"$dict": [[k, v], ...]}               dict with any non-str key (int, float, bool, None,
+                                           tuple, bytes, ...), pairs in key order
+    {"$ndarray": {"dtype": "<f4", "shape": [2, 3], "data": "<base64>"}}
+                                           numpy array of a bool/int/uint/float/complex dtype;
+                                           dtype is numpy's dtype.str (byte order kept), data the
+                                           raw bytes in C order
+    {"$npscalar": {"dtype": "<f4", "data": "<base64>"}}
+                                           numpy scalar (np.float32, np.int64, np.bool_, ...)
+    {"$pickle": "<base64>"}                pickle (protocol 5) of any other value; only written
+                                           and read with allow_pickle=True
+
+Base64 is the standard alphabet with padding (RFC 4648 section 4). Values inside tagged nodes
+are encoded recursively by the same rules. Any other ``$name`` tag belongs to the caller (its
+``leaf`` callbacks write and read it); a tag neither side knows is an error.
+
+Types that come back as a different type: ``OrderedDict`` and ``defaultdict`` come back as a plain
+``dict`` (the default factory, and attributes such as a state dict's ``_metadata``, are dropped);
+``np.longlong``/``np.ulonglong`` scalars come back as the numpy type of the same width
+(``np.int64``/``np.uint64``). Namedtuples and subclasses of the supported builtins are refused
+(pickled with ``allow_pickle=True``), as are numpy arrays and scalars of object, string, void and
+datetime dtypes. Containers that contain themselves and nesting deeper than 100 containers are
+refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import math
+import pickle
+import re
+from collections import OrderedDict, defaultdict
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .errors import CorruptSnapshotError, EncodingError
+
+__all__ = ["encode", "decode"]
+
+_MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_PICKLE_PROTOCOL = 5
+_NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
+_DTYPE_RE = re.compile(r"[<>|][biufc][0-9]{1,2}")
+_HEX_INT_RE = re.compile(r"-?0x[0-9a-f]+")
+_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict, defaultdict)
+
+
+def encode(
+    value: Any,
+    *,
+    allow_pickle: bool = False,
+    leaf: Optional[Callable[[Any, str], Any]] = None,
+    path: str = "",
+) -> Any:
+    """Encode ``value`` into a JSON-safe tree; the inverse of :func:`decode`.
+
+    ``leaf(value, path)`` is tried first on every node (dict keys of all-``str`` dicts excepted);
+    whatever it returns other than ``NotImplemented`` is stored verbatim and must be JSON-safe,
+    normally a one-key dict tagged ``$name`` with a tag this module does not own. ``path`` is
+    the key path of ``value`` itself, used as the prefix of every path in callbacks and errors.
+
+    Raises :class:`EncodingError`, naming the key path, for a value with no safe encoding (unless
+    ``allow_pickle`` is true, in which case it is pickled), a reference cycle, or too deep nesting.
+    """
+    return _Encoder(allow_pickle, leaf)(value, path, 0)
+
+
+def decode(
+    tree: Any,
+    *,
+    allow_pickle: bool = False,
+    leaf: Optional[Callable[[dict], Any]] = None,
+) -> Any:
+    """Rebuild the value that :func:`encode` turned into ``tree``.
+
+    ``leaf(node)`` is tried on tagged nodes whose tag this module does not own; it returns the
+    value or ``NotImplemented``. Exceptions it raises propagate unchanged.
+
+    Raises :class:`CorruptSnapshotError` for any malformed tree, and :class:`EncodingError` for a
+    pickle node when ``allow_pickle`` is false (unpickling runs code stored in the file).
+    """
+    return _Decoder(allow_pickle, leaf)(tree, "", 0)
+
+
+# --------------------------------------------------------------------------------------- encoder
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[Any, str], Any]]) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaf = leaf
+        self.open: set = set()  # ids of the containers being encoded, to detect cycles
+
+    def __call__(self, v: Any, path: str, depth: int) -> Any:
+        if self.leaf is not None:
+            out = self.leaf(v, path)
+            if out is not NotImplemented:
+                return out
+        t = type(v)
+        if v is None or t is bool:
+            return v
+        if t is int:
+            return v if _INT64_MIN <= v <= _INT64_MAX else {"$int": hex(v)}
+        if t is float:
+            if math.isfinite(v):
+                return v
+            return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if t is str:
+            return v if _is_utf8(v) else {"$str": _b64(v.encode("utf-8", "surrogatepass"))}
+        if t is bytes:
+            return {"$bytes": _b64(v)}
+        if t is bytearray:
+            return {"$bytearray": _b64(v)}
+        if t is np.ndarray and v.dtype.kind in _NUMERIC_KINDS:
+            data = _b64(v.tobytes(order="C"))
+            return {"$ndarray": {"dtype": v.dtype.str, "shape": list(v.shape), "data": data}}
+        if isinstance(v, np.generic) and v.dtype.kind in _NUMERIC_KINDS:
+            return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
+        if t in _CONTAINERS:
+            return self._container(v, t, path, depth)
+        return self._fallback(v, path)
+
+    def _container(self, v: Any, t: type, path: str, depth: int) -> Any:
+        if depth >= _MAX_DEPTH:
+            raise EncodingError(
+                f"cannot encode the value at {_where(path)}: containers are nested deeper than {_MAX_DEPTH} "
+                "levels; flatten the structure"
+            )
+        if id(v) in self.open:
+            raise EncodingError(
+                f"cannot encode the value at {_where(path)}: the {t.__name__} contains itself (a reference "
+                "cycle); break the cycle before checkpointing"
+            )
+        self.open.add(id(v))
+        try:
+            d = depth + 1
+            if t is list:
+                return [self(x, f"{path}[{i}]", d) for i, x in enumerate(v)]
+            if t is tuple:
+                return {"$tuple": [self(x, f"{path}[{i}]", d) for i, x in enumerate(v)]}
+            if t is set or t is frozenset:
+                items = [self(x, f"{path}{{{_short_repr(x)}}}", d) for x in v]
+                items.sort(key=_canonical)
+                return {"$set" if t is set else "$frozenset": items}
+            if all(type(k) is str and _is_utf8(k) for k in v):
+                return {("$" + k if k[:1] == "$" else k): self(x, _child(path, k), d) for k, x in v.items()}
+            return {
+                "$dict": [
+                    [self(k, _child(path, k) + " (dict key)", d), self(x, _child(path, k), d)]
+                    for k, x in v.items()
+                ]
+            }
+        finally:
+            self.open.discard(id(v))
+
+    def _fallback(self, v: Any, path: str) -> Any:
+        name = _type_name(v)
+        if not self.allow_pickle:
+            raise EncodingError(f"cannot safely encode a value of type {name!r} at {_where(path)}; {_hint(v)}")
+        try:
+            data = pickle.dumps(v, protocol=_PICKLE_PROTOCOL)
+        except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError, ...
+            raise EncodingError(
+                f"cannot pickle a value of type {name!r} at {_where(path)}: {type(e).__name__}: {e}"
+            ) from e
+        return {"$pickle": _b64(data)}
+
+
+def _hint(v: Any) -> str:
+    """What the user can do about a value with no safe encoding."""
+    if isinstance(v, (np.ndarray, np.generic)):
+        return (
+            f"numpy dtype {v.dtype.str!r} is not bool or numeric (or the array is a subclass); "
+            "convert it or pass allow_pickle=True"
+        )
+    if isinstance(v, tuple) and hasattr(type(v), "_fields"):
+        return "a namedtuple would come back as a plain tuple; convert it with tuple(x) or x._asdict(), or pass allow_pickle=True"
+    for base in (int, float, str, bytes, bytearray, list, tuple, set, frozenset, dict):
+        if isinstance(v, base):
+            return (
+                f"it is a subclass of {base.__name__!r} and would come back as a plain "
+                f"{base.__name__!r}; convert it with {base.__name__}(x) or pass allow_pickle=True"
+            )
+    return "register it as state with state_dict()/load_state_dict() or pass allow_pickle=True"
+
+
+# --------------------------------------------------------------------------------------- decoder
+
+
+class _Decoder:
+    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[dict], Any]]) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaf = leaf
+
+    def __call__(self, node: Any, path: str, depth: int) -> Any:
+        t = type(node)
+        if node is None or t is bool or t is int or t is str:
+            return node
+        if t is float:
+            if math.isfinite(node):
+                return node
+            raise _corrupt(path, "a bare non-finite float (these are written as $float nodes)")
+        # One level of slack over the encoder: a scalar tagged node may sit below the deepest container.
+        if depth > _MAX_DEPTH:
+            raise _corrupt(path, f"containers are nested deeper than {_MAX_DEPTH} levels")
+        if t is list:
+            return [self(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(node)]
+        if t is not dict:
+            raise _corrupt(path, f"a value of type {t.__name__!r}, which JSON cannot hold")
+        tag = _tag_of(node, path)
+        if tag is None:  # a plain str-keyed dict; "$$x" keys are escaped "$x"
+            out = {}
+            for k, x in node.items():
+                key = k[1:] if k[:1] == "$" else k
+                out[key] = self(x, _child(path, key), depth + 1)
+            return out
+        decode_tag = _TAGS.get(tag)
+        if decode_tag is not None:
+            return decode_tag(self, node[tag], path, depth + 1)
+        if self.leaf is not None:
+            out = self.leaf(node)
+            if out is not NotImplemented:
+                return out
+        raise _corrupt(path, f"unknown tag {_show(tag)}")
+
+
+def _tag_of(node: dict, path: str) -> Optional[str]:
+    """The tag of a tagged node, or None for a plain dict; rejects non-str keys and mixed nodes."""
+    tag = None
+    for k in node:
+        if type(k) is not str:
+            raise _corrupt(path, f"a dict key of type {type(k).__name__!r} (JSON keys are strings)")
+        if k[:1] == "$" and k[1:2] != "$":
+            tag = k
+    if tag is not None and len(node) != 1:
+        raise _corrupt(path, f"tagged node {_show(tag)} has other keys beside its tag")
+    return tag
+
+
+def _dec_int(dec: _Decoder, p: Any, path: str, depth: int) -> int:
+    if type(p) is str and _HEX_INT_RE.fullmatch(p):
+        return int(p, 16)  # no digit limit for base 16
+    raise _corrupt(path, f"$int payload must be a hex string like '-0x1f', got {_show(p)}")
+
+
+def _dec_float(dec: _Decoder, p: Any, path: str, depth: int) -> float:
+    if type(p) is str and p in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[p]
+    raise _corrupt(path, f"$float payload must be 'nan', 'inf' or '-inf', got {_show(p)}")
+
+
+def _dec_str(dec: _Decoder, p: Any, path: str, depth: int) -> str:
+    raw = _unb64(p, path, "$str")
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise _corrupt(path, f"$str payload is not UTF-8: {e}") from e
+
+
+def _dec_bytes(kind: type, tag: str, dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+    return kind(_unb64(p, path, tag))
+
+
+def _dec_tuple(dec: _Decoder, p: Any, path: str, depth: int) -> tuple:
+    return tuple(_dec_items(dec, p, path, depth, "$tuple"))
+
+
+def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+    items = _dec_items(dec, p, path, depth, tag)
+    try:
+        out = kind(items)
+    except TypeError as e:
+        raise _corrupt(path, f"{tag} holds an unhashable element: {e}") from e
+    if len(out) != len(items):
+        raise _corrupt(path, f"{tag} holds duplicate elements")
+    return out
+
+
+def _dec_items(dec: _Decoder, p: Any, path: str, depth: int, tag: str) -> list:
+    if type(p) is not list:
+        raise _corrupt(path, f"{tag} payload must be a list, got {_show(p)}")
+    return [dec(x, f"{path}[{i}]", depth) for i, x in enumerate(p)]
+
+
+def _dec_dict(dec: _Decoder, p: Any, path: str, depth: int) -> dict:
+    if type(p) is not list:
+        raise _corrupt(path, f"$dict payload must be a list of [key, value] pairs, got {_show(p)}")
+    out: dict = {}
+    for n, pair in enumerate(p):
+        if type(pair) is not list or len(pair) != 2:
+            raise _corrupt(path, f"$dict entry #{n} is not a [key, value] pair")
+        key = dec(pair[0], f"{path}[<key #{n}>]", depth)
+        try:
+            seen = key in out
+        except TypeError as e:
+            raise _corrupt(path, f"$dict entry #{n} has an unhashable key: {e}") from e
+        if seen:
+            raise _corrupt(path, f"$dict entry #{n} repeats an earlier key")
+        out[key] = dec(pair[1], _child(path, key), depth)
+    return out
+
+
+def _dec_ndarray(dec: _Decoder, p: Any, path: str, depth: int) -> np.ndarray:
+    dtype, raw = _numpy_payload(p, path, "$ndarray", {"dtype", "shape", "data"})
+    shape = p["shape"]
+    if type(shape) is not list or len(shape) > 64 or any(type(n) is not int or n < 0 for n in shape):
+        raise _corrupt(path, "$ndarray shape must be a list of at most 64 non-negative ints")
+    need = math.prod(shape) * dtype.itemsize
+    if need != len(raw):
+        raise _corrupt(path, f"$ndarray of shape {shape} and dtype {dtype.str} needs {need} bytes, data has {len(raw)}")
+    try:
+        return np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)  # writable, owns a copy
+    except (ValueError, OverflowError) as e:
+        raise _corrupt(path, f"$ndarray shape {shape} is not a valid numpy shape: {e}") from e
+
+
+def _dec_npscalar(dec: _Decoder, p: Any, path: str, depth: int) -> np.generic:
+    dtype, raw = _numpy_payload(p, path, "$npscalar", {"dtype", "data"})
+    if len(raw) != dtype.itemsize:
+        raise _corrupt(path, f"$npscalar of dtype {dtype.str} needs {dtype.itemsize} bytes, data has {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype)[0]
+
+
+def _numpy_payload(p: Any, path: str, tag: str, keys: set) -> tuple:
+    """Validate the common part of $ndarray / $npscalar payloads: (dtype, raw bytes)."""
+    if type(p) is not dict or set(p) != keys:
+        raise _corrupt(path, f"{tag} payload must be an object with exactly the keys {sorted(keys)}")
+    s = p["dtype"]
+    dtype = None
+    if type(s) is str and _DTYPE_RE.fullmatch(s):
+        try:
+            dtype = np.dtype(s)
+        except (TypeError, ValueError):
+            pass
+    if dtype is None or dtype.str != s or dtype.kind not in _NUMERIC_KINDS:
+        raise _corrupt(path, f"{tag} dtype must be a bool or numeric numpy dtype string like '<f4', got {_show(s)}")
+    raw = _unb64(p["data"], path, tag)
+    if dtype.kind == "b" and raw.translate(None, b"\x00\x01"):
+        raise _corrupt(path, f"{tag} of dtype bool holds bytes other than 0 and 1")
+    return dtype, raw
+
+
+def _dec_pickle(dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+    if not dec.allow_pickle:
+        raise EncodingError(
+            f"the checkpoint holds a pickled object at {_where(path)}; unpickling runs code stored "
+            "in the file, so it is refused by default. Load with allow_pickle=True only if you "
+            "trust where this checkpoint came from"
+        )
+    raw = _unb64(p, path, "$pickle")
+    try:
+        return pickle.loads(raw)
+    except Exception as e:  # anything the unpickled code may raise
+        raise _corrupt(path, f"the pickled object cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+# The tags this module owns and how each is decoded: decoder(dec, payload, path, depth).
+_TAGS: dict = {
+    "$int": _dec_int,
+    "$float": _dec_float,
+    "$str": _dec_str,
+    "$bytes": functools.partial(_dec_bytes, bytes, "$bytes"),
+    "$bytearray": functools.partial(_dec_bytes, bytearray, "$bytearray"),
+    "$tuple": _dec_tuple,
+    "$set": functools.partial(_dec_set, set, "$set"),
+    "$frozenset": functools.partial(_dec_set, frozenset, "$frozenset"),
+    "$dict": _dec_dict,
+    "$ndarray": _dec_ndarray,
+    "$npscalar": _dec_npscalar,
+    "$pickle": _dec_pickle,
+}
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _is_utf8(s: str) -> bool:
+    """True unless ``s`` holds lone surrogates, which strict UTF-8 (and JSON readers) reject."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(p: Any, path: str, tag: str) -> bytes:
+    if type(p) is str:
+        try:
+            return base64.b64decode(p, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise _corrupt(path, f"{tag} data is not valid base64: {e}") from e
+    raise _corrupt(path, f"{tag} data must be a base64 string, got {_show(p)}")
+
+
+def _canonical(encoded: Any) -> str:
+    """Sort key that makes the order of encoded set elements independent of hash seeds."""
+    return json.dumps(encoded, sort_keys=True, separators=(",", ":"))
+
+
+def _child(path: str, key: Any) -> str:
+    """Key path of ``key`` under ``path``: ``a.b``, ``a["weird key"]``, ``a[0]``, ``a[(1, 2)]``."""
+    if type(key) is str:
+        if key.isidentifier():
+            return f"{path}.{key}" if path else key
+        return f"{path}[{json.dumps(key)}]"
+    return f"{path}[{_short_repr(key)}]"
+
+
+def _short_repr(v: Any) -> str:
+    try:
+        r = repr(v)
+    except Exception:  # a user object whose __repr__ fails must not hide the real error
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _show(p: Any) -> str:
+    """Short description of a payload for messages (no repr of deep or huge structures)."""
+    if type(p) is str:
+        return repr(p) if len(p) <= 40 else repr(p[:40]) + "..."
+    return f"a {type(p).__name__}"
+
+
+def _where(path: str) -> str:
+    return path or "<root>"
+
+
+def _type_name(v: Any) -> str:
+    t = type(v)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _corrupt(path: str, msg: str) -> CorruptSnapshotError:
+    return CorruptSnapshotError(f"malformed value tree at {_where(path)}: {msg}")

@@ -1,0 +1,279 @@
+"""The writer process: turns staged snapshots into durable, committed files.
+
+The training process starts it once per engine as ``python -m async_ckpt.writer`` (a fresh
+interpreter: never a fork of a CUDA process, and unlike multiprocessing's spawn it does not re-import
+the user's ``__main__``). It never imports torch. The two talk over a Unix socket: staging buffers
+arrive as memfd file descriptors, snapshots as small job messages naming a buffer. For each job the
+writer encodes and writes the shard, tells the trainer the buffer is free again, fsyncs, and commits
+the step to the manifest. When the training process dies the socket closes; the writer finishes the
+jobs already queued (their bytes are staged and whole) and exits.
+
+Protocol (tuples over ``multiprocessing.connection.Connection``):
+  trainer -> writer: ("attach", buffer_id, nbytes) followed by the fd; ("detach", buffer_id);
+                     ("snapshot", job); ("close",)
+  writer -> trainer: ("ready", info); ("released", buffer_id, step);
+                     ("committed", step, figures); ("failed", step, error class name, message)
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Optional
+
+import psutil
+
+from . import errors
+from .errors import DiskFullError, SnapshotWriteError, WriterDiedError
+from .format import ChunkEncoder, ShardWriter, shard_file_name
+from .fsutil import fsync_dir, write_error
+from .manifest import (ShardRecord, SnapshotRecord, new_snapshot_dir_name, read_manifest,
+                       remove_paths, write_manifest)
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+_READY_TIMEOUT_S = 120.0
+
+
+class WriterClient:
+    """The training process's handle on its writer process."""
+
+    def __init__(self, config: dict):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "async_ckpt.writer", "--fd", str(theirs.fileno()),
+                 "--config", json.dumps(config)],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        event = self.next_event(_READY_TIMEOUT_S)
+        if event is None or event[0] != "ready":
+            self.kill()
+            raise WriterDiedError(f"the writer process did not start (got {event!r}); see its stderr")
+        self.pid = self.process.pid
+
+    def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
+        self._send(("attach", buffer_id, nbytes))
+        try:
+            send_handle(self.conn, fd, self.process.pid)
+        except OSError as e:
+            raise self.died() from e
+
+    def detach(self, buffer_id: int) -> None:
+        self._send(("detach", buffer_id))
+
+    def submit(self, job: dict) -> None:
+        self._send(("snapshot", job))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError as e:
+            raise self.died() from e
+
+    def next_event(self, timeout: Optional[float]) -> Optional[tuple]:
+        """The next message from the writer, or None after ``timeout`` seconds (None: no limit).
+
+        Raises WriterDiedError as soon as the writer is gone, instead of hanging."""
+        if not wait([self.conn], timeout):
+            return None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise self.died() from e
+
+    def died(self) -> WriterDiedError:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}" if code is not None else "stopped answering")
+        return WriterDiedError(
+            f"the checkpoint writer process (pid {self.process.pid}) {how}. Snapshots in flight are "
+            "lost; committed ones are intact. Check memory and disk, then create a new engine "
+            "(or restart the job) to resume from the newest committed snapshot")
+
+    def rss(self) -> dict:
+        try:
+            info = psutil.Process(self.process.pid).memory_info()
+        except psutil.Error:
+            return {}
+        return {"writer_rss": info.rss, "writer_shared": info.shared}
+
+    def close(self, timeout: float) -> None:
+        try:
+            self.conn.send(("close",))
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error("writer process %d did not exit in %.0f s; killing it", self.process.pid, timeout)
+            self.kill()
+        self.conn.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+class SnapshotWriter:
+    """The writer process's state: attached buffers, the current plan, and the commit policy."""
+
+    def __init__(self, conn: Connection, config: dict):
+        self.conn = conn
+        self.root = config["root"]
+        self.rank = config["rank"]
+        self.world_size = config["world_size"]
+        self.keep_last = config["keep_last"]
+        self.keep_every = config["keep_every"]
+        self.reserve_bytes = config["reserve_bytes"]
+        self.encoder = ChunkEncoder(config["compression"], config["level"])
+        self.buffers: dict[int, mmap.mmap] = {}
+        self.plan: Optional[Plan] = None
+        self.stored_ratio = 1.0
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return  # the trainer is gone; everything it queued has been handled
+            kind = message[0]
+            if kind == "attach":
+                fd = recv_handle(self.conn)
+                self.buffers[message[1]] = mmap.mmap(fd, message[2], prot=mmap.PROT_READ)
+                os.close(fd)
+            elif kind == "detach":
+                self.buffers.pop(message[1]).close()
+            elif kind == "snapshot":
+                self.handle(message[1])
+            elif kind == "close":
+                return
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:
+            pass  # the trainer died; still finish and commit what it staged
+
+    def handle(self, job: dict) -> None:
+        if job.get("plan") is not None:
+            self.plan = job["plan"]
+        step, buffer_id = job["step"], job["buffer_id"]
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.send(("released", buffer_id, step))
+
+        try:
+            figures = self.write(job, memoryview(self.buffers[buffer_id]), release)
+        except Exception as e:  # a failed snapshot must not stop the writer; the trainer decides
+            release()
+            error = write_error(e, f"step {step}") if isinstance(e, OSError) else e
+            if not isinstance(error, errors.CheckpointError):
+                error = SnapshotWriteError(f"writing step {step} failed: {e!r}")
+            log.error("snapshot of step %d failed: %s", step, error)
+            self.send(("failed", step, type(error).__name__, str(error)))
+            return
+        self.send(("committed", step, figures))
+
+    def write(self, job: dict, buf: memoryview, release) -> dict:
+        """Write, fsync and commit one snapshot; calls ``release`` once the buffer is no longer read."""
+        step, plan = job["step"], self.plan
+        t_start = time.monotonic()
+        self.check_space(plan.raw_bytes)
+        name = new_snapshot_dir_name(step)
+        path = os.path.join(self.root, name)
+        os.mkdir(path)
+        shard = None
+        try:
+            shard = ShardWriter(os.path.join(path, shard_file_name(self.rank)), self.encoder)
+            for r in plan.regions:
+                shard.add_storage(buf[r.offset:r.offset + r.nbytes], r.itemsize, r.is_float)
+            release()
+            t_written = time.monotonic()
+            size, index_digest = shard.finish({
+                "step": step, "rank": self.rank, "world_size": self.world_size,
+                "created": time.time(), "tensors": [t.to_json() for t in plan.tensors],
+                "tree": job["tree"]})
+            fsync_dir(path)
+            t_durable = time.monotonic()
+            record = SnapshotRecord(
+                step=step, seq=0, dir=name, committed_at=time.time(), world_size=self.world_size,
+                shards=(ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),),
+                raw_bytes=plan.raw_bytes, stored_bytes=size)
+            manifest, dropped = read_manifest(self.root).commit(record, self.keep_last, self.keep_every)
+            write_manifest(self.root, manifest)  # the commit point; also makes `path` durable
+        except BaseException:
+            if shard is not None:
+                shard.close()
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        t_committed = time.monotonic()
+        remove_paths(self.root, [d.dir for d in dropped])
+        self.stored_ratio = size / max(plan.raw_bytes, 1)
+        return {"queue_s": t_start - job["submitted"], "write_s": t_written - t_start,
+                "fsync_s": t_durable - t_written, "commit_s": t_committed - t_durable,
+                "raw_bytes": plan.raw_bytes, "stored_bytes": size, "committed_at": t_committed,
+                "dropped_steps": [d.step for d in dropped if d.step != step]}
+
+    def check_space(self, raw_bytes: int) -> None:
+        """Refuse a snapshot that cannot fit before writing a byte of it."""
+        need = int(raw_bytes * self.stored_ratio * 1.05) + self.reserve_bytes
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            raise DiskFullError(
+                f"not enough space for a snapshot in {self.root}: about {need / 1e6:.0f} MB needed "
+                f"(incl. the {self.reserve_bytes / 1e6:.0f} MB reserve), {free / 1e6:.0f} MB free. "
+                "Free space or lower keep_last; committed snapshots are intact")
+
+
+def _lower_priority(nice: int, io_idle: bool) -> None:
+    if nice:
+        os.nice(nice)
+    if io_idle:
+        try:
+            psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+        except (psutil.Error, OSError, AttributeError) as e:
+            log.debug("could not lower I/O priority: %s", e)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    config = json.loads(args.config)
+    logging.basicConfig(level=config["log_level"], stream=sys.stderr,
+                        format=f"async_ckpt writer[rank {config['rank']}] %(levelname)s %(message)s")
+    conn = Connection(args.fd)
+    _lower_priority(config["nice"], config["low_io_priority"])
+    lock = os.open(config["lock"], os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # held until exit: no other engine cleans up under our feet
+    conn.send(("ready", {"pid": os.getpid()}))
+    SnapshotWriter(conn, config).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+/* async_ckpt._native: the byte-shuffle filter applied before zstd.
+ *
+ * shuffle() gathers byte p of every item into plane p, so the compressible
+ * sign/exponent bytes of floats sit together and the incompressible mantissa
+ * bytes sit apart; unshuffle() undoes it. numpy's strided copy does this at
+ * under 1 GB/s, slower than the disk it feeds; these loops run near memory
+ * bandwidth. Uses only the CPython C API and the buffer protocol.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ITEMSIZE 16
+
+/* Items per tile in the generic loops: a tile (at most 16 * 16 bytes) stays
+ * in L1 while it is read once and written as itemsize short runs. */
+#define TILE 16
+
+/* One item at a time with a constant itemsize k: once inlined, the inner loop
+ * unrolls into k sequential streams that -O3 vectorises. */
+static inline void
+shuffle_fixed(const uint8_t *restrict src, uint8_t *restrict dst, size_t m, size_t k)
+{
+    for (size_t i = 0; i < m; i++) {
+        for (size_t p = 0; p < k; p++) {
+            dst[p * m + i] = src[i * k + p];
+        }
+    }
+}
+
+static inline void
+unshuffle_fixed(const uint8_t *restrict src, uint8_t *restrict dst, size_t m, size_t k)
+{
+    for (size_t i = 0; i < m; i++) {
+        for (size_t p = 0; p < k; p++) {
+            dst[i * k + p] = src[p * m + i];
+        }
+    }
+}
+
+/* Any itemsize: a tiled transpose, so the strided side of the copy stays in
+ * cache instead of touching a new line for every byte. */
+static void
+shuffle_tiled(const uint8_t *restrict src, uint8_t *restrict dst, size_t m, size_t k)
+{
+    for (size_t i0 = 0; i0 < m; i0 += TILE) {
+        size_t len = m - i0 < TILE ? m - i0 : TILE;
+        for (size_t p = 0; p < k; p++) {
+            const uint8_t *s = src + i0 * k + p;
+            uint8_t *d = dst + p * m + i0;
+            for (size_t i = 0; i < len; i++) {
+                d[i] = s[i * k];
+            }
+        }
+    }
+}
+
+static void
+unshuffle_tiled(const uint8_t *restrict src, uint8_t *restrict dst, size_t m, size_t k)
+{
+    for (size_t i0 = 0; i0 < m; i0 += TILE) {
+        size_t len = m - i0 < TILE ? m - i0 : TILE;
+        for (size_t p = 0; p < k; p++) {
+            const uint8_t *s = src + p * m + i0;
+            uint8_t *d = dst + i0 * k + p;
+            for (size_t i = 0; i < len; i++) {
+                d[i * k] = s[i];
+            }
+        }
+    }
+}
+
+/* Itemsizes of real dtypes get a specialised loop; the rest take the tiled one. */
+static void
+shuffle_bytes(const uint8_t *src, uint8_t *dst, size_t m, size_t k)
+{
+    switch (k) {
+    case 1: memcpy(dst, src, m); break;
+    case 2: shuffle_fixed(src, dst, m, 2); break;
+    case 4: shuffle_fixed(src, dst, m, 4); break;
+    case 8: shuffle_fixed(src, dst, m, 8); break;
+    case 16: shuffle_fixed(src, dst, m, 16); break;
+    default: shuffle_tiled(src, dst, m, k); break;
+    }
+}
+
+static void
+unshuffle_bytes(const uint8_t *src, uint8_t *dst, size_t m, size_t k)
+{
+    switch (k) {
+    case 1: memcpy(dst, src, m); break;
+    case 2: unshuffle_fixed(src, dst, m, 2); break;
+    case 4: unshuffle_fixed(src, dst, m, 4); break;
+    case 8: unshuffle_fixed(src, dst, m, 8); break;
+    case 16: unshuffle_fixed(src, dst, m, 16); break;
+    default: unshuffle_tiled(src, dst, m, k); break;
+    }
+}
+
+typedef void (*filter_fn)(const uint8_t *, uint8_t *, size_t, size_t);
+
+/* Parses (src, itemsize, dst), validates, and runs `filter` without the GIL. */
+static PyObject *
+run_filter(PyObject *args, const char *format, filter_fn filter)
+{
+    Py_buffer src, dst;
+    Py_ssize_t itemsize;
+
+    if (!PyArg_ParseTuple(args, format, &src, &itemsize, &dst)) {
+        return NULL;
+    }
+    if (itemsize < 1 || itemsize > MAX_ITEMSIZE) {
+        PyErr_Format(PyExc_ValueError, "itemsize must be in 1..%d, got %zd",
+                     MAX_ITEMSIZE, itemsize);
+        goto fail;
+    }
+    if (src.len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "src length %zd is not a multiple of itemsize %zd",
+                     src.len, itemsize);
+        goto fail;
+    }
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError,
+                     "dst length %zd differs from src length %zd",
+                     dst.len, src.len);
+        goto fail;
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    filter((const uint8_t *)src.buf, (uint8_t *)dst.buf,
+           (size_t)(src.len / itemsize), (size_t)itemsize);
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+
+fail:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return NULL;
+}
+
+static PyObject *
+native_shuffle(PyObject *module, PyObject *args)
+{
+    (void)module;
+    return run_filter(args, "y*nw*:shuffle", shuffle_bytes);
+}
+
+static PyObject *
+native_unshuffle(PyObject *module, PyObject *args)
+{
+    (void)module;
+    return run_filter(args, "y*nw*:unshuffle", unshuffle_bytes);
+}
+
+PyDoc_STRVAR(shuffle_doc,
+"shuffle($module, src, itemsize, dst, /)\n--\n\n"
+"Write the byte planes of src into dst: dst[p*m + i] = src[i*itemsize + p].\n"
+"src and dst are contiguous buffers of the same length, a multiple of\n"
+"itemsize (1..16); they must not overlap.");
+
+PyDoc_STRVAR(unshuffle_doc,
+"unshuffle($module, src, itemsize, dst, /)\n--\n\n"
+"Inverse of shuffle: dst[i*itemsize + p] = src[p*m + i].\n"
+"src and dst are contiguous buffers of the same length, a multiple of\n"
+"itemsize (1..16); they must not overlap.");
+
+static PyMethodDef native_methods[] = {
+    {"shuffle", native_shuffle, METH_VARARGS, shuffle_doc},
+    {"unshuffle", native_unshuffle, METH_VARARGS, unshuffle_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+/* The module holds no state, so it is safe in subinterpreters and without a GIL. */
+static PyModuleDef_Slot native_slots[] = {
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "async_ckpt._native",
+    .m_doc = "Byte-shuffle filter for float tensors (see async_ckpt.filters).",
+    .m_size = 0,
+    .m_methods = native_methods,
+    .m_slots = native_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    return PyModuleDef_Init(&native_module);
+}
