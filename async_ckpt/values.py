@@ -80,7 +80,7 @@ _PICKLE_PROTOCOL = 5
 _NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
 _DTYPE_RE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 _HEX_INT_RE = re.compile(r"-?0x[0-9a-f]+")
-_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_SPECIAL_FLOATS = ("nan", "inf", "-inf")
 _CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict, defaultdict)
 
 
@@ -284,7 +284,7 @@ def _dec_int(dec: _Decoder, p: Any, path: str, depth: int) -> int:
 
 def _dec_float(dec: _Decoder, p: Any, path: str, depth: int) -> float:
     if type(p) is str and p in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[p]
+        return float(p)  # a fresh object: two NaN keys of one dict must stay distinct
     raise _corrupt(path, f"$float payload must be 'nan', 'inf' or '-inf', got {_show(p)}")
 
 

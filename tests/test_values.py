@@ -147,6 +147,7 @@ def test_encoding_is_deterministic_and_strict_json(value):
         "", "héllo", "\x00", "\ud800", "a\udcffb", "emoji \U0001F600", b"", b"\x00\xff", bytearray(b"ab"),
         (), (1,), ((1, (2, ())), [3]), [], [[[]]], {}, set(), frozenset(), {1, "a", (2, 3)},
         frozenset({frozenset({1}), None}),
+        {float("nan"), float("nan"), 1.0},
     ],
     ids=short_id,
 )
@@ -175,6 +176,7 @@ def test_big_ints_use_int_tag_and_small_ones_stay_plain():
         {(1, "x"): 1, (2, (3, None)): 2},
         {None: 0, True: 1, 2.5: 2, "s": 3, b"k": 4, (): 5, frozenset({1}): 6},
         {0.0: "zero"},
+        {float("nan"): 1, float("nan"): 2},
         {-0.0: "negzero"},
         {"$tuple": [1, 2], "$int": "0x1", "$": 1, "$$": 2, "$$x": 3, "plain": 4},
         {"$tensor": 0},
@@ -522,7 +524,6 @@ def test_leaf_output_is_stored_verbatim_and_not_called_for_owned_tags():
         {"$npscalar": {"dtype": "<f4", "data": b64(b"\0" * 8)}},
         {"$npscalar": {"dtype": "<f4", "shape": [], "data": b64(b"\0" * 4)}},
         {"$npscalar": {"dtype": 4, "data": b64(b"\0" * 4)}},
-        {"$pickle": 3},
         float("nan"), [float("inf")], (1, 2), b"x", {1: 2}, {"a": object()}, {"a": {1, 2}},
     ],
     ids=short_id,
@@ -537,6 +538,8 @@ def test_malformed_pickle_with_opt_in_is_corrupt():
         decode({"$pickle": b64(b"not a pickle")}, allow_pickle=True)
     with pytest.raises(CorruptSnapshotError):
         decode({"$pickle": "%%"}, allow_pickle=True)
+    with pytest.raises(CorruptSnapshotError):
+        decode({"$pickle": 3}, allow_pickle=True)
 
 
 def test_malformed_messages_name_the_place():
