@@ -11,8 +11,9 @@ mmap, numpy arrays) of equal length, a multiple of ``itemsize`` (1..16); ``dst``
 and must not overlap ``src``.
 
 The C extension ``async_ckpt._native`` does the work with the GIL released, near memory bandwidth
-(~10 GB/s for itemsize 2 and 4, 3-25x the numpy reference; ``bench/bench_filters.py``). Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the
-numpy reference so the whole suite can run against both; ``BACKEND`` says which one is in use.
+(~10 GB/s for itemsize 2 and 4, 3-25x the numpy reference; see ``bench/bench_filters.py``).
+Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the numpy reference so the whole suite can run against
+both; ``BACKEND`` says which one is in use.
 """
 
 from __future__ import annotations

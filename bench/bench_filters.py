@@ -45,7 +45,8 @@ def bench_itemsize(name: str, src: np.ndarray, itemsize: int, repeat: int) -> No
     np_unshuffle = rate(lambda: unshuffle_reference(planes, itemsize, back))
 
     print(f"{name}, itemsize {itemsize}, {src.nbytes >> 20} MiB   memcpy floor {memcpy:6.2f} GB/s")
-    for op, c, ref in (("shuffle", c_shuffle, np_shuffle), ("unshuffle", c_unshuffle, np_unshuffle)):
+    rows = (("shuffle", c_shuffle, np_shuffle), ("unshuffle", c_unshuffle, np_unshuffle))
+    for op, c, ref in rows:
         print(
             f"  {op:<9}  C {c:6.2f} GB/s   numpy {ref:5.2f} GB/s   "
             f"C/numpy {c / ref:5.1f}x   C/memcpy {c / memcpy:4.2f}"

@@ -1,0 +1,63 @@
+"""Shared helpers for the engine tests: small deterministic training states and equality checks."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def make_training_state(seed: int = 0, width: int = 32):
+    """A model, an AdamW optimizer with state, and a scheduler, after one real step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    train_step(model, optimizer, scheduler)
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler=None):
+    loss = model(torch.randn(8, model[0].in_features)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if scheduler is not None:
+        scheduler.step()
+    return loss.item()
+
+
+def assert_same(a, b, path="state"):
+    """Bit-exact recursive equality of tensors (incl. dtype, shape, stride) and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and bit_equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, path
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    ab = a.contiguous().reshape(-1).view(torch.uint8) if a.dtype != torch.bool else a.to(torch.uint8)
+    bb = b.contiguous().reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b.to(torch.uint8)
+    return torch.equal(ab, bb)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    return str(tmp_path / "ckpt")

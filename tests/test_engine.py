@@ -1,0 +1,404 @@
+"""The engine end to end, in one process: snapshot, commit, retention, restore, errors."""
+
+import copy
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from async_ckpt import CheckpointEngine, load
+from async_ckpt.errors import (CheckpointDirError, EncodingError, EngineClosedError, LayoutError,
+                               NoSnapshotError, StateMismatchError, WriterDiedError)
+from conftest import assert_same, bit_equal, make_training_state, train_step
+
+
+def test_round_trip_restores_model_optimizer_scheduler_bit_for_bit(ckpt_dir):
+    model, opt, sched = make_training_state(seed=1)
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt, "scheduler": sched}) as engine:
+        assert engine.restore() is None
+        for step in range(4):
+            train_step(model, opt, sched)
+            engine.snapshot(step)
+        engine.wait()
+        assert engine.committed_steps() == [1, 2, 3]
+    expected = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                              "scheduler": sched.state_dict()})
+
+    model2, opt2, sched2 = make_training_state(seed=2)
+    with CheckpointEngine(ckpt_dir, {"model": model2, "optimizer": opt2, "scheduler": sched2}) as engine:
+        assert engine.restore() == 3
+    assert_same(expected, {"model": model2.state_dict(), "optimizer": opt2.state_dict(),
+                           "scheduler": sched2.state_dict()})
+    # Training continues identically from the restored state.
+    torch.manual_seed(7)
+    a = train_step(model, opt, sched)
+    torch.manual_seed(7)
+    assert train_step(model2, opt2, sched2) == a
+
+
+def test_snapshot_is_an_image_of_the_state_when_it_returned(ckpt_dir):
+    weights = torch.randn(512, 1024)
+    before = weights.clone()
+    with CheckpointEngine(ckpt_dir, {"w": weights}, slots=1) as engine:
+        engine.snapshot(0)
+        weights.add_(1.0)  # the writer is most likely still writing: this must not leak in
+        weights[0, 0] = float("nan")
+        engine.wait()
+    assert bit_equal(load(ckpt_dir)[1]["w"], before)
+
+
+def test_every_and_force(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(3)}, every=5, keep_last=10) as engine:
+        taken = [engine.snapshot(step) for step in range(12)]
+        assert engine.snapshot(13, force=True)
+        engine.wait()
+        assert taken == [step % 5 == 0 for step in range(12)]
+        assert engine.committed_steps() == [0, 5, 10, 13]
+
+
+def test_keep_last_and_keep_every_delete_only_dropped_snapshots(ckpt_dir):
+    t = torch.zeros(4)
+    with CheckpointEngine(ckpt_dir, {"t": t}, keep_last=2, keep_every=4) as engine:
+        for step in range(10):
+            t.fill_(step)
+            engine.snapshot(step)
+        engine.wait()
+        assert engine.committed_steps() == [0, 4, 8, 9]
+    dirs = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-"))
+    assert [int(d[5:25]) for d in dirs] == [0, 4, 8, 9]
+    for step in (0, 4, 8, 9):
+        assert load(ckpt_dir, step)[1]["t"].tolist() == [float(step)] * 4
+
+
+def test_sync_mode_returns_after_commit(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.ones(8)}, mode="sync") as engine:
+        engine.snapshot(3)
+        assert engine.committed_steps() == [3]
+        assert engine.stats()["in_flight"] == 0
+
+
+def test_skip_when_every_slot_is_busy(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.ones(8)}, slots=1, when_busy="skip") as engine:
+        engine.snapshot(0)
+        engine.wait()
+        os.kill(engine._writer.pid, signal.SIGSTOP)  # the writer cannot free the slot
+        try:
+            assert engine.snapshot(1)
+            assert not engine.snapshot(2)
+            assert not engine.snapshot(3)
+        finally:
+            os.kill(engine._writer.pid, signal.SIGCONT)
+        engine.wait()
+        assert engine.stats()["skipped"] == 2
+        assert engine.committed_steps() == [0, 1]
+
+
+def test_wait_for_slot_when_every_slot_is_busy(ckpt_dir):
+    t = torch.zeros(1000)
+    with CheckpointEngine(ckpt_dir, {"t": t}, slots=1, keep_last=5) as engine:
+        for step in range(5):
+            t.fill_(step)
+            assert engine.snapshot(step)
+        engine.wait()
+        assert engine.committed_steps() == [0, 1, 2, 3, 4]
+        assert [load(ckpt_dir, s)[1]["t"][0].item() for s in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_layout_change_replans_the_pool(ckpt_dir):
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.Adam(model.parameters())  # no state until the first step
+    state = {"model": model, "optimizer": opt}
+    with CheckpointEngine(ckpt_dir, state) as engine:
+        engine.snapshot(0)
+        train_step(torch.nn.Sequential(model), opt)
+        engine.snapshot(1)
+        state["extra"] = torch.arange(100000)
+        engine.snapshot(2)
+        engine.wait()
+    _, loaded = load(ckpt_dir, 1)
+    assert set(loaded) == {"model", "optimizer"} and len(loaded["optimizer"]["state"]) == 2
+    _, loaded = load(ckpt_dir, 2)
+    assert torch.equal(loaded["extra"], torch.arange(100000))
+    assert_same(loaded["optimizer"], opt.state_dict())
+
+
+ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+              torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+              torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64]
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_every_dtype_and_tensor_shape_round_trips(ckpt_dir, compression):
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for dtype in ALL_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        base = (torch.randn(4096, generator=g) * 100).to(torch.float64)
+        tensors[name] = base.to(dtype) if not dtype.is_complex else torch.complex(base, -base).to(dtype)
+        tensors[name + "_scalar"] = tensors[name][3].clone()  # 0-d
+        tensors[name + "_empty"] = torch.empty(0, 7, dtype=dtype)
+    big = torch.randn(64, 48, generator=g)
+    tensors.update(transposed=big.t(), sliced=big[5:9, ::3], expanded=torch.randn(3, 1).expand(3, 5),
+                   nan_inf=torch.tensor([math.nan, math.inf, -math.inf, -0.0]),
+                   conj=torch.randn(4, dtype=torch.complex64, generator=g).conj())
+    with CheckpointEngine(ckpt_dir, {"tensors": tensors}, compression=compression) as engine:
+        engine.snapshot(0)
+        engine.wait()
+    _, loaded = load(ckpt_dir)
+    for name, t in tensors.items():
+        got = loaded["tensors"][name]
+        assert got.shape == t.shape and got.dtype == t.dtype, name
+        assert bit_equal(got, t.resolve_conj()), name
+    assert loaded["tensors"]["transposed"].stride() == big.t().stride()
+
+
+def test_tensors_sharing_storage_share_it_again(ckpt_dir):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.head = torch.nn.Linear(8, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    base = torch.arange(20.0)
+    with CheckpointEngine(ckpt_dir, {"model": model, "views": {"a": base[:10], "b": base[5:]}}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        stored = engine.stats()["snapshots"][-1]["raw_bytes"]
+    assert stored < 2 * 50 * 8 * 4  # the tied weight is written once
+    _, loaded = load(ckpt_dir)
+    sd = loaded["model"]
+    assert sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr()
+    a, b = loaded["views"]["a"], loaded["views"]["b"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert torch.equal(a, base[:10]) and torch.equal(b, base[5:])
+
+    fresh = Tied()
+    with CheckpointEngine(ckpt_dir, {"model": fresh, "views": {"a": torch.empty(10), "b": torch.empty(15)}}) as engine:
+        engine.restore()
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+
+
+def test_plain_values_round_trip(ckpt_dir):
+    values = {
+        "big_int": 2 ** 100 + 1, "neg": -(2 ** 70), "floats": [math.inf, -math.inf, -0.0, 1e-300],
+        "nan": math.nan, "text": "résumé ✓", "raw": b"\x00\xff", "tuple": (1, (2, "x")),
+        "int_keys": {1: "a", -5: "b"}, "none": None, "flag": True,
+        "array": np.arange(12, dtype=np.int16).reshape(3, 4), "scalar": np.float32(1.5),
+        "rng": np.random.RandomState(3).get_state(), "dtype": torch.bfloat16, "size": torch.Size([2, 3]),
+    }
+    state = {"values": dict(values)}
+    with CheckpointEngine(ckpt_dir, state) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        state["values"].clear()
+        assert engine.restore() == 0
+    restored = state["values"]
+    for key, value in values.items():
+        if isinstance(value, np.ndarray):
+            assert restored[key].dtype == value.dtype and np.array_equal(restored[key], value)
+        elif key == "rng":
+            assert restored[key][0] == value[0] and np.array_equal(restored[key][1], value[1])
+            assert restored[key][2:] == value[2:]
+        elif key == "nan":
+            assert math.isnan(restored[key])
+        else:
+            assert restored[key] == value and type(restored[key]) is type(value), key
+    assert math.copysign(1, restored["floats"][2]) == -1
+
+
+def test_unencodable_value_is_refused_with_its_path(ckpt_dir):
+    state = {"config": {"schedule": {"fn": lambda x: x}}}
+    with CheckpointEngine(ckpt_dir, state) as engine:
+        with pytest.raises(EncodingError, match=r"config\.schedule\.fn"):
+            engine.snapshot(0)
+        assert engine.committed_steps() == []
+        state["config"]["schedule"]["fn"] = "linear"
+        engine.snapshot(1)  # the engine is still usable
+        engine.wait()
+        assert engine.committed_steps() == [1]
+
+
+class _Opaque:
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, _Opaque) and other.x == self.x
+
+
+def test_pickle_only_when_opted_in(ckpt_dir):
+    state = {"meta": {"obj": _Opaque(3)}}
+    with CheckpointEngine(ckpt_dir, state, allow_pickle=True) as engine:
+        engine.snapshot(0)
+        engine.wait()
+    with pytest.raises(EncodingError, match="allow_pickle"):
+        load(ckpt_dir)
+    assert load(ckpt_dir, allow_pickle=True)[1]["meta"]["obj"] == _Opaque(3)
+
+
+def test_unsupported_tensor_is_refused_with_its_path(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"m": {"sparse": torch.eye(3).to_sparse()}}) as engine:
+        with pytest.raises(LayoutError, match=r"m\.sparse"):
+            engine.snapshot(0)
+
+
+def test_mismatched_state_is_refused_before_anything_loads(ckpt_dir):
+    model, opt, _ = make_training_state(width=16)
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+
+    other = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4),
+                                torch.nn.Linear(4, 4))
+    before = copy.deepcopy(other.state_dict())
+    other_opt = torch.optim.AdamW(other.parameters())
+    with CheckpointEngine(ckpt_dir, {"model": other, "optimizer": other_opt, "new": torch.zeros(2)}) as engine:
+        with pytest.raises(StateMismatchError) as info:
+            engine.restore()
+    message = str(info.value)
+    assert "model.3.weight" in message and "new" in message  # missing from the checkpoint
+    assert "model.0.weight" in message  # shape mismatch
+    assert_same(before, other.state_dict())  # nothing half-loaded
+
+    # strict=False loads what fits.
+    partial = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4),
+                                  torch.nn.Linear(4, 4))
+    with CheckpointEngine(ckpt_dir, {"model": partial}) as engine:
+        assert engine.restore(strict=False) == 0
+    assert torch.equal(partial[0].weight, model[0].weight)
+
+
+def test_restore_of_an_uncommitted_step_is_refused(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}) as engine:
+        engine.snapshot(1)
+        engine.wait()
+        with pytest.raises(NoSnapshotError, match="step 5 is not committed"):
+            engine.restore(step=5)
+        assert engine.restore(step=1) == 1
+
+
+def test_restore_after_rewind_takes_the_newest_commit(ckpt_dir):
+    t = torch.zeros(2)
+    with CheckpointEngine(ckpt_dir, {"t": t}, keep_last=3) as engine:
+        for step in (10, 11, 12):
+            t.fill_(step)
+            engine.snapshot(step)
+        engine.wait()
+        engine.restore(step=10)
+        t.fill_(-11)
+        engine.snapshot(11)  # a new timeline from step 10
+        engine.wait()
+        assert engine.committed_steps() == [10, 12, 11]
+        assert engine.restore() == 11 and t[0].item() == -11
+
+
+def test_dead_writer_raises_instead_of_hanging(ckpt_dir):
+    t = torch.zeros(1 << 20)
+    engine = CheckpointEngine(ckpt_dir, {"t": t})
+    engine.snapshot(0)
+    engine.wait()
+    os.kill(engine._writer.pid, signal.SIGKILL)
+    engine._writer.process.wait()
+    with pytest.raises(WriterDiedError, match="killed by signal 9"):
+        engine.snapshot(1)
+    with pytest.raises(WriterDiedError):
+        engine.wait()
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        engine.snapshot(2)
+    with CheckpointEngine(ckpt_dir, {"t": t}) as fresh:
+        assert fresh.restore() == 0
+
+
+def test_second_engine_on_the_same_directory_is_refused(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}):
+        with pytest.raises(CheckpointDirError, match="another engine"):
+            CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}, lock_timeout=0.2)
+
+
+def test_unusable_directory_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointDirError):
+        CheckpointEngine(str(blocker / "ckpt"), {"t": torch.zeros(1)})
+    with pytest.raises(CheckpointDirError):
+        CheckpointEngine(str(blocker), {"t": torch.zeros(1)})
+
+
+def test_invalid_arguments_are_refused(ckpt_dir):
+    for kwargs in ({"mode": "fast"}, {"every": 0}, {"keep_last": 0}, {"when_busy": "drop"},
+                   {"compression": "lz4"}, {"rank": 1}):
+        with pytest.raises(ValueError):
+            CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, **kwargs)
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}) as engine:
+        for step in (-1, 1.5, True):
+            with pytest.raises(ValueError):
+                engine.snapshot(step)
+
+
+def test_stats_report_every_stage(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.randn(1 << 18)}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        stats = engine.stats()
+    (record,) = stats["snapshots"]
+    for key in ("blocking_s", "staging_s", "capture_s", "write_s", "fsync_s", "commit_s",
+                "to_commit_s"):
+        assert record[key] >= 0, key
+    assert record["to_commit_s"] >= record["blocking_s"]
+    assert record["raw_bytes"] >= 4 << 18 and record["stored_bytes"] > record["raw_bytes"]
+    assert stats["committed"] == 1 and stats["pool_bytes"] >= 2 * (4 << 18)
+    assert stats["writer_rss"] > 0 and stats["trainer_rss"] > 0
+
+
+def test_compression_shrinks_float_and_integer_state(ckpt_dir):
+    state = {"w": (torch.randn(1 << 18) * 0.02), "ids": torch.zeros(1 << 18, dtype=torch.int64)}
+    with CheckpointEngine(ckpt_dir, state, compression="zstd") as engine:
+        engine.snapshot(0)
+        engine.wait()
+        record = engine.stats()["snapshots"][-1]
+    assert record["stored_bytes"] < 0.6 * record["raw_bytes"]
+    _, loaded = load(ckpt_dir)
+    assert_same(loaded, state)
+
+
+def test_host_memory_stays_flat_over_hundreds_of_snapshots(ckpt_dir):
+    model, opt, sched = make_training_state(width=256)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "big": torch.randn(1 << 20)}
+    with CheckpointEngine(ckpt_dir, state, keep_last=2) as engine:
+        for step in range(300):
+            engine.snapshot(step)
+            if step == 50:
+                engine.wait()
+                early = engine.stats()
+        engine.wait()
+        late = engine.stats()
+    assert late["committed"] == 300
+    growth_trainer = late["trainer_rss"] - early["trainer_rss"]
+    growth_writer = late["writer_rss"] - early["writer_rss"]
+    assert growth_trainer < 16 << 20, growth_trainer
+    assert growth_writer < 16 << 20, growth_writer
+    assert len([d for d in os.listdir(ckpt_dir) if d.startswith("step-")]) == 2
+
+
+def test_writer_process_never_imports_torch():
+    import subprocess
+    import sys
+    code = "import sys, async_ckpt.writer; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_closes_on_context_exit_even_after_an_error(ckpt_dir):
+    with pytest.raises(RuntimeError):
+        with CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}) as engine:
+            engine.snapshot(0)
+            raise RuntimeError("training crashed")
+    assert engine._closed
+    assert load(ckpt_dir)[0] == 0
+    CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}, lock_timeout=5).close()
