@@ -1,0 +1,382 @@
+"""Stall benchmark: how long a checkpoint stops the training loop, and how long until it is durable.
+
+Two numbers matter for a checkpoint of a training state:
+
+* blocking: the wall-clock time of the call in the training loop (``snapshot()``, or
+  ``torch.save`` + fsync), during which training cannot go on;
+* to-commit: the time from that call until the snapshot is durable and restorable (the engine's
+  ``to_commit_s``; for the blocking systems it equals the blocking time).
+
+Raw seconds mean little on a shared 2-core machine, so each is set against a floor, a physical
+limit of this machine measured in the same run:
+
+* copy floor: one ``copy_`` of the state's byte count into a preallocated, pre-faulted CPU buffer.
+  An asynchronous checkpoint has to copy the state at least once before training may modify it,
+  so this bounds blocking time from below.
+* dd floor: ``dd if=/dev/zero bs=1M conv=fsync`` of the same byte count. Nothing can make those
+  bytes durable faster than the disk, so this bounds to-commit time from below (compression off).
+* read (page cache): reading the dd file straight back, informative only; so is a copy into a
+  memfd shared-memory buffer like the engine's staging slots.
+
+The machine is noisy, so floors and systems are interleaved (floor, snapshot, floor, snapshot,
+..., floor) and each system is compared with the medians of the floors measured between its own
+snapshots. Systems: the engine in async mode without and with zstd, the engine in sync mode, and
+``torch.save`` + fsync. Each runs one warm-up snapshot (excluded: it allocates the staging buffer),
+then ``--repeats`` measured ones; in async mode each is followed by ``wait()`` so commits never
+overlap each other or the next floor.
+
+Run as ``python bench/stall.py [--size-gb 1.0] [--repeats 7] [--dir PATH] [--quick] [--json OUT]``.
+Progress goes to stderr, the report to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import psutil
+import torch
+
+from async_ckpt import CheckpointEngine
+
+WIDTH = 2048
+BYTES_PER_LAYER = 3 * 4 * (WIDTH * WIDTH + WIDTH)  # fp32 weight + bias, Adam exp_avg, exp_avg_sq
+QUICK_SIZE_GB, QUICK_REPEATS = 0.064, 3
+BLOCKING_TARGET, COMMIT_TARGET = 1.5, 1.3  # the core-engine issue: x copy floor, x dd floor
+TARGET_SYSTEM = "engine async"
+ENGINE_FIGURES = ("wait_slot_s", "capture_s", "staging_s", "queue_s", "write_s", "fsync_s",
+                  "commit_s")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the training state ---------------------------------------------------------------------------
+
+def build_state(size_gb: float) -> tuple[dict, int]:
+    """An MLP of Linear(2048, 2048) layers plus Adam, after one real optimizer step (so the Adam
+    moments exist). Returns the engine state and its tensor bytes."""
+    torch.manual_seed(0)
+    layers = max(1, round(size_gb * 1e9 / BYTES_PER_LAYER))
+    model = torch.nn.Sequential(*[m for _ in range(layers)
+                                  for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, WIDTH)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state = {"model": model, "optimizer": optimizer}
+    return state, tensor_bytes(state)
+
+
+def tensor_bytes(state: dict) -> int:
+    model, optimizer = state["model"], state["optimizer"]
+    moments = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in list(model.parameters()) + moments)
+
+
+# --- floors ---------------------------------------------------------------------------------------
+
+class Floors:
+    """The physical limits for ``nbytes``, measured on demand so they can be interleaved."""
+
+    def __init__(self, directory: str, nbytes: int):
+        self.directory, self.nbytes = directory, nbytes
+        self.src = torch.ones(nbytes, dtype=torch.uint8)  # faulted in by the fill
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self._shm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)  # like a staging slot
+        self.shm = torch.frombuffer(self._shm, dtype=torch.uint8)
+        self.shm.fill_(0)
+        self.samples: list[dict] = []
+
+    def measure(self) -> dict:
+        sample = {"copy_s": timed(lambda: self.dst.copy_(self.src)),
+                  "copy_shm_s": timed(lambda: self.shm.copy_(self.src)),
+                  **self._dd_and_read()}
+        self.samples.append(sample)
+        return sample
+
+    def _dd_and_read(self) -> dict:
+        path = os.path.join(self.directory, "dd.bin")
+        command = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={self.nbytes}",
+                   "iflag=count_bytes", "conv=fsync", "status=none"]
+        try:
+            dd_s = timed(lambda: subprocess.run(command, check=True))
+            read_s = timed(lambda: read_into(path, self.dst))
+        finally:
+            os.remove(path)
+        return {"dd_s": dd_s, "read_cache_s": read_s}
+
+    def close(self) -> None:
+        del self.shm
+        self._shm.close()
+
+
+def read_into(path: str, dst: torch.Tensor) -> None:
+    view = memoryview(dst.numpy())
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise EOFError(f"{path} is shorter than {len(view)} bytes")
+            done += n
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --- the systems ----------------------------------------------------------------------------------
+
+class EngineSystem:
+    """Our engine; ``snapshot`` returns the figures of one committed snapshot."""
+
+    def __init__(self, name: str, state: dict, directory: str, mode: str,
+                 compression: Optional[str]):
+        self.name, self.mode, self.directory = name, mode, directory
+        self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression)
+
+    def snapshot(self, step: int) -> dict:
+        blocking = timed(lambda: self.engine.snapshot(step, force=True))
+        self.engine.wait()
+        figures = self.engine.stats()["snapshots"][-1]
+        if figures["step"] != step:
+            raise RuntimeError(f"{self.name}: newest stats are of step {figures['step']}, not {step}")
+        record = {"step": step, "blocking_s": blocking,
+                  "to_commit_s": blocking if self.mode == "sync" else figures["to_commit_s"],
+                  "stored_bytes": figures["stored_bytes"], "engine": figures}
+        return record
+
+    def resources(self) -> dict:
+        stats = self.engine.stats()
+        return {k: stats.get(k) for k in ("trainer_rss", "writer_rss", "writer_shared", "pool_bytes")}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class TorchSaveSystem:
+    """``torch.save`` of the state dicts + fsync of the file and its directory, all blocking;
+    keeps the newest 3 files on disk like the engine's ``keep_last=3``."""
+
+    name = "torch.save + fsync"
+
+    def __init__(self, state: dict, directory: str):
+        self.state, self.directory = state, directory
+        os.makedirs(directory, exist_ok=True)
+        self.paths: list[str] = []
+
+    def snapshot(self, step: int) -> dict:
+        path = os.path.join(self.directory, f"step-{step:08d}.pt")
+        blocking = timed(lambda: self._save(path))
+        self.paths.append(path)
+        while len(self.paths) > 3:
+            os.remove(self.paths.pop(0))
+        return {"step": step, "blocking_s": blocking, "to_commit_s": blocking,
+                "stored_bytes": os.path.getsize(path)}
+
+    def _save(self, path: str) -> None:
+        with open(path, "wb") as f:
+            torch.save({k: v.state_dict() for k, v in self.state.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def resources(self) -> dict:
+        return {"trainer_rss": psutil.Process().memory_info().rss}
+
+    def close(self) -> None:
+        pass
+
+
+def system_factories(state: dict, root: str) -> list[tuple[str, Callable[[], object]]]:
+    def engine(name: str, sub: str, mode: str, compression: Optional[str]):
+        return name, lambda: EngineSystem(name, state, os.path.join(root, sub), mode, compression)
+
+    return [engine("engine async", "async", "async", None),
+            engine("engine async zstd", "async-zstd", "async", "zstd"),
+            engine("engine sync", "sync", "sync", None),
+            ("torch.save + fsync", lambda: TorchSaveSystem(state, os.path.join(root, "torch-save")))]
+
+
+def run_system(make: Callable[[], object], floors: Floors, repeats: int) -> dict:
+    """Warm-up, then floor / snapshot / floor / ... / snapshot / floor."""
+    system = make()
+    try:
+        log(f"{system.name}: warm-up")
+        warmup = system.snapshot(0)
+        first_floor = len(floors.samples)
+        runs = []
+        for step in range(1, repeats + 1):
+            floors.measure()
+            runs.append(system.snapshot(step))
+            log(f"{system.name}: {step}/{repeats} blocking {runs[-1]['blocking_s']:.3f} s, "
+                f"to-commit {runs[-1]['to_commit_s']:.3f} s")
+        floors.measure()
+        resources = system.resources()
+    finally:
+        system.close()
+        shutil.rmtree(system.directory, ignore_errors=True)  # free the disk for the next system
+    return {"warmup": warmup, "runs": runs, "floors": floors.samples[first_floor:],
+            "resources": resources}
+
+
+# --- summary --------------------------------------------------------------------------------------
+
+def med_p95(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
+
+
+def summarize(result: dict) -> dict:
+    runs, floor_samples = result["runs"], result["floors"]
+    floor = {k: float(np.median([s[k] for s in floor_samples])) for k in floor_samples[0]}
+    blocking = med_p95([r["blocking_s"] for r in runs])
+    to_commit = med_p95([r["to_commit_s"] for r in runs])
+    summary = {"blocking_s": blocking, "to_commit_s": to_commit, "floors": floor,
+               "blocking_x_copy": blocking["median"] / floor["copy_s"],
+               "to_commit_x_dd": to_commit["median"] / floor["dd_s"],
+               "stored_bytes": float(np.median([r["stored_bytes"] for r in runs]))}
+    if "engine" in runs[0]:
+        summary["engine_median_s"] = {k: float(np.median([r["engine"][k] for r in runs]))
+                                      for k in ENGINE_FIGURES}
+    return summary
+
+
+def targets(summary: dict) -> dict:
+    row = summary[TARGET_SYSTEM]
+    return {"blocking <= 1.5x copy": {"ratio": row["blocking_x_copy"],
+                                      "pass": row["blocking_x_copy"] <= BLOCKING_TARGET},
+            "to-commit <= 1.3x dd (compression off)": {"ratio": row["to_commit_x_dd"],
+                                                       "pass": row["to_commit_x_dd"] <= COMMIT_TARGET}}
+
+
+def machine() -> dict:
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "kernel": platform.release(), "loadavg_start": os.getloadavg()}
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def print_report(report: dict) -> None:
+    m, s = report["machine"], report["state"]
+    print(f"machine: nproc {m['nproc']}, RAM {m['ram_bytes'] / 2**30:.1f} GiB, torch {m['torch']} "
+          f"({m['torch_threads']} threads), Python {m['python']}, load avg at start "
+          f"{' '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
+          f"{' '.join(f'{x:.2f}' for x in report['loadavg_end'])}")
+    print(f"state: {s['layers']} x Linear({WIDTH}, {WIDTH}) + Adam, {s['bytes'] / 1e9:.3f} GB of "
+          f"tensors; {report['config']['repeats']} repeats per system after 1 warm-up")
+    gb = s["bytes"] / 1e9
+    floors = report["floors_all"]
+    print(f"floors, median of {report['floor_samples']} interleaved samples:")
+    for key, label in (("copy_s", "copy_ into a pre-faulted buffer"), ("dd_s", "dd conv=fsync"),
+                       ("read_cache_s", "read (page cache)"),
+                       ("copy_shm_s", "copy_ into shared memory (memfd-like, info)")):
+        print(f"  {label:<44} {floors[key]['median']:7.3f} s  (p95 {floors[key]['p95']:.3f} s, "
+              f"{gb / floors[key]['median']:5.2f} GB/s)")
+    print()
+    header = (f"{'system':<20} {'blocking s med':>14} {'p95':>7} {'x copy':>7} {'copy fl':>8} "
+              f"{'to-commit med':>13} {'p95':>7} {'x dd':>6} {'dd fl':>6} {'stored MB':>9}")
+    print(header)
+    print("-" * len(header))
+    for name, row in report["summary"].items():
+        b, c = row["blocking_s"], row["to_commit_s"]
+        print(f"{name:<20} {b['median']:14.3f} {b['p95']:7.3f} {row['blocking_x_copy']:7.2f} "
+              f"{row['floors']['copy_s']:8.3f} {c['median']:13.3f} {c['p95']:7.3f} "
+              f"{row['to_commit_x_dd']:6.2f} {row['floors']['dd_s']:6.2f} "
+              f"{row['stored_bytes'] / 1e6:9.1f}")
+    print()
+    print(f"targets ({TARGET_SYSTEM}, medians):")
+    for name, t in report["targets"].items():
+        print(f"  {name:<40} {t['ratio']:5.2f}x  {'PASS' if t['pass'] else 'MISS'}")
+    print()
+    print("engine time split, median s: " + ", ".join(k.removesuffix("_s") for k in ENGINE_FIGURES))
+    for name, row in report["summary"].items():
+        if "engine_median_s" in row:
+            print(f"  {name:<20} " + "  ".join(f"{row['engine_median_s'][k]:6.3f}"
+                                                for k in ENGINE_FIGURES))
+    print()
+    print("memory (MB, taken before each system closed): trainer RSS, writer RSS (of which shared), "
+          "staging pool")
+    for name, result in report["systems"].items():
+        r = result["resources"]
+        print(f"  {name:<20} trainer {mb(r.get('trainer_rss'))}, writer {mb(r.get('writer_rss'))} "
+              f"({mb(r.get('writer_shared'))}), pool {mb(r.get('pool_bytes'))}")
+    print(f"  after the run: trainer RSS {mb(report['trainer_rss_end'])}")
+
+
+def mb(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 1e6:.0f}"
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=None,
+                        help="model + Adam state in GB (default 1.0; --quick: 0.064)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="measured snapshots per system (default 7; --quick: 3)")
+    parser.add_argument("--dir", default=None,
+                        help="where to make the scratch directory (default: /tmp); it is removed")
+    parser.add_argument("--quick", action="store_true", help="small state, few repeats: a smoke test")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write raw numbers and summary")
+    args = parser.parse_args(argv)
+    if args.size_gb is None:
+        args.size_gb = QUICK_SIZE_GB if args.quick else 1.0
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else 7
+    if args.repeats < 1 or args.size_gb <= 0:
+        parser.error("--repeats and --size-gb must be positive")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    report = {"machine": machine(), "config": vars(args)}
+    root = tempfile.mkdtemp(prefix="stall-", dir=args.dir or "/tmp")
+    try:
+        state, nbytes = build_state(args.size_gb)
+        report["state"] = {"layers": len(state["model"]) // 2, "bytes": nbytes}
+        log(f"state: {nbytes / 1e9:.3f} GB; scratch directory {root}")
+        floors = Floors(root, nbytes)
+        try:
+            report["systems"] = {name: run_system(make, floors, args.repeats)
+                                 for name, make in system_factories(state, root)}
+        finally:
+            floors.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    samples = floors.samples
+    report["floor_samples"] = len(samples)
+    report["floors_all"] = {k: med_p95([s[k] for s in samples]) for k in samples[0]}
+    report["summary"] = {name: summarize(r) for name, r in report["systems"].items()}
+    report["targets"] = targets(report["summary"])
+    report["trainer_rss_end"] = psutil.Process().memory_info().rss
+    report["loadavg_end"] = os.getloadavg()
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Real processes killed with SIGKILL at random moments, and file systems that run out of space:
+every committed snapshot must still restore bit for bit, and nothing else may be restorable."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from async_ckpt import CheckpointEngine, load
+from async_ckpt.errors import DiskFullError, SnapshotWriteError
+from async_ckpt.manifest import read_manifest
+from conftest import assert_same
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
+sys.path.insert(0, PROGRAMS)
+from snapshot_loop import state_at  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MB = 24
+
+
+def start_loop(directory, compression=None):
+    return subprocess.Popen([sys.executable, os.path.join(PROGRAMS, "snapshot_loop.py"), directory,
+                             str(MB)] + ([compression] if compression else []),
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_snapshots(process, count):
+    for _ in range(count):
+        line = process.stdout.readline()
+        assert line, f"the training process exited early with code {process.wait()}"
+
+
+def wait_for_a_commit(process):
+    while True:
+        line = process.stdout.readline()
+        assert line, f"the training process exited early with code {process.wait()}"
+        if not line.rstrip().endswith("[]"):
+            return
+
+
+def kill_group(process):
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    process.stdout.close()
+
+
+def assert_every_committed_snapshot_exact(directory):
+    steps = read_manifest(directory).steps()
+    for step in steps:
+        got_step, state = load(directory, step)
+        expected = state_at(step, MB)
+        assert got_step == step
+        assert_same(expected["weights"], state["weights"])
+        assert_same(expected["step_tensor"], state["step_tensor"])
+        assert state["meta"] == expected["meta"]
+    return steps
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_job_killed_at_random_moments_resumes_from_an_exact_snapshot(tmp_path, compression):
+    directory = str(tmp_path / "ckpt")
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    newest = -1
+    for round_no in range(4):
+        process = start_loop(directory, compression)
+        wait_for_a_commit(process)
+        time.sleep(rng.uniform(0.0, 0.6))
+        kill_group(process)  # trainer and writer together, as when a node dies
+        steps = assert_every_committed_snapshot_exact(directory)
+        assert steps, f"seed {seed}: nothing committed after round {round_no}"
+        assert steps[-1] >= newest, f"seed {seed}: a committed snapshot went missing"
+        newest = steps[-1]
+
+
+def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    process = start_loop(directory)
+    wait_for_snapshots(process, 3)
+    writer = psutil.Process(process.pid).children()[0]
+    process.kill()  # the trainer only: its writer commits what was staged, then exits
+    process.wait()
+    process.stdout.close()
+    writer.wait(timeout=60)
+    assert_every_committed_snapshot_exact(directory)
+
+    # A restarted job takes the directory over and resumes from the newest committed step.
+    resumed = start_loop(directory)
+    wait_for_snapshots(resumed, 2)
+    kill_group(resumed)
+    assert_every_committed_snapshot_exact(directory)
+
+
+def test_writer_killed_mid_write_leaves_previous_snapshot_restorable(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    process = start_loop(directory)
+    wait_for_snapshots(process, 2)
+    writer = psutil.Process(process.pid).children()[0]
+    writer.kill()
+    assert process.wait(timeout=60) != 0  # the trainer sees WriterDiedError instead of hanging
+    process.stdout.close()
+    steps = assert_every_committed_snapshot_exact(directory)
+    assert steps
+
+    state = state_at(0, MB)
+    with CheckpointEngine(directory, state) as engine:
+        restored = engine.restore()
+        assert restored == steps[-1]
+        assert_same(state_at(restored, MB)["weights"], state["weights"])
+    leftovers = [d for d in os.listdir(directory) if d.startswith("step-")]
+    assert len(leftovers) == len(steps)  # the half-written directory was cleaned up
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount_point)],
+                            capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    yield str(mount_point)
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_disk_full_is_refused_up_front_and_committed_snapshots_survive(small_tmpfs):
+    directory = os.path.join(small_tmpfs, "ckpt")
+    state = {"w": torch.randn(1 << 20)}  # 4 MB: fits
+    with CheckpointEngine(directory, state, keep_last=3) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        saved = state["w"].clone()
+        state["w"] = torch.randn(4 << 20)  # 16 MB: cannot fit
+        engine.snapshot(1)
+        with pytest.raises(DiskFullError, match="not enough space"):
+            engine.wait()
+        assert engine.committed_steps() == [0]
+    assert_same(saved, load(directory)[1]["w"])
+
+
+def test_disk_full_mid_write_discards_the_snapshot_and_keeps_committed_ones(small_tmpfs):
+    directory = os.path.join(small_tmpfs, "ckpt")
+    # Zeros compress to almost nothing, so the space estimate for the next snapshot is tiny and
+    # the writer really hits ENOSPC half-way through the random data that follows.
+    state = {"w": torch.zeros(2 << 20)}
+    with CheckpointEngine(directory, state, compression="zstd") as engine:
+        engine.snapshot(0)
+        engine.wait()
+        state["w"].copy_(torch.randn(2 << 20))
+        engine.snapshot(1)
+        with pytest.raises(DiskFullError, match="disk full"):
+            engine.wait()
+        assert engine.committed_steps() == [0]
+        assert [d for d in os.listdir(directory) if d.startswith("step-")] == [read_manifest(directory).snapshots[0].dir]
+        state["w"].zero_()
+        engine.snapshot(2)  # space is back: the engine goes on
+        engine.wait()
+        assert engine.committed_steps() == [0, 2]
+    assert torch.count_nonzero(load(directory)[1]["w"]) == 0
+
+
+def test_write_failure_surfaces_as_typed_error(tmp_path):
+    # RLIMIT_FSIZE makes writes past 2 MB fail with EFBIG in the (inheriting) writer process.
+    code = f"""
+import resource, torch
+from async_ckpt import CheckpointEngine
+from async_ckpt.errors import SnapshotWriteError, DiskFullError
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+state = {{"w": torch.randn(1 << 16)}}
+with CheckpointEngine({str(tmp_path / "ckpt")!r}, state) as engine:
+    engine.snapshot(0); engine.wait()
+    state["w"] = torch.randn(1 << 20)
+    engine.snapshot(1)
+    try:
+        engine.wait()
+    except SnapshotWriteError as e:
+        assert not isinstance(e, DiskFullError)
+        print("raised", type(e).__name__, e)
+    assert engine.committed_steps() == [0], engine.committed_steps()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised SnapshotWriteError" in out.stdout
+    assert issubclass(DiskFullError, SnapshotWriteError)
