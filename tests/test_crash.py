@@ -31,12 +31,6 @@ def start_loop(directory, compression=None):
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_for_snapshots(process, count):
-    for _ in range(count):
-        line = process.stdout.readline()
-        assert line, f"the training process exited early with code {process.wait()}"
-
-
 def wait_for_a_commit(process):
     while True:
         line = process.stdout.readline()
@@ -83,7 +77,7 @@ def test_job_killed_at_random_moments_resumes_from_an_exact_snapshot(tmp_path, c
 def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):
     directory = str(tmp_path / "ckpt")
     process = start_loop(directory)
-    wait_for_snapshots(process, 3)
+    wait_for_a_commit(process)
     writer = psutil.Process(process.pid).children()[0]
     process.kill()  # the trainer only: its writer commits what was staged, then exits
     process.wait()
@@ -93,7 +87,7 @@ def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):
 
     # A restarted job takes the directory over and resumes from the newest committed step.
     resumed = start_loop(directory)
-    wait_for_snapshots(resumed, 2)
+    wait_for_a_commit(resumed)
     kill_group(resumed)
     assert_every_committed_snapshot_exact(directory)
 
@@ -101,7 +95,7 @@ def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):
 def test_writer_killed_mid_write_leaves_previous_snapshot_restorable(tmp_path):
     directory = str(tmp_path / "ckpt")
     process = start_loop(directory)
-    wait_for_snapshots(process, 2)
+    wait_for_a_commit(process)
     writer = psutil.Process(process.pid).children()[0]
     writer.kill()
     assert process.wait(timeout=60) != 0  # the trainer sees WriterDiedError instead of hanging
@@ -147,18 +141,23 @@ def test_disk_full_is_refused_up_front_and_committed_snapshots_survive(small_tmp
 
 def test_disk_full_mid_write_discards_the_snapshot_and_keeps_committed_ones(small_tmpfs):
     directory = os.path.join(small_tmpfs, "ckpt")
-    # Zeros compress to almost nothing, so the space estimate for the next snapshot is tiny and
-    # the writer really hits ENOSPC half-way through the random data that follows.
-    state = {"w": torch.zeros(2 << 20)}
+    # Zeros compress to almost nothing, so the space estimate for the next snapshot is tiny, and
+    # once something else has taken part of the disk the writer really hits ENOSPC half-way
+    # through the random data that follows.
+    n = 10 << 18  # 10 MiB of int32 on a 12 MiB file system
+    state = {"w": torch.zeros(n, dtype=torch.int32)}
     with CheckpointEngine(directory, state, compression="zstd") as engine:
         engine.snapshot(0)
         engine.wait()
-        state["w"].copy_(torch.randn(2 << 20))
+        with open(os.path.join(small_tmpfs, "other-data"), "wb") as f:
+            f.write(b"x" * (4 << 20))
+        state["w"].copy_(torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32))
         engine.snapshot(1)
         with pytest.raises(DiskFullError, match="disk full"):
             engine.wait()
         assert engine.committed_steps() == [0]
         assert [d for d in os.listdir(directory) if d.startswith("step-")] == [read_manifest(directory).snapshots[0].dir]
+        os.unlink(os.path.join(small_tmpfs, "other-data"))
         state["w"].zero_()
         engine.snapshot(2)  # space is back: the engine goes on
         engine.wait()
