@@ -54,7 +54,12 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
 
 def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:
     if is_stateful(obj):
-        return {"kind": "object", "state": encode(obj.state_dict(), path)}
+        state_dict = obj.state_dict()
+        node = {"kind": "object", "state": encode(state_dict, path)}
+        metadata = getattr(state_dict, "_metadata", None)
+        if isinstance(obj, torch.nn.Module) and metadata is not None:
+            node["metadata"] = encode(dict(metadata), _join(path, "_metadata"))  # module versions
+        return node
     if isinstance(obj, torch.Tensor):
         return {"kind": "tensor", "state": encode(obj, path)}
     if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):

@@ -8,6 +8,7 @@ anything written into the user's objects.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from dataclasses import dataclass
@@ -120,7 +121,13 @@ def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: s
             if not isinstance(node.get("entries"), dict):
                 raise CorruptSnapshotError(f"{path}: malformed state tree")
             return Entry("dict", {k: entry(v) for k, v in node["entries"].items()})
-        return Entry(node["kind"], values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf))
+        value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
+        if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
+            if not isinstance(value, dict):
+                raise CorruptSnapshotError(f"{path}: malformed module state")
+            value = collections.OrderedDict(value)
+            value._metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
+        return Entry(node["kind"], value)
 
     return entry(tree)
 

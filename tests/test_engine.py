@@ -402,3 +402,13 @@ def test_engine_closes_on_context_exit_even_after_an_error(ckpt_dir):
     assert engine._closed
     assert load(ckpt_dir)[0] == 0
     CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}, lock_timeout=5).close()
+
+
+def test_module_state_dict_metadata_survives(ckpt_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with CheckpointEngine(ckpt_dir, {"model": model}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+    loaded = load(ckpt_dir)[1]["model"]
+    assert loaded._metadata == model.state_dict()._metadata
+    assert loaded._metadata["1"]["version"] == torch.nn.BatchNorm1d._version

@@ -293,7 +293,7 @@ def test_reader_refuses_another_index_checksum(tmp_path):
         ShardReader(str(path), expected_bytes=size, expected_index_xxh3=wrong)
 
 
-def test_reader_refuses_an_identical_index_from_another_file(tmp_path):
+def test_reader_refuses_the_shard_of_another_snapshot(tmp_path):
     """The manifest's digest ties the file to the snapshot: a different shard is refused."""
     a, b = tmp_path / "a.ackpt", tmp_path / "b.ackpt"
     size_a, digest_a = write_shard(a, [(b"x" * 100, 1, False)], meta={"step": 1})
@@ -678,10 +678,12 @@ def fuzz_file(tmp_path_factory):
     return path, data, read_storages(path)
 
 
-RESERVED = range(12, 16)  # the header's reserved field: test_nonzero_reserved_header_field_is_refused
+# The header's reserved field is covered by test_nonzero_reserved_header_field_is_refused; the
+# reader ignores it today, so the fuzzer leaves it alone. Drop this exclusion once the reader checks it.
+RESERVED = range(12, 16)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, database=None)  # nothing written to the cwd
 @given(st.data())
 def test_fuzz_damaged_files_are_refused_with_typed_errors(fuzz_file, data):
     path, original, _ = fuzz_file
