@@ -184,9 +184,11 @@ class ShardReader:
     def _read_index(self, expected_xxh3: Optional[str]) -> dict:
         if self.size < HEADER_SIZE + TRAILER_SIZE:
             raise CorruptSnapshotError(f"{self.path} is too short ({self.size} bytes) to be a shard")
-        magic, version, _ = _HEADER.unpack(self._pread(HEADER_SIZE, 0))
+        magic, version, reserved = _HEADER.unpack(self._pread(HEADER_SIZE, 0))
         if magic != MAGIC:
             raise CorruptSnapshotError(f"{self.path} is not an async_ckpt shard (bad magic)")
+        if reserved != 0:
+            raise CorruptSnapshotError(f"{self.path}: the header's reserved field is not zero")
         if version != FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{self.path} is format version {version}; this async_ckpt reads version "
@@ -251,11 +253,12 @@ class ShardReader:
         """Read every chunk and return one line per damaged chunk (empty when intact)."""
         problems = []
         for i, storage in enumerate(self.index["storages"]):
-            buf = bytearray(storage["nbytes"])
-            try:
-                self.read_storage(i, buf)
-            except CorruptSnapshotError as e:
-                problems.append(str(e))
+            for j, chunk in enumerate(storage["chunks"]):
+                scratch = memoryview(bytearray(chunk["raw"]))
+                try:
+                    self._read_chunk(chunk, storage["itemsize"], scratch, f"storage {i} chunk {j}")
+                except CorruptSnapshotError as e:
+                    problems.append(str(e))
         return problems
 
 
@@ -280,7 +283,7 @@ def _validate_index(index, path: str, data_end: int) -> None:
 
     if not isinstance(index, dict):
         raise bad("not an object")
-    if index.get("format_version") != FORMAT_VERSION:
+    if type(index.get("format_version")) is not int or index["format_version"] != FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{path}: index format version {index.get('format_version')!r}, expected {FORMAT_VERSION}")
     if index.get("byteorder") != sys.byteorder:

@@ -48,7 +48,11 @@ def atomic_write(path: str, data: bytes) -> None:
         _unlink_quietly(tmp)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
     fsync_dir(directory)
 
 

@@ -132,7 +132,7 @@ def read_manifest(root: str) -> Manifest:
         raise ManifestError(f"cannot read {path}: {e.strerror}; check permissions") from e
     try:
         doc = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ManifestError(
             f"{path} is not valid JSON (damaged?). Committed snapshot directories are still on disk: "
             "run `async-ckpt verify` on the directory, or restore a step explicitly") from e
@@ -143,10 +143,34 @@ def read_manifest(root: str) -> Manifest:
             f"{path} has manifest version {doc.get('version')!r}; this async_ckpt reads version "
             f"{MANIFEST_VERSION}. Upgrade async_ckpt to read it")
     try:
+        _check_types(doc, _MANIFEST_FIELDS, "manifest")
+        for i, snapshot in enumerate(doc["snapshots"]):
+            _check_types(snapshot, _SNAPSHOT_FIELDS, f"snapshot {i}")
+            for shard in snapshot["shards"]:
+                _check_types(shard, _SHARD_FIELDS, f"snapshot {i} shard")
         snapshots = tuple(SnapshotRecord.from_json(s) for s in doc["snapshots"])
-        return Manifest(snapshots, int(doc["next_seq"]), doc.get("extra", {}))
+        return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}))
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{path} is structurally invalid ({e!r}); it was damaged or hand-edited") from e
+        raise ManifestError(f"{path} is structurally invalid ({e}); it was damaged or hand-edited") from e
+
+
+_MANIFEST_FIELDS = {"next_seq": int, "snapshots": list, "extra": dict}
+_SNAPSHOT_FIELDS = {"step": int, "seq": int, "dir": str, "committed_at": (int, float),
+                    "world_size": int, "shards": list, "raw_bytes": int, "stored_bytes": int}
+_SHARD_FIELDS = {"rank": int, "file": str, "bytes": int, "index_xxh3": str}
+
+
+def _check_types(doc, fields: dict, what: str) -> None:
+    """Raise TypeError unless ``doc`` is an object whose fields have the listed JSON types
+    (``extra`` may be absent; bools are not ints)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"{what} is not an object")
+    for name, kind in fields.items():
+        if name == "extra" and name not in doc:
+            continue
+        value = doc[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"{what}: field {name!r} has the wrong type")
 
 
 def write_manifest(root: str, manifest: Manifest) -> None:

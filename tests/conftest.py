@@ -2,6 +2,10 @@
 
 import os
 import sys
+import tempfile
+
+# Keep hypothesis's example database out of the working tree.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="hypothesis-"))
 
 import pytest
 import torch
