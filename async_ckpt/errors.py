@@ -29,6 +29,10 @@ class DiskFullError(SnapshotWriteError):
     """The file system ran out of space (ENOSPC/EDQUOT) while writing a snapshot."""
 
 
+class StagingMemoryError(CheckpointError):
+    """Host memory for the staging pool could not be allocated."""
+
+
 class LayoutError(CheckpointError):
     """The state cannot be captured: an unsupported tensor kind, or a layout the engine cannot follow."""
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .errors import StagingMemoryError
 from .plan import Plan, align_up
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,17 @@ class StagingPool:
         if replaced:
             slot.free_memory()
             size = max(align_up(plan.nbytes, _GROWTH_ALIGNMENT), _GROWTH_ALIGNMENT)
-            slot.fd = os.memfd_create(f"async_ckpt-slot{slot.index}", os.MFD_CLOEXEC)
-            os.ftruncate(slot.fd, size)
-            slot._map = mmap.mmap(slot.fd, size)
-            slot.tensor = torch.frombuffer(slot._map, dtype=torch.uint8)
-            slot.tensor.fill_(0)  # fault every page in now, not during a snapshot
+            try:
+                slot.fd = os.memfd_create(f"async_ckpt-slot{slot.index}", os.MFD_CLOEXEC)
+                os.ftruncate(slot.fd, size)
+                slot._map = mmap.mmap(slot.fd, size)
+                slot.tensor = torch.frombuffer(slot._map, dtype=torch.uint8)
+                slot.tensor.fill_(0)  # fault every page in now, not during a snapshot
+            except (OSError, RuntimeError) as e:
+                slot.free_memory()
+                raise StagingMemoryError(
+                    f"could not allocate a {size / 1e6:.0f} MB staging buffer: {e}. Free host "
+                    "memory or use fewer slots") from e
             slot.nbytes = size
             slot.buffer_id = self._next_buffer_id
             self._next_buffer_id += 1

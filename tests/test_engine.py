@@ -3,6 +3,7 @@
 import copy
 import math
 import os
+import resource
 import signal
 
 import numpy as np
@@ -11,7 +12,8 @@ import torch
 
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import (CheckpointDirError, EncodingError, EngineClosedError, LayoutError,
-                               NoSnapshotError, StateMismatchError, WriterDiedError)
+                               NoSnapshotError, StagingMemoryError, StateMismatchError,
+                               WriterDiedError)
 from conftest import assert_same, bit_equal, make_training_state, train_step
 
 
@@ -412,3 +414,17 @@ def test_module_state_dict_metadata_survives(ckpt_dir):
     loaded = load(ckpt_dir)[1]["model"]
     assert loaded._metadata == model.state_dict()._metadata
     assert loaded._metadata["1"]["version"] == torch.nn.BatchNorm1d._version
+
+
+def test_staging_memory_failure_is_typed_and_recoverable(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(4 << 20)}) as engine:
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, hard))  # memfd slots count as files
+        try:
+            with pytest.raises(StagingMemoryError, match="staging buffer"):
+                engine.snapshot(0)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        engine.snapshot(1)
+        engine.wait()
+        assert engine.committed_steps() == [1]
