@@ -97,6 +97,7 @@ class Floors:
         self._shm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)  # like a staging slot
         self.shm = torch.frombuffer(self._shm, dtype=torch.uint8)
         self.shm.fill_(0)
+        self.buffer_bytes = 3 * nbytes
         self.samples: list[dict] = []
 
     def measure(self) -> dict:
@@ -244,6 +245,13 @@ def med_p95(values: list[float]) -> dict:
     return {"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
 
 
+def paired_ratio(runs: list[dict], floor_samples: list[dict], key: str, floor_key: str) -> float:
+    """Median over runs of each run's time / the mean of the two floors measured around it: less
+    sensitive than a ratio of medians when the machine's speed drifts during the run."""
+    return float(np.median([r[key] / ((before[floor_key] + after[floor_key]) / 2)
+                            for r, before, after in zip(runs, floor_samples, floor_samples[1:])]))
+
+
 def summarize(result: dict) -> dict:
     runs, floor_samples = result["runs"], result["floors"]
     floor = {k: float(np.median([s[k] for s in floor_samples])) for k in floor_samples[0]}
@@ -252,6 +260,8 @@ def summarize(result: dict) -> dict:
     summary = {"blocking_s": blocking, "to_commit_s": to_commit, "floors": floor,
                "blocking_x_copy": blocking["median"] / floor["copy_s"],
                "to_commit_x_dd": to_commit["median"] / floor["dd_s"],
+               "blocking_x_copy_paired": paired_ratio(runs, floor_samples, "blocking_s", "copy_s"),
+               "to_commit_x_dd_paired": paired_ratio(runs, floor_samples, "to_commit_s", "dd_s"),
                "stored_bytes": float(np.median([r["stored_bytes"] for r in runs]))}
     if "engine" in runs[0]:
         summary["engine_median_s"] = {k: float(np.median([r["engine"][k] for r in runs]))
@@ -293,16 +303,20 @@ def print_report(report: dict) -> None:
         print(f"  {label:<44} {floors[key]['median']:7.3f} s  (p95 {floors[key]['p95']:.3f} s, "
               f"{gb / floors[key]['median']:5.2f} GB/s)")
     print()
-    header = (f"{'system':<20} {'blocking s med':>14} {'p95':>7} {'x copy':>7} {'copy fl':>8} "
-              f"{'to-commit med':>13} {'p95':>7} {'x dd':>6} {'dd fl':>6} {'stored MB':>9}")
+    header = (f"{'system':<20} {'blocking s med':>14} {'p95':>6} {'x copy (paired)':>15} "
+              f"{'copy fl':>7} {'to-commit s med':>15} {'p95':>6} {'x dd (paired)':>13} "
+              f"{'dd fl':>6} {'stored MB':>9}")
     print(header)
     print("-" * len(header))
     for name, row in report["summary"].items():
         b, c = row["blocking_s"], row["to_commit_s"]
-        print(f"{name:<20} {b['median']:14.3f} {b['p95']:7.3f} {row['blocking_x_copy']:7.2f} "
-              f"{row['floors']['copy_s']:8.3f} {c['median']:13.3f} {c['p95']:7.3f} "
-              f"{row['to_commit_x_dd']:6.2f} {row['floors']['dd_s']:6.2f} "
-              f"{row['stored_bytes'] / 1e6:9.1f}")
+        print(f"{name:<20} {b['median']:14.3f} {b['p95']:6.3f} "
+              f"{row['blocking_x_copy']:7.2f} ({row['blocking_x_copy_paired']:5.2f}) "
+              f"{row['floors']['copy_s']:7.3f} {c['median']:15.3f} {c['p95']:6.3f} "
+              f"{row['to_commit_x_dd']:5.2f} ({row['to_commit_x_dd_paired']:5.2f}) "
+              f"{row['floors']['dd_s']:6.2f} {row['stored_bytes'] / 1e6:9.1f}")
+    print("x copy, x dd: the system's median / the median of the floors measured between its runs; "
+          "(paired): median of each run / the mean of the two floors around it")
     print()
     print(f"targets ({TARGET_SYSTEM}, medians):")
     for name, t in report["targets"].items():
@@ -320,7 +334,9 @@ def print_report(report: dict) -> None:
         r = result["resources"]
         print(f"  {name:<20} trainer {mb(r.get('trainer_rss'))}, writer {mb(r.get('writer_rss'))} "
               f"({mb(r.get('writer_shared'))}), pool {mb(r.get('pool_bytes'))}")
-    print(f"  after the run: trainer RSS {mb(report['trainer_rss_end'])}")
+    print(f"  after the run: trainer RSS {mb(report['trainer_rss_end'])}; every trainer figure "
+          f"includes the state ({mb(s['bytes'])}) and this benchmark's floor buffers "
+          f"({mb(report['floor_buffer_bytes'])})")
 
 
 def mb(n: Optional[int]) -> str:
@@ -366,6 +382,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     samples = floors.samples
+    report["floor_buffer_bytes"] = floors.buffer_bytes
     report["floor_samples"] = len(samples)
     report["floors_all"] = {k: med_p95([s[k] for s in samples]) for k in samples[0]}
     report["summary"] = {name: summarize(r) for name, r in report["systems"].items()}
