@@ -18,12 +18,14 @@ limit of this machine measured in the same run:
 * read (page cache): reading the dd file straight back, informative only; so is a copy into a
   memfd shared-memory buffer like the engine's staging slots.
 
-The machine is noisy, so floors and systems are interleaved (floor, snapshot, floor, snapshot,
-..., floor) and each system is compared with the medians of the floors measured between its own
-snapshots. Systems: the engine in async mode without and with zstd, the engine in sync mode, and
-``torch.save`` + fsync. Each runs one warm-up snapshot (excluded: it allocates the staging buffer),
-then ``--repeats`` measured ones; in async mode each is followed by ``wait()`` so commits never
-overlap each other or the next floor.
+The machine is noisy (shared with other jobs; a VM whose freed memory goes back to the host, so
+memory touched for the first time in a while, page cache included, is slow), so measurements are
+interleaved: after one warm-up snapshot per system (excluded: it allocates the staging buffer),
+each of ``--repeats`` rounds runs floor, snapshot, floor, snapshot, ... once per system, in an
+order rotated every round, and a last floor closes the run. Each system is compared with the
+medians of the floors measured around its own snapshots, and also run by run (paired). Systems: the
+engine in async mode without and with zstd, in sync mode, and ``torch.save`` + fsync; in async
+mode each snapshot is followed by ``wait()`` so that commits never overlap each other or a floor.
 
 Run as ``python bench/stall.py [--size-gb 1.0] [--repeats 7] [--dir PATH] [--quick] [--json OUT]``.
 Progress goes to stderr, the report to stdout.
@@ -207,36 +209,56 @@ class TorchSaveSystem:
         pass
 
 
-def system_factories(state: dict, root: str) -> list[tuple[str, Callable[[], object]]]:
-    def engine(name: str, sub: str, mode: str, compression: Optional[str]):
-        return name, lambda: EngineSystem(name, state, os.path.join(root, sub), mode, compression)
+def open_systems(state: dict, root: str) -> list:
+    def engine(name: str, sub: str, mode: str, compression: Optional[str]) -> EngineSystem:
+        return EngineSystem(name, state, os.path.join(root, sub), mode, compression)
 
-    return [engine("engine async", "async", "async", None),
-            engine("engine async zstd", "async-zstd", "async", "zstd"),
-            engine("engine sync", "sync", "sync", None),
-            ("torch.save + fsync", lambda: TorchSaveSystem(state, os.path.join(root, "torch-save")))]
-
-
-def run_system(make: Callable[[], object], floors: Floors, repeats: int) -> dict:
-    """Warm-up, then floor / snapshot / floor / ... / snapshot / floor."""
-    system = make()
+    makers = [lambda: engine("engine async", "async", "async", None),
+              lambda: engine("engine async zstd", "async-zstd", "async", "zstd"),
+              lambda: engine("engine sync", "sync", "sync", None),
+              lambda: TorchSaveSystem(state, os.path.join(root, "torch-save"))]
+    systems = []
     try:
+        for make in makers:
+            systems.append(make())
+    except BaseException:
+        close_systems(systems)
+        raise
+    return systems
+
+
+def close_systems(systems: list) -> None:
+    for system in systems:
+        try:
+            system.close()
+        finally:
+            shutil.rmtree(system.directory, ignore_errors=True)
+
+
+def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
+    """A warm-up snapshot per system, then ``repeats`` rounds of floor / snapshot for each system,
+    in an order rotated every round, and a last floor. Each run records the floor samples taken
+    just before and just after it."""
+    results = {}
+    for system in systems:
         log(f"{system.name}: warm-up")
-        warmup = system.snapshot(0)
-        first_floor = len(floors.samples)
-        runs = []
-        for step in range(1, repeats + 1):
-            floors.measure()
-            runs.append(system.snapshot(step))
-            log(f"{system.name}: {step}/{repeats} blocking {runs[-1]['blocking_s']:.3f} s, "
-                f"to-commit {runs[-1]['to_commit_s']:.3f} s")
-        floors.measure()
-        resources = system.resources()
-    finally:
-        system.close()
-        shutil.rmtree(system.directory, ignore_errors=True)  # free the disk for the next system
-    return {"warmup": warmup, "runs": runs, "floors": floors.samples[first_floor:],
-            "resources": resources}
+        results[system.name] = {"warmup": system.snapshot(0), "runs": []}
+    previous = None
+    for step in range(1, repeats + 1):
+        shift = (step - 1) % len(systems)
+        for system in systems[shift:] + systems[:shift]:
+            sample = floors.measure()
+            if previous is not None:
+                previous["floor_after"] = sample
+            previous = system.snapshot(step)
+            previous["floor_before"] = sample
+            results[system.name]["runs"].append(previous)
+            log(f"round {step}/{repeats} {system.name}: blocking {previous['blocking_s']:.3f} s, "
+                f"to-commit {previous['to_commit_s']:.3f} s")
+    previous["floor_after"] = floors.measure()
+    for system in systems:
+        results[system.name]["resources"] = system.resources()
+    return results
 
 
 # --- summary --------------------------------------------------------------------------------------
@@ -245,23 +267,24 @@ def med_p95(values: list[float]) -> dict:
     return {"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
 
 
-def paired_ratio(runs: list[dict], floor_samples: list[dict], key: str, floor_key: str) -> float:
+def paired_ratio(runs: list[dict], key: str, floor_key: str) -> float:
     """Median over runs of each run's time / the mean of the two floors measured around it: less
     sensitive than a ratio of medians when the machine's speed drifts during the run."""
-    return float(np.median([r[key] / ((before[floor_key] + after[floor_key]) / 2)
-                            for r, before, after in zip(runs, floor_samples, floor_samples[1:])]))
+    return float(np.median([r[key] * 2 / (r["floor_before"][floor_key] + r["floor_after"][floor_key])
+                            for r in runs]))
 
 
 def summarize(result: dict) -> dict:
-    runs, floor_samples = result["runs"], result["floors"]
+    runs = result["runs"]
+    floor_samples = [r["floor_before"] for r in runs] + [runs[-1]["floor_after"]]
     floor = {k: float(np.median([s[k] for s in floor_samples])) for k in floor_samples[0]}
     blocking = med_p95([r["blocking_s"] for r in runs])
     to_commit = med_p95([r["to_commit_s"] for r in runs])
     summary = {"blocking_s": blocking, "to_commit_s": to_commit, "floors": floor,
                "blocking_x_copy": blocking["median"] / floor["copy_s"],
                "to_commit_x_dd": to_commit["median"] / floor["dd_s"],
-               "blocking_x_copy_paired": paired_ratio(runs, floor_samples, "blocking_s", "copy_s"),
-               "to_commit_x_dd_paired": paired_ratio(runs, floor_samples, "to_commit_s", "dd_s"),
+               "blocking_x_copy_paired": paired_ratio(runs, "blocking_s", "copy_s"),
+               "to_commit_x_dd_paired": paired_ratio(runs, "to_commit_s", "dd_s"),
                "stored_bytes": float(np.median([r["stored_bytes"] for r in runs]))}
     if "engine" in runs[0]:
         summary["engine_median_s"] = {k: float(np.median([r["engine"][k] for r in runs]))
@@ -275,6 +298,15 @@ def targets(summary: dict) -> dict:
                                       "pass": row["blocking_x_copy"] <= BLOCKING_TARGET},
             "to-commit <= 1.3x dd (compression off)": {"ratio": row["to_commit_x_dd"],
                                                        "pass": row["to_commit_x_dd"] <= COMMIT_TARGET}}
+
+
+def vmstat() -> dict:
+    """Kernel reclaim counters: when they move during the run, memory pressure slowed page-cache
+    writes (the floors' and the systems' alike)."""
+    keys = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
+    with open("/proc/vmstat") as f:
+        counters = dict(line.split() for line in f)
+    return {k: int(counters.get(k, 0)) for k in keys}
 
 
 def machine() -> dict:
@@ -315,8 +347,9 @@ def print_report(report: dict) -> None:
               f"{row['floors']['copy_s']:7.3f} {c['median']:15.3f} {c['p95']:6.3f} "
               f"{row['to_commit_x_dd']:5.2f} ({row['to_commit_x_dd_paired']:5.2f}) "
               f"{row['floors']['dd_s']:6.2f} {row['stored_bytes'] / 1e6:9.1f}")
-    print("x copy, x dd: the system's median / the median of the floors measured between its runs; "
-          "(paired): median of each run / the mean of the two floors around it")
+    print("x copy, x dd: the system's median / the median of the floors measured just before its "
+          "runs (and after its last); (paired): median of each run / the mean of the floors just "
+          "before and after it")
     print()
     print(f"targets ({TARGET_SYSTEM}, medians):")
     for name, t in report["targets"].items():
@@ -328,8 +361,8 @@ def print_report(report: dict) -> None:
             print(f"  {name:<20} " + "  ".join(f"{row['engine_median_s'][k]:6.3f}"
                                                 for k in ENGINE_FIGURES))
     print()
-    print("memory (MB, taken before each system closed): trainer RSS, writer RSS (of which shared), "
-          "staging pool")
+    print("memory (MB, after the last round, every system open): trainer RSS, writer RSS (of which "
+          "shared), staging pool")
     for name, result in report["systems"].items():
         r = result["resources"]
         print(f"  {name:<20} trainer {mb(r.get('trainer_rss'))}, writer {mb(r.get('writer_rss'))} "
@@ -337,6 +370,8 @@ def print_report(report: dict) -> None:
     print(f"  after the run: trainer RSS {mb(report['trainer_rss_end'])}; every trainer figure "
           f"includes the state ({mb(s['bytes'])}) and this benchmark's floor buffers "
           f"({mb(report['floor_buffer_bytes'])})")
+    print("reclaim during the run (/proc/vmstat): "
+          + ", ".join(f"{k} {v}" for k, v in report["vmstat_delta"].items()))
 
 
 def mb(n: Optional[int]) -> str:
@@ -368,6 +403,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     report = {"machine": machine(), "config": vars(args)}
+    vmstat_start = vmstat()
     root = tempfile.mkdtemp(prefix="stall-", dir=args.dir or "/tmp")
     try:
         state, nbytes = build_state(args.size_gb)
@@ -375,8 +411,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         log(f"state: {nbytes / 1e9:.3f} GB; scratch directory {root}")
         floors = Floors(root, nbytes)
         try:
-            report["systems"] = {name: run_system(make, floors, args.repeats)
-                                 for name, make in system_factories(state, root)}
+            systems = open_systems(state, root)
+            try:
+                report["systems"] = run_rounds(systems, floors, args.repeats)
+            finally:
+                close_systems(systems)
         finally:
             floors.close()
     finally:
@@ -385,10 +424,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     report["floor_buffer_bytes"] = floors.buffer_bytes
     report["floor_samples"] = len(samples)
     report["floors_all"] = {k: med_p95([s[k] for s in samples]) for k in samples[0]}
+    report["floors_raw"] = samples
     report["summary"] = {name: summarize(r) for name, r in report["systems"].items()}
     report["targets"] = targets(report["summary"])
     report["trainer_rss_end"] = psutil.Process().memory_info().rss
     report["loadavg_end"] = os.getloadavg()
+    report["vmstat_delta"] = {k: v - vmstat_start[k] for k, v in vmstat().items()}
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

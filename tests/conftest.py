@@ -5,7 +5,8 @@ import sys
 import tempfile
 
 # Keep hypothesis's example database out of the working tree.
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="hypothesis-"))
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), "async_ckpt-hypothesis"))
 
 import pytest
 import torch
