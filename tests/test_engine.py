@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.errors import (CheckpointDirError, EncodingError, EngineClosedError, LayoutError,
-                               NoSnapshotError, StagingMemoryError, StateMismatchError,
-                               WriterDiedError)
+from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
+                               EngineClosedError, LayoutError, ManifestError, NoSnapshotError,
+                               StagingMemoryError, StateMismatchError, WriterDiedError)
+from async_ckpt.manifest import read_manifest
 from conftest import assert_same, bit_equal, make_training_state, train_step
 
 
@@ -428,3 +429,62 @@ def test_staging_memory_failure_is_typed_and_recoverable(ckpt_dir):
         engine.snapshot(1)
         engine.wait()
         assert engine.committed_steps() == [1]
+
+
+def _newest_shard(directory):
+    record = read_manifest(directory).snapshots[-1]
+    return os.path.join(directory, record.dir, record.shards[0].file)
+
+
+def _three_snapshots(ckpt_dir):
+    t = torch.zeros(1 << 16)
+    with CheckpointEngine(ckpt_dir, {"t": t}, compression="zstd") as engine:
+        for step in range(3):
+            t.copy_(torch.randn(1 << 16) * 0.02)
+            engine.snapshot(step)
+            engine.wait()
+    return t.clone()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_newest_snapshot_falls_back_to_the_previous_one(ckpt_dir, damage, caplog):
+    _three_snapshots(ckpt_dir)
+    expected_step1 = load(ckpt_dir, 1)[1]["t"]
+    path = _newest_shard(ckpt_dir)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.unlink(path)
+    target = {"t": torch.empty(1 << 16)}
+    with CheckpointEngine(ckpt_dir, target) as engine:
+        assert engine.restore() == 1
+        with pytest.raises(CorruptSnapshotError):
+            engine.restore(step=2)  # an explicit step never falls back
+    assert bit_equal(target["t"], expected_step1)
+    assert "step 2 is unusable" in caplog.text
+
+
+def test_every_snapshot_damaged_raises_and_loads_nothing(ckpt_dir):
+    _three_snapshots(ckpt_dir)
+    for record in read_manifest(ckpt_dir).snapshots:
+        path = os.path.join(ckpt_dir, record.dir, record.shards[0].file)
+        os.truncate(path, 100)
+    target = {"t": torch.full((1 << 16,), 7.0)}
+    with CheckpointEngine(ckpt_dir, target) as engine:
+        with pytest.raises(NoSnapshotError, match="every committed snapshot"):
+            engine.restore()
+    assert torch.all(target["t"] == 7.0)
+
+
+def test_garbage_manifest_is_a_typed_error(ckpt_dir):
+    _three_snapshots(ckpt_dir)
+    with open(os.path.join(ckpt_dir, "manifest.json"), "wb") as f:
+        f.write(b"\x00garbage{")
+    with pytest.raises(ManifestError):
+        load(ckpt_dir)
