@@ -298,6 +298,9 @@ class CheckpointEngine:
             figures = event[2]
             record.update(figures)
             record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
+            record["staging_gbps"] = record["staged_bytes"] / max(record["staging_s"], 1e-9) / 1e9
+            record["durable_gbps"] = figures["stored_bytes"] / max(
+                figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9
             self._counts["committed"] += 1
             self._history.append(record)
             log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
