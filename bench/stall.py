@@ -393,7 +393,8 @@ def mb(n: Optional[int]) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=None,
-                        help="model + Adam state in GB (default 1.0; --quick: 0.064)")
+                        help="model + Adam state in GB, rounded to whole 50 MB layers (at least "
+                             "one); default 1.0, --quick 0.064")
     parser.add_argument("--repeats", type=int, default=None,
                         help="measured snapshots per system (default 7; --quick: 3)")
     parser.add_argument("--dir", default=None,
