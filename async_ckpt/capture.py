@@ -17,6 +17,7 @@ import torch
 from . import values
 from .errors import LayoutError
 from .plan import ALIGNMENT, Plan, Region, TensorRecord, align_up
+from .rng import generator_adapter
 
 DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -31,8 +32,12 @@ class Captured:
     tensors: list[torch.Tensor]
 
 
-def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+def as_stateful(obj: Any) -> Any:
+    """``obj`` itself if it has ``state_dict``/``load_state_dict``, an adapter for a torch or NumPy
+    generator, else None."""
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return obj
+    return generator_adapter(obj)
 
 
 def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
@@ -53,8 +58,9 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
 
 
 def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:
-    if is_stateful(obj):
-        state_dict = obj.state_dict()
+    stateful = as_stateful(obj)
+    if stateful is not None:
+        state_dict = stateful.state_dict()
         node = {"kind": "object", "state": encode(state_dict, path)}
         metadata = getattr(state_dict, "_metadata", None)
         if isinstance(obj, torch.nn.Module) and metadata is not None:

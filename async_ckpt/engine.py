@@ -27,11 +27,13 @@ from .errors import (CheckpointDirError, CorruptSnapshotError, EngineClosedError
 from .fsutil import ensure_writable_dir
 from .manifest import leftovers, read_manifest, remove_paths
 from .restore import Entry, apply, read_snapshot
+from .rng import GlobalRNG
 from .staging import StagingPool
 from .writer import WriterClient
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
+RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
 _CLOSE_TIMEOUT_S = 600.0
 
 
@@ -54,6 +56,8 @@ class CheckpointEngine:
             data); ``level`` is the zstd level.
         allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
             values to be loaded. Off by default: loading then never runs code from the file.
+        rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
+            restore them with it, so a resumed run draws the same random numbers.
         rank, world_size: this process's shard of a snapshot (one file per rank).
         writer_nice: niceness added to the writer process; ``writer_low_io`` lowers its I/O
             priority, so training keeps the CPU and the disk queue.
@@ -65,7 +69,7 @@ class CheckpointEngine:
                  mode: str = "async", every: int = 1, keep_last: int = 3,
                  keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
                  compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
-                 rank: int = 0, world_size: int = 1, writer_nice: int = 10,
+                 rng: bool = True, rank: int = 0, world_size: int = 1, writer_nice: int = 10,
                  writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0):
         _require(mode in ("async", "sync"), f"mode must be 'async' or 'sync', not {mode!r}")
         _require(when_busy in ("wait", "skip"), f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
@@ -77,10 +81,12 @@ class CheckpointEngine:
         _require(0 <= rank < world_size, "rank must be in [0, world_size)")
         if not isinstance(state, MutableMapping):
             raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
+        _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
         self.directory = ensure_writable_dir(directory)
         self.state = state
         self.mode, self.every, self.when_busy = mode, every, when_busy
         self.allow_pickle, self.rank, self.world_size = allow_pickle, rank, world_size
+        self._rng = GlobalRNG() if rng else None
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
         self._pending: collections.deque[dict] = collections.deque()
@@ -156,7 +162,8 @@ class CheckpointEngine:
                         self._counts["skipped"])
             return False
         t_slot = time.perf_counter()
-        captured = capture(self.state, self.allow_pickle)
+        captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
+                           self.allow_pickle)
         plan, sources = plan_layout(captured.tensors)
         old_buffer = slot.buffer_id
         if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
@@ -200,7 +207,10 @@ class CheckpointEngine:
         step_found, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle)
         if loaded is None:
             return None
+        rng = loaded.value.pop(RNG_KEY, None)
         apply(self.state, loaded, step_found, strict)
+        if self._rng is not None and rng is not None:
+            self._rng.load_state_dict(rng.value)
         log.info("restored step %d from %s", step_found, self.directory)
         return step_found
 
@@ -358,4 +368,5 @@ def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int 
     found, loaded = read_committed(directory, step, rank, allow_pickle)
     if loaded is None:
         raise NoSnapshotError(f"{directory} holds no committed snapshot")
+    loaded.value.pop(RNG_KEY, None)
     return found, loaded.plain()

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from . import values
-from .capture import DTYPES, is_stateful
+from .capture import DTYPES, as_stateful
 from .errors import CorruptSnapshotError, StateMismatchError
 from .format import ShardReader
 from .manifest import SnapshotRecord
@@ -174,7 +174,7 @@ def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
 def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: bool) -> None:
     where = path or "<state>"
     if saved.kind == "dict":
-        if not isinstance(current, MutableMapping) or is_stateful(current):
+        if not isinstance(current, MutableMapping) or as_stateful(current) is not None:
             mismatch.mismatched.append(f"{where} (saved a dict, registered a {type(current).__name__})")
             return
         for key in saved.value.keys() - current.keys():
@@ -186,7 +186,7 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
         for key in saved.value.keys() & current.keys():
             _check(_join(path, key), current[key], saved.value[key], mismatch, strict)
     elif saved.kind == "object":
-        if not is_stateful(current):
+        if as_stateful(current) is None:
             mismatch.mismatched.append(f"{where} (saved a state_dict, registered a {type(current).__name__})")
         elif isinstance(current, torch.nn.Module):
             _check_module(path, current, saved.value, mismatch, strict)
@@ -225,7 +225,7 @@ def _load(current: Any, saved: Entry, strict: bool) -> None:
             current.load_state_dict(_matching(current, saved.value) if not strict else saved.value,
                                     strict=strict)
         else:
-            current.load_state_dict(saved.value)
+            as_stateful(current).load_state_dict(saved.value)
     elif saved.kind == "tensor":
         with torch.no_grad():
             current.copy_(saved.value)

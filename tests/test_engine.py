@@ -168,7 +168,8 @@ def test_tensors_sharing_storage_share_it_again(ckpt_dir):
 
     model = Tied()
     base = torch.arange(20.0)
-    with CheckpointEngine(ckpt_dir, {"model": model, "views": {"a": base[:10], "b": base[5:]}}) as engine:
+    with CheckpointEngine(ckpt_dir, {"model": model, "views": {"a": base[:10], "b": base[5:]}},
+                          rng=False) as engine:
         engine.snapshot(0)
         engine.wait()
         stored = engine.stats()["snapshots"][-1]["raw_bytes"]
@@ -488,3 +489,50 @@ def test_garbage_manifest_is_a_typed_error(ckpt_dir):
         f.write(b"\x00garbage{")
     with pytest.raises(ManifestError):
         load(ckpt_dir)
+
+
+def test_global_rng_states_are_saved_and_restored(ckpt_dir):
+    import random
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        expected = (random.random(), np.random.rand(), torch.rand(3))
+        random.seed(9)
+        np.random.seed(9)
+        torch.manual_seed(9)
+        assert engine.restore() == 0
+        got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_rng_can_be_left_alone(ckpt_dir):
+    torch.manual_seed(3)
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, rng=False) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        torch.manual_seed(9)
+        expected = torch.rand(3)
+        torch.manual_seed(9)
+        engine.restore()
+        assert torch.equal(torch.rand(3), expected)
+    assert "__async_ckpt_rng__" not in load(ckpt_dir)[1]
+
+
+def test_user_generators_are_ordinary_state(ckpt_dir):
+    gen = torch.Generator().manual_seed(5)
+    np_gen = np.random.default_rng(6)
+    legacy = np.random.RandomState(7)
+    with CheckpointEngine(ckpt_dir, {"gen": gen, "np_gen": np_gen, "legacy": legacy}) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        expected = (torch.rand(4, generator=gen), np_gen.random(3), legacy.rand(2))
+        gen.manual_seed(123)
+        np_gen.random(10)
+        legacy.seed(1)
+        engine.restore()
+    assert torch.equal(torch.rand(4, generator=gen), expected[0])
+    assert np.array_equal(np_gen.random(3), expected[1])
+    assert np.array_equal(legacy.rand(2), expected[2])
