@@ -1,0 +1,480 @@
+"""Data position for exact resume: samplers whose position is saved with the checkpoint.
+
+A ``DataLoader`` has no state of its own, and its sampler cannot tell what training consumed: the
+loader draws indices ahead of the training loop (``prefetch_factor`` batches per worker), so by the
+time the loop finishes batch *k* the sampler may already have handed out batch *k + 8*. Here the
+**training loop** advances the position, one call per batch it consumed, and the sampler only
+reads that position when an epoch's iteration starts::
+
+    from torch.utils.data import DataLoader
+    from async_ckpt import CheckpointEngine
+    from async_ckpt.data import ResumableSampler
+
+    sampler = ResumableSampler(len(dataset), shuffle=True, seed=0, batch_size=32)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=4,
+                        generator=torch.Generator())            # see "The loader's own draw"
+    engine = CheckpointEngine("ckpt", {"model": model, "optimizer": opt, "sampler": sampler})
+    step = engine.restore()                                      # also restores the position
+    step = 0 if step is None else step + 1
+    for epoch in sampler.epochs(num_epochs):     # from the restored epoch on
+        for batch in loader:                     # from the first batch not yet consumed
+            train_step(batch)
+            sampler.advance()                    # after the step, before the snapshot
+            engine.snapshot(step)
+            step += 1
+
+Without :meth:`ResumableSampler.epochs`, drive it like ``DistributedSampler``::
+
+    for epoch in range(sampler.epoch, num_epochs):   # start from the restored epoch
+        sampler.set_epoch(epoch)                     # same epoch: keeps the restored position
+        for batch in loader: ...; sampler.advance(); engine.snapshot(step)
+
+Position
+--------
+The position is ``(epoch, consumed)``: the epoch being trained and how many of its batches the
+loop has consumed, i.e. the *next* batch to train. ``advance()`` after an epoch's last batch moves
+it to ``(epoch + 1, 0)`` at once, so a snapshot taken right after the last batch (inside the inner
+loop, or after it) resumes at the first batch of the next epoch, in that epoch's order: no epoch
+is dropped, repeated, or reshuffled. A snapshot after the last batch of the last epoch resumes
+with ``epoch == num_epochs``, and ``epochs(num_epochs)`` then yields nothing. Nothing depends on
+when the loader's iterator is exhausted. (The stock ``RandomSampler`` with a generator draws one
+more ``randperm`` when its iterator runs dry, which happens after the loop body of the last batch
+or, with workers, long before it; a generator state saved inside the loop is one the uninterrupted
+run never continues from, and a resumed run shuffles the next epoch differently.)
+
+The epoch's indices are computed when its iteration starts (``iter(loader)``), from the position at
+that moment; ``advance()`` during the epoch never changes what the running iterator yields. Restore
+before starting an epoch's iteration. An iteration that starts the next epoch early (a wrapper that
+prefetches across epoch boundaries) is not supported.
+
+``advance()`` raises if the loader yields more batches than the sampler expects (a ``batch_size``
+or ``drop_last`` that differs from the loader's); ``epochs()`` warns when an epoch ends with fewer
+batches advanced than it holds. A loop that ends an epoch early on purpose calls
+``sampler.set_epoch(epoch + 1)`` before that epoch's last snapshot, so the snapshot says so.
+
+Order
+-----
+The order of an epoch is a pure function of ``(seed, epoch)`` (and the dataset length): the pair is
+hashed with BLAKE2b (so ``(seed, epoch + 1)`` and ``(seed + 1, epoch)`` are unrelated orders, unlike
+``DistributedSampler``'s ``seed + epoch``) and seeds NumPy's legacy ``RandomState`` (MT19937), whose
+stream NumPy keeps frozen across versions (NEP 19). The order therefore does not depend on torch's
+``randperm`` implementation, on any global RNG, or on worker processes, and is the same after a
+restart with another torch version. ``shuffle=False`` yields ``0, 1, 2, ...`` every epoch.
+
+Per-sample randomness
+---------------------
+Random augmentation that draws from a worker's global RNG depends on which worker loads a sample
+and on how many samples that worker loaded before, so it changes with ``num_workers`` and after a
+resume. Instead, draw from :func:`sample_generator`, a generator seeded from ``(seed, epoch,
+index)`` alone. ``Dataset.__getitem__`` receives only the index, so build the sampler with
+``with_epoch=True``: it then yields :class:`EpochIndex` values, ints that carry the epoch they were
+drawn for. They travel with the index to whichever worker loads it, so this is right with any
+``num_workers``, with ``persistent_workers=True`` (where a dataset attribute set from the training
+process would be stale in the workers), and after a resume::
+
+    class Augmented(torch.utils.data.Dataset):
+        def __init__(self, images, seed):
+            self.images, self.seed = images, seed
+        def __len__(self):
+            return len(self.images)
+        def __getitem__(self, i):               # i: an EpochIndex
+            g = sample_generator(self.seed, i.epoch, i)
+            x = self.images[i]
+            if torch.rand((), generator=g) < 0.5:
+                x = x.flip(-1)
+            return x + 0.1 * torch.randn(x.shape, generator=g)
+
+    sampler = ResumableSampler(len(ds), seed=0, batch_size=32, with_epoch=True)
+
+An ``EpochIndex`` is an ``int`` everywhere else (indexing, arithmetic, comparisons, hashing,
+collation); it also unpacks as ``epoch, index = i`` for datasets written for pairs. For
+NumPy, use ``np.random.default_rng(sample_seed(seed, epoch, i))``. A padded duplicate of an index in
+the distributed sampler gets the same draws as the original.
+
+Distributed
+-----------
+:class:`DistributedResumableSampler` shards like ``torch.utils.data.DistributedSampler``: the same
+epoch order on every rank, padded by repeating its head (``drop_last=False``) or cut to a multiple
+of ``num_replicas`` (``drop_last=True``), rank *r* taking positions ``r, r + R, r + 2R, ...``. Given
+the same order, every rank gets exactly the indices ``DistributedSampler`` would give it, and with
+``shuffle=False`` the assignment is identical; with ``shuffle=True`` the order itself differs (see
+Order). Every rank has the same number of batches per epoch, so in data-parallel training all ranks
+are at the same position; a snapshot may therefore be restored on a rank with another number
+(the position is kept, this sampler's shard is used). Restoring with another ``num_replicas`` is
+refused: re-sharding mid-epoch is out of scope.
+
+The loader's own draw
+---------------------
+``DataLoader`` draws a worker base seed from ``loader.generator`` (the global torch RNG when none
+is given) every time an iteration starts, with or without workers. A resumed run starts one
+iteration mid-epoch that the uninterrupted run did not, so the global torch RNG restored by the
+engine is one draw off from the next step on. Give the loader its own ``generator=torch.Generator()``:
+nothing here depends on the worker seeds it produces.
+
+A torchdata ``StatefulDataLoader`` needs none of this; it is registered as an ordinary state entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+import warnings
+from collections.abc import Mapping, Sized
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from .errors import StateMismatchError, UnsupportedFormatError
+
+__all__ = ["ResumableSampler", "DistributedResumableSampler", "EpochIndex", "sample_seed",
+           "sample_generator"]
+
+STATE_VERSION = 1
+_CHUNK = 1 << 16  # indices converted to Python ints at a time while iterating
+
+
+# --- seeds ---------------------------------------------------------------------------------------
+
+def _int_bytes(value: int, what: str) -> bytes:
+    value = operator.index(value)
+    try:
+        return int(value).to_bytes(16, "little", signed=True)
+    except OverflowError:
+        raise ValueError(f"{what} must fit in 128 signed bits, got {value}") from None
+
+
+def _digest(person: bytes, size: int, **values: int) -> bytes:
+    data = b"".join(_int_bytes(v, k) for k, v in values.items())
+    return hashlib.blake2b(data, digest_size=size, person=person).digest()
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A seed in ``[0, 2**63)`` that depends only on ``(seed, epoch, index)``.
+
+    BLAKE2b of the three integers (16-byte signed little-endian each, personalised
+    ``b"async_ckpt.smpl"``), first 8 bytes little-endian, shifted right by one. Stable across
+    processes, Python/NumPy/torch versions and platforms; unrelated for nearby inputs.
+    """
+    return int.from_bytes(_digest(b"async_ckpt.smpl", 8, seed=seed, epoch=epoch, index=index),
+                          "little") >> 1
+
+
+def sample_generator(seed: int, epoch: int, index: int,
+                     device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` seeded with :func:`sample_seed` ``(seed, epoch, index)``.
+
+    Use it for a sample's random augmentation inside ``Dataset.__getitem__``: the draws are then
+    the same with any ``num_workers`` and after a resume (see the module docstring).
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(sample_seed(seed, epoch, index))
+    return generator
+
+
+def _epoch_order(length: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order of one epoch over ``range(length)``: a pure function of its arguments."""
+    if not shuffle:
+        return np.arange(length, dtype=np.int64)
+    key = np.frombuffer(_digest(b"async_ckpt.perm", 16, seed=seed, epoch=epoch), dtype="<u4")
+    return np.random.RandomState(key.astype(np.uint32)).permutation(length).astype(np.int64)
+
+
+class EpochIndex(int):
+    """A dataset index (an ``int``) that also carries the ``epoch`` it was drawn for.
+
+    Yielded by the samplers built with ``with_epoch=True``, so ``Dataset.__getitem__`` can seed
+    per-sample randomness with :func:`sample_generator` ``(seed, index.epoch, index)``. It also
+    unpacks as ``epoch, index = item``; everywhere else it is the plain index.
+    """
+
+    epoch: int
+
+    def __new__(cls, index: int, epoch: int) -> "EpochIndex":
+        self = super().__new__(cls, index)
+        self.epoch = epoch
+        return self
+
+    def __reduce__(self):  # keeps the epoch on its way to a worker process
+        return (EpochIndex, (int(self), self.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        """Unpacks as ``epoch, index = item`` for datasets written for ``(epoch, index)`` pairs."""
+        return iter((self.epoch, int(self)))
+
+    def __repr__(self) -> str:
+        return f"EpochIndex({int(self)}, epoch={self.epoch})"
+
+
+# --- samplers ------------------------------------------------------------------------------------
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _length_of(dataset_len) -> int:
+    if isinstance(dataset_len, Sized) and not isinstance(dataset_len, (int, np.integer)):
+        return len(dataset_len)
+    return _check_int(dataset_len, "dataset_len", 0)
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of a map-style dataset, in an order fixed by ``(seed, epoch)``, from a saved position.
+
+    Pass it to ``DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, sampler=it)``
+    with the same ``batch_size`` and ``drop_last``, register it with the ``CheckpointEngine`` like
+    any stateful object, and call :meth:`advance` once per batch the training loop consumed.
+
+    Call order: construct; ``load_state_dict`` (usually through ``engine.restore()``); then per
+    epoch ``epochs()``/``set_epoch``, iterate the loader, ``advance()`` after each step, snapshot.
+
+    Args:
+        dataset_len: the dataset's length, or the dataset itself.
+        shuffle: a new order every epoch (``True``) or ``0, 1, 2, ...`` (``False``).
+        seed: the orders are a function of ``(seed, epoch)``; the same on every rank and restart.
+        batch_size: the loader's batch size; positions are counted in batches of this size.
+        drop_last: the loader's ``drop_last`` (whether an epoch's incomplete last batch is dropped).
+        with_epoch: yield :class:`EpochIndex` (int with ``.epoch``) instead of plain ints.
+
+    Attributes ``epoch`` and ``consumed`` give the position; ``batches_per_epoch`` its range.
+    """
+
+    _KIND = "ResumableSampler"
+
+    def __init__(self, dataset_len: Union[int, Sized], *, shuffle: bool = True, seed: int = 0,
+                 batch_size: int = 1, drop_last: bool = False, with_epoch: bool = False):
+        self._setup(_length_of(dataset_len), shuffle, seed, batch_size, drop_last, with_epoch)
+        self.drop_last = bool(drop_last)
+
+    def _setup(self, dataset_len: int, shuffle: bool, seed: int, batch_size: int,
+               drop_last_batch: bool, with_epoch: bool) -> None:
+        self.dataset_len = dataset_len
+        self.shuffle = bool(shuffle)
+        self.seed = operator.index(seed)
+        _int_bytes(self.seed, "seed")
+        self.batch_size = _check_int(batch_size, "batch_size", 1)
+        self.with_epoch = bool(with_epoch)
+        self._drop_last_batch = bool(drop_last_batch)
+        length = self.epoch_len
+        self.batches_per_epoch = (length // self.batch_size if drop_last_batch
+                                  else -(-length // self.batch_size))
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"an epoch of {length} samples has no batches of {self.batch_size}"
+                f"{' with drop_last' if drop_last_batch else ''}: a sampler needs at least one "
+                "batch per epoch (check dataset_len, batch_size and drop_last)")
+        self._epoch = 0
+        self._consumed = 0
+        self._rolled = False  # advance() finished the epoch; no new iteration has started since
+        self._cache: Optional[tuple[int, np.ndarray]] = None
+
+    # --- position --------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained (after an epoch's last ``advance()``: the next one)."""
+        return self._epoch
+
+    @property
+    def consumed(self) -> int:
+        """Batches of :attr:`epoch` the training loop has consumed; always < batches_per_epoch."""
+        return self._consumed
+
+    @property
+    def epoch_len(self) -> int:
+        """Samples this sampler yields in a full epoch."""
+        return self.dataset_len
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; the current epoch keeps its position (so a restored
+        sampler can be driven by ``for e in range(sampler.epoch, n): sampler.set_epoch(e)``)."""
+        epoch = _check_int(epoch, "epoch", 0)
+        if epoch != self._epoch:
+            self._epoch, self._consumed = epoch, 0
+        self._rolled = False
+
+    def advance(self, batches: int = 1) -> None:
+        """Record that the training loop consumed ``batches`` more batches of this epoch.
+
+        Call it after the step that used the batch and before the snapshot that should include it.
+        After the epoch's last batch the position moves to the first batch of the next epoch.
+        """
+        batches = _check_int(batches, "batches", 1)
+        if self._rolled:
+            raise RuntimeError(
+                f"advance() after the last of the {self.batches_per_epoch} batches of epoch "
+                f"{self._epoch - 1}: the DataLoader yields more batches per epoch than this "
+                f"sampler expects; give both the same batch_size ({self.batch_size}) and drop_last")
+        left = self.batches_per_epoch - self._consumed
+        if batches > left:
+            raise RuntimeError(f"advance({batches}) with only {left} batches of epoch "
+                               f"{self._epoch} left")
+        self._consumed += batches
+        if self._consumed == self.batches_per_epoch:
+            self._epoch, self._consumed, self._rolled = self._epoch + 1, 0, True
+
+    def epochs(self, num_epochs: Optional[int] = None) -> Iterator[int]:
+        """Yield the epochs to train, from the current (restored) one up to ``num_epochs - 1``
+        (forever if None). An epoch whose batches were not all advanced when the loop comes back
+        for the next one is ended with a warning (see the module docstring)."""
+        if num_epochs is not None:
+            num_epochs = _check_int(num_epochs, "num_epochs", 0)
+        while num_epochs is None or self._epoch < num_epochs:
+            epoch = self._epoch
+            yield epoch
+            if self._epoch == epoch:
+                warnings.warn(
+                    f"epoch {epoch} ended after {self._consumed} of its {self.batches_per_epoch} "
+                    "batches were advanced: call sampler.advance() once per batch, give the "
+                    "DataLoader the sampler's batch_size and drop_last, and to end an epoch early "
+                    "call sampler.set_epoch(epoch + 1) before that epoch's last snapshot",
+                    RuntimeWarning, stacklevel=2)
+                self._epoch, self._consumed = epoch + 1, 0
+
+    # --- indices ---------------------------------------------------------------------------
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self._shard(_epoch_order(self.dataset_len, self.seed, epoch,
+                                                           self.shuffle)))
+        return self._cache[1]
+
+    def _shard(self, order: np.ndarray) -> np.ndarray:
+        return order
+
+    def epoch_indices(self, epoch: Optional[int] = None) -> list[int]:
+        """All indices this sampler yields in ``epoch`` (default: the current one), in order."""
+        epoch = self._epoch if epoch is None else _check_int(epoch, "epoch", 0)
+        return self._order(epoch).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, start = self._epoch, self._consumed * self.batch_size
+        self._rolled = False
+        return self._indices(self._order(epoch), start, epoch)
+
+    def _indices(self, order: np.ndarray, start: int, epoch: int) -> Iterator[int]:
+        for lo in range(start, len(order), _CHUNK):
+            chunk = order[lo:lo + _CHUNK].tolist()
+            if self.with_epoch:
+                yield from (EpochIndex(i, epoch) for i in chunk)
+            else:
+                yield from chunk
+
+    def __len__(self) -> int:
+        """Samples left in the current epoch (what the next iteration yields)."""
+        return max(self.epoch_len - self._consumed * self.batch_size, 0)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def _config(self) -> dict:
+        return {"dataset_len": self.dataset_len, "seed": self.seed, "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
+
+    def state_dict(self) -> dict:
+        """Plain data: ``version``, ``kind``, the position (``epoch``, ``consumed`` batches) and
+        the settings it depends on."""
+        return {"version": STATE_VERSION, "kind": self._KIND, "epoch": self._epoch,
+                "consumed": self._consumed, **self._config()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from a saved position. Raises StateMismatchError, changing nothing, when the
+        state was saved with other settings (the position would then mean other samples)."""
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(f"a {self._KIND} state is a dict, not a {type(state).__name__}")
+        version = state.get("version")
+        if type(version) is not int:
+            raise StateMismatchError(f"not a {self._KIND} state (no version): keys {sorted(state)}")
+        if version != STATE_VERSION:
+            raise UnsupportedFormatError(
+                f"{self._KIND} state version {version!r}; this async_ckpt reads version "
+                f"{STATE_VERSION}: restore with the async_ckpt version that saved it")
+        if state.get("kind") != self._KIND:
+            raise StateMismatchError(f"the checkpoint holds the state of a {state.get('kind')!r}, "
+                                     f"registered here is a {self._KIND}")
+        config = self._config()
+        missing = [k for k in ("epoch", "consumed", *config) if k not in state]
+        if missing:
+            raise StateMismatchError(f"{self._KIND} state lacks {', '.join(missing)}")
+        differs = [f"{k} saved {state[k]!r}, here {v!r}" for k, v in config.items()
+                   if type(state[k]) is not type(v) or state[k] != v]
+        if differs:
+            raise StateMismatchError(
+                f"the saved data position does not fit this {self._KIND}: " + "; ".join(differs)
+                + ". Build the sampler with the settings it was saved with (the saved position "
+                "counts batches of that dataset, order and batch size)")
+        epoch, consumed = state["epoch"], state["consumed"]
+        if not (type(epoch) is int and type(consumed) is int and epoch >= 0
+                and 0 <= consumed <= self.batches_per_epoch):
+            raise StateMismatchError(
+                f"{self._KIND} state has epoch {epoch!r}, consumed {consumed!r}: not a position in "
+                f"epochs of {self.batches_per_epoch} batches")
+        if consumed == self.batches_per_epoch:  # a finished epoch: the next one's start
+            epoch, consumed = epoch + 1, 0
+        self._epoch, self._consumed, self._rolled = epoch, consumed, False
+
+
+class DistributedResumableSampler(ResumableSampler):
+    """The shard of each epoch that one rank trains, from a saved position.
+
+    Shards like ``torch.utils.data.DistributedSampler`` (see the module docstring: identical index
+    assignment for the same epoch order; identical outright with ``shuffle=False``). ``consumed``
+    counts this rank's batches.
+
+    Args:
+        dataset_len: the dataset's length, or the dataset itself.
+        num_replicas, rank: default to the world size and rank of the default process group.
+        shuffle, seed, batch_size, with_epoch: as for :class:`ResumableSampler`.
+        drop_last: as ``DistributedSampler``'s: cut the epoch to a multiple of ``num_replicas``
+            instead of padding it by repeating its head.
+        drop_last_batch: the loader's ``drop_last`` (drop a rank's incomplete last batch).
+
+    The state adds ``num_replicas``, ``rank`` and ``drop_last_batch``. Loading a state of another
+    ``num_replicas`` raises StateMismatchError; another ``rank`` is accepted (module docstring).
+    """
+
+    _KIND = "DistributedResumableSampler"
+
+    def __init__(self, dataset_len: Union[int, Sized], num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None, *, shuffle: bool = True, seed: int = 0,
+                 batch_size: int = 1, drop_last: bool = False, drop_last_batch: bool = False,
+                 with_epoch: bool = False):
+        if num_replicas is None or rank is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("pass num_replicas and rank, or initialise torch.distributed")
+            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+            rank = dist.get_rank() if rank is None else rank
+        self.num_replicas = _check_int(num_replicas, "num_replicas", 1)
+        self.rank = _check_int(rank, "rank", 0)
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas - 1}], got {self.rank}")
+        self.drop_last = bool(drop_last)
+        n = _length_of(dataset_len)
+        # DistributedSampler's rule, verbatim.
+        if self.drop_last and n % self.num_replicas != 0:
+            self.num_samples = math.ceil((n - self.num_replicas) / self.num_replicas)
+        else:
+            self.num_samples = math.ceil(n / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.drop_last_batch = bool(drop_last_batch)
+        self._setup(n, shuffle, seed, batch_size, drop_last_batch, with_epoch)
+
+    @property
+    def epoch_len(self) -> int:
+        return self.num_samples
+
+    def _shard(self, order: np.ndarray) -> np.ndarray:
+        if self.total_size > len(order):  # pad by repeating the order from its head
+            order = np.resize(order, self.total_size)
+        return order[:self.total_size][self.rank::self.num_replicas]
+
+    def _config(self) -> dict:
+        return {**super()._config(), "num_replicas": self.num_replicas,
+                "drop_last_batch": self.drop_last_batch}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rank": self.rank}
