@@ -14,8 +14,11 @@ import collections
 import fcntl
 import logging
 import os
+import shutil
+import signal
+import threading
 import time
-from typing import Any, MutableMapping, Optional
+from typing import Any, Iterable, MutableMapping, Optional, Union
 
 import psutil
 import torch
@@ -23,8 +26,9 @@ import torch
 from . import errors
 from .capture import capture, plan_layout
 from .errors import (CheckpointDirError, CorruptSnapshotError, EngineClosedError, NoSnapshotError,
-                     UnsupportedFormatError, WriterDiedError)
+                     Preempted, UnsupportedFormatError, WriterDiedError)
 from .fsutil import ensure_writable_dir
+from .heartbeat import Heartbeat
 from .manifest import leftovers, read_manifest, remove_paths
 from .restore import Entry, apply, read_snapshot
 from .rng import GlobalRNG
@@ -34,6 +38,7 @@ from .writer import WriterClient
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
 RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
+DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
 
 
@@ -63,6 +68,15 @@ class CheckpointEngine:
             priority, so training keeps the CPU and the disk queue.
         reserve_bytes: refuse to start a snapshot that would leave less free disk than this.
         lock_timeout: seconds to wait for a previous writer on the same directory to finish.
+        preemption: True (SIGTERM and SIGUSR1) or a list of signals to handle as a preemption
+            notice: the handler only sets a flag; the next ``snapshot()`` call takes a snapshot
+            whatever ``every`` says, waits for its commit and raises ``Preempted`` (a SystemExit
+            with code 75). Installed from the main thread only; the old handlers come back at
+            ``close()``.
+        heartbeat_interval: seconds between heartbeat files written from ``snapshot()`` calls
+            (``DIR/heartbeat.rankNNNNN.json``); None turns them off.
+        slow_writer_s: a snapshot that waits this long for a free slot is logged and counted as
+            the writer falling behind (``stats()["writer_behind"]``).
     """
 
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
@@ -70,7 +84,9 @@ class CheckpointEngine:
                  keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
                  compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
                  rng: bool = True, rank: int = 0, world_size: int = 1, writer_nice: int = 10,
-                 writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0):
+                 writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0,
+                 preemption: Union[bool, Iterable[int]] = False,
+                 heartbeat_interval: Optional[float] = 10.0, slow_writer_s: float = 30.0):
         _require(mode in ("async", "sync"), f"mode must be 'async' or 'sync', not {mode!r}")
         _require(when_busy in ("wait", "skip"), f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
         _require(compression in (None, "zstd"), f"compression must be None or 'zstd', not {compression!r}")
@@ -94,6 +110,11 @@ class CheckpointEngine:
         self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = collections.Counter()
         self._writer_plan = None
+        self._slow_writer_s = slow_writer_s
+        self._heartbeat = (Heartbeat(self.directory, rank, heartbeat_interval)
+                           if heartbeat_interval is not None else None)
+        self._preempted_by: Optional[int] = None
+        self._old_handlers = self._install_preemption_handlers(preemption)
         self._lock_fd = self._lock(lock_timeout)
         self._pool = StagingPool(slots)
         try:
@@ -106,6 +127,7 @@ class CheckpointEngine:
         except BaseException:
             self._pool.close()
             os.close(self._lock_fd)
+            self._restore_signal_handlers()
             raise
 
     # --- set-up -----------------------------------------------------------------------------
@@ -138,6 +160,24 @@ class CheckpointEngine:
         fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
         return fd
 
+    def _install_preemption_handlers(self, preemption) -> dict:
+        if preemption is False or preemption is None:
+            return {}
+        signals = DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption)
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption handlers can only be installed from the main thread; "
+                             "create the engine there or pass preemption=False")
+
+        def on_signal(signum, frame):  # a flag only: the training loop acts at its next snapshot()
+            self._preempted_by = signum
+
+        return {s: signal.signal(s, on_signal) for s in signals}
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._old_handlers = {}
+
     # --- the training loop ------------------------------------------------------------------
 
     def snapshot(self, step: int, *, force: bool = False) -> bool:
@@ -145,16 +185,20 @@ class CheckpointEngine:
 
         Async mode returns as soon as the state sits in CPU staging memory: changes to the state
         made after the call returns never reach this snapshot. Raises the error of an earlier
-        snapshot that failed to write (typed, see ``async_ckpt.errors``).
+        snapshot that failed to write (typed, see ``async_ckpt.errors``), or ``Preempted`` after a
+        preemption signal once this step's snapshot is committed.
         """
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if self._heartbeat is not None:
+            self._heartbeat.beat(step)
         self._drain(block=False)
-        if not force and step % self.every:
+        preempting = self._preempted_by is not None
+        if not (force or preempting) and step % self.every:
             return False
         called_at, t0 = time.monotonic(), time.perf_counter()
-        slot = self._acquire_slot()
+        slot = self._acquire_slot(may_skip=not preempting)
         if slot is None:
             self._counts["skipped"] += 1
             log.warning("skipped the snapshot of step %d: every staging slot is still being written "
@@ -184,8 +228,12 @@ class CheckpointEngine:
             "step": step, "called_at": called_at, "blocking_s": blocking, "wait_slot_s": t_slot - t0,
             "capture_s": t_captured - t_slot, "staging_s": t_staged - t_captured,
             "staged_bytes": plan.raw_bytes})
-        if self.mode == "sync":
+        if self.mode == "sync" or self._preempted_by is not None:
             self.wait()
+        if self._preempted_by is not None:  # also when the signal came during this call
+            log.warning("preempted by signal %d: step %d is committed; exiting with code %d",
+                        self._preempted_by, step, Preempted(step, self._preempted_by).code)
+            raise Preempted(step, self._preempted_by)
         return True
 
     def wait(self) -> None:
@@ -228,8 +276,11 @@ class CheckpointEngine:
             "committed": self._counts["committed"],
             "failed": self._counts["failed"],
             "skipped": self._counts["skipped"],
+            "writer_behind": self._counts["writer_behind"],
+            "consecutive_failures": self._counts["consecutive_failures"],
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
+            "disk_free_bytes": shutil.disk_usage(self.directory).free,
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),
         }
@@ -247,6 +298,7 @@ class CheckpointEngine:
                 self._writer.close(_CLOSE_TIMEOUT_S)
             self._pool.close()
             os.close(self._lock_fd)
+            self._restore_signal_handlers()
 
     def __enter__(self) -> "CheckpointEngine":
         return self
@@ -277,12 +329,20 @@ class CheckpointEngine:
             self._pending.clear()
             raise
 
-    def _acquire_slot(self):
+    def _acquire_slot(self, may_skip: bool):
+        """A free slot; waits for one unless skipping is allowed (then None when all are busy)."""
+        started = time.monotonic()
         while True:
             slot = self._pool.free_slot()
-            if slot is not None or self.when_busy == "skip":
-                return slot
+            if slot is not None or (may_skip and self.when_busy == "skip"):
+                break
             self._handle(self._writer_event(None))
+        waited = time.monotonic() - started
+        if waited > self._slow_writer_s:
+            self._counts["writer_behind"] += 1
+            log.warning("the writer is falling behind: waited %.1f s for a free staging slot "
+                        "(snapshot less often, add slots, or use a faster disk)", waited)
+        return slot
 
     def _drain(self, block: bool, raise_failures: bool = True) -> None:
         while True:
@@ -312,12 +372,18 @@ class CheckpointEngine:
             record["durable_gbps"] = figures["stored_bytes"] / max(
                 figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9
             self._counts["committed"] += 1
+            self._counts["consecutive_failures"] = 0
             self._history.append(record)
             log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
                      record["blocking_s"], figures["stored_bytes"] / 1e6)
+            if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
+                log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
+                            "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
+                            figures["stored_bytes"] / 1e6)
         elif kind == "failed":
             self._pending.popleft()
             self._counts["failed"] += 1
+            self._counts["consecutive_failures"] += 1
             error_type = getattr(errors, event[2], errors.SnapshotWriteError)
             self._failures.append(error_type(event[3]))
 

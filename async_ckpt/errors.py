@@ -63,3 +63,18 @@ class NoSnapshotError(CheckpointError):
 
 class StateMismatchError(CheckpointError):
     """The checkpoint does not fit the registered state: missing, unexpected or mismatched keys."""
+
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; a supervisor does not restart on it
+
+
+class Preempted(SystemExit):
+    """Raised by ``snapshot()`` after a preemption signal, once the snapshot it took is committed.
+
+    A ``SystemExit``: left uncaught it ends the process with ``PREEMPTED_EXIT_CODE`` (75). Catch it
+    to do more work before exiting; ``.step`` is the committed step, ``.signal`` the signal number.
+    """
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.signal = step, signum

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -236,6 +237,7 @@ class SnapshotWriter:
         return {"queue_s": t_start - job["submitted"], "write_s": t_written - t_start,
                 "fsync_s": t_durable - t_written, "commit_s": t_committed - t_durable,
                 "raw_bytes": plan.raw_bytes, "stored_bytes": size, "committed_at": t_committed,
+                "disk_free_bytes": shutil.disk_usage(self.root).free,
                 "dropped_steps": [d.step for d in dropped if d.step != step]}
 
     def check_space(self, raw_bytes: int) -> None:
@@ -265,6 +267,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     config = json.loads(args.config)
+    # A terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole process group; the writer
+    # finishes what the trainer staged and exits when the trainer closes the socket (or dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config["log_level"], stream=sys.stderr,
                         format=f"async_ckpt writer[rank {config['rank']}] %(levelname)s %(message)s")
     conn = Connection(args.fd)

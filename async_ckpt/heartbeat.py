@@ -1,0 +1,67 @@
+"""Heartbeat files: proof that a training loop is still making progress.
+
+The engine replaces ``DIR/heartbeat.rankNNNNN.json`` from the training loop's ``snapshot()`` calls,
+at most once per interval, so a loop that hangs stops beating even while other threads (the
+writer's, a data loader's) still run. A supervisor reads the files to tell a hung job from a slow
+one. Replaced atomically but not fsynced: a heartbeat is about liveness now, not durability.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+HEARTBEAT_PREFIX = "heartbeat.rank"
+
+
+def heartbeat_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank:05d}.json")
+
+
+class Heartbeat:
+    """Rate-limited writer of one rank's heartbeat file."""
+
+    def __init__(self, directory: str, rank: int, interval: float):
+        self.path = heartbeat_path(directory, rank)
+        self.rank, self.interval = rank, interval
+        self._last = float("-inf")
+        self._host = socket.gethostname()
+
+    def beat(self, step: int) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        record = {"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(),
+                  "host": self._host, "interval": self.interval}
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.path)
+
+
+def read_heartbeats(directory: str) -> list[dict]:
+    """Every rank's latest heartbeat under ``directory`` (unreadable or half-replaced files are
+    skipped: the next beat replaces them)."""
+    beats = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return beats
+    for name in sorted(names):
+        if name.startswith(HEARTBEAT_PREFIX) and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    beats.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return beats
+
+
+def newest_beat_time(directory: str) -> Optional[float]:
+    beats = [b.get("time") for b in read_heartbeats(directory)]
+    times = [t for t in beats if isinstance(t, (int, float))]
+    return max(times) if times else None
