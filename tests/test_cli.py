@@ -1,0 +1,605 @@
+"""The `async-ckpt` command line on real snapshots, intact and damaged: output and exit codes.
+
+Most tests call ``main(argv)`` in-process; a few run the installed console script and
+``python -m async_ckpt`` as subprocesses. Snapshots are written once per module by real engines
+(steps 0 and 10 raw, 20 and 30 compressed) and copied into each test's tmp_path.
+"""
+
+import datetime
+import io
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from async_ckpt import CheckpointEngine, cli, load
+from async_ckpt.cli import main
+from async_ckpt.errors import NoSnapshotError
+from async_ckpt.manifest import read_manifest
+from conftest import assert_same, make_training_state, train_step
+
+STEPS = [0, 10, 20, 30]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("template") / "ckpt")
+    model, opt, sched = make_training_state(seed=3)
+    state = {"model": model, "optimizer": opt, "scheduler": sched,
+             "extra": {"epoch": 7, "name": "run-1", "mask": torch.tensor([True, False, True])}}
+    for steps, compression in (([0, 10], None), ([20, 30], "zstd")):
+        with CheckpointEngine(root, state, keep_last=10, compression=compression) as engine:
+            for step in steps:
+                train_step(model, opt, sched)
+                engine.snapshot(step)
+    return root
+
+
+@pytest.fixture
+def ckpt(template, tmp_path):
+    """A private copy of the template checkpoint directory."""
+    target = str(tmp_path / "ckpt")
+    shutil.copytree(template, target)
+    return target
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def shard_path(root, step):
+    record = read_manifest(root).find(step)
+    return os.path.join(root, record.dir, record.shards[0].file)
+
+
+def chunk_offset(root, step, storage):
+    from async_ckpt.format import ShardReader
+    with ShardReader(shard_path(root, step)) as reader:
+        return reader.index["storages"][storage]["chunks"][0]["offset"]
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def truncate(path, nbytes=100):
+    os.truncate(path, os.path.getsize(path) - nbytes)
+
+
+def add_leftovers(root):
+    stray = os.path.join(root, "step-00000000000000000099.0badf00d")
+    os.mkdir(stray)
+    with open(os.path.join(stray, "rank-00000.ackpt"), "wb") as f:
+        f.write(b"half a shard")
+    with open(os.path.join(root, "manifest.json.tmp-4242"), "w") as f:
+        f.write("{")
+    return ["manifest.json.tmp-4242", "step-00000000000000000099.0badf00d"]
+
+
+def one_error_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("async-ckpt: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# --- ls ------------------------------------------------------------------------------------------
+
+
+def test_ls_lists_committed_snapshots_in_commit_order_and_leftovers_apart(capsys, ckpt):
+    add_leftovers(ckpt)
+    code, out, err = run(capsys, "ls", ckpt)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert "4 committed snapshots" in lines[0]
+    rows = [line.split() for line in lines[2:6]]
+    assert [int(r[0]) for r in rows] == STEPS
+    assert all(r[-1] != "DAMAGED" for r in rows)
+    assert lines[5].endswith("<- newest") and "<- newest" not in "".join(lines[2:5])
+    leftover_section = out.split("leftovers of snapshots that never committed")[1]
+    assert "step-00000000000000000099.0badf00d" in leftover_section and "step 99" in leftover_section
+    assert "manifest.json.tmp-4242" in leftover_section
+    assert "step-00000000000000000099" not in out.split("leftovers")[0]
+
+
+def test_ls_json_matches_the_manifest(capsys, ckpt):
+    add_leftovers(ckpt)
+    code, out, _ = run(capsys, "ls", ckpt, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    manifest = read_manifest(ckpt)
+    assert doc["newest_step"] == 30 and doc["manifest"] is True
+    assert [s["step"] for s in doc["snapshots"]] == STEPS
+    for s, record in zip(doc["snapshots"], manifest.snapshots):
+        assert (s["dir"], s["raw_bytes"], s["stored_bytes"], s["world_size"], s["committed_at"]) == (
+            record.dir, record.raw_bytes, record.stored_bytes, record.world_size, record.committed_at)
+        assert s["ratio"] == pytest.approx(record.raw_bytes / record.stored_bytes, rel=1e-3)
+        assert s["problems"] == [] and s["newest"] == (s["step"] == 30)
+    assert {(x["name"], x["kind"], x["step"]) for x in doc["leftovers"]} == {
+        ("manifest.json.tmp-4242", "manifest-tmp", None),
+        ("step-00000000000000000099.0badf00d", "snapshot", 99)}
+    assert [x["bytes"] for x in doc["leftovers"] if x["kind"] == "snapshot"] == [12]
+
+
+def test_ls_flags_missing_and_truncated_shards(capsys, ckpt):
+    truncate(shard_path(ckpt, 10))
+    os.unlink(shard_path(ckpt, 30))
+    code, out, _ = run(capsys, "ls", ckpt)
+    assert code == 1
+    assert "step 30: step-00000000000000000030" in out and "is missing" in out
+    assert "the manifest recorded" in out
+    doc = json.loads(run(capsys, "ls", ckpt, "--json")[1])
+    assert [bool(s["problems"]) for s in doc["snapshots"]] == [False, True, False, True]
+
+
+def test_ls_of_a_directory_an_engine_opened_but_never_committed(capsys, tmp_path):
+    root = str(tmp_path / "fresh")
+    with CheckpointEngine(root, {"t": torch.zeros(2)}):
+        pass
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0 and "no committed snapshot" in out
+    assert json.loads(run(capsys, "ls", root, "--json")[1])["snapshots"] == []
+
+
+# --- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_tensors_values_and_totals_per_entry(capsys, ckpt):
+    code, out, err = run(capsys, "inspect", ckpt)
+    assert code == 0 and err == ""
+    assert out.startswith("step 30 (newest)")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
+    assert rows["model.0.weight"] == ["float32", "[32,", "32]", "4.1", "kB", "planes"]
+    assert rows["model.0.bias"][:2] == ["float32", "[32]"]
+    assert rows["optimizer.state.0.exp_avg_sq"][:3] == ["float32", "[32,", "32]"]
+    assert rows["optimizer.state.0.step"][:2] == ["float32", "[]"]
+    assert rows["optimizer.param_groups.0.lr"] == ["0.005"]  # StepLR halved it
+    assert rows["optimizer.param_groups.0.betas"] == ["(0.9,", "0.999)"]
+    assert rows["optimizer.param_groups.0.params"] == ["[0,", "1,", "2,", "3]"]
+    assert rows["scheduler.gamma"] == ["0.5"]
+    assert rows["extra.epoch"] == ["7"] and rows["extra.name"] == ["'run-1'"]
+    assert rows["extra.mask"][:2] == ["bool", "[3]"]
+    totals = out.split("totals per entry")[1]
+    total_rows = {line.split()[0]: line.split()[1:] for line in totals.splitlines()[2:]}
+    assert total_rows["model"][:2] == ["object", "4"]
+    assert total_rows["optimizer"][:2] == ["object", "12"]
+    assert total_rows["scheduler"][:2] == ["object", "0"]
+    assert total_rows["extra"][:2] == ["dict", "1"]
+    assert total_rows["extra"][-1] == "2"  # epoch and name
+
+
+def test_inspect_an_older_step_shows_its_codec_and_reads_no_tensor_data(capsys, ckpt, monkeypatch):
+    from async_ckpt.format import ShardReader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("inspect read tensor data")
+
+    monkeypatch.setattr(ShardReader, "read_storage", refuse)
+    monkeypatch.setattr(ShardReader, "verify", refuse)
+    flip_byte(shard_path(ckpt, 0), chunk_offset(ckpt, 0, 0))  # data damage: the index is intact
+    code, out, _ = run(capsys, "inspect", ckpt, "--step", "0")
+    assert code == 0 and out.startswith("step 0 in")
+    weight = next(line for line in out.splitlines() if line.split()[:1] == ["model.0.weight"])
+    assert weight.split()[-1] == "raw"
+
+
+def test_inspect_reports_damaged_index_and_unknown_step(capsys, ckpt):
+    truncate(shard_path(ckpt, 30))
+    code, _, err = run(capsys, "inspect", ckpt)
+    assert code == 1 and "async-ckpt verify" in one_error_line(err)
+    code, _, err = run(capsys, "inspect", ckpt, "--step", "5")
+    assert code == 2 and "committed steps: 0, 10, 20, 30" in one_error_line(err)
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_intact_newest(capsys, ckpt):
+    code, out, err = run(capsys, "verify", ckpt)
+    assert code == 0 and err == ""  # no progress bar when stderr is not a terminal
+    assert "step 30" in out and "DAMAGED" not in out
+    assert "restore() would pick step 30" in out
+    assert out.rstrip().endswith("intact: 1 of 1 snapshot asked for")
+
+
+def test_verify_reports_every_damaged_chunk_and_the_fallback(capsys, ckpt):
+    path = shard_path(ckpt, 30)
+    flip_byte(path, chunk_offset(ckpt, 30, 0) + 3)
+    flip_byte(path, chunk_offset(ckpt, 30, 2) + 1)
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == 1
+    assert f"{path}: storage 0 chunk 0 fails its checksum" in out
+    assert f"{path}: storage 2 chunk 0 fails its checksum" in out
+    assert "step 20" in out and "checked to find what restore() would pick" in out
+    assert "restore() would pick step 20" in out
+    assert load(ckpt)[0] == 20  # the library agrees
+    code, out, _ = run(capsys, "verify", ckpt, "--all")
+    assert code == 1 and "DAMAGED: 1 of 4 snapshots" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  step")] == [
+        "30", "20", "10", "0"]
+
+
+def test_verify_a_named_intact_step_passes_while_the_newest_is_damaged(capsys, ckpt):
+    truncate(shard_path(ckpt, 30))
+    code, out, _ = run(capsys, "verify", ckpt, "--step", "10")
+    assert code == 0
+    assert "has" in out and "the manifest recorded" in out  # step 30 checked for the pick
+    assert "restore() would pick step 20" in out
+    code, out, _ = run(capsys, "verify", ckpt, "--step", "30")
+    assert code == 1 and "DAMAGED" in out
+
+
+def test_verify_missing_file_and_nothing_intact(capsys, ckpt):
+    for step in STEPS:
+        os.unlink(shard_path(ckpt, step))
+    code, out, _ = run(capsys, "verify", ckpt, "--all")
+    assert code == 1
+    assert out.count("is missing; the snapshot is incomplete") == 4
+    assert "restore() would find no intact snapshot" in out
+    with pytest.raises(NoSnapshotError):
+        load(ckpt)
+
+
+def test_verify_reports_a_shard_of_an_unknown_format_version(capsys, ckpt):
+    path = shard_path(ckpt, 30)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 2))
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == 1 and "format version 2" in out
+    assert "restore() would pick step 20" in out
+
+
+def test_verify_shows_progress_only_on_a_terminal(capsys, ckpt, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["verify", ckpt, "--all"]) == 0
+    assert "verifying" in terminal.getvalue()
+
+
+# --- a damaged or foreign manifest, and bad invocations -----------------------------------------
+
+
+def test_garbage_manifest_is_one_line_and_verify_checks_what_is_on_disk(capsys, ckpt):
+    add_leftovers(ckpt)
+    before = sorted(os.listdir(ckpt))
+    with open(os.path.join(ckpt, "manifest.json"), "wb") as f:
+        f.write(b"\x00garbage{")
+    for argv in (["ls", ckpt], ["inspect", ckpt], ["gc", ckpt, "--keep-last", "1"],
+                 ["export", ckpt, "--step", "30", "--to", os.path.join(ckpt, "..", "x.pt")]):
+        code, out, err = run(capsys, *argv)
+        assert code == 1, argv
+        assert "manifest.json is not valid JSON" in one_error_line(err)
+    assert sorted(os.listdir(ckpt)) == before  # gc removed nothing
+    code, out, err = run(capsys, "verify", ckpt)
+    assert code == 1 and "manifest.json is not valid JSON" in one_error_line(err)
+    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("  step")}
+    assert set(rows) == {"0", "10", "20", "30", "99"}
+    assert all("intact (1 shard file)" in rows[s] for s in ("0", "10", "20", "30"))
+    assert "DAMAGED" in rows["99"]
+
+
+def test_manifest_of_an_unknown_version(capsys, ckpt):
+    path = os.path.join(ckpt, "manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["version"] = 2
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    for command in ("ls", "verify", "inspect", "gc"):
+        code, _, err = run(capsys, command, ckpt)
+        assert code == 1 and "manifest version 2" in one_error_line(err)
+
+
+def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, ckpt):
+    not_ckpt = tmp_path / "empty"
+    not_ckpt.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["ls", tmp_path / "missing"], "does not exist"),
+        (["ls", a_file], "is not a directory"),
+        (["verify", not_ckpt], "is not an async_ckpt checkpoint directory"),
+        (["verify", ckpt, "--step", "11"], "step 11 is not committed"),
+        (["export", ckpt, "--step", "11", "--to", tmp_path / "x.pt"], "step 11 is not committed"),
+        (["export", ckpt, "--step", "30", "--to", tmp_path / "x.npz"], "must end in .pt or .safetensors"),
+        (["export", ckpt, "--step", "30", "--to", tmp_path / "x.pt", "--only", "nope"],
+         "entries: model, optimizer, scheduler, extra"),
+        (["export", ckpt, "--step", "30", "--to", tmp_path / "no" / "x.pt"], "does not exist"),
+        (["export", ckpt, "--step", "30", "--to", tmp_path / "x.safetensors", "--only", "scheduler"],
+         "holds no tensors"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(capsys, *argv)
+        assert code == 2, argv
+        assert message in one_error_line(err), argv
+    assert not os.path.exists(tmp_path / "x.pt") and not os.path.exists(tmp_path / "x.safetensors")
+    for argv in (["verify", ckpt, "--step", "3", "--all"], ["gc", ckpt, "--keep-last", "0"],
+                 ["inspect", ckpt, "--step", "x"], ["frobnicate"], []):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "error:" in err and "Traceback" not in err, argv
+
+
+def test_help_documents_every_command_and_the_exit_codes(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in ("ls", "inspect", "verify", "export", "gc", "compare-loss"):
+        assert command in out
+    assert "exit codes:" in out and "0  fine" in out and "1  damage" in out and "2  usage" in out
+    code, out, _ = run(capsys, "gc", "--help")
+    assert code == 0 and "--keep-last" in out and "--dry-run" in out and "exit codes:" in out
+
+
+# --- export --------------------------------------------------------------------------------------
+
+
+def test_export_pt_round_trips_everything_or_one_entry(capsys, ckpt, tmp_path):
+    target = tmp_path / "all.pt"
+    code, out, _ = run(capsys, "export", ckpt, "--step", 20, "--to", target)
+    assert code == 0 and "exported step 20 (all entries)" in out
+    expected = load(ckpt, 20)[1]
+    assert_same(expected, torch.load(target, weights_only=False))
+
+    model_file = tmp_path / "model.pt"
+    assert run(capsys, "export", ckpt, "--step", 20, "--to", model_file, "--only", "model")[0] == 0
+    model = make_training_state(seed=9)[0]
+    model.load_state_dict(torch.load(model_file))  # a plain state_dict, loadable with weights_only
+    assert_same(dict(expected["model"]), dict(model.state_dict()))
+
+    code, _, err = run(capsys, "export", ckpt, "--step", 30, "--to", model_file, "--only", "model")
+    assert code == 2 and "--force" in one_error_line(err)
+    assert run(capsys, "export", ckpt, "--step", 30, "--to", model_file, "--only", "model",
+               "--force")[0] == 0
+    assert_same(dict(load(ckpt, 30)[1]["model"]), dict(torch.load(model_file)))
+
+
+def test_export_safetensors_keys_are_key_paths(capsys, ckpt, tmp_path):
+    target = tmp_path / "model.safetensors"
+    code, out, _ = run(capsys, "export", ckpt, "--step", 30, "--to", target, "--only", "model")
+    assert code == 0 and "4 tensors" in out
+    model = make_training_state(seed=9)[0]
+    model.load_state_dict(load_file(str(target)))
+    assert_same(dict(load(ckpt, 30)[1]["model"]), dict(model.state_dict()))
+
+    everything = tmp_path / "all.safetensors"
+    code, out, _ = run(capsys, "export", ckpt, "--step", 30, "--to", everything)
+    assert code == 0
+    tensors = load_file(str(everything))
+    state = load(ckpt, 30)[1]
+    assert torch.equal(tensors["optimizer.state.2.exp_avg"], state["optimizer"]["state"][2]["exp_avg"])
+    assert torch.equal(tensors["extra.mask"], state["extra"]["mask"])
+    assert "optimizer.param_groups" in out and "scheduler.gamma" in out  # named as left out
+    from safetensors import safe_open
+    with safe_open(str(everything), "pt") as f:
+        assert f.metadata()["async_ckpt.step"] == "30"
+
+
+def test_export_shared_and_strided_tensors_to_safetensors(capsys, tmp_path):
+    root = str(tmp_path / "tied")
+    embedding = torch.nn.Embedding(6, 4)
+    head = torch.nn.Linear(4, 6, bias=False)
+    head.weight = embedding.weight  # tied
+    model = torch.nn.ModuleDict({"embedding": embedding, "head": head})
+    transposed = torch.randn(4, 6).t()
+    with CheckpointEngine(root, {"model": model, "transposed": transposed}) as engine:
+        engine.snapshot(1)
+    code, out, _ = run(capsys, "inspect", root)
+    assert code == 0 and "(shares storage with model.embedding.weight)" in out
+    target = tmp_path / "tied.safetensors"
+    assert run(capsys, "export", root, "--step", 1, "--to", target)[0] == 0
+    tensors = load_file(str(target))
+    assert torch.equal(tensors["model.head.weight"], embedding.weight.detach())
+    assert torch.equal(tensors["model.embedding.weight"], embedding.weight.detach())
+    assert torch.equal(tensors["transposed"], transposed)
+
+
+def test_pickled_values_are_summarised_and_exported_only_on_request(capsys, tmp_path):
+    root = str(tmp_path / "pickled")
+    when = datetime.date(2024, 2, 29)  # no safe encoding: pickled under allow_pickle=True
+    with CheckpointEngine(root, {"w": torch.ones(2), "meta": {"when": when}}, allow_pickle=True) as engine:
+        engine.snapshot(0)
+    code, out, _ = run(capsys, "inspect", root)
+    assert code == 0 and "meta.when" in out and "pickled object" in out and "not decoded" in out
+    target = tmp_path / "out.pt"
+    code, _, err = run(capsys, "export", root, "--step", 0, "--to", target)
+    assert code == 2 and "--allow-pickle" in one_error_line(err) and not target.exists()
+    assert run(capsys, "export", root, "--step", 0, "--to", target, "--allow-pickle")[0] == 0
+    assert torch.load(target, weights_only=False)["meta"]["when"] == when
+
+
+def test_export_of_a_damaged_step_fails_and_leaves_no_file(capsys, ckpt, tmp_path):
+    flip_byte(shard_path(ckpt, 30), chunk_offset(ckpt, 30, 1))
+    target = tmp_path / "out.pt"
+    code, _, err = run(capsys, "export", ckpt, "--step", 30, "--to", target)
+    assert code == 1 and "fails its checksum" in one_error_line(err)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# --- gc ------------------------------------------------------------------------------------------
+
+
+def test_gc_removes_only_leftovers_by_default(capsys, ckpt):
+    names = add_leftovers(ckpt)
+    code, out, _ = run(capsys, "gc", ckpt)
+    assert code == 0 and "keeping 4 committed snapshots" in out
+    assert all(name in out for name in names)
+    assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
+    assert read_manifest(ckpt).steps() == STEPS
+    assert run(capsys, "verify", ckpt, "--all")[0] == 0
+    assert "nothing to remove" in run(capsys, "gc", ckpt)[1]
+
+
+def test_gc_dry_run_changes_nothing(capsys, ckpt):
+    add_leftovers(ckpt)
+    before = sorted(os.listdir(ckpt))
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        manifest_before = f.read()
+    code, out, _ = run(capsys, "gc", ckpt, "--keep-last", "1", "--dry-run")
+    assert code == 0 and "would remove" in out and "dry run: nothing changed" in out
+    assert out.count("beyond --keep-last 1") == 3
+    assert sorted(os.listdir(ckpt)) == before
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        assert f.read() == manifest_before
+
+
+def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys, tmp_path, monkeypatch):
+    root = str(tmp_path / "rewound")
+    weights = torch.zeros(8)
+    with CheckpointEngine(root, {"w": weights}, keep_last=10) as engine:
+        for step in (50, 60, 40):  # a rewind: 40 is the newest
+            weights.add_(1)
+            engine.snapshot(step)
+    dropped_dirs = [r.dir for r in read_manifest(root).snapshots[:1]]
+    removed_after_commit = []
+
+    def remove_after_commit(directory, names):
+        committed = {r.dir for r in read_manifest(directory).snapshots}
+        assert not committed & set(names)  # the manifest without them is already durable
+        removed_after_commit.extend(names)
+        return cli_remove_paths(directory, names)
+
+    cli_remove_paths = cli.remove_paths
+    monkeypatch.setattr(cli, "remove_paths", remove_after_commit)
+    code, out, _ = run(capsys, "gc", root, "--keep-last", "2")
+    assert code == 0 and "keeping 2 committed snapshots (steps 60, 40)" in out
+    assert removed_after_commit == dropped_dirs
+    assert not os.path.exists(os.path.join(root, dropped_dirs[0]))
+    assert load(root)[0] == 40 and float(load(root)[1]["w"][0]) == 3.0
+    code, out, _ = run(capsys, "gc", root, "--keep-last", "1")
+    assert code == 0 and "keeping 1 committed snapshot (step 40)" in out
+    assert read_manifest(root).steps() == [40] and len(removed_after_commit) == 2
+
+
+def test_gc_refuses_while_an_engine_holds_the_directory(capsys, ckpt):
+    with CheckpointEngine(ckpt, {"t": torch.zeros(2)}, keep_last=10):
+        names = add_leftovers(ckpt)  # after the engine's own start-up clean-up
+        for argv in (["gc", ckpt], ["gc", ckpt, "--dry-run"]):
+            code, out, err = run(capsys, *argv)
+            assert code == 1
+            assert f"an engine is writing to {ckpt}; stop it first" in one_error_line(err)
+        assert all(os.path.exists(os.path.join(ckpt, n)) for n in names)
+        assert read_manifest(ckpt).steps() == STEPS
+    assert run(capsys, "gc", ckpt)[0] == 0
+    assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
+
+
+def test_gc_drops_committed_snapshots_only_if_a_kept_one_verifies(capsys, ckpt):
+    flip_byte(shard_path(ckpt, 30), chunk_offset(ckpt, 30, 0))  # the right size: only checksums tell
+    for argv in (["gc", ckpt, "--keep-last", "1", "--dry-run"], ["gc", ckpt, "--keep-last", "1"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1
+        assert "refusing to drop committed snapshots" in one_error_line(err)
+        assert "step 30: " in err and "fails its checksum" in err
+    assert read_manifest(ckpt).steps() == STEPS
+    code, out, _ = run(capsys, "gc", ckpt, "--keep-last", "2")  # keeps 20, which restores
+    assert code == 0 and read_manifest(ckpt).steps() == [20, 30]
+    assert load(ckpt)[0] == 20
+
+
+# --- compare-loss --------------------------------------------------------------------------------
+
+
+def write_log(path, records):
+    with open(path, "w") as f:
+        for record in records:
+            f.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return str(path)
+
+
+def test_compare_loss_identical_with_a_replayed_resume(capsys, tmp_path):
+    a = write_log(tmp_path / "a.jsonl", [{"step": s, "loss": 1.0 / (s + 3), "lr": 0.1} for s in range(6)])
+    crashed = [{"step": s, "loss": 1.0 / (s + 3), "lr": 0.1} for s in range(5)]
+    crashed[3]["loss"] = 99.0  # written before the crash; the resumed run replays steps 3-4
+    b = write_log(tmp_path / "b.jsonl", crashed + [{"step": s, "loss": 1.0 / (s + 3), "lr": 0.1}
+                                                  for s in range(3, 6)])
+    code, out, _ = run(capsys, "compare-loss", a, b)
+    assert code == 0, out
+    assert "2 replayed lines" in out and "bit-identical" in out and out.rstrip().endswith("IDENTICAL")
+
+
+def test_compare_loss_reports_first_and_largest_difference(capsys, tmp_path):
+    base = [0.5, 0.25, 0.125, 0.0625, 0.03125]
+    other = list(base)
+    other[2] = 0.125 + 2 ** -40  # differs in the last bits only
+    other[4] = 0.5
+    a = write_log(tmp_path / "a.jsonl", [{"step": s, "loss": x} for s, x in enumerate(base)])
+    b = write_log(tmp_path / "b.jsonl", [{"step": s, "loss": x} for s, x in enumerate(other)]
+                  + [{"step": 9, "loss": 1.0}])
+    code, out, _ = run(capsys, "compare-loss", a, b)
+    assert code == 1
+    assert f"first difference: step 2: A loss 0.125, B loss {0.125 + 2 ** -40!r}" in out
+    assert f"largest absolute difference: {0.5 - 0.03125!r} at step 4" in out
+    assert "only in A: none" in out and "only in B: 9" in out
+    assert out.rstrip().endswith("DIFFERENT")
+
+
+def test_compare_loss_exactness_of_zero_signs_nan_and_missing_steps(capsys, tmp_path):
+    def compare(xs, ys):
+        a = write_log(tmp_path / "a.jsonl", xs)
+        b = write_log(tmp_path / "b.jsonl", ys)
+        return run(capsys, "compare-loss", a, b)
+
+    assert compare(['{"step": 0, "loss": NaN}'], ['{"step": 0, "loss": NaN}'])[0] == 0
+    assert compare(['{"step": 0, "loss": 1}'], ['{"step": 0, "loss": 1.0}'])[0] == 0
+    assert compare(['{"step": 0, "loss": 0.0}'], ['{"step": 0, "loss": -0.0}'])[0] == 1
+    code, out, _ = compare(['{"step": 0, "loss": 1.5}'], ['{"step": 0, "loss": NaN}'])
+    assert code == 1 and "largest absolute difference: nan at step 0" in out
+    code, out, _ = compare([{"step": 0, "loss": 1.0}, {"step": 1, "loss": 1.0}], [{"step": 0, "loss": 1.0}])
+    assert code == 1 and "only in A: 1" in out and "bit-identical on every common step" in out
+
+
+def test_compare_loss_usage_errors_name_the_line(capsys, tmp_path):
+    good = write_log(tmp_path / "good.jsonl", [{"step": 0, "loss": 1.0}])
+    cases = [
+        (['{"step": 0, "loss": 1.0}', "", '{"step": 1, "loss": '], "line 3: not valid JSON"),
+        (['{"step": 0}'], 'line 1: "loss" must be a number'),
+        (['{"step": "0", "loss": 1.0}'], 'line 1: "step" must be a non-negative integer'),
+        (['{"step": true, "loss": 1.0}'], '"step" must be a non-negative integer'),
+        (['[1, 2]'], "line 1: not a JSON object"),
+        ([], "holds no loss records"),
+    ]
+    for lines, message in cases:
+        bad = write_log(tmp_path / "bad.jsonl", lines)
+        code, _, err = run(capsys, "compare-loss", good, bad)
+        assert code == 2 and message in one_error_line(err), lines
+    code, _, err = run(capsys, "compare-loss", good, tmp_path / "missing.jsonl")
+    assert code == 2 and "does not exist" in one_error_line(err)
+
+
+# --- as installed --------------------------------------------------------------------------------
+
+
+def test_console_script_and_python_m(ckpt):
+    script = shutil.which("async-ckpt")
+    if script is None:
+        pytest.skip("the async-ckpt console script is not installed (pip install -e .)")
+    result = subprocess.run([script, "ls", ckpt], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == ""
+    assert "4 committed snapshots" in result.stdout
+
+    flip_byte(shard_path(ckpt, 30), chunk_offset(ckpt, 30, 0))
+    result = subprocess.run([sys.executable, "-m", "async_ckpt", "verify", ckpt],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "restore() would pick step 20" in result.stdout
+    assert result.stderr == ""  # no progress bar off a terminal, no traceback
+
+    result = subprocess.run([sys.executable, "-m", "async_ckpt", "ls", ckpt + "-missing"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("async-ckpt: error: ") and "Traceback" not in result.stderr
