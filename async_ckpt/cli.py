@@ -44,7 +44,7 @@ from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, 
                      NoSnapshotError, ManifestError, UnsupportedFormatError)
 from .format import ShardReader
 from .manifest import (MANIFEST_NAME, Manifest, SnapshotRecord, leftovers, read_manifest,
-                       remove_paths, write_manifest)
+                       recover_manifest, remove_paths, write_manifest)
 
 __all__ = ["main", "build_parser"]
 
@@ -959,7 +959,7 @@ def _add_gc(commands) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     root = _checkpoint_dir(args.dir)
     with _directory_locks(root) as lock_all:
-        manifest = read_manifest(root)
+        manifest = recover_manifest(root, write=not args.dry_run)
         stray = leftovers(root, manifest)
         if args.keep_last is not None and len(manifest.snapshots) > args.keep_last:
             kept = manifest.snapshots[-args.keep_last:]

@@ -29,7 +29,7 @@ from .errors import (CheckpointDirError, CorruptSnapshotError, EngineClosedError
                      Preempted, UnsupportedFormatError, WriterDiedError)
 from .fsutil import ensure_writable_dir
 from .heartbeat import Heartbeat
-from .manifest import leftovers, read_manifest, remove_paths
+from .manifest import leftovers, read_manifest, recover_manifest, remove_paths
 from .restore import Entry, apply, read_snapshot
 from .rng import GlobalRNG
 from .staging import StagingPool
@@ -95,6 +95,8 @@ class CheckpointEngine:
         _require(keep_every is None or (isinstance(keep_every, int) and keep_every >= 1),
                  "keep_every must be None or an int >= 1")
         _require(0 <= rank < world_size, "rank must be in [0, world_size)")
+        _require(world_size == 1, "several ranks writing one snapshot need a coordinated commit, "
+                 "which this version does not have yet; give each rank its own directory")
         if not isinstance(state, MutableMapping):
             raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
         _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
@@ -153,7 +155,7 @@ class CheckpointEngine:
                         f"{self.rank}; close it first or use another directory") from None
                 time.sleep(0.05)
         if self.world_size == 1:
-            stale = leftovers(self.directory, read_manifest(self.directory))
+            stale = leftovers(self.directory, recover_manifest(self.directory))
             if stale:
                 log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
                 remove_paths(self.directory, stale)

@@ -200,6 +200,7 @@ class ShardReader:
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
         blob = self._pread(length, offset)
+        self.index_xxh3 = f"{digest:016x}"
         if xxhash.xxh3_64_intdigest(blob) != digest or (
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")

@@ -12,6 +12,7 @@ the snapshot committed last is the one to resume from, and retention must never 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -19,8 +20,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from .errors import ManifestError, UnsupportedFormatError
+from .errors import CheckpointError, ManifestError, UnsupportedFormatError
 from .fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "async_ckpt.manifest"
@@ -176,6 +179,60 @@ def _check_types(doc, fields: dict, what: str) -> None:
 def write_manifest(root: str, manifest: Manifest) -> None:
     """Durably replace the manifest: after this returns, the new list survives a power cut."""
     atomic_write(manifest_path(root), manifest.to_bytes())
+
+
+def recover_manifest(root: str, write: bool = True) -> Manifest:
+    """The manifest, or, when ``manifest.json`` is missing although complete snapshots exist (it
+    was deleted or lost), one rebuilt from them (and written durably if ``write``).
+
+    Without this, the snapshots of a directory that lost its manifest would all look like
+    leftovers and be deleted. A snapshot is complete when every rank's shard has a valid trailer
+    and index (chunk checksums are checked when it is restored). Call only while holding the
+    directory's writer locks.
+    """
+    if os.path.exists(manifest_path(root)):
+        return read_manifest(root)
+    found: dict[int, SnapshotRecord] = {}
+    for name in os.listdir(root):
+        record = _complete_snapshot(root, name) if _SNAPSHOT_DIR.match(name) else None
+        if record is not None and (record.step not in found
+                                   or found[record.step].committed_at < record.committed_at):
+            found[record.step] = record
+    if not found:
+        return Manifest()
+    ordered = sorted(found.values(), key=lambda r: r.committed_at)
+    manifest = Manifest(tuple(SnapshotRecord(**{**r.__dict__, "seq": i}) for i, r in enumerate(ordered)),
+                        next_seq=len(ordered))
+    if write:
+        write_manifest(root, manifest)
+    log.warning("%s was missing; rebuilt it from %d complete snapshot(s): steps %s",
+                manifest_path(root), len(ordered), manifest.steps())
+    return manifest
+
+
+def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
+    from .format import ShardReader  # the shard format is needed only for this repair
+
+    shards, indexes = [], []
+    for file in sorted(os.listdir(os.path.join(root, name))):
+        try:
+            with ShardReader(os.path.join(root, name, file)) as reader:
+                indexes.append(reader.index)
+                shards.append(ShardRecord(reader.index.get("rank"), file, reader.size, reader.index_xxh3))
+        except (CheckpointError, OSError):
+            continue
+    if not indexes:
+        return None
+    first = indexes[0]
+    world_size, step = first.get("world_size"), first.get("step")
+    if (not isinstance(step, int) or not isinstance(world_size, int)
+            or sorted(s.rank for s in shards) != list(range(world_size))
+            or any(i.get("step") != step for i in indexes)):
+        return None
+    raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
+    return SnapshotRecord(step=step, seq=0, dir=name, committed_at=float(first.get("created", 0)),
+                          world_size=world_size, shards=tuple(sorted(shards, key=lambda s: s.rank)),
+                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards))
 
 
 def new_snapshot_dir_name(step: int) -> str:

@@ -445,6 +445,18 @@ def test_gc_removes_only_leftovers_by_default(capsys, ckpt):
     assert "nothing to remove" in run(capsys, "gc", ckpt)[1]
 
 
+def test_gc_of_a_directory_that_lost_its_manifest_keeps_every_complete_snapshot(capsys, ckpt):
+    os.unlink(os.path.join(ckpt, "manifest.json"))
+    names = add_leftovers(ckpt)
+    code, out, _ = run(capsys, "gc", ckpt, "--dry-run")
+    assert code == 0 and "keeping 4 committed snapshots" in out
+    assert not os.path.exists(os.path.join(ckpt, "manifest.json"))  # a dry run writes nothing
+    code, out, _ = run(capsys, "gc", ckpt)
+    assert code == 0 and read_manifest(ckpt).steps() == STEPS
+    assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
+    assert run(capsys, "verify", ckpt, "--all")[0] == 0
+
+
 def test_gc_dry_run_changes_nothing(capsys, ckpt):
     add_leftovers(ckpt)
     before = sorted(os.listdir(ckpt))

@@ -536,3 +536,21 @@ def test_user_generators_are_ordinary_state(ckpt_dir):
     assert torch.equal(torch.rand(4, generator=gen), expected[0])
     assert np.array_equal(np_gen.random(3), expected[1])
     assert np.array_equal(legacy.rand(2), expected[2])
+
+
+def test_a_lost_manifest_is_rebuilt_instead_of_deleting_every_snapshot(ckpt_dir, caplog):
+    expected = _three_snapshots(ckpt_dir)
+    os.unlink(os.path.join(ckpt_dir, "manifest.json"))
+    os.mkdir(os.path.join(ckpt_dir, "step-00000000000000000009.0badc0de"))  # an interrupted write
+    target = {"t": torch.empty(1 << 16)}
+    with CheckpointEngine(ckpt_dir, target) as engine:
+        assert engine.committed_steps() == [0, 1, 2]
+        assert engine.restore() == 2
+    assert bit_equal(target["t"], expected)
+    assert "rebuilt it from 3 complete snapshot(s)" in caplog.text
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-00000000000000000009.0badc0de"))
+
+
+def test_several_ranks_in_one_directory_are_refused_for_now(ckpt_dir):
+    with pytest.raises(ValueError, match="own directory"):
+        CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, rank=0, world_size=2)
