@@ -1170,4 +1170,18 @@ def _rank_difference(d: float) -> float:
     return math.inf if math.isnan(d) else d
 
 
-_COMMANDS = (_add_ls, _add_inspect, _add_verify, _add_export, _add_gc, _add_compare_loss)
+# --- supervise ---------------------------------------------------------------------------------
+
+
+def _add_supervise(commands) -> None:
+    from . import supervisor
+
+    sub = _command(commands, "supervise", supervisor.run_from_args,
+                   help="run a training command, restarting it when it crashes or hangs",
+                   description=supervisor.DESCRIPTION)
+    sub.epilog = supervisor.EXIT_CODES_HELP  # its exit codes are the job's, not 0/1/2
+    supervisor.add_arguments(sub)
+
+
+_COMMANDS = (_add_ls, _add_inspect, _add_verify, _add_export, _add_gc, _add_compare_loss,
+             _add_supervise)
