@@ -116,7 +116,10 @@ class CheckpointEngine:
         self._heartbeat = (Heartbeat(self.directory, rank, heartbeat_interval)
                            if heartbeat_interval is not None else None)
         self._preempted_by: Optional[int] = None
-        self._old_handlers = self._install_preemption_handlers(preemption)
+        self._old_handlers: dict = {}
+        if preemption and threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption handlers can only be installed from the main thread; "
+                             "create the engine there or pass preemption=False")
         self._lock_fd = self._lock(lock_timeout)
         self._pool = StagingPool(slots)
         try:
@@ -129,8 +132,8 @@ class CheckpointEngine:
         except BaseException:
             self._pool.close()
             os.close(self._lock_fd)
-            self._restore_signal_handlers()
             raise
+        self._old_handlers = self._install_preemption_handlers(preemption)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -166,9 +169,6 @@ class CheckpointEngine:
         if preemption is False or preemption is None:
             return {}
         signals = DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption)
-        if threading.current_thread() is not threading.main_thread():
-            raise ValueError("preemption handlers can only be installed from the main thread; "
-                             "create the engine there or pass preemption=False")
 
         def on_signal(signum, frame):  # a flag only: the training loop acts at its next snapshot()
             self._preempted_by = signum
