@@ -60,3 +60,26 @@ def test_scaler_schedules_and_ema_continue_identically(ckpt_dir, schedule):
         assert engine.restore() == 7
     assert run(fresh, 9) == expected_after
     assert_same(expected_state, snapshot_of(fresh))
+
+
+def test_torchdata_stateful_dataloader_is_an_ordinary_entry(ckpt_dir):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make():
+        return StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True, num_workers=2,
+                                  generator=torch.Generator().manual_seed(0))
+
+    loader = make()
+    iterator = iter(loader)
+    consumed = [next(iterator) for _ in range(3)]
+    with CheckpointEngine(ckpt_dir, {"loader": loader}) as engine:
+        engine.snapshot(3)
+        engine.wait()
+    rest = list(iterator)
+
+    fresh = make()
+    with CheckpointEngine(ckpt_dir, {"loader": fresh}) as engine:
+        assert engine.restore() == 3
+    resumed = list(fresh)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in rest]
+    assert sorted(sum((b.tolist() for b in consumed + resumed), [])) == list(range(40))
