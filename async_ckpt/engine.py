@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Iterable, MutableMapping, Optional, Union
 
 import psutil
@@ -133,6 +134,10 @@ class CheckpointEngine:
             self._pool.close()
             os.close(self._lock_fd)
             raise
+        # An engine dropped without close(): free its memory and lock, and let its writer finish
+        # what was staged (it exits when the socket closes) instead of blocking the next engine.
+        self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
+                                         self._lock_fd)
         self._old_handlers = self._install_preemption_handlers(preemption)
 
     # --- set-up -----------------------------------------------------------------------------
@@ -298,8 +303,7 @@ class CheckpointEngine:
             self._closed = True
             if self._broken is None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
-            self._pool.close()
-            os.close(self._lock_fd)
+            self._release()
             self._restore_signal_handlers()
 
     def __enter__(self) -> "CheckpointEngine":
@@ -388,6 +392,12 @@ class CheckpointEngine:
             self._counts["consecutive_failures"] += 1
             error_type = getattr(errors, event[2], errors.SnapshotWriteError)
             self._failures.append(error_type(event[3]))
+
+
+def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) -> None:
+    pool.close()
+    writer.conn.close()
+    os.close(lock_fd)
 
 
 def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,

@@ -554,3 +554,15 @@ def test_a_lost_manifest_is_rebuilt_instead_of_deleting_every_snapshot(ckpt_dir,
 def test_several_ranks_in_one_directory_are_refused_for_now(ckpt_dir):
     with pytest.raises(ValueError, match="own directory"):
         CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, rank=0, world_size=2)
+
+
+def test_an_engine_dropped_without_close_frees_the_directory(ckpt_dir):
+    import gc
+    engine = CheckpointEngine(ckpt_dir, {"t": torch.ones(3)})
+    engine.snapshot(0)
+    writer = engine._writer.process
+    del engine
+    gc.collect()
+    assert writer.wait(timeout=60) == 0  # it finished what was staged, then exited
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(3)}, lock_timeout=5) as engine:
+        assert engine.restore() == 0
