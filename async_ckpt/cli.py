@@ -296,21 +296,22 @@ def _progress(total: int, desc: str):
                 file=sys.stderr, leave=False, disable=not _is_tty(sys.stderr))
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum``."""
+def int_arg(minimum: int, maximum: Optional[int] = None):
+    """An argparse type: a whole number in [minimum, maximum]."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f"in {minimum}..{maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {value}")
         return value
     return parse
 
 
-_step_arg = _int_at_least(0)
-_positive_arg = _int_at_least(1)
+_step_arg = int_arg(0)
+_positive_arg = int_arg(1)
 
 
 # --- ls ----------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from typing import Optional, Sequence
 
 import psutil
 
+from .cli import int_arg
 from .errors import PREEMPTED_EXIT_CODE, CheckpointError
 from .heartbeat import read_heartbeats
 from .manifest import SnapshotRecord, read_manifest
@@ -523,16 +524,6 @@ exit codes:
 """
 
 
-def _count_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
-    return value
-
-
 def _seconds_arg(positive: bool):
     def parse(text: str) -> float:
         try:
@@ -545,19 +536,9 @@ def _seconds_arg(positive: bool):
     return parse
 
 
-def _exit_code_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"must be in 1..255, not {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``supervise`` on ``parser`` (a subcommand's parser)."""
-    parser.add_argument("--max-restarts", type=_count_arg, default=3, metavar="N",
+    parser.add_argument("--max-restarts", type=int_arg(0), default=3, metavar="N",
                         help="give up after N restarts (default 3; 0: run once)")
     parser.add_argument("--heartbeat-timeout", type=_seconds_arg(True), metavar="S",
                         help="restart CMD when a rank's newest heartbeat is more than S seconds "
@@ -573,7 +554,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backoff", type=_seconds_arg(False), default=1.0, metavar="S",
                         help="delay before the first restart, doubled after each failure that "
                         f"committed no newer snapshot, at most {MAX_BACKOFF_S:g} s (default 1)")
-    parser.add_argument("--preemption-exit-code", type=_exit_code_arg, default=PREEMPTED_EXIT_CODE,
+    parser.add_argument("--preemption-exit-code", type=int_arg(1, 255), default=PREEMPTED_EXIT_CODE,
                         metavar="N", help="CMD exits with N when preempted: stop and exit N "
                         f"(default {PREEMPTED_EXIT_CODE})")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
