@@ -65,8 +65,9 @@ class CheckpointEngine:
         rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
             restore them with it, so a resumed run draws the same random numbers.
         rank, world_size: this process's shard of a snapshot (one file per rank).
-        writer_nice: niceness added to the writer process; ``writer_low_io`` lowers its I/O
-            priority, so training keeps the CPU and the disk queue.
+        writer_nice: niceness added to the writer process (default: 10 in async mode, so training
+            keeps the CPU; 0 in sync mode, where training waits for the writer anyway);
+            ``writer_low_io`` lowers its I/O priority.
         reserve_bytes: refuse to start a snapshot that would leave less free disk than this.
         lock_timeout: seconds to wait for a previous writer on the same directory to finish.
         preemption: True (SIGTERM and SIGUSR1) or a list of signals to handle as a preemption
@@ -84,7 +85,8 @@ class CheckpointEngine:
                  mode: str = "async", every: int = 1, keep_last: int = 3,
                  keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
                  compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
-                 rng: bool = True, rank: int = 0, world_size: int = 1, writer_nice: int = 10,
+                 rng: bool = True, rank: int = 0, world_size: int = 1,
+                 writer_nice: Optional[int] = None,
                  writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0,
                  preemption: Union[bool, Iterable[int]] = False,
                  heartbeat_interval: Optional[float] = 10.0, slow_writer_s: float = 30.0):
@@ -127,7 +129,8 @@ class CheckpointEngine:
             self._writer = WriterClient({
                 "root": self.directory, "rank": rank, "world_size": world_size,
                 "keep_last": keep_last, "keep_every": keep_every, "compression": compression,
-                "level": level, "reserve_bytes": reserve_bytes, "nice": writer_nice,
+                "level": level, "reserve_bytes": reserve_bytes,
+                "nice": writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
                 "low_io_priority": writer_low_io, "lock": self._lock_path,
                 "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()})
         except BaseException:
