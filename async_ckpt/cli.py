@@ -1171,6 +1171,28 @@ def _rank_difference(d: float) -> float:
     return math.inf if math.isnan(d) else d
 
 
+# --- advise ------------------------------------------------------------------------------------
+
+
+def _add_advise(commands) -> None:
+    from . import advise
+
+    sub = _command(commands, "advise", cmd_advise, help=advise.CLI_HELP,
+                   description=advise.CLI_DESCRIPTION)
+    advise.add_arguments(sub)
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from . import advise
+
+    try:
+        result = advise.advise_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    print(advise.render(args, result))
+    return EXIT_OK
+
+
 # --- supervise ---------------------------------------------------------------------------------
 
 
@@ -1185,4 +1207,4 @@ def _add_supervise(commands) -> None:
 
 
 _COMMANDS = (_add_ls, _add_inspect, _add_verify, _add_export, _add_gc, _add_compare_loss,
-             _add_supervise)
+             _add_advise, _add_supervise)
