@@ -37,209 +37,57 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
-import psutil
-import torch
 
-from async_ckpt import CheckpointEngine
+if __package__ in (None, ""):  # run as a script, ``python bench/stall.py``: import bench.* too
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WIDTH = 2048
-BYTES_PER_LAYER = 3 * 4 * (WIDTH * WIDTH + WIDTH)  # fp32 weight + bias, Adam exp_avg, exp_avg_sq
+from bench.floors import Floors  # noqa: E402
+from bench.measure import log, machine, med_p95, paired_ratio, rss, vmstat  # noqa: E402
+from bench.sweep import measure_snapshot  # noqa: E402
+from bench.systems import OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, System  # noqa: E402
+from bench.workloads import WIDTH, build_state  # noqa: E402
+
 QUICK_SIZE_GB, QUICK_REPEATS = 0.064, 3
 BLOCKING_TARGET, COMMIT_TARGET = 1.5, 1.3  # the core-engine issue: x copy floor, x dd floor
-TARGET_SYSTEM = "engine async"
+SPECS = (OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE)
+TARGET_SYSTEM = OURS_ASYNC.name
 ENGINE_FIGURES = ("wait_slot_s", "capture_s", "staging_s", "queue_s", "write_s", "fsync_s",
                   "commit_s")
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-# --- the training state ---------------------------------------------------------------------------
-
-def build_state(size_gb: float) -> tuple[dict, int]:
-    """An MLP of Linear(2048, 2048) layers plus Adam, after one real optimizer step (so the Adam
-    moments exist). Returns the engine state and its tensor bytes."""
-    torch.manual_seed(0)
-    layers = max(1, round(size_gb * 1e9 / BYTES_PER_LAYER))
-    model = torch.nn.Sequential(*[m for _ in range(layers)
-                                  for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(8, WIDTH)).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    state = {"model": model, "optimizer": optimizer}
-    return state, tensor_bytes(state)
-
-
-def tensor_bytes(state: dict) -> int:
-    model, optimizer = state["model"], state["optimizer"]
-    moments = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return sum(t.nbytes for t in list(model.parameters()) + moments)
-
-
-# --- floors ---------------------------------------------------------------------------------------
-
-class Floors:
-    """The physical limits for ``nbytes``, measured on demand so they can be interleaved."""
-
-    def __init__(self, directory: str, nbytes: int):
-        self.directory, self.nbytes = directory, nbytes
-        self.src = torch.ones(nbytes, dtype=torch.uint8)  # faulted in by the fill
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
-        self._shm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)  # like a staging slot
-        self.shm = torch.frombuffer(self._shm, dtype=torch.uint8)
-        self.shm.fill_(0)
-        self.buffer_bytes = 3 * nbytes
-        self.samples: list[dict] = []
-
-    def measure(self) -> dict:
-        sample = {"copy_s": timed(lambda: self.dst.copy_(self.src)),
-                  "copy_shm_s": timed(lambda: self.shm.copy_(self.src)),
-                  **self._dd_and_read()}
-        self.samples.append(sample)
-        return sample
-
-    def _dd_and_read(self) -> dict:
-        path = os.path.join(self.directory, "dd.bin")
-        try:
-            dd_s = timed(lambda: self._dd(path, "bs=1M"))
-            read_s = timed(lambda: read_into(path, self.dst))
-            os.remove(path)
-            dd_direct_s = timed(lambda: self._dd(path, "bs=8M", "oflag=direct"))
-        finally:
-            if os.path.exists(path):
-                os.remove(path)
-        return {"dd_s": dd_s, "read_cache_s": read_s, "dd_direct_s": dd_direct_s}
-
-    def _dd(self, path: str, *flags: str) -> None:
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", *flags, f"count={self.nbytes}",
-                        "iflag=count_bytes", "conv=fsync", "status=none"], check=True)
-
-    def close(self) -> None:
-        del self.shm
-        self._shm.close()
-
-
-def read_into(path: str, dst: torch.Tensor) -> None:
-    view = memoryview(dst.numpy())
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise EOFError(f"{path} is shorter than {len(view)} bytes")
-            done += n
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 # --- the systems ----------------------------------------------------------------------------------
 
-class EngineSystem:
-    """Our engine; ``snapshot`` returns the figures of one committed snapshot."""
-
-    def __init__(self, name: str, state: dict, directory: str, mode: str,
-                 compression: Optional[str]):
-        self.name, self.mode, self.directory = name, mode, directory
-        self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression)
-
-    def snapshot(self, step: int) -> dict:
-        blocking = timed(lambda: self.engine.snapshot(step, force=True))
-        self.engine.wait()
-        figures = self.engine.stats()["snapshots"][-1]
-        if figures["step"] != step:
-            raise RuntimeError(f"{self.name}: newest stats are of step {figures['step']}, not {step}")
-        record = {"step": step, "blocking_s": blocking,
-                  "to_commit_s": blocking if self.mode == "sync" else figures["to_commit_s"],
-                  "stored_bytes": figures["stored_bytes"], "engine": figures}
-        return record
-
-    def resources(self) -> dict:
-        stats = self.engine.stats()
-        return {k: stats.get(k) for k in ("trainer_rss", "writer_rss", "writer_shared", "pool_bytes")}
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class TorchSaveSystem:
-    """``torch.save`` of the state dicts + fsync of the file and its directory, all blocking;
-    keeps the newest 3 files on disk like the engine's ``keep_last=3``."""
-
-    name = "torch.save + fsync"
-
-    def __init__(self, state: dict, directory: str):
-        self.state, self.directory = state, directory
-        os.makedirs(directory, exist_ok=True)
-        self.paths: list[str] = []
-
-    def snapshot(self, step: int) -> dict:
-        path = os.path.join(self.directory, f"step-{step:08d}.pt")
-        blocking = timed(lambda: self._save(path))
-        self.paths.append(path)
-        while len(self.paths) > 3:
-            os.remove(self.paths.pop(0))
-        return {"step": step, "blocking_s": blocking, "to_commit_s": blocking,
-                "stored_bytes": os.path.getsize(path)}
-
-    def _save(self, path: str) -> None:
-        with open(path, "wb") as f:
-            torch.save({k: v.state_dict() for k, v in self.state.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def resources(self) -> dict:
-        return {"trainer_rss": psutil.Process().memory_info().rss}
-
-    def close(self) -> None:
-        pass
-
-
-def open_systems(state: dict, root: str) -> list:
-    def engine(name: str, sub: str, mode: str, compression: Optional[str]) -> EngineSystem:
-        return EngineSystem(name, state, os.path.join(root, sub), mode, compression)
-
-    makers = [lambda: engine("engine async", "async", "async", None),
-              lambda: engine("engine async zstd", "async-zstd", "async", "zstd"),
-              lambda: engine("engine sync", "sync", "sync", None),
-              lambda: TorchSaveSystem(state, os.path.join(root, "torch-save"))]
+def open_systems(state: dict, root: str) -> list[System]:
     systems = []
     try:
-        for make in makers:
-            systems.append(make())
+        for index, spec in enumerate(SPECS):
+            systems.append(spec.open(state, os.path.join(root, f"system-{index}")))
     except BaseException:
         close_systems(systems)
         raise
     return systems
 
 
-def close_systems(systems: list) -> None:
+def close_systems(systems: list[System]) -> None:
     for system in systems:
         try:
             system.close()
         finally:
             shutil.rmtree(system.directory, ignore_errors=True)
+
+
+def resources(system: System) -> dict:
+    """The engine's memory figures; the trainer's RSS for torch.save."""
+    details = system.details()
+    return {k: details.get(k) for k in ("trainer_rss", "writer_rss", "writer_shared", "pool_bytes")
+            } if details else {"trainer_rss": rss()[0]}
 
 
 def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
@@ -249,7 +97,7 @@ def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
     results = {}
     for system in systems:
         log(f"{system.name}: warm-up")
-        results[system.name] = {"warmup": system.snapshot(0), "runs": []}
+        results[system.name] = {"warmup": measure_snapshot(system, 0), "runs": []}
     previous = None
     for step in range(1, repeats + 1):
         shift = (step - 1) % len(systems)
@@ -257,29 +105,18 @@ def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
             sample = floors.measure()
             if previous is not None:
                 previous["floor_after"] = sample
-            previous = system.snapshot(step)
+            previous = measure_snapshot(system, step)
             previous["floor_before"] = sample
             results[system.name]["runs"].append(previous)
             log(f"round {step}/{repeats} {system.name}: blocking {previous['blocking_s']:.3f} s, "
                 f"to-commit {previous['to_commit_s']:.3f} s")
     previous["floor_after"] = floors.measure()
     for system in systems:
-        results[system.name]["resources"] = system.resources()
+        results[system.name]["resources"] = resources(system)
     return results
 
 
 # --- summary --------------------------------------------------------------------------------------
-
-def med_p95(values: list[float]) -> dict:
-    return {"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
-
-
-def paired_ratio(runs: list[dict], key: str, floor_key: str) -> float:
-    """Median over runs of each run's time / the mean of the two floors measured around it: less
-    sensitive than a ratio of medians when the machine's speed drifts during the run."""
-    return float(np.median([r[key] * 2 / (r["floor_before"][floor_key] + r["floor_after"][floor_key])
-                            for r in runs]))
-
 
 def summarize(result: dict) -> dict:
     runs = result["runs"]
@@ -309,22 +146,6 @@ def targets(summary: dict) -> dict:
             "(info) to-commit / dd oflag=direct": {"ratio": direct, "pass": direct <= COMMIT_TARGET}}
 
 
-def vmstat() -> dict:
-    """Kernel reclaim counters: when they move during the run, memory pressure slowed page-cache
-    writes (the floors' and the systems' alike)."""
-    keys = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
-    with open("/proc/vmstat") as f:
-        counters = dict(line.split() for line in f)
-    return {k: int(counters.get(k, 0)) for k in keys}
-
-
-def machine() -> dict:
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-            "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "kernel": platform.release(), "loadavg_start": os.getloadavg()}
-
-
 # --- report ---------------------------------------------------------------------------------------
 
 def print_report(report: dict) -> None:
@@ -333,7 +154,8 @@ def print_report(report: dict) -> None:
           f"({m['torch_threads']} threads), Python {m['python']}, load avg at start "
           f"{' '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
           f"{' '.join(f'{x:.2f}' for x in report['loadavg_end'])}")
-    print(f"state: {s['layers']} x Linear({WIDTH}, {WIDTH}) + Adam, {s['bytes'] / 1e9:.3f} GB of "
+    print(f"state: {s['layers']} x Linear({s['width']}, {s['width']}) + Adam, "
+          f"{s['bytes'] / 1e9:.3f} GB of "
           f"tensors; {report['config']['repeats']} repeats per system after 1 warm-up")
     gb = s["bytes"] / 1e9
     floors = report["floors_all"]
@@ -417,10 +239,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     vmstat_start = vmstat()
     root = tempfile.mkdtemp(prefix="stall-", dir=args.dir or "/tmp")
     try:
-        state, nbytes = build_state(args.size_gb)
-        report["state"] = {"layers": len(state["model"]) // 2, "bytes": nbytes}
+        state, nbytes = build_state(args.size_gb, width=WIDTH)
+        report["state"] = {"layers": len(state["model"]) // 2, "width": WIDTH, "bytes": nbytes}
         log(f"state: {nbytes / 1e9:.3f} GB; scratch directory {root}")
-        floors = Floors(root, nbytes)
+        floors = Floors(root, nbytes, shm=True, direct=True)
         try:
             systems = open_systems(state, root)
             try:
@@ -434,11 +256,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     samples = floors.samples
     report["floor_buffer_bytes"] = floors.buffer_bytes
     report["floor_samples"] = len(samples)
-    report["floors_all"] = {k: med_p95([s[k] for s in samples]) for k in samples[0]}
+    report["floors_all"] = floors.medians()
     report["floors_raw"] = samples
     report["summary"] = {name: summarize(r) for name, r in report["systems"].items()}
     report["targets"] = targets(report["summary"])
-    report["trainer_rss_end"] = psutil.Process().memory_info().rss
+    report["trainer_rss_end"] = rss()[0]
     report["loadavg_end"] = os.getloadavg()
     report["vmstat_delta"] = {k: v - vmstat_start[k] for k, v in vmstat().items()}
     print_report(report)

@@ -1,0 +1,200 @@
+"""``python -m bench``: every benchmark in one run, from the repository root.
+
+Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
+every system (``bench/systems.py``), against the floors measured in the same run; then writes to
+``--out`` (default ``bench/results/``):
+
+* ``results.json``: every figure with its ratios to its floor and to the best peer, the article's
+  comparison, the interval advice, and the raw samples;
+* ``blocking_vs_size.png``, ``throughput_vs_k.png``;
+* ``report.md``: the tables, also printed on stdout (progress goes to stderr).
+
+``--quick`` runs a tiny version (small states, short loops) in well under a minute: a smoke test
+that keeps the benchmarks from rotting (``tests/test_bench.py``), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from async_ckpt.advise import parse_duration
+
+from . import article, dcp, figures, interval, plots, report
+from .measure import log, machine, med_p95, vmstat
+from .sweep import run_sweep
+from .systems import SYSTEMS
+from .training import run_training
+
+SCHEMA = 1
+FULL = {"sizes": (0.064, 0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "floor_every": 3,
+        "workload": {"width": 768, "depth": 10, "batch": 16}}
+QUICK = {"sizes": (0.008, 0.016), "bf16_sizes": (0.008,), "floor_every": len(SYSTEMS),
+         "workload": {"width": 128, "depth": 2, "batch": 8}}
+KS = (1, 10, 100)
+
+
+def loop_steps(k: int, quick: bool) -> int:
+    """Steps of the loop at interval K: enough snapshots to see a pattern (12 at K=1, 6 at K=10,
+    3 at K=100; 4, 2, 2 with --quick) while the whole sweep of K stays within minutes."""
+    snapshots = max(2, round(4 / k ** 0.3)) if quick else max(3, round(12 / k ** 0.3))
+    return k * snapshots
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny run (under a minute) that checks everything works")
+    parser.add_argument("--sizes", type=_floats, default=None, metavar="GB,GB,...",
+                        help="fp32 state sizes of the sweep in GB (default 0.064,0.256,1,2; "
+                             "--quick: 0.008,0.016)")
+    parser.add_argument("--bf16-sizes", type=_floats, default=None, metavar="GB,...",
+                        help="bf16 state sizes of the sweep (default 0.256,1; --quick: 0.008; "
+                             "'' for none)")
+    parser.add_argument("--ks", type=_ints, default=KS, metavar="K,K,...",
+                        help="snapshot intervals of the training loop (default 1,10,100)")
+    parser.add_argument("--out", default=os.path.join("bench", "results"),
+                        help="where results.json, the PNGs and report.md go "
+                             "(default bench/results)")
+    parser.add_argument("--dir", default=None,
+                        help="where to make the scratch directory (default /tmp); it is removed")
+    parser.add_argument("--mtbf", type=parse_duration, default=parse_duration("24h"),
+                        help="mean time between failures for the interval advice (default 24h)")
+    parser.add_argument("--run-length", type=parse_duration, default=parse_duration("10d"),
+                        help="training run length for the article's 1-5%% rule (default 10d)")
+    parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
+                        help="measure nothing: re-render report.md and the plots into --out from "
+                             "a saved results.json")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    args.sizes = preset["sizes"] if args.sizes is None else args.sizes
+    args.bf16_sizes = preset["bf16_sizes"] if args.bf16_sizes is None else args.bf16_sizes
+    if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
+        parser.error("--sizes needs at least one size, and every size must be positive")
+    if not args.ks or any(k < 1 for k in args.ks):
+        parser.error("--ks needs at least one interval, each at least 1")
+    args.ks = tuple(sorted(set(args.ks)))
+    args.command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            results = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        write_outputs(results, args.out, write_json=False)
+        return 0
+    preset = QUICK if args.quick else FULL
+    started, start = time.time(), time.perf_counter()
+    machine_info, vmstat_start = machine(), vmstat()
+    cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
+    steps = {k: loop_steps(k, args.quick) for k in args.ks}
+    os.makedirs(args.out, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "/tmp")
+    try:
+        sweep_raw = run_sweep(SYSTEMS, cases, root, args.quick, preset["floor_every"])
+        log(f"sweep done after {time.perf_counter() - start:.0f} s")
+        training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"])
+        log(f"training done after {time.perf_counter() - start:.0f} s")
+    finally:
+        dcp.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    results = assemble(args, sweep_raw, training_raw, machine_info, vmstat_start, started,
+                       time.perf_counter() - start)
+    write_outputs(results, args.out)
+    return 0
+
+
+def assemble(args, sweep_raw: dict, training_raw: dict, machine_info: dict, vmstat_start: dict,
+             started: float, runtime_s: float) -> dict:
+    results = {
+        "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
+        "machine": machine_info, "loadavg_end": os.getloadavg(),
+        "vmstat_delta": {k: v - vmstat_start[k] for k, v in vmstat().items()},
+        "config": {"command": args.command, "quick": args.quick, "sizes_gb": list(args.sizes),
+                   "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
+                   "mtbf_s": args.mtbf, "run_length_s": args.run_length},
+        "systems": _availability(sweep_raw, training_raw),
+        "floors": _floor_summary(sweep_raw, training_raw),
+        "figures": figures.build(sweep_raw, training_raw),
+        "consistency": {name: block.get("consistency") if block.get("available")
+                        else f"n/a ({block['reason']})"
+                        for name, block in training_raw["systems"].items()},
+        "raw": {"sweep": sweep_raw, "training": training_raw},
+    }
+    results["comparison"] = article.compare(results)
+    results["advice"] = interval.advice(results, args.mtbf, args.run_length)
+    return results
+
+
+def _availability(sweep_raw: dict, training_raw: dict) -> list[dict]:
+    rows = []
+    for spec in SYSTEMS:
+        blocks = [c["systems"][spec.name] for c in sweep_raw.values()]
+        blocks.append(training_raw["systems"][spec.name])
+        failed = [b for b in blocks if not b["available"]]
+        rows.append({"name": spec.name, "ours": spec.ours, "blocking": spec.blocking,
+                     "ran": len(failed) < len(blocks),
+                     "reason": failed[0]["reason"] if failed else None,
+                     "failed_cases": len(failed)})
+    return rows
+
+
+def _floor_summary(sweep_raw: dict, training_raw: dict) -> dict:
+    groups = {label: (c["floors"], c["bytes"]) for label, c in sweep_raw.items()}
+    groups[f"training state ({training_raw['state_bytes'] / 1e6:.3g} MB)"] = (
+        training_raw["floors"], training_raw["state_bytes"])
+    summary = {}
+    for label, (samples, nbytes) in groups.items():
+        summary[label] = {}
+        for key in samples[0]:
+            stats = med_p95([s[key] for s in samples])
+            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9,
+                                   "samples": len(samples)}
+    return summary
+
+
+def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
+    """results.json and report.md written whole (temporary file, then rename), then the plots;
+    the report is printed. The report links the plots relative to the working directory (the
+    repository root), so that it can be pasted into the README as it is."""
+    text = report.render(results, image_dir=_image_dir(out))
+    if write_json:
+        _write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+    _write_atomic(os.path.join(out, "report.md"), text)
+    plots.write(results, out)
+    print(text)
+    log(f"wrote {out}/results.json, report.md, {', '.join(plots.FILES)}")
+
+
+def _image_dir(out: str) -> str:
+    relative = os.path.relpath(os.path.abspath(out))
+    return os.path.abspath(out) if relative.startswith("..") else relative.replace(os.sep, "/")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

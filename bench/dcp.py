@@ -1,0 +1,161 @@
+"""PyTorch Distributed Checkpoint (DCP) as peers: ``dcp.save`` and ``dcp.async_save``.
+
+DCP runs inside a process group, so the first DCP system opened creates a single-process gloo group
+on a loopback TCP store (``MASTER_ADDR`` is pinned to 127.0.0.1 too, because the process executor
+starts its own store and would otherwise bind to the host name). Variants, as DCP users run them:
+
+* ``dcp.save``: blocking; ``FileSystemWriter`` fsyncs the data files and the ``.metadata`` it writes
+  last, so a snapshot is durable when the call returns.
+* ``async_save`` with its default stager: a fresh CPU copy of the state per save (first-touch page
+  faults on every save), then a writer thread.
+* ``async_save`` with a cached shared-memory stager: ``DefaultStager(StagingOptions(
+  use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+  use_non_blocking_copy=False))`` kept for the run, so the copies go into buffers allocated once (the
+  CUDA-only options are off on this CPU machine). With the thread executor or with DCP's process
+  executor (a spawned daemon process that writes; the shared-memory staging is what lets the state
+  reach it without another copy).
+
+Only one ``async_save`` is kept in flight: the cached stager has one set of buffers, and staging the
+next save into them while the previous is still being written would corrupt it. So ``save`` first
+waits for the previous future, as torchtitan and the DCP docs do. Time-to-durable is when the
+future completes (stamped by a done-callback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from concurrent.futures import Future
+from typing import Optional
+
+from .systems import System, Unavailable
+
+
+def open_system(name: str, state: dict, directory: str, executor: Optional[str] = None,
+                stager: Optional[str] = None) -> System:
+    ensure_process_group()
+    if executor is None:
+        return DcpSave(name, state, directory)
+    return DcpAsync(name, state, directory, executor, stager)
+
+
+def ensure_process_group() -> None:
+    """A single-process gloo group on 127.0.0.1, created once; ``Unavailable`` if DCP cannot run."""
+    try:
+        import torch.distributed as dist
+        importlib.import_module("torch.distributed.checkpoint")
+    except ImportError as e:
+        raise Unavailable(f"torch.distributed.checkpoint does not import: {e}") from e
+    if not dist.is_available():
+        raise Unavailable("this torch build has no torch.distributed")
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    except Exception as e:  # noqa: BLE001 - any failure means this peer cannot run here
+        raise Unavailable(f"cannot create a single-process gloo group: {e}") from e
+
+
+def shutdown() -> None:
+    """Stop DCP's process-executor daemon and destroy the process group, if they exist."""
+    stop_process_daemon()
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except ImportError:
+        pass
+
+
+def stop_process_daemon() -> None:
+    """DCP keeps its process executor's daemon in a module global for the life of the trainer, as
+    its users get it: started by the first save (~3 s here, in the warm-up), then reused. Only the
+    process-executor system reports its pid, so its memory is charged to no other system."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return
+    daemon = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if daemon is not None:
+        executor._CHECKPOINT_PROCESS = None
+        daemon.__del__()  # sends TERMINATE, joins, terminates if needed; later calls are no-ops
+
+
+class DcpSave(System):
+    """``torch.distributed.checkpoint.save``: blocking until durable."""
+
+    def __init__(self, name: str, state: dict, directory: str):
+        super().__init__(state, directory)
+        self.name = name
+
+    def _save(self, step: int, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.state, checkpoint_id=path)
+        self._durable(step, path)
+
+    def restore(self) -> Optional[int]:
+        import torch.distributed.checkpoint as dcp
+        step, path = self._kept[-1]
+        dcp.load(self.state, checkpoint_id=path)
+        return step
+
+
+class DcpAsync(DcpSave):
+    """``torch.distributed.checkpoint.async_save`` with the thread or process executor and the
+    default or a cached shared-memory stager."""
+
+    def __init__(self, name: str, state: dict, directory: str, executor: str, stager: str):
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        super().__init__(name, state, directory)
+        self._type = {"thread": AsyncCheckpointerType.THREAD,
+                      "process": AsyncCheckpointerType.PROCESS}[executor]
+        self._stager = None
+        if stager == "cached":
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError as e:
+                raise Unavailable(f"this torch has no DefaultStager/StagingOptions: {e}") from e
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+                use_non_blocking_copy=False))
+        self._future: Optional[Future] = None
+        self._pending: Optional[tuple[int, str]] = None
+        self._done_at: dict[int, float] = {}
+
+    def _save(self, step: int, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        self.wait()  # one save in flight (see the module docstring)
+        response = dcp.async_save(self.state, checkpoint_id=path, async_stager=self._stager,
+                                  async_checkpointer_type=self._type)
+        future = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
+        future.add_done_callback(lambda _, s=step: self._done_at.setdefault(s, time.perf_counter()))
+        self._future, self._pending = future, (step, path)
+
+    def wait(self) -> None:
+        if self._future is None:
+            return
+        future, (step, path) = self._future, self._pending
+        self._future = self._pending = None
+        future.result()  # raises the save's error
+        self._durable_at[step] = self._done_at.pop(step, time.perf_counter())
+        self._durable(step, path)
+
+    def writer_pids(self) -> list[int]:
+        if self._type.name != "PROCESS":
+            return []
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+            return [executor._CHECKPOINT_PROCESS._save_process.pid]
+        except (ImportError, AttributeError):
+            return []
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()

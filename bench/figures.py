@@ -1,0 +1,194 @@
+"""From raw measurements to figures: every figure of every system, as a value with its ratio to
+the figure's floor and to the best peer, or "n/a (reason)".
+
+A figure is ``{"unit", "title", "floor", "lower_is_better", "cases", "best_peer", "values"}``
+where ``values[system][case]`` is an entry ``{"median", "p95", "floor", "x_floor", "x_best_peer",
+...}`` or a string ``"n/a (reason)"``. Cases are state sizes for the sweep's figures (``fp32 1 GB``),
+intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory figures.
+
+* ``x_floor``: the value / its floor, measured in the same run (for times: the median of the
+  floor samples of that state, interleaved with the systems; for bytes: the state's tensor bytes;
+  for throughput: the no-checkpoint loop run just before the system's).
+* ``x_best_peer``: the value / the best peer's value for the same case, peers being every system
+  but async_ckpt's. Below 1 is better for times and bytes, above 1 for throughput and compression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .measure import med_p95
+from .systems import NONE, PEERS, SYSTEM_NAMES
+
+
+@dataclass(frozen=True)
+class Figure:
+    """``min_best_of_floor``: no ratio to a best peer whose value is below this fraction of its
+    floor (a peer that allocates nothing is no yardstick for memory: the ratio would be noise)."""
+
+    key: str
+    title: str
+    unit: str
+    floor: str
+    lower_is_better: bool = True
+    min_best_of_floor: float = 0.0
+
+
+SWEEP_FIGURES = (
+    Figure("blocking_s", "blocking time per snapshot", "s", "one copy_ of the state's bytes"),
+    Figure("to_durable_s", "time from snapshot() to durable commit", "s",
+           "dd conv=fsync of the state's bytes"),
+    Figure("restore_s", "restore time into the live model and optimizer", "s",
+           "read of the state's bytes from the page cache"),
+    Figure("stored_bytes", "bytes written per snapshot", "B", "the state's tensor bytes"),
+    Figure("compression_ratio", "compression ratio (tensor bytes / bytes written)", "x",
+           "1 (stored raw)", lower_is_better=False),
+)
+TRAINING_FIGURES = (
+    Figure("throughput_steps_s", "training throughput", "steps/s", "no checkpointing",
+           lower_is_better=False),
+    Figure("loop_blocking_s", "blocking time per snapshot in the training loop", "s",
+           "one copy_ of the state's bytes"),
+)
+MEMORY_FIGURES = (
+    Figure("trainer_peak_extra_bytes", "peak trainer RSS above its RSS before the first snapshot",
+           "B", "the state's tensor bytes", min_best_of_floor=0.01),
+    Figure("writer_peak_bytes", "peak RSS of the writer processes", "B",
+           "the state's tensor bytes", min_best_of_floor=0.01),
+    Figure("rss_growth_per_snapshot_bytes", "RSS growth per snapshot (trainer + writer)", "B",
+           "the state's tensor bytes", min_best_of_floor=0.01),
+)
+FIGURES = SWEEP_FIGURES + TRAINING_FIGURES + MEMORY_FIGURES
+FIGURE_KEYS = tuple(f.key for f in FIGURES)
+
+
+def build(sweep: dict, training: dict) -> dict:
+    figures = {}
+    for figure in SWEEP_FIGURES:
+        figures[figure.key] = _figure(figure, {case: {name: _sweep_entry(figure.key, data, name)
+                                                      for name in SYSTEM_NAMES}
+                                               for case, data in sweep.items()})
+    none_rates = _none_rates(training)
+    train_floors = med_p95([s["copy_s"] for s in training["floors"]])["median"]
+    ks = list(training["steps"])
+    for figure in TRAINING_FIGURES:
+        names = ((NONE.name,) if figure.key == "throughput_steps_s" else ()) + SYSTEM_NAMES
+        figures[figure.key] = _figure(figure, {
+            f"K={k}": {name: _training_entry(figure.key, name, training["systems"].get(name), k,
+                                             none_rates, train_floors)
+                       for name in names}
+            for k in ks})
+    for figure in MEMORY_FIGURES:
+        figures[figure.key] = _figure(figure, {"loop": {
+            name: _memory_entry(figure.key, training["systems"].get(name), training["state_bytes"])
+            for name in SYSTEM_NAMES}})
+    return figures
+
+
+def _figure(figure: Figure, by_case: dict) -> dict:
+    """Add each case's best peer and every entry's ratio to it; lay values out by system."""
+    best = {}
+    for case, entries in by_case.items():
+        peers = {n: e for n, e in entries.items() if n in PEERS and isinstance(e, dict)}
+        if not peers:
+            best[case] = None
+            continue
+        pick = min if figure.lower_is_better else max
+        best[case] = pick(peers, key=lambda n: peers[n]["median"])
+        reference = peers[best[case]]["median"]
+        meaningful = reference > figure.min_best_of_floor * (peers[best[case]]["floor"] or 0)
+        for entry in entries.values():
+            if isinstance(entry, dict):
+                entry["x_best_peer"] = entry["median"] / reference if meaningful and reference > 0 \
+                    else None
+    names = list(next(iter(by_case.values()))) if by_case else []
+    return {"title": figure.title, "unit": figure.unit, "floor": figure.floor,
+            "lower_is_better": figure.lower_is_better, "cases": list(by_case),
+            "best_peer": best,
+            "values": {name: {case: by_case[case][name] for case in by_case} for name in names}}
+
+
+def _entry(values: list, floor: Optional[float], **extra) -> dict:
+    stats = med_p95(values)
+    return {**stats, "floor": floor,
+            "x_floor": stats["median"] / floor if floor else None, **extra}
+
+
+def _na(block: Optional[dict], default: str = "did not run") -> Optional[str]:
+    if block is None:
+        return f"n/a ({default})"
+    if not block.get("available", True):
+        return f"n/a ({block['reason']})"
+    return None
+
+
+def _sweep_entry(key: str, case: dict, name: str):
+    block = case["systems"].get(name)
+    missing = _na(block)
+    if missing:
+        return missing
+    runs, nbytes = block["runs"], case["bytes"]
+    floor = {k: med_p95([s[k] for s in case["floors"]])["median"] for k in case["floors"][0]}
+    if key == "blocking_s":
+        return _entry([r["blocking_s"] for r in runs], floor["copy_s"])
+    if key == "to_durable_s":
+        return _entry([r["to_commit_s"] for r in runs], floor["dd_s"])
+    if key == "restore_s":
+        return _entry(block["restore_s"], floor["read_cache_s"])
+    stored = [r["stored_bytes"] for r in runs]
+    if key == "stored_bytes":
+        return _entry(stored, nbytes)
+    return _entry([nbytes / s for s in stored], 1.0)  # compression_ratio
+
+
+def _none_rates(training: dict) -> dict:
+    """Steps/s without checkpointing per K, over every no-checkpoint loop of the run (each system's
+    loops are paired with their own; this is the row the report shows for reference)."""
+    loops = {k: [b["loops"][k]["baseline"] for b in training["systems"].values()
+                 if b.get("available")] for k in training["steps"]}
+    return {k: sum(lp["steps"] for lp in v) / sum(lp["loop_s"] for lp in v) if v else None
+            for k, v in loops.items()}
+
+
+def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rates: dict,
+                    copy_floor: float):
+    if name == NONE.name:
+        if key != "throughput_steps_s" or none_rates[k] is None:
+            return "n/a (no snapshots)"
+        entry = _entry([none_rates[k]], none_rates[k], overhead_pct=0.0, drain_s=0.0)
+        entry["p95"] = None
+        return entry
+    missing = _na(block)
+    if missing:
+        return missing
+    loop = block["loops"][k]
+    if key == "throughput_steps_s":
+        base = loop["baseline"]["steps_per_s"]
+        entry = _entry([loop["steps_per_s"]], base,
+                       overhead_pct=(loop["loop_s"] / loop["baseline"]["loop_s"] - 1) * 100,
+                       drain_s=loop["drain_s"])
+        entry["p95"] = None  # one loop per system: a rate, not a distribution
+        return entry
+    return _entry(loop["blocking_s"], copy_floor, snapshots=len(loop["blocking_s"]))
+
+
+def _memory_entry(key: str, block: Optional[dict], state_bytes: int):
+    missing = _na(block)
+    if missing:
+        return missing
+    if key == "trainer_peak_extra_bytes":
+        value = block["trainer_peak_extra_bytes"]
+    elif key == "writer_peak_bytes":
+        value = block["writer_peak_bytes"]
+        if not value:
+            return "n/a (writes in the training process: counted in the trainer's RSS)"
+    else:
+        trainer, writer = (block["trainer_growth_per_snapshot_bytes"],
+                           block["writer_growth_per_snapshot_bytes"])
+        if trainer is None:
+            return "n/a (fewer than 3 snapshots after the first 3)"
+        value = round(trainer + (writer or 0.0))  # whole bytes: the fit's float noise is not growth
+    entry = _entry([value], state_bytes)
+    entry["p95"] = None
+    return entry

@@ -1,0 +1,38 @@
+"""The report's snapshot-interval advice: ``async_ckpt.advise`` fed with this run's measurements.
+
+For each system that ran the training loop: the step time is the loop's without checkpointing (at
+the largest K), the blocking time the median ``save`` time in the loop at the largest K (where no
+save waits for an earlier one), and the time to durable the one measured by the consistency check
+on the same state. A periodic blocking save is priced with its blocking time as its whole cost. The
+mean time between failures and the run's length are the benchmark's ``--mtbf`` and
+``--run-length`` (defaults: a failure a day, the article's 10-day run).
+"""
+
+from __future__ import annotations
+
+from async_ckpt.advise import advise, expected_loss
+
+from .systems import SYSTEMS
+
+
+def advice(results: dict, mtbf_s: float, run_length_s: float) -> dict:
+    figures = results["figures"]
+    throughput = figures["throughput_steps_s"]
+    k_last = throughput["cases"][-1]
+    step_s = 1 / throughput["values"]["no checkpointing"][k_last]["median"]
+    total_steps = max(1, round(run_length_s / step_s))
+    rows = {}
+    for spec in SYSTEMS:
+        blocking = figures["loop_blocking_s"]["values"][spec.name][k_last]
+        check = results["consistency"].get(spec.name)
+        if not isinstance(blocking, dict) or not isinstance(check, dict):
+            rows[spec.name] = blocking if isinstance(blocking, str) else "n/a (did not run)"
+            continue
+        b = blocking["median"]
+        cost = b if spec.blocking else max(b, check["to_commit_s"])
+        result = advise(step_s, cost, mtbf_s, blocking_s=b, total_steps=total_steps)
+        result["at_measured_k"] = {case: expected_loss(step_s, cost, mtbf_s, int(case[2:]), b)
+                                   for case in throughput["cases"]}
+        rows[spec.name] = result
+    return {"mtbf_s": mtbf_s, "run_length_s": run_length_s, "step_time_s": step_s,
+            "total_steps": total_steps, "systems": rows}

@@ -1,0 +1,317 @@
+"""The benchmark report as markdown tables, rendered from results.json alone (so a report can be
+re-rendered from any saved results: ``python -m bench --render results.json``).
+
+Every cell that holds a measured figure also shows its ratio to the figure's floor and to the best
+peer: ``value · ×floor · ×best peer``. ``render`` returns the whole report, ready to paste into
+the README as its "Performance" section: images are linked from ``image_dir``, the plots'
+directory relative to the repository root.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+from async_ckpt.advise import format_advice
+
+from .article import ASYNC, headline_case
+from .systems import NONE, SYSTEM_NAMES
+
+FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
+                ("read_cache_s", "read (page cache)"))
+
+
+def render(results: dict, image_dir: str = "bench/results") -> str:
+    sections = [_header(results), _legend(), _floors(results), _headline(results, image_dir),
+                _training(results, image_dir), _memory(results), _consistency(results),
+                _article(results), _advice(results), _per_size(results), _notes(results)]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return "–"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _ratio(x: Optional[float]) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.0f}×" if abs(x) >= 10 else f"{x:.2g}×"
+
+
+def _mb(x: Optional[float]) -> str:
+    return "–" if x is None else _num(x / 1e6)
+
+
+def _cell(entry, scale: float = 1.0, p95: bool = False, extra: str = "") -> str:
+    """``median (p95 ..) · ×floor · ×best peer`` or the "n/a (reason)" string."""
+    if not isinstance(entry, dict):
+        return str(entry)
+    text = _num(entry["median"] / scale)
+    if p95 and entry.get("p95") is not None:
+        text += f" (p95 {_num(entry['p95'] / scale)})"
+    return f"{text}{extra} · {_ratio(entry.get('x_floor'))} · {_ratio(entry.get('x_best_peer'))}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _pct(x: float) -> str:
+    x *= 100
+    return f"{x:.2g}%" if x < 10 else f"{x:.0f}%"
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+def _header(results: dict) -> str:
+    m, config = results["machine"], results["config"]
+    ran = [s["name"] for s in results["systems"] if s["ran"]]
+    not_ran = [f"{s['name']}: {s['reason']}" for s in results["systems"] if not s["ran"]]
+    when = datetime.datetime.fromtimestamp(results["started_at"]).strftime("%Y-%m-%d %H:%M")
+    lines = [
+        "## Performance",
+        "",
+        f"Measured {when} with `{config['command']}` in {results['runtime_s'] / 60:.1f} min on "
+        f"{m['nproc']} CPUs ({m['cpu_model']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, no GPU, "
+        f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']} ({m['torch_threads']} "
+        f"threads); load average {_loads(m['loadavg_start'])} at the start, "
+        f"{_loads(results['loadavg_end'])} at the end (the machine is shared: expect noise).",
+        "",
+        f"Systems that ran: {', '.join(ran)}.",
+    ]
+    if not_ran:
+        lines += ["", "Not run: " + "; ".join(not_ran) + "."]
+    return "\n".join(lines)
+
+
+def _loads(loads) -> str:
+    return " ".join(f"{x:.2f}" for x in loads)
+
+
+def _legend() -> str:
+    return ("Cells read `value · ×floor · ×best peer`: the floor is the physical limit of this "
+            "machine for the same bytes, measured in the same run (for times, the median of the "
+            "floor samples interleaved with the systems); the best peer is the best of the "
+            "systems other than async_ckpt for the same case. For times and bytes lower is "
+            "better, for throughput and compression higher. `–`: no meaningful ratio (a best "
+            "peer that uses no memory of its own).")
+
+
+def _floors(results: dict) -> str:
+    rows = []
+    for label, floors in results["floors"].items():
+        row = [label]
+        for key, _ in FLOOR_LABELS:
+            f = floors[key]
+            row.append(f"{_num(f['median'])} s ({f['gbps']:.2f} GB/s)")
+        rows.append(row)
+    return ("### Floors (median of the samples interleaved with the runs)\n\n"
+            + _table(["state", *(name for _, name in FLOOR_LABELS)], rows))
+
+
+def _headline(results: dict, image_dir: str) -> str:
+    case = headline_case(results)
+    if case is None:
+        return ""
+    f = results["figures"]
+    save = [[name, _cell(f["blocking_s"]["values"][name][case], p95=True),
+             _cell(f["to_durable_s"]["values"][name][case], p95=True)]
+            for name in SYSTEM_NAMES]
+    restore = [[name, _cell(f["restore_s"]["values"][name][case]),
+                _cell(f["stored_bytes"]["values"][name][case], scale=1e6),
+                _cell(f["compression_ratio"]["values"][name][case])]
+               for name in SYSTEM_NAMES]
+    nbytes = results["raw"]["sweep"][case]["bytes"]
+    return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
+            + _table(["system", "blocking s (p95) · ×copy · ×best peer",
+                      "to durable s (p95) · ×dd · ×best peer"], save)
+            + "\n\n"
+            + _table(["system", "restore s · ×read · ×best peer",
+                      "MB written · ×state · ×best peer",
+                      "compression ratio · ×raw · ×best peer"], restore)
+            + f"\n\n![blocking time and time to durable vs state size]({image_dir}/"
+            "blocking_vs_size.png)")
+
+
+def _training(results: dict, image_dir: str) -> str:
+    f = results["figures"]
+    training = results["raw"]["training"]
+    throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
+    ks = throughput["cases"]
+    none = throughput["values"][NONE.name]
+    step_ms = 1000 / none[ks[-1]]["median"]
+    rows = [[NONE.name] + [f"{_num(none[k]['median'])}" for k in ks]]
+    for name in SYSTEM_NAMES:
+        row = [name]
+        for k in ks:
+            e = throughput["values"][name][k]
+            row.append(_cell(e, extra=f" ({e['overhead_pct']:+.1f}%)") if isinstance(e, dict)
+                       else str(e))
+        rows.append(row)
+    blocking_rows = [[name] + [_cell(blocking["values"][name][k], p95=True) for k in ks]
+                     for name in SYSTEM_NAMES]
+    steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
+    return (f"### Training loop: {_num(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
+            f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
+            f"Steps per loop: {steps}. Each system's loop is timed against a loop without "
+            "checkpointing run just before it (the overhead in parentheses); the first row is "
+            f"every such loop together. {_noise(training)}\n\n"
+            + _table(["system", *(f"{k} steps/s (time overhead) · ×no ckpt · ×best peer"
+                                  for k in ks)], rows)
+            + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
+            + "Blocking time per snapshot in the loop (s):\n\n"
+            + _table(["system", *(f"{k} (p95) · ×copy · ×best peer" for k in ks)],
+                     blocking_rows))
+
+
+def _noise(training: dict) -> str:
+    """How much the no-checkpoint loops alone varied: the yardstick for reading small overheads."""
+    rates = [b["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
+             if b.get("available") for k in b["loops"]]
+    if len(rates) < 2:
+        return ""
+    return (f"The machine's speed drifted: loops without checkpointing ran at {min(rates):.3g} to "
+            f"{max(rates):.3g} steps/s over the run ({(max(rates) / min(rates) - 1) * 100:.0f}% "
+            "apart), hence the adjacent baselines; overheads of a few percent, and negative ones, "
+            "are within noise.")
+
+
+def _memory(results: dict) -> str:
+    f = results["figures"]
+    rows = [[name,
+             _cell(f["trainer_peak_extra_bytes"]["values"][name]["loop"], scale=1e6),
+             _cell(f["writer_peak_bytes"]["values"][name]["loop"], scale=1e6),
+             _cell(f["rss_growth_per_snapshot_bytes"]["values"][name]["loop"], scale=1e6)]
+            for name in SYSTEM_NAMES]
+    return ("### Memory in the training loop (MB; ×floor = × the state's bytes)\n\n"
+            + _table(["system", "trainer peak above start · ×state · ×best peer",
+                      "writer processes peak · ×state · ×best peer",
+                      "growth per snapshot · ×state · ×best peer"], rows))
+
+
+def _consistency(results: dict) -> str:
+    rows = []
+    for name in SYSTEM_NAMES:
+        check = results["consistency"].get(name)
+        if not isinstance(check, dict):
+            rows.append([name, str(check), ""])
+            continue
+        exact = "yes" if check["bit_exact"] else f"no: {check['differing_tensors']} tensors differ"
+        rows.append([name, exact, f"{check['damage']['outcome']}: {check['damage']['how']}"])
+    return ("### Recovery consistency (training state, measured)\n\n"
+            "A snapshot, two more steps, a restore compared bit for bit with the state at the "
+            "snapshot; then one byte flipped in the middle of the snapshot's largest file and "
+            "another restore.\n\n"
+            + _table(["system", "restore bit-exact", "one flipped byte"], rows))
+
+
+def _article(results: dict) -> str:
+    comparison = results["comparison"]
+    periodic, async_ = comparison["columns"]
+    rows = [[aspect, f"*{row['article'][0]}* — {row['measured'][0]}",
+             f"*{row['article'][1]}* — {row['measured'][1]}"]
+            for aspect, row in comparison["rows"].items()]
+    return ("### Periodic vs asynchronous saves: the article's table, measured\n\n"
+            "In italics the article's words, then what this run measured.\n\n"
+            + _table(["", f"periodic blocking save ({periodic})",
+                      f"asynchronous side-path save ({async_})"], rows))
+
+
+def _advice(results: dict) -> str:
+    a = results["advice"]
+    rows = []
+    for name, r in a["systems"].items():
+        if not isinstance(r, dict):
+            rows.append([name, str(r)] + [""] * 5)
+            continue
+        at_k = ", ".join(f"{k}: {_pct(v['fraction_lost'])}" for k, v in r["at_measured_k"].items())
+        rule = r["rule_of_thumb"]
+        rows.append([
+            name, f"{_num(r['blocking_s'])} / {_num(r['snapshot_cost_s'])}",
+            f"{_duration(r['young_interval_s'])} / {_duration(r['daly_interval_s'])}",
+            f"{r['interval_steps']} ({_duration(r['interval_s'])})",
+            f"{_pct(r['fraction_checkpointing'])} + {_pct(r['fraction_rework'])} = "
+            f"{_pct(r['fraction_lost'])}",
+            f"{_pct(rule['fraction_lost'][0])}-{_pct(rule['fraction_lost'][1])}",
+            at_k])
+    example = a["systems"].get(ASYNC)
+    text = ("\n\n`async-ckpt advise` for async_ckpt async with these numbers:\n\n```\n"
+            + format_advice(example) + "\n```") if isinstance(example, dict) else ""
+    return (f"### Snapshot interval advice (Young/Daly), MTBF {_duration(a['mtbf_s'])}, a "
+            f"{_duration(a['run_length_s'])} run of this model ({a['total_steps']:,} steps of "
+            f"{a['step_time_s'] * 1000:.0f} ms)\n\n"
+            "Blocking time slows training and sets the interval; the rest of the time to durable "
+            "adds to the rework after a failure.\n\n"
+            + _table(["system", "blocking / to durable s", "Young / Daly interval",
+                      "recommended: steps", "time lost: snapshots + rework",
+                      "lost at the article's 1-5% rule", "lost at the measured K"], rows)
+            + text)
+
+
+def _per_size(results: dict) -> str:
+    f = results["figures"]
+    parts = ["### Every state size"]
+    for key in ("blocking_s", "to_durable_s", "restore_s", "compression_ratio"):
+        figure = f[key]
+        rows = [[name] + [_cell(figure["values"][name][c], p95=key != "compression_ratio")
+                          for c in figure["cases"]]
+                for name in SYSTEM_NAMES]
+        floor = figure["floor"]
+        parts.append(f"{figure['title'].capitalize()} ({figure['unit']}; ×floor: {floor}):\n\n"
+                     + _table(["system", *figure["cases"]], rows))
+    return "\n\n".join(parts)
+
+
+def _write_spread(results: dict) -> str:
+    """": the engine's write phase for the headline state took a to b s", from the raw runs."""
+    case = headline_case(results)
+    block = results["raw"]["sweep"].get(case, {}).get("systems", {}).get(ASYNC) if case else None
+    if not block or not block.get("available"):
+        return ""
+    writes = [r["engine"]["write_s"] for r in block["runs"] + [block["warmup"]] if "engine" in r]
+    if len(writes) < 2:
+        return ""
+    return (f" (the engine's write phase for the {case} state took {min(writes):.2f} s to "
+            f"{max(writes):.2f} s here)")
+
+
+def _notes(results: dict) -> str:
+    return "\n".join([
+        "### How these were measured",
+        "",
+        "- Sweep: per state, the systems run one at a time: a warm-up snapshot (excluded), then "
+        "measured snapshots each followed by a wait for durability, then restores; the order "
+        "rotates from state to state. Floors are sampled between systems.",
+        "- Blocking: wall time of the save call in the training thread. To durable: from that "
+        "call until the snapshot is on disk and fsynced (async_ckpt: the manifest commit; DCP: "
+        "the future; torchsnapshot never fsyncs, so its time includes an fsync of its files "
+        "after it reports done).",
+        "- Restores read files just written, from the page cache, like the read floor.",
+        "- The dd floor writes a file and deletes it at once, so its page-cache pages are "
+        "recycled; the systems keep their newest three snapshots, so each write needs fresh "
+        "pages, which on this VM (its freed memory goes back to the host) are slow to get and "
+        "vary from one snapshot to the next" + _write_spread(results) + ".",
+        "- DCP's and torchsnapshot's asynchronous saves keep one save in flight: the next save "
+        "first waits for the previous one (inside the blocking time).",
+        "- Training loop: the time of K loops ends with the last step; the newest snapshot's "
+        "write continues after it, like every earlier one overlapped the following steps.",
+        f"- Raw samples, every floor sample and the engine's per-stage times: results.json "
+        f"(schema {results['schema']}).",
+    ])

@@ -1,0 +1,121 @@
+"""A real training loop with a snapshot every K steps: throughput against no checkpointing, blocking
+time per snapshot in the loop, memory, and whether a restore is bit-exact and damage is caught.
+
+Each system starts from the same model and optimizer values, opens, takes one untimed warm-up
+snapshot, then for each K runs ``steps[K]`` training steps without checkpointing and right after
+them the same number with the system, saving after step ``i`` when ``i % K == 0``. The overhead is
+each loop against the no-checkpoint loop just before it: on a shared machine whose speed drifts by
+tens of percent over minutes, only such pairs compare like with like. A loop's time ends with its
+last training step: the newest snapshot's write then still overlaps the K - 1 steps a longer run
+would do, as every earlier one did; its drain (``wait()``) is timed apart. A save that must wait
+for an earlier one (every slot of ours busy, or DCP's and torchsnapshot's one save in flight)
+waits inside ``save``, in the loop.
+
+Memory: the trainer's and the writer processes' RSS are sampled throughout (peak above the trainer's
+RSS before the first snapshot, with the C heap's free memory handed back first), and read after
+every snapshot; growth per snapshot is the slope of those readings after the first three (which
+allocate staging buffers).
+
+Then ``consistency.check`` on the open system: a snapshot, two more steps, restore, compare bit for
+bit; then one flipped byte in the snapshot's largest file and another restore.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Sequence
+
+from . import consistency
+from .floors import Floors
+from .measure import RssSampler, log, release_free_memory, rss, slope, timed
+from .systems import NoCheckpoint, SystemSpec, Unavailable
+from .workloads import TrainingWorkload
+
+GROWTH_SKIP = 3
+
+
+def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], steps: dict,
+                 workload_options: dict) -> dict:
+    workload = TrainingWorkload(**workload_options)
+    pristine = workload.clone_tensors()
+    log(f"training: {workload.nbytes / 1e6:.0f} MB state; K {list(ks)}; steps {steps}")
+    floors = Floors(root, workload.nbytes)
+    results = {"state_bytes": workload.nbytes, "workload": workload_options,
+               "steps": {str(k): steps[k] for k in ks}, "systems": {}}
+    try:
+        floors.measure()
+        for spec in specs:
+            workload.load_tensors(pristine)
+            results["systems"][spec.name] = run_system(spec, workload, os.path.join(root, "train"),
+                                                       ks, steps)
+        floors.measure()
+        results["floors"] = floors.samples
+    finally:
+        floors.close()
+    return results
+
+
+def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks: Sequence[int],
+               steps: dict) -> dict:
+    try:
+        system = spec.open(workload.state, directory)
+    except Unavailable as e:
+        log(f"  {spec.name}: n/a ({e})")
+        return {"available": False, "reason": str(e)}
+    baseline = NoCheckpoint(workload.state, directory)
+    release_free_memory()
+    trainer_before, _ = rss()
+    after_snapshot: list[tuple[int, int]] = []
+    try:
+        with RssSampler(system.writer_pids) as sampler:
+            step = 0
+            system.save(step)
+            system.wait()
+            loops = {}
+            for k in ks:
+                base, step = run_loop(baseline, workload, k, steps[k], step, [])
+                loops[str(k)], step = run_loop(system, workload, k, steps[k], step, after_snapshot)
+                loops[str(k)]["baseline"] = base
+        checks = consistency.check(system, workload, step + 1)  # restores: not in the loop's RSS
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours is a bug
+        if spec.ours:
+            raise
+        log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
+        return {"available": False, "reason": f"failed here: {type(e).__name__}: {e}"}
+    finally:
+        try:
+            system.close()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    trainer_after = [t for t, _ in after_snapshot[GROWTH_SKIP:]]
+    writer_after = [w for _, w in after_snapshot[GROWTH_SKIP:]]
+    result = {"available": True, "loops": loops, "consistency": checks,
+              "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
+              "writer_peak_bytes": sampler.writer_peak,
+              "trainer_growth_per_snapshot_bytes": slope(trainer_after),
+              "writer_growth_per_snapshot_bytes": slope(writer_after),
+              "rss_after_snapshot": after_snapshot}
+    log(f"  {spec.name}: " + ", ".join(
+        f"K={k} {loop['steps_per_s']:.1f} steps/s ({loop['baseline']['steps_per_s']:.1f} without)"
+        for k, loop in loops.items()))
+    return result
+
+
+def run_loop(system, workload: TrainingWorkload, k: int, n_steps: int, step: int,
+             after_snapshot: list) -> tuple[dict, int]:
+    """``n_steps`` training steps with a save after step ``i`` when ``i % k == 0``; returns the
+    loop's figures and the global step reached."""
+    blocking = []
+    start = time.perf_counter()
+    for i in range(n_steps):
+        workload.step()
+        step += 1
+        if i % k == 0:
+            blocking.append(timed(lambda: system.save(step)))
+            after_snapshot.append(rss(system.writer_pids()))
+    loop_s = time.perf_counter() - start
+    drain_s = timed(system.wait)
+    return {"steps": n_steps, "loop_s": loop_s, "steps_per_s": n_steps / loop_s,
+            "step_s": loop_s / n_steps, "drain_s": drain_s, "blocking_s": blocking}, step

@@ -1,0 +1,121 @@
+"""The training states the benchmarks checkpoint.
+
+* ``build_state``: a stack of ``Linear(W, W)`` layers plus Adam after one real step: the
+  state-size sweep's subject. ``W`` is 2048 (~50 MB layers in fp32, ~25 MB in bf16) for states of
+  200 MB and more, narrower below so that a small state still has several layers. Parameters and
+  both Adam moments (the article's "~3x the parameters") make up its bytes.
+* ``TrainingWorkload``: a small MLP trained with AdamW on the CPU on a fixed batch; what the
+  training-loop benchmark runs between snapshots. Its step time sets how much a snapshot of its
+  ~100 MB state costs relative to training, which is what the interval K trades off.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+WIDTH = 2048
+_WIDTHS = (2048, 1024, 512, 256, 128)
+_MIN_LAYERS = 4
+
+
+def layer_bytes(width: int = WIDTH, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one ``Linear(width, width)`` adds to the state: weight + bias, Adam exp_avg and
+    exp_avg_sq (in the parameters' dtype), and the optimizer's per-parameter step counters."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 3 * itemsize * (width * width + width) + 2 * 4
+
+
+def width_for(size_gb: float, dtype: torch.dtype = torch.float32) -> int:
+    """The widest layer that still gives ``size_gb`` at least a few layers (2048 from ~200 MB)."""
+    return next((w for w in _WIDTHS if _MIN_LAYERS * layer_bytes(w, dtype) <= size_gb * 1e9),
+                _WIDTHS[-1])
+
+
+def build_state(size_gb: float, dtype: torch.dtype = torch.float32,
+                width: Optional[int] = None) -> tuple[dict, int]:
+    """The engine state ``{"model", "optimizer"}`` of about ``size_gb`` GB (at least one layer of
+    ``width``, default ``width_for(size_gb)``), and its tensor bytes. One real optimizer step has
+    run, so the Adam moments exist."""
+    torch.manual_seed(0)
+    width = width_for(size_gb, dtype) if width is None else width
+    layers = max(1, round(size_gb * 1e9 / layer_bytes(width, dtype)))
+    model = torch.nn.Sequential(*[m for _ in range(layers)
+                                  for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+    model.to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width, dtype=dtype)).float().square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state = {"model": model, "optimizer": optimizer}
+    return state, tensor_bytes(state)
+
+
+def tensor_bytes(state: dict) -> int:
+    """Bytes of every tensor in the state's model parameters and optimizer state."""
+    return sum(t.nbytes for t in state_tensors(state))
+
+
+def state_tensors(state: dict) -> list[torch.Tensor]:
+    """The model's parameters and buffers and the optimizer's state tensors, in a fixed order:
+    what a bit-exact comparison of two states walks."""
+    model, optimizer = state["model"], state["optimizer"]
+    tensors = list(model.state_dict(keep_vars=True).values())
+    for param_state in optimizer.state.values():
+        tensors += [t for _, t in sorted(param_state.items()) if isinstance(t, torch.Tensor)]
+    return [t.detach() for t in tensors]
+
+
+class TrainingWorkload:
+    """An MLP of ``depth`` ``Linear(width, width)`` + GELU blocks trained with AdamW on one fixed
+    random batch (data loading is not what is measured). Defaults: 8.4 M parameters, a ~100 MB
+    state with AdamW, tens of milliseconds per step on two cores."""
+
+    def __init__(self, width: int = 1024, depth: int = 8, batch: int = 16, seed: int = 0):
+        torch.manual_seed(seed)
+        blocks = [(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)]
+        self.model = torch.nn.Sequential(*[m for block in blocks for m in block])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, width)
+        self.y = torch.randn(batch, width)
+        self.state = {"model": self.model, "optimizer": self.optimizer}
+        self.step()  # the AdamW moments exist from here on
+
+    def step(self) -> float:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.state)
+
+    def clone_tensors(self) -> list[torch.Tensor]:
+        return [t.clone() for t in state_tensors(self.state)]
+
+    def load_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` (a ``clone_tensors()``) back into the state, so that every system's
+        run starts from the same values."""
+        current = state_tensors(self.state)
+        if len(current) != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors for a state of {len(current)}")
+        with torch.no_grad():
+            for dst, src in zip(current, tensors):
+                dst.copy_(src)
+
+    def differing_tensors(self, expected: list[torch.Tensor]) -> int:
+        """How many state tensors differ bit for bit from ``expected`` (a ``clone_tensors()``)."""
+        current = state_tensors(self.state)
+        if len(current) != len(expected):
+            return max(len(current), len(expected))
+        return sum(not _bit_equal(a, b) for a, b in zip(current, expected))
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,152 @@
+"""The benchmarks keep running: ``python -m bench --quick`` finishes and writes complete output.
+
+This checks that every system and every figure is present (a peer that cannot run here is "n/a"
+with a reason), that the PNGs are valid images and that report.md has its tables, and that
+async_ckpt restores bit for bit and catches a damaged snapshot in the run. It checks no timing:
+``--quick`` is far too small and short to measure anything.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the benchmark plots need matplotlib (the bench extra)")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.figures import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TRAINING_FIGURES  # noqa: E402
+from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
+from bench.__main__ import KS, QUICK, loop_steps, parse_args  # noqa: E402
+from bench.sweep import case_label  # noqa: E402
+from bench.article import ARTICLE  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    scratch = tmp_path_factory.mktemp("bench-scratch")
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out),
+                           "--dir", str(scratch)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "results.json") as f:
+        results = json.load(f)
+    return out, results, proc
+
+
+def test_every_system_and_figure_is_reported(quick_run):
+    _, results, _ = quick_run
+    sweep_cases = [case_label("fp32", s) for s in QUICK["sizes"]] + \
+        [case_label("bf16", s) for s in QUICK["bf16_sizes"]]
+    expected_cases = {**{f.key: sweep_cases for f in SWEEP_FIGURES},
+                      **{f.key: [f"K={k}" for k in KS] for f in TRAINING_FIGURES},
+                      **{f.key: ["loop"] for f in MEMORY_FIGURES}}
+    assert set(results["figures"]) == {f.key for f in FIGURES}
+    for key, figure in results["figures"].items():
+        assert figure["cases"] == expected_cases[key], key
+        assert set(SYSTEM_NAMES) <= set(figure["values"]), key
+        for name in SYSTEM_NAMES:
+            for case in expected_cases[key]:
+                entry = figure["values"][name][case]
+                if isinstance(entry, str):
+                    assert entry.startswith("n/a (") and entry.endswith(")"), (key, name, entry)
+                    continue
+                assert isinstance(entry["median"], (int, float)), (key, name, case)
+                assert "x_floor" in entry and "x_best_peer" in entry, (key, name, case)
+        assert set(figure["best_peer"]) == set(expected_cases[key])
+    for f in results["figures"]["throughput_steps_s"]["values"][NONE.name].values():
+        assert f["median"] > 0
+
+
+def test_our_systems_run_and_restore_bit_exact(quick_run):
+    _, results, _ = quick_run
+    ran = {s["name"]: s for s in results["systems"]}
+    assert set(ran) == set(SYSTEM_NAMES)
+    for spec in SYSTEMS:
+        row = ran[spec.name]
+        assert row["ran"] or row["reason"], spec.name
+        if spec.ours:
+            assert row["ran"] and row["failed_cases"] == 0, spec.name
+            check = results["consistency"][spec.name]
+            assert check["bit_exact"], spec.name
+            assert check["damage"]["outcome"] == "detected", spec.name
+            for key in ("blocking_s", "to_durable_s", "restore_s", "throughput_steps_s"):
+                values = results["figures"][key]["values"][spec.name]
+                assert all(isinstance(v, dict) for v in values.values()), (key, spec.name)
+
+
+def test_comparison_advice_and_floors(quick_run):
+    _, results, _ = quick_run
+    rows = results["comparison"]["rows"]
+    assert list(rows) == list(ARTICLE)
+    for row in rows.values():
+        assert len(row["article"]) == len(row["measured"]) == 2
+        assert all(isinstance(text, str) and text for text in row["measured"])
+    advice = results["advice"]["systems"]
+    assert set(advice) == set(SYSTEM_NAMES)
+    for spec in SYSTEMS:
+        if spec.ours:
+            assert advice[spec.name]["interval_steps"] >= 1
+            assert advice[spec.name]["rule_of_thumb"] is not None
+    for label, floors in results["floors"].items():
+        assert {"copy_s", "dd_s", "read_cache_s"} <= set(floors), label
+
+
+def test_plots_are_pngs(quick_run):
+    out, _, _ = quick_run
+    for name in ("blocking_vs_size.png", "throughput_vs_k.png"):
+        with open(out / name, "rb") as f:
+            head = f.read(24)
+        assert head[:8] == PNG_SIGNATURE, name
+        assert head[12:16] == b"IHDR", name
+        width, height = struct.unpack(">II", head[16:24])
+        assert width > 200 and height > 200, name
+
+
+def test_report_has_the_tables(quick_run):
+    out, _, proc = quick_run
+    with open(out / "report.md") as f:
+        report = f.read()
+    for heading in ("### Floors", "### Saving and restoring", "### Training loop",
+                    "### Memory in the training loop", "### Recovery consistency",
+                    "### Periodic vs asynchronous saves", "### Snapshot interval advice",
+                    "### Every state size"):
+        assert heading in report, heading
+    for name in SYSTEM_NAMES:
+        assert f"| {name} |" in report, name
+    for aspect in ARTICLE:
+        assert f"| {aspect} |" in report, aspect
+    assert "blocking_vs_size.png" in report and "throughput_vs_k.png" in report
+    assert "### Floors" in proc.stdout  # the tables are printed too
+
+
+def test_render_from_saved_results(quick_run, tmp_path):
+    out, _, _ = quick_run
+    proc = subprocess.run([sys.executable, "-m", "bench", "--render", str(out / "results.json"),
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "report.md") as a, open(tmp_path / "report.md") as b:
+        before, after = ([ln for ln in f.read().splitlines() if "](" not in ln] for f in (a, b))
+    assert before == after  # the same tables; only the plots' links differ
+    assert (tmp_path / "throughput_vs_k.png").stat().st_size > 0
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_options():
+    args = parse_args(["--quick", "--sizes", "0.01,0.02", "--bf16-sizes", "", "--ks", "10,1"])
+    assert args.sizes == (0.01, 0.02) and args.bf16_sizes == () and args.ks == (1, 10)
+    assert parse_args([]).sizes == (0.064, 0.256, 1.0, 2.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--sizes", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--ks", "0"])
+    assert [loop_steps(k, quick=False) for k in KS] == [12, 60, 300]
+    assert all(loop_steps(k, quick=True) // k >= 2 for k in KS)
