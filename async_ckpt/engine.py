@@ -233,13 +233,13 @@ class CheckpointEngine:
                              "plan": plan if plan != self._writer_plan else None,
                              "submitted": time.monotonic()})
         self._writer_plan = plan
-        blocking = time.perf_counter() - t0
-        self._pending.append({
-            "step": step, "called_at": called_at, "blocking_s": blocking, "wait_slot_s": t_slot - t0,
-            "capture_s": t_captured - t_slot, "staging_s": t_staged - t_captured,
-            "staged_bytes": plan.raw_bytes})
+        record = {"step": step, "called_at": called_at, "blocking_s": time.perf_counter() - t0,
+                  "wait_slot_s": t_slot - t0, "capture_s": t_captured - t_slot,
+                  "staging_s": t_staged - t_captured, "staged_bytes": plan.raw_bytes}
+        self._pending.append(record)
         if self.mode == "sync" or self._preempted_by is not None:
             self.wait()
+            record["blocking_s"] = time.perf_counter() - t0  # the caller waited for the commit
         if self._preempted_by is not None:  # also when the signal came during this call
             log.warning("preempted by signal %d: step %d is committed; exiting with code %d",
                         self._preempted_by, step, Preempted(step, self._preempted_by).code)

@@ -22,10 +22,29 @@ FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
 
 
 def render(results: dict, image_dir: str = "bench/results") -> str:
+    results = _compact(results)
     sections = [_header(results), _legend(), _floors(results), _headline(results, image_dir),
                 _training(results, image_dir), _memory(results), _consistency(results),
                 _article(results), _advice(results), _per_size(results), _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _compact(results: dict) -> dict:
+    """A copy of ``results`` whose table cells say "n/a (not run)" for a system that never ran:
+    its reason is given once, under the report's heading, instead of in every cell."""
+    not_run = {s["name"] for s in results["systems"] if not s["ran"]}
+    if not not_run:
+        return results
+    figures = {key: {**figure, "values": {
+        name: ({case: "n/a (not run)" for case in cases} if name in not_run else cases)
+        for name, cases in figure["values"].items()}}
+        for key, figure in results["figures"].items()}
+    consistency = {name: "n/a (not run)" if name in not_run else check
+                   for name, check in results["consistency"].items()}
+    advice = {**results["advice"], "systems": {
+        name: "n/a (not run)" if name in not_run else row
+        for name, row in results["advice"]["systems"].items()}}
+    return {**results, "figures": figures, "consistency": consistency, "advice": advice}
 
 
 # --- formatting ---------------------------------------------------------------------------------

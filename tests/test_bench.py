@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="the benchmark plots need matplotlib (the bench extra)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

@@ -80,7 +80,10 @@ def test_sync_mode_returns_after_commit(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"t": torch.ones(8)}, mode="sync") as engine:
         engine.snapshot(3)
         assert engine.committed_steps() == [3]
-        assert engine.stats()["in_flight"] == 0
+        stats = engine.stats()
+        assert stats["in_flight"] == 0
+        record = stats["snapshots"][-1]
+        assert record["blocking_s"] >= record["write_s"] + record["fsync_s"]  # it waited for all
 
 
 def test_skip_when_every_slot_is_busy(ckpt_dir):
