@@ -20,6 +20,8 @@ import numpy as np
 import psutil
 import torch
 
+from async_ckpt.fsutil import fsync_dir
+
 
 def log(message: str) -> None:
     """Progress goes to stderr so that stdout holds only the report."""
@@ -158,10 +160,3 @@ def fsync_tree(path: str) -> None:
         fsync_dir(parent)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
