@@ -22,7 +22,6 @@ import weakref
 from typing import Any, Iterable, MutableMapping, Optional, Union
 
 import psutil
-import torch
 
 from . import errors
 from .capture import capture, plan_layout

@@ -15,14 +15,13 @@ that no system always runs first.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Sequence
 
 import torch
 
 from .floors import Floors
 from .measure import RssSampler, log, release_free_memory, rss, timed
-from .systems import System, SystemSpec, Unavailable
+from .systems import System, SystemSpec, Unavailable, run_guarded
 from .workloads import build_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,28 +93,21 @@ def run_block(spec: SystemSpec, state: dict, directory: str, repeats: int,
         return {"available": False, "reason": str(e)}
     release_free_memory()
     trainer_before, _ = rss()
-    try:
+
+    def measure() -> dict:
         with RssSampler(system.writer_pids) as sampler:
             warmup = measure_snapshot(system, 0)
             runs = [measure_snapshot(system, step) for step in range(1, repeats + 1)]
             restores = [timed(system.restore) for _ in range(restore_repeats)]
             details = system.details()
-    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours is a bug
-        if spec.ours:
-            raise
-        log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
-        return {"available": False, "reason": f"failed here: {type(e).__name__}: {e}"}
-    finally:
-        try:
-            system.close()
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-    log(f"  {spec.name}: blocking {[round(r['blocking_s'], 3) for r in runs]} s, to-commit "
-        f"{[round(r['to_commit_s'], 3) for r in runs]} s, "
-        f"restore {[round(r, 3) for r in restores]} s")
-    return {"available": True, "warmup": warmup, "runs": runs, "restore_s": restores,
-            "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
-            "writer_peak_bytes": sampler.writer_peak, "details": details}
+        log(f"  {spec.name}: blocking {[round(r['blocking_s'], 3) for r in runs]} s, to-commit "
+            f"{[round(r['to_commit_s'], 3) for r in runs]} s, "
+            f"restore {[round(r, 3) for r in restores]} s")
+        return {"available": True, "warmup": warmup, "runs": runs, "restore_s": restores,
+                "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
+                "writer_peak_bytes": sampler.writer_peak, "details": details}
+
+    return run_guarded(spec, system, directory, measure)
 
 
 def measure_snapshot(system: System, step: int) -> dict:

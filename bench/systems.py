@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .measure import dir_bytes, fsync_dir, timed
+from .measure import dir_bytes, fsync_dir, log, timed
 
 KEEP_LAST = 3
 
@@ -219,6 +219,24 @@ class SystemSpec:
     open: Callable[[dict, str], System]
     ours: bool
     blocking: bool
+
+
+def run_guarded(spec: SystemSpec, system: System, directory: str, body: Callable[[], dict]) -> dict:
+    """``body()``, then close the system and remove its directory whatever happened. A peer that
+    fails is a result ({"available": False, "reason": ...}); a failure of async_ckpt is a bug and
+    is raised."""
+    try:
+        return body()
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours is a bug
+        if spec.ours:
+            raise
+        log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
+        return {"available": False, "reason": f"failed here: {type(e).__name__}: {e}"}
+    finally:
+        try:
+            system.close()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _engine(name: str, mode: str, compression: Optional[str]) -> SystemSpec:

@@ -23,14 +23,13 @@ bit; then one flipped byte in the snapshot's largest file and another restore.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from typing import Sequence
 
 from . import consistency
 from .floors import Floors
 from .measure import RssSampler, log, release_free_memory, rss, slope, timed
-from .systems import NoCheckpoint, SystemSpec, Unavailable
+from .systems import NoCheckpoint, SystemSpec, Unavailable, run_guarded
 from .workloads import TrainingWorkload
 
 GROWTH_SKIP = 3
@@ -68,7 +67,8 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
     release_free_memory()
     trainer_before, _ = rss()
     after_snapshot: list[tuple[int, int]] = []
-    try:
+
+    def measure() -> dict:
         with RssSampler(system.writer_pids) as sampler:
             step = 0
             system.save(step)
@@ -79,28 +79,19 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
                 loops[str(k)], step = run_loop(system, workload, k, steps[k], step, after_snapshot)
                 loops[str(k)]["baseline"] = base
         checks = consistency.check(system, workload, step + 1)  # restores: not in the loop's RSS
-    except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours is a bug
-        if spec.ours:
-            raise
-        log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
-        return {"available": False, "reason": f"failed here: {type(e).__name__}: {e}"}
-    finally:
-        try:
-            system.close()
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-    trainer_after = [t for t, _ in after_snapshot[GROWTH_SKIP:]]
-    writer_after = [w for _, w in after_snapshot[GROWTH_SKIP:]]
-    result = {"available": True, "loops": loops, "consistency": checks,
-              "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
-              "writer_peak_bytes": sampler.writer_peak,
-              "trainer_growth_per_snapshot_bytes": slope(trainer_after),
-              "writer_growth_per_snapshot_bytes": slope(writer_after),
-              "rss_after_snapshot": after_snapshot}
-    log(f"  {spec.name}: " + ", ".join(
-        f"K={k} {loop['steps_per_s']:.1f} steps/s ({loop['baseline']['steps_per_s']:.1f} without)"
-        for k, loop in loops.items()))
-    return result
+        trainer_after = [t for t, _ in after_snapshot[GROWTH_SKIP:]]
+        writer_after = [w for _, w in after_snapshot[GROWTH_SKIP:]]
+        log(f"  {spec.name}: " + ", ".join(
+            f"K={k} {loop['steps_per_s']:.1f} steps/s ({loop['baseline']['steps_per_s']:.1f} without)"
+            for k, loop in loops.items()))
+        return {"available": True, "loops": loops, "consistency": checks,
+                "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
+                "writer_peak_bytes": sampler.writer_peak,
+                "trainer_growth_per_snapshot_bytes": slope(trainer_after),
+                "writer_growth_per_snapshot_bytes": slope(writer_after),
+                "rss_after_snapshot": after_snapshot}
+
+    return run_guarded(spec, system, directory, measure)
 
 
 def run_loop(system, workload: TrainingWorkload, k: int, n_steps: int, step: int,
