@@ -10,12 +10,12 @@ once and share memory again after restore.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from . import values
-from .errors import LayoutError
+from .errors import EncodingError, LayoutError
 from .plan import ALIGNMENT, Plan, Region, TensorRecord, align_up
 from .rng import generator_adapter
 
@@ -30,6 +30,7 @@ class Captured:
 
     tree: dict
     tensors: list[torch.Tensor]
+    entry_of: list[str]  # the top-level entry each tensor belongs to
 
 
 def as_stateful(obj: Any) -> Any:
@@ -54,7 +55,13 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     def encode(value: Any, path: str):
         return values.encode(value, allow_pickle=allow_pickle, leaf=leaf, path=path)
 
-    return Captured(_capture_entry(state, "", encode), tensors)
+    entries, entry_of = {}, []
+    for key, obj in state.items():
+        if not isinstance(key, str):
+            raise EncodingError(f"state keys must be strings, not {key!r}")
+        entries[key] = _capture_entry(obj, key, encode)
+        entry_of += [key] * (len(tensors) - len(entry_of))
+    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of)
 
 
 def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:
@@ -114,14 +121,17 @@ def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + span * size
 
 
-def plan_layout(tensors: list[torch.Tensor]) -> tuple[Plan, list[torch.Tensor]]:
+def plan_layout(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]] = None,
+                ) -> tuple[Plan, list[torch.Tensor]]:
     """Group tensors by storage and lay the used byte range of each storage out in a slot.
 
+    ``replica_of`` names, per tensor, the replicated entry it belongs to (None: this rank's own
+    state); a storage is replicated only when every tensor viewing it is.
     Returns the plan and, per region, a uint8 view of the source bytes to copy into the slot.
     """
     groups: dict[tuple, dict] = {}
     placed = []
-    for t in tensors:
+    for n, t in enumerate(tensors):
         if t.numel() == 0:
             placed.append(None)
             continue
@@ -131,10 +141,12 @@ def plan_layout(tensors: list[torch.Tensor]) -> tuple[Plan, list[torch.Tensor]]:
         g = groups.get(key)
         if g is None:
             g = groups[key] = {"storage": storage, "device": t.device, "start": start, "end": end,
-                               "itemsizes": set(), "float": True, "index": len(groups)}
+                               "itemsizes": set(), "float": True, "index": len(groups),
+                               "replicas": set()}
         g["start"], g["end"] = min(g["start"], start), max(g["end"], end)
         g["itemsizes"].add(shuffle_itemsize(t))
         g["float"] &= t.is_floating_point() or t.is_complex()
+        g["replicas"].add(replica_of[n] if replica_of is not None else None)
         placed.append((g, start))
 
     regions, sources, offset = [], [], 0
@@ -142,7 +154,8 @@ def plan_layout(tensors: list[torch.Tensor]) -> tuple[Plan, list[torch.Tensor]]:
         g["start"] -= g["start"] % ALIGNMENT
         nbytes = g["end"] - g["start"]
         itemsize = g["itemsizes"].pop() if len(g["itemsizes"]) == 1 else 1
-        regions.append(Region(offset, nbytes, itemsize, g["float"] and itemsize > 1))
+        replica = "+".join(sorted(g["replicas"])) if None not in g["replicas"] else None
+        regions.append(Region(offset, nbytes, itemsize, g["float"] and itemsize > 1, replica))
         sources.append(torch.empty(0, dtype=torch.uint8, device=g["device"]).set_(
             g["storage"], g["start"], (nbytes,), (1,)))
         offset += align_up(nbytes)

@@ -5,15 +5,21 @@ the writer process; that is all the training loop ever waits for (plus, when eve
 being written, for one to come free). Everything else (encoding, writing, fsync, commit, retention)
 happens in the writer. Failures of the writer come back as typed errors at the next call.
 
-The engine is driven from one thread (the training loop); it is not thread-safe.
+The engine is driven from one thread (the training loop); it is not thread-safe. Under
+``torch.distributed`` every rank runs its own engine and writer on one shared directory; rank 0's
+writer commits a step once every rank's shard of it is durable (see ``commit.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import fcntl
+import hashlib
+import itertools
+import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import threading
@@ -25,12 +31,16 @@ import psutil
 
 from . import errors
 from .capture import capture, plan_layout
-from .errors import (CheckpointDirError, CorruptSnapshotError, EngineClosedError, NoSnapshotError,
-                     Preempted, UnsupportedFormatError, WriterDiedError)
-from .fsutil import ensure_writable_dir
+from .distributed import Coordinator, resolve_ranks
+from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
+                     DistributedSetupError, EngineClosedError, NoSnapshotError, Preempted,
+                     StateMismatchError, UnsupportedFormatError, WorldSizeMismatchError,
+                     WriterDiedError)
+from .fsutil import atomic_write, ensure_writable_dir
 from .heartbeat import Heartbeat
-from .manifest import leftovers, read_manifest, recover_manifest, remove_paths
-from .restore import Entry, apply, read_snapshot
+from .manifest import (SnapshotRecord, leftovers, read_manifest, recover_manifest, remove_paths,
+                       snapshot_dir_name)
+from .restore import Entry, apply, mismatch_error, read_snapshot
 from .rng import GlobalRNG
 from .staging import StagingPool
 from .writer import WriterClient
@@ -40,6 +50,8 @@ _STATS_HISTORY = 1000
 RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
+_DAMAGE_ERRORS = (CorruptSnapshotError.__name__, "ChecksumMismatchError", UnsupportedFormatError.__name__)
+SESSION_FILE = "session.json"  # names the engines' current session; proves the directory is shared
 
 
 class CheckpointEngine:
@@ -63,7 +75,16 @@ class CheckpointEngine:
             values to be loaded. Off by default: loading then never runs code from the file.
         rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
             restore them with it, so a resumed run draws the same random numbers.
-        rank, world_size: this process's shard of a snapshot (one file per rank).
+        rank, world_size: this process's shard of a snapshot (one file per rank); by default those
+            of the initialised ``torch.distributed`` process group (else 0 and 1). With several
+            ranks, create the engine, and call ``restore()`` and ``snapshot()``, on every rank.
+        replicated: names of top-level entries that every rank holds identically (a DDP model and
+            its optimizer): written once instead of once per rank, and checked (by checksum) to
+            really be identical before a snapshot is committed.
+        spread_replicated: share the writing of replicated tensors among the ranks (balanced by
+            bytes) instead of leaving it all to rank 0.
+        commit_timeout: rank 0's writer gives a snapshot up (it is never committed) when no rank
+            has written any of it for this many seconds while some rank's shard is missing.
         writer_nice: niceness added to the writer process (default: 10 in async mode, so training
             keeps the CPU; 0 in sync mode, where training waits for the writer anyway);
             ``writer_low_io`` lowers its I/O priority.
@@ -84,8 +105,9 @@ class CheckpointEngine:
                  mode: str = "async", every: int = 1, keep_last: int = 3,
                  keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
                  compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
-                 rng: bool = True, rank: int = 0, world_size: int = 1,
-                 writer_nice: Optional[int] = None,
+                 rng: bool = True, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 replicated: Iterable[str] = (), spread_replicated: bool = False,
+                 commit_timeout: float = 120.0, writer_nice: Optional[int] = None,
                  writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0,
                  preemption: Union[bool, Iterable[int]] = False,
                  heartbeat_interval: Optional[float] = 10.0, slow_writer_s: float = 30.0):
@@ -96,20 +118,26 @@ class CheckpointEngine:
         _require(isinstance(keep_last, int) and keep_last >= 1, "keep_last must be an int >= 1")
         _require(keep_every is None or (isinstance(keep_every, int) and keep_every >= 1),
                  "keep_every must be None or an int >= 1")
+        rank, world_size = resolve_ranks(rank, world_size)
         _require(0 <= rank < world_size, "rank must be in [0, world_size)")
-        _require(world_size == 1, "several ranks writing one snapshot need a coordinated commit, "
-                 "which this version does not have yet; give each rank its own directory")
+        _require(commit_timeout > 0, "commit_timeout must be positive")
         if not isinstance(state, MutableMapping):
             raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
         _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
+        replicated = frozenset([replicated] if isinstance(replicated, str) else replicated)
+        _require(replicated <= state.keys(), "replicated names entries that are not in state: "
+                 f"{sorted(replicated - state.keys())}")
         self.directory = ensure_writable_dir(directory)
         self.state = state
         self.mode, self.every, self.when_busy = mode, every, when_busy
         self.allow_pickle, self.rank, self.world_size = allow_pickle, rank, world_size
+        self.replicated = replicated
         self._rng = GlobalRNG() if rng else None
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
-        self._pending: collections.deque[dict] = collections.deque()
+        self._pending: dict[int, dict] = {}  # job number -> its figures so far, in submission order
+        self._jobs = itertools.count()
+        self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
         self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = collections.Counter()
@@ -123,10 +151,20 @@ class CheckpointEngine:
             raise ValueError("preemption handlers can only be installed from the main thread; "
                              "create the engine there or pass preemption=False")
         self._lock_fd = self._lock(lock_timeout)
-        self._pool = StagingPool(slots)
+        try:
+            self._coordinator = Coordinator(rank, world_size)
+            self._session = self._start_session({
+                "every": every, "keep_last": keep_last, "keep_every": keep_every,
+                "replicated": sorted(replicated), "spread_replicated": spread_replicated,
+                "rng": rng, "mode": mode})
+            self._pool = StagingPool(slots)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         try:
             self._writer = WriterClient({
                 "root": self.directory, "rank": rank, "world_size": world_size,
+                "spread_replicated": spread_replicated, "commit_timeout": commit_timeout,
                 "keep_last": keep_last, "keep_every": keep_every, "compression": compression,
                 "level": level, "reserve_bytes": reserve_bytes,
                 "nice": writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
@@ -165,12 +203,46 @@ class CheckpointEngine:
                         f"{self.rank}; close it first or use another directory") from None
                 time.sleep(0.05)
         if self.world_size == 1:
-            stale = leftovers(self.directory, recover_manifest(self.directory))
-            if stale:
-                log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-                remove_paths(self.directory, stale)
+            self._remove_leftovers()
         fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
         return fd
+
+    def _remove_leftovers(self) -> None:
+        """Delete what interrupted snapshots left; only while no writer of any rank is active."""
+        stale = leftovers(self.directory, recover_manifest(self.directory))
+        if stale:
+            log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
+            remove_paths(self.directory, stale)
+
+    def _start_session(self, settings: dict) -> str:
+        """Agree with the other ranks on this run: the same settings everywhere, leftovers removed
+        by rank 0 once every rank holds its lock (so no writer of an earlier run is still active),
+        and a fresh token naming this run's snapshot directories, which rank 0 also writes to
+        ``session.json`` for the others to find: proof that they share the directory."""
+        if self.world_size == 1:
+            return secrets.token_hex(8)
+        everyone = self._coordinator.gather(settings)
+        differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
+        if differ:
+            raise DistributedSetupError(
+                "the ranks created their engines with different settings: " + "; ".join(
+                    f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})" for r, other in enumerate(everyone))
+                    for k in differ) + ". Create every rank's engine with the same arguments")
+
+        def new_session() -> str:
+            self._remove_leftovers()
+            token = secrets.token_hex(8)
+            atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
+                {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
+            return token
+
+        token = self._coordinator.from_rank0(new_session)
+        seen = _session_token(self.directory)
+        self._coordinator.raise_if_any(
+            None if seen == token else f"{self.directory} does not hold rank 0's {SESSION_FILE} "
+            f"(found {seen!r})", CheckpointDirError,
+            "every rank must write to the same shared directory (see docs/distributed.md)")
+        return token
 
     def _install_preemption_handlers(self, preemption) -> dict:
         if preemption is False or preemption is None:
@@ -203,6 +275,8 @@ class CheckpointEngine:
         if self._heartbeat is not None:
             self._heartbeat.beat(step)
         self._drain(block=False)
+        if self._old_handlers and self.world_size > 1:  # every rank stops at the same step
+            self._preempted_by = self._coordinator.max(self._preempted_by or 0) or None
         preempting = self._preempted_by is not None
         if not (force or preempting) and step % self.every:
             return False
@@ -217,7 +291,8 @@ class CheckpointEngine:
         t_slot = time.perf_counter()
         captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
                            self.allow_pickle)
-        plan, sources = plan_layout(captured.tensors)
+        plan, sources = plan_layout(captured.tensors, [
+            key if key in self.replicated else None for key in captured.entry_of])
         old_buffer = slot.buffer_id
         if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
             if old_buffer >= 0:
@@ -228,48 +303,125 @@ class CheckpointEngine:
         del sources, captured.tensors
         t_staged = time.perf_counter()
         slot.busy = True
-        self._writer.submit({"step": step, "buffer_id": slot.buffer_id, "tree": captured.tree,
+        job = next(self._jobs)
+        self._writer.submit({"job": job, "step": step, "buffer_id": slot.buffer_id,
+                             "dir": snapshot_dir_name(step, self._session, self._attempts[step]),
+                             "tree": captured.tree,
                              "plan": plan if plan != self._writer_plan else None,
                              "submitted": time.monotonic()})
+        self._attempts[step] += 1
         self._writer_plan = plan
         record = {"step": step, "called_at": called_at, "blocking_s": time.perf_counter() - t0,
                   "wait_slot_s": t_slot - t0, "capture_s": t_captured - t_slot,
                   "staging_s": t_staged - t_captured, "staged_bytes": plan.raw_bytes}
-        self._pending.append(record)
+        self._pending[job] = record
         if self.mode == "sync" or self._preempted_by is not None:
             self.wait()
             record["blocking_s"] = time.perf_counter() - t0  # the caller waited for the commit
         if self._preempted_by is not None:  # also when the signal came during this call
-            log.warning("preempted by signal %d: step %d is committed; exiting with code %d",
-                        self._preempted_by, step, Preempted(step, self._preempted_by).code)
+            log.warning("preempted by signal %d: step %d is %s; exiting with code %d",
+                        self._preempted_by, step, "committed" if record.get("committed") else
+                        "NOT committed (see the warning above)", Preempted(step, 0).code)
             raise Preempted(step, self._preempted_by)
         return True
 
     def wait(self) -> None:
-        """Block until every snapshot in flight is committed (or has failed, which raises)."""
+        """Block until every snapshot in flight is committed (or has failed, which raises).
+
+        On ranks other than 0, until this rank's shard of each is durable: rank 0's writer commits
+        the step once every rank's shard is, and rank 0's ``wait()`` waits for that.
+        """
         self._check_usable()
         while self._pending:
             self._handle(self._writer_event(None))
         self._raise_failures()
 
-    def restore(self, step: Optional[int] = None, *, strict: bool = True) -> Optional[int]:
+    def restore(self, step: Optional[int] = None, *, strict: bool = True,
+                reshard: bool = False) -> Optional[int]:
         """Load the newest committed snapshot (or ``step``) into the registered objects.
 
         Returns the restored step, or None when nothing was ever committed. A damaged snapshot is
         logged and skipped in favour of the previous one; ``restore(step=N)`` never falls back.
         Raises StateMismatchError, loading nothing, when the snapshot does not fit the state.
+
+        With several ranks, call it on every rank: they restore the same step, the newest that
+        every rank can read, each its own per-rank state. A snapshot written by a different number
+        of ranks raises WorldSizeMismatchError, unless ``reshard``: then only the ``replicated``
+        entries are loaded (they are the same on every rank) and per-rank state stays as it is.
         """
         self._check_usable()
         self.wait()
-        step_found, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle)
-        if loaded is None:
-            return None
+        manifest = self._coordinator.from_rank0(lambda: read_manifest(self.directory))
+        if step is None:
+            candidates = manifest.newest_first()
+        elif manifest.find(step) is not None:
+            candidates = [manifest.find(step)]
+        else:
+            raise NoSnapshotError(f"step {step} is not committed in {self.directory}; committed "
+                                  f"steps: {manifest.steps() or 'none'}")
+        damaged = []
+        for record in candidates:
+            keys, rank = self._restorable_part(record, reshard)
+            loaded, error = None, None
+            try:
+                loaded = read_snapshot(self.directory, record, rank, self.allow_pickle)
+            except CheckpointError as e:
+                error = e
+            problems = self._coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
+            if not any(problems):
+                return self._load(record.step, keys, loaded, strict)
+            where = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            if step is not None or not all(
+                    p is None or p.startswith(_DAMAGE_ERRORS) for p in problems):
+                if error is not None:
+                    raise error
+                raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
+            log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
+                        record.step, where)
+            damaged.append(f"step {record.step}: {where}")
+        if damaged:
+            raise NoSnapshotError(
+                f"every committed snapshot in {self.directory} is damaged: " + "; ".join(damaged)
+                + ". Nothing was loaded; inspect them with `async-ckpt verify`")
+        return None
+
+    def _restorable_part(self, record: SnapshotRecord, reshard: bool) -> tuple[Optional[set], int]:
+        """The entries to load from ``record`` (None: all, with the RNG), and the rank whose shard
+        to read."""
+        if record.world_size == self.world_size:
+            return None, self.rank
+        if not reshard:
+            raise WorldSizeMismatchError(
+                f"step {record.step} in {self.directory} was written by {record.world_size} "
+                f"rank(s); this job has {self.world_size}. Per-rank state (RNG, data position, "
+                "optimizer shards) cannot be split or merged safely: restart with "
+                f"{record.world_size} rank(s), or pass reshard=True to load only the replicated "
+                "entries (see docs/distributed.md)")
+        if not self.replicated:
+            raise WorldSizeMismatchError(
+                f"step {record.step} was written by {record.world_size} rank(s), this job has "
+                f"{self.world_size}, and no entry is declared replicated, so nothing can be "
+                "re-sharded; pass replicated= to the engine")
+        skipped = sorted(set(self.state) - self.replicated)
+        log.warning("re-sharding step %d from %d to %d ranks: loading only the replicated entries "
+                    "%s; per-rank entries %s and the RNG keep their current state", record.step,
+                    record.world_size, self.world_size, sorted(self.replicated), skipped)
+        return set(self.replicated), min(self.rank, record.world_size - 1)
+
+    def _load(self, step: int, keys: Optional[set], loaded: Entry, strict: bool) -> int:
+        """Apply a snapshot read on every rank, after every rank has checked that it fits."""
         rng = loaded.value.pop(RNG_KEY, None)
-        apply(self.state, loaded, step_found, strict)
+        state = self.state if keys is None else {k: self.state[k] for k in keys}
+        if keys is not None:
+            loaded, rng = Entry("dict", {k: v for k, v in loaded.value.items() if k in keys}), None
+        error = mismatch_error(state, loaded, step, strict)
+        self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
+                                       f"step {step} does not fit the registered state")
+        apply(state, loaded, step, strict)
         if self._rng is not None and rng is not None:
             self._rng.load_state_dict(rng.value)
-        log.info("restored step %d from %s", step_found, self.directory)
-        return step_found
+        log.info("restored step %d from %s", step, self.directory)
+        return step
 
     def committed_steps(self) -> list[int]:
         """Restorable steps in commit order, oldest first (read from the manifest)."""
@@ -285,6 +437,7 @@ class CheckpointEngine:
             "committed": self._counts["committed"],
             "failed": self._counts["failed"],
             "skipped": self._counts["skipped"],
+            "abandoned": self._counts["abandoned"],
             "writer_behind": self._counts["writer_behind"],
             "consecutive_failures": self._counts["consecutive_failures"],
             "pool_slots": len(self._pool.slots),
@@ -306,6 +459,7 @@ class CheckpointEngine:
             if self._broken is None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
             self._release()
+            self._coordinator.close()
             self._restore_signal_handlers()
 
     def __enter__(self) -> "CheckpointEngine":
@@ -371,28 +525,34 @@ class CheckpointEngine:
             for slot in self._pool.slots:
                 if slot.buffer_id == event[1]:
                     slot.busy = False
-        elif kind == "committed":
-            record = self._pending.popleft()
+        elif kind in ("committed", "durable"):  # "durable": a rank > 0's shard, for rank 0 to commit
+            record = self._pending.pop(event[1])
             figures = event[2]
-            record.update(figures)
+            record.update(figures, committed=True)
             record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
             record["staging_gbps"] = record["staged_bytes"] / max(record["staging_s"], 1e-9) / 1e9
-            record["durable_gbps"] = figures["stored_bytes"] / max(
+            record["durable_gbps"] = figures["shard_bytes"] / max(
                 figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9
             self._counts["committed"] += 1
             self._counts["consecutive_failures"] = 0
             self._history.append(record)
-            log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
+            log.info("%s step %d: blocked %.3f s, %.1f MB", kind, record["step"],
                      record["blocking_s"], figures["stored_bytes"] / 1e6)
             if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
                             "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
                             figures["stored_bytes"] / 1e6)
+        elif kind == "abandoned":  # another rank never wrote its part: not an error of this rank
+            self._pending.pop(event[1])
+            self._counts["abandoned"] += 1
+            log.warning("%s", event[2])
         elif kind == "failed":
-            self._pending.popleft()
+            self._pending.pop(event[1])
             self._counts["failed"] += 1
             self._counts["consecutive_failures"] += 1
             error_type = getattr(errors, event[2], errors.SnapshotWriteError)
+            if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
+                error_type = errors.SnapshotWriteError
             self._failures.append(error_type(event[3]))
 
 
@@ -400,6 +560,14 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) ->
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
+
+
+def _session_token(directory: str) -> Optional[str]:
+    try:
+        with open(os.path.join(directory, SESSION_FILE), "rb") as f:
+            return json.loads(f.read()).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,

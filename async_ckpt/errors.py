@@ -65,6 +65,19 @@ class StateMismatchError(CheckpointError):
     """The checkpoint does not fit the registered state: missing, unexpected or mismatched keys."""
 
 
+class WorldSizeMismatchError(StateMismatchError):
+    """The snapshot was written by a different number of ranks than the job restoring it has."""
+
+
+class ReplicaMismatchError(SnapshotWriteError):
+    """State declared replicated differs between ranks; the snapshot was not committed."""
+
+
+class DistributedSetupError(CheckpointError):
+    """The ranks of a job disagree about the checkpoint set-up (directory, arguments), or
+    ``torch.distributed`` is not initialised where several ranks need it."""
+
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; a supervisor does not restart on it
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import sys
 from typing import Optional
@@ -25,7 +26,11 @@ from . import filters
 from .errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from .fsutil import write_all
 
-FORMAT_VERSION = 1
+# Version 2 adds references to storages in other ranks' shards (state replicated across ranks is
+# stored once). A shard is written in the oldest version that can express it, so a single-rank
+# snapshot stays readable by readers of version 1.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -36,6 +41,10 @@ CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compr
 MAX_CHUNK_BYTES = 1 << 30
 MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
+
+
+SHARD_FILE = re.compile(r"^rank-(\d{5})\.ackpt$")
+PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 
 
 def shard_file_name(rank: int) -> str:
@@ -92,21 +101,26 @@ class ChunkEncoder:
 class ShardWriter:
     """Writes one shard file: ``add_storage`` for each region in order, then ``finish``."""
 
-    def __init__(self, path: str, encoder: ChunkEncoder, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, path: str, encoder: ChunkEncoder, chunk_bytes: int = CHUNK_BYTES,
+                 version: int = 1):
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"cannot write shard format version {version}")
         self.path = path
+        self.version = version
         self._encoder = encoder
         self._chunk_bytes = chunk_bytes
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._storages: list[dict] = []
         self._offset = 0
-        self._write([_HEADER.pack(MAGIC, FORMAT_VERSION, 0)])
+        self._write([_HEADER.pack(MAGIC, version, 0)])
 
     def _write(self, buffers: list) -> None:
         for b in buffers:
             write_all(self._fd, b)
             self._offset += len(b)
 
-    def add_storage(self, data: memoryview, itemsize: int, is_float: bool) -> None:
+    def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
+        """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
         chunks = []
         for start in range(0, len(data), step):
@@ -117,7 +131,7 @@ class ShardWriter:
                            "xxh3": checksum(*buffers), **fields})
             self._write(buffers)
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
-                               "chunks": chunks})
+                               **extra, "chunks": chunks})
 
     @property
     def raw_bytes(self) -> int:
@@ -128,7 +142,7 @@ class ShardWriter:
 
         Returns the file size and the index checksum, which the manifest records.
         """
-        index = {"format_version": FORMAT_VERSION, "byteorder": sys.byteorder, **meta,
+        index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
         digest = xxhash.xxh3_64_intdigest(blob)
@@ -189,10 +203,12 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} is not an async_ckpt shard (bad magic)")
         if reserved != 0:
             raise CorruptSnapshotError(f"{self.path}: the header's reserved field is not zero")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise UnsupportedFormatError(
-                f"{self.path} is format version {version}; this async_ckpt reads version "
-                f"{FORMAT_VERSION}. Install the async_ckpt release that wrote it")
+                f"{self.path} is format version {version}; this async_ckpt reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Install the async_ckpt release that "
+                "wrote it")
+        self.version = version
         offset, length, digest, tmagic = _TRAILER.unpack(
             self._pread(TRAILER_SIZE, self.size - TRAILER_SIZE))
         if tmagic != TRAILER_MAGIC:
@@ -208,7 +224,7 @@ class ShardReader:
             index = json.loads(blob)
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
-        _validate_index(index, self.path, data_end=offset)
+        _validate_index(index, self.path, data_end=offset, version=self.version)
         return index
 
     def read_storage(self, i: int, out) -> None:
@@ -273,7 +289,7 @@ def _unzstd(data, size: int, path: str, where: str) -> bytes:
     return out
 
 
-def _validate_index(index, path: str, data_end: int) -> None:
+def _validate_index(index, path: str, data_end: int, version: int) -> None:
     """Check the index's structure and that its chunks tile the data area exactly."""
 
     def bad(why: str) -> CorruptSnapshotError:
@@ -284,9 +300,9 @@ def _validate_index(index, path: str, data_end: int) -> None:
 
     if not isinstance(index, dict):
         raise bad("not an object")
-    if type(index.get("format_version")) is not int or index["format_version"] != FORMAT_VERSION:
+    if type(index.get("format_version")) is not int or index["format_version"] != version:
         raise UnsupportedFormatError(
-            f"{path}: index format version {index.get('format_version')!r}, expected {FORMAT_VERSION}")
+            f"{path}: index format version {index.get('format_version')!r}, the header says {version}")
     if index.get("byteorder") != sys.byteorder:
         raise UnsupportedFormatError(
             f"{path} was written on a {index.get('byteorder')}-endian machine; this one is "
@@ -297,7 +313,8 @@ def _validate_index(index, path: str, data_end: int) -> None:
     position = HEADER_SIZE
     for i, s in enumerate(storages):
         if not (isinstance(s, dict) and is_int(s.get("nbytes")) and is_int(s.get("itemsize"), 1, 16)
-                and isinstance(s.get("chunks"), list)):
+                and isinstance(s.get("chunks"), list)
+                and ("replica" not in s or (version >= 2 and is_int(s["replica"])))):
             raise bad(f"storage {i} is malformed")
         total = 0
         for j, c in enumerate(s["chunks"]):

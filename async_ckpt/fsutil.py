@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 
-from .errors import CheckpointDirError, DiskFullError, SnapshotWriteError
+from .errors import CheckpointDirError, CheckpointError, DiskFullError, SnapshotWriteError
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
@@ -83,6 +83,15 @@ def write_error(exc: OSError, what: str) -> SnapshotWriteError:
     return SnapshotWriteError(
         f"writing {what} failed: {exc.strerror or exc}. Committed snapshots are intact; "
         "check the file system, then snapshot again")
+
+
+def as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
+    """The typed error to report for an exception raised while writing or committing ``what``."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        return write_error(exc, what)
+    return SnapshotWriteError(f"writing {what} failed: {exc!r}")
 
 
 def _unlink_quietly(path: str) -> None:

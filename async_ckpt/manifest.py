@@ -11,11 +11,11 @@ the snapshot committed last is the one to resume from, and retention must never 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
-import secrets
 import shutil
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -211,10 +211,12 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
 
 
 def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
-    from .format import ShardReader  # the shard format is needed only for this repair
+    from .format import SHARD_FILE, ShardReader  # the shard format is needed only for this repair
 
     shards, indexes = [], []
     for file in sorted(os.listdir(os.path.join(root, name))):
+        if not SHARD_FILE.match(file):  # e.g. a shard still being written (*.partial)
+            continue
         try:
             with ShardReader(os.path.join(root, name, file)) as reader:
                 indexes.append(reader.index)
@@ -235,9 +237,12 @@ def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards))
 
 
-def new_snapshot_dir_name(step: int) -> str:
-    """A fresh directory name per attempt, so re-snapshotting a committed step never touches it."""
-    return f"step-{step:020d}.{secrets.token_hex(4)}"
+def snapshot_dir_name(step: int, session: str, attempt: int) -> str:
+    """The directory of the ``attempt``-th snapshot of ``step`` in a session: the same on every rank
+    (they agree on the session), fresh for every attempt, so re-snapshotting a committed step
+    never touches it."""
+    tag = hashlib.blake2b(f"{session}/{step}/{attempt}".encode(), digest_size=4).hexdigest()
+    return f"step-{step:020d}.{tag}"
 
 
 def leftovers(root: str, manifest: Manifest) -> list[str]:

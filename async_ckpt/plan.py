@@ -24,6 +24,7 @@ class Region:
     nbytes: int
     itemsize: int  # element size for the byte-shuffle filter; 1 when tensors of sizes differ
     is_float: bool  # floating-point data: worth byte-shuffling before compression
+    replica_of: Optional[str] = None  # the replicated entry it belongs to (same bytes on every rank)
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,12 @@ class TensorRecord:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
-    def to_json(self) -> dict:
-        return {"storage": self.region, "offset": self.offset, "dtype": self.dtype,
-                "shape": list(self.shape), "stride": list(self.stride)}
+    def to_json(self, storage: Optional[int], rank: Optional[int] = None) -> dict:
+        """The shard index's record: ``storage`` indexes the storages of this shard, or of
+        ``rank``'s shard when the bytes are stored there."""
+        return {"storage": storage, "offset": self.offset, "dtype": self.dtype,
+                "shape": list(self.shape), "stride": list(self.stride),
+                **({} if rank is None else {"rank": rank})}
 
 
 @dataclass(frozen=True)

@@ -39,22 +39,56 @@ class Entry:
 
 def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
                   allow_pickle: bool = False) -> Entry:
-    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors."""
-    shard = next((s for s in record.shards if s.rank == rank), None)
-    if shard is None:
-        raise CorruptSnapshotError(f"step {record.step} has no shard for rank {rank}")
-    with ShardReader(os.path.join(root, record.dir, shard.file), shard.bytes, shard.index_xxh3) as reader:
-        index = reader.index
-        if index.get("step") != record.step:
-            raise CorruptSnapshotError(
-                f"{reader.path} holds step {index.get('step')!r}, the manifest says {record.step}")
-        storages = index["storages"]
-        _check_fits_in_memory(sum(s["nbytes"] for s in storages), reader.path)
-        buffers = [torch.empty(s["nbytes"], dtype=torch.uint8) for s in storages]
-        for i, buf in enumerate(buffers):
-            reader.read_storage(i, buf.numpy())
-        tensors = _tensors_from_index(index.get("tensors"), buffers, reader.path)
-        return _rebuild(index.get("tree"), tensors, allow_pickle, reader.path)
+    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
+    replicated storages it refers to in other ranks' shards."""
+    readers: dict[int, ShardReader] = {}
+
+    def shard(r: int) -> ShardReader:
+        if r not in readers:
+            s = next((s for s in record.shards if s.rank == r), None)
+            if s is None:
+                raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
+            readers[r] = ShardReader(os.path.join(root, record.dir, s.file), s.bytes, s.index_xxh3)
+            if readers[r].index.get("step") != record.step:
+                raise CorruptSnapshotError(f"{readers[r].path} holds step "
+                                           f"{readers[r].index.get('step')!r}, the manifest says {record.step}")
+        return readers[r]
+
+    try:
+        index = shard(rank).index
+        records = index.get("tensors")
+        if not isinstance(records, list):
+            raise CorruptSnapshotError(f"{shard(rank).path}: the index has no tensor table")
+        wanted = [(rank, i) for i in range(len(index["storages"]))]
+        wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
+                          and r.get("rank", rank) != rank and _is_reference(r, record)})
+        sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
+        _check_fits_in_memory(sum(s["nbytes"] for s in sources.values()), shard(rank).path)
+        buffers = {}
+        for (r, i), s in sources.items():
+            buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
+            shard(r).read_storage(i, buffers[r, i].numpy())
+        tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
+                   for n, t in enumerate(records)]
+        return _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _is_reference(r: dict, record: SnapshotRecord) -> bool:
+    """Whether a tensor record's reference to another rank's storage is well-formed (a malformed
+    one is reported with the tensor's other problems)."""
+    return (type(r.get("rank")) is int and type(r.get("storage")) is int
+            and any(s.rank == r["rank"] for s in record.shards))
+
+
+def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
+    storages = reader.index["storages"]
+    if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
+        raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
+                                   "rank's shard refers to")
+    return storages[i]
 
 
 def _check_fits_in_memory(nbytes: int, path: str) -> None:
@@ -65,13 +99,8 @@ def _check_fits_in_memory(nbytes: int, path: str) -> None:
             f"({total / 1e9:.1f} GB): the index is damaged, or restore it on a larger machine")
 
 
-def _tensors_from_index(records: Any, buffers: list[torch.Tensor], path: str) -> list[torch.Tensor]:
-    if not isinstance(records, list):
-        raise CorruptSnapshotError(f"{path}: the index has no tensor table")
-    return [_tensor_from_record(r, buffers, path, i) for i, r in enumerate(records)]
-
-
-def _tensor_from_record(r: Any, buffers: list[torch.Tensor], path: str, i: int) -> torch.Tensor:
+def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
+                        i: int) -> torch.Tensor:
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
 
@@ -84,17 +113,17 @@ def _tensor_from_record(r: Any, buffers: list[torch.Tensor], path: str, i: int) 
     if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
             and all(type(n) is int and n >= 0 for n in shape + stride)):
         raise bad("malformed shape or stride")
-    region, offset = r.get("storage"), r.get("offset")
+    offset = r.get("offset")
     if math.prod(shape) == 0:
         return torch.empty_strided(shape, stride, dtype=dtype)
-    if not (type(region) is int and 0 <= region < len(buffers) and type(offset) is int and offset >= 0):
+    buffer = buffers.get((r.get("rank", rank), r.get("storage")))
+    if buffer is None or not (type(offset) is int and offset >= 0):
         raise bad("bad storage reference")
     itemsize = dtype.itemsize
     end = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
-    if offset % itemsize or end > buffers[region].numel():
+    if offset % itemsize or end > buffer.numel():
         raise bad("view lies outside its storage")
-    return torch.empty(0, dtype=dtype).set_(
-        buffers[region].untyped_storage(), offset // itemsize, shape, stride)
+    return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
 
 
 _TORCH_TAGS = {"$dtype": lambda v: DTYPES[v], "$size": lambda v: torch.Size(v),
@@ -153,12 +182,19 @@ class _Mismatch:
             "to load only what matches")
 
 
-def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True) -> None:
-    """Load ``loaded`` into ``state``'s objects; checks everything before changing anything."""
+def mismatch_error(state: MutableMapping[str, Any], loaded: Entry, step: int,
+                   strict: bool = True) -> Optional[StateMismatchError]:
+    """What keeps ``loaded`` from fitting ``state``, or None when it fits."""
     mismatch = _Mismatch()
     _check("", state, loaded, mismatch, strict)
-    if mismatch:
-        raise mismatch.error(step)
+    return mismatch.error(step) if mismatch else None
+
+
+def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True) -> None:
+    """Load ``loaded`` into ``state``'s objects; checks everything before changing anything."""
+    error = mismatch_error(state, loaded, step, strict)
+    if error is not None:
+        raise error
     _load(state, loaded, strict)
 
 

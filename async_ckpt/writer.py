@@ -12,7 +12,8 @@ Protocol (tuples over ``multiprocessing.connection.Connection``):
   trainer -> writer: ("attach", buffer_id, nbytes) followed by the fd; ("detach", buffer_id);
                      ("snapshot", job); ("close",)
   writer -> trainer: ("ready", info); ("released", buffer_id, step);
-                     ("committed", step, figures); ("failed", step, error class name, message)
+                     ("committed", job, figures) on rank 0, ("durable", job, figures) on others;
+                     ("abandoned", job, message); ("failed", job, error class name, message)
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from typing import Optional
 
 import psutil
 
-from . import errors
-from .errors import DiskFullError, SnapshotWriteError, WriterDiedError
-from .format import ChunkEncoder, ShardWriter, shard_file_name
-from .fsutil import fsync_dir, write_error
-from .manifest import (ShardRecord, SnapshotRecord, new_snapshot_dir_name, read_manifest,
-                       remove_paths, write_manifest)
+from .commit import POLL_INTERVAL_S, Attempt, Committer
+from .errors import DiskFullError, WriterDiedError
+from .format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, checksum, shard_file_name
+from .fsutil import as_checkpoint_error, fsync_dir
+from .manifest import ShardRecord, remove_paths
 from .plan import Plan
+from .replication import ShardLayout, shard_layout
 
 log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 120.0
@@ -136,38 +137,54 @@ class WriterClient:
 
 
 class SnapshotWriter:
-    """The writer process's state: attached buffers, the current plan, and the commit policy."""
+    """The writer process's state: attached buffers, the current plan and shard layout, and (on
+    rank 0) the committer."""
 
     def __init__(self, conn: Connection, config: dict):
         self.conn = conn
         self.root = config["root"]
         self.rank = config["rank"]
         self.world_size = config["world_size"]
-        self.keep_last = config["keep_last"]
-        self.keep_every = config["keep_every"]
+        self.spread_replicated = config["spread_replicated"]
         self.reserve_bytes = config["reserve_bytes"]
         self.encoder = ChunkEncoder(config["compression"], config["level"])
         self.buffers: dict[int, mmap.mmap] = {}
         self.plan: Optional[Plan] = None
+        self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
+        self.committer = (Committer(self.root, self.world_size, config["keep_last"],
+                                    config["keep_every"], config["commit_timeout"], self.send)
+                          if self.rank == 0 else None)
 
     def serve(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                return  # the trainer is gone; everything it queued has been handled
-            kind = message[0]
-            if kind == "attach":
-                fd = recv_handle(self.conn)
-                self.buffers[message[1]] = mmap.mmap(fd, message[2], prot=mmap.PROT_READ)
-                os.close(fd)
-            elif kind == "detach":
-                self.buffers.pop(message[1]).close()
-            elif kind == "snapshot":
-                self.handle(message[1])
-            elif kind == "close":
-                return
+        """Handle the trainer's messages; between them, let the committer poll. Once the trainer
+        is gone (or closed), finish committing what is pending, then return."""
+        orphaned = False
+        while not orphaned or (self.committer and self.committer.pending):
+            polling = self.committer is not None and bool(self.committer.pending)
+            if orphaned:
+                time.sleep(POLL_INTERVAL_S)
+            elif wait([self.conn], POLL_INTERVAL_S if polling else None):
+                orphaned = not self.receive()
+            if polling:
+                self.committer.poll(orphaned)
+
+    def receive(self) -> bool:
+        """Handle one message; False once the trainer has closed the connection or died."""
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            return False
+        kind = message[0]
+        if kind == "attach":
+            fd = recv_handle(self.conn)
+            self.buffers[message[1]] = mmap.mmap(fd, message[2], prot=mmap.PROT_READ)
+            os.close(fd)
+        elif kind == "detach":
+            self.buffers.pop(message[1]).close()
+        elif kind == "snapshot":
+            self.handle(message[1])
+        return kind != "close"
 
     def send(self, message: tuple) -> None:
         try:
@@ -178,6 +195,7 @@ class SnapshotWriter:
     def handle(self, job: dict) -> None:
         if job.get("plan") is not None:
             self.plan = job["plan"]
+            self.layout = shard_layout(self.plan, self.rank, self.world_size, self.spread_replicated)
         step, buffer_id = job["step"], job["buffer_id"]
         released = False
 
@@ -188,57 +206,64 @@ class SnapshotWriter:
                 self.send(("released", buffer_id, step))
 
         try:
-            figures = self.write(job, memoryview(self.buffers[buffer_id]), release)
+            attempt = self.write(job, memoryview(self.buffers[buffer_id]), release)
         except Exception as e:  # a failed snapshot must not stop the writer; the trainer decides
             release()
-            error = write_error(e, f"step {step}") if isinstance(e, OSError) else e
-            if not isinstance(error, errors.CheckpointError):
-                error = SnapshotWriteError(f"writing step {step} failed: {e!r}")
+            error = as_checkpoint_error(e, f"step {step}")
             log.error("snapshot of step %d failed: %s", step, error)
-            self.send(("failed", step, type(error).__name__, str(error)))
+            self.send(("failed", job["job"], type(error).__name__, str(error)))
             return
-        self.send(("committed", step, figures))
+        if self.committer is not None:
+            self.committer.add(attempt)
+        else:  # rank 0's writer commits once every rank's shard is durable
+            self.send(("durable", job["job"], {**attempt.figures, "committed_at": attempt.durable_at,
+                                               "raw_bytes": attempt.raw_bytes,
+                                               "stored_bytes": attempt.shard.bytes,
+                                               "disk_free_bytes": shutil.disk_usage(self.root).free}))
 
-    def write(self, job: dict, buf: memoryview, release) -> dict:
-        """Write, fsync and commit one snapshot; calls ``release`` once the buffer is no longer read."""
-        step, plan = job["step"], self.plan
+    def write(self, job: dict, buf: memoryview, release) -> Attempt:
+        """Write and fsync this rank's shard of one snapshot under its final name; calls
+        ``release`` once the staging buffer is no longer read."""
+        step, plan, layout = job["step"], self.plan, self.layout
         t_start = time.monotonic()
-        self.check_space(plan.raw_bytes)
-        name = new_snapshot_dir_name(step)
-        path = os.path.join(self.root, name)
-        os.mkdir(path)
-        shard = None
+        regions = [plan.regions[i] for i in layout.written]
+        raw_bytes = sum(r.nbytes for r in regions)
+        self.check_space(raw_bytes)
+        path = os.path.join(self.root, job["dir"])
+        os.makedirs(path, exist_ok=True)
+        final = os.path.join(path, shard_file_name(self.rank))
+        partial = final + PARTIAL_SUFFIX
+        shard = ShardWriter(partial, self.encoder, version=2 if layout.uses_references else 1)
         try:
-            shard = ShardWriter(os.path.join(path, shard_file_name(self.rank)), self.encoder)
-            for r in plan.regions:
-                shard.add_storage(buf[r.offset:r.offset + r.nbytes], r.itemsize, r.is_float)
+            for region, fields in zip(regions, layout.replica_fields):
+                shard.add_storage(buf[region.offset:region.offset + region.nbytes],
+                                  region.itemsize, region.is_float, **fields)
+            replicas = [{"entry": entry, "owner": owner, "nbytes": plan.regions[i].nbytes,
+                         "xxh3": checksum(buf[plan.regions[i].offset:
+                                              plan.regions[i].offset + plan.regions[i].nbytes])}
+                        for i, entry, owner in layout.replicas]
             release()
             t_written = time.monotonic()
             size, index_digest = shard.finish({
                 "step": step, "rank": self.rank, "world_size": self.world_size,
-                "created": time.time(), "tensors": [t.to_json() for t in plan.tensors],
-                "tree": job["tree"]})
+                "created": time.time(), "tensors": list(layout.tensors), "tree": job["tree"],
+                **({"replicas": replicas} if replicas else {})})
+            os.rename(partial, final)  # the final name says: these bytes are durable
             fsync_dir(path)
-            t_durable = time.monotonic()
-            record = SnapshotRecord(
-                step=step, seq=0, dir=name, committed_at=time.time(), world_size=self.world_size,
-                shards=(ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),),
-                raw_bytes=plan.raw_bytes, stored_bytes=size)
-            manifest, dropped = read_manifest(self.root).commit(record, self.keep_last, self.keep_every)
-            write_manifest(self.root, manifest)  # the commit point; also makes `path` durable
         except BaseException:
-            if shard is not None:
-                shard.close()
-            shutil.rmtree(path, ignore_errors=True)
+            shard.close()
+            remove_paths(path, [os.path.basename(partial)])
+            if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans
+                shutil.rmtree(path, ignore_errors=True)
             raise
-        t_committed = time.monotonic()
-        remove_paths(self.root, [d.dir for d in dropped])
-        self.stored_ratio = size / max(plan.raw_bytes, 1)
-        return {"queue_s": t_start - job["submitted"], "write_s": t_written - t_start,
-                "fsync_s": t_durable - t_written, "commit_s": t_committed - t_durable,
-                "raw_bytes": plan.raw_bytes, "stored_bytes": size, "committed_at": t_committed,
-                "disk_free_bytes": shutil.disk_usage(self.root).free,
-                "dropped_steps": [d.step for d in dropped if d.step != step]}
+        t_durable = time.monotonic()
+        self.stored_ratio = size / max(raw_bytes, 1)
+        return Attempt(job=job["job"], step=step, dir=job["dir"],
+                       shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
+                       replicas=replicas, raw_bytes=raw_bytes, figures={
+                           "queue_s": t_start - job["submitted"], "write_s": t_written - t_start,
+                           "fsync_s": t_durable - t_written, "shard_bytes": size},
+                       durable_at=t_durable)
 
     def check_space(self, raw_bytes: int) -> None:
         """Refuse a snapshot that cannot fit before writing a byte of it."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
+from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DistributedSetupError, EncodingError,
                                EngineClosedError, LayoutError, ManifestError, NoSnapshotError,
                                StagingMemoryError, StateMismatchError, WriterDiedError)
 from async_ckpt.manifest import read_manifest
@@ -554,9 +554,14 @@ def test_a_lost_manifest_is_rebuilt_instead_of_deleting_every_snapshot(ckpt_dir,
     assert not os.path.exists(os.path.join(ckpt_dir, "step-00000000000000000009.0badc0de"))
 
 
-def test_several_ranks_in_one_directory_are_refused_for_now(ckpt_dir):
-    with pytest.raises(ValueError, match="own directory"):
+def test_several_ranks_need_torch_distributed(ckpt_dir):
+    with pytest.raises(DistributedSetupError, match="init_process_group"):
         CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="both rank and world_size"):
+        CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, rank=1)
+    assert not [n for n in os.listdir(ckpt_dir) if n.startswith("step-")]
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}) as engine:  # the lock was released
+        assert (engine.rank, engine.world_size) == (0, 1)
 
 
 def test_an_engine_dropped_without_close_frees_the_directory(ckpt_dir):

@@ -16,7 +16,14 @@ from async_ckpt import fsutil
 from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError, SnapshotWriteError,
                                UnsupportedFormatError)
 from async_ckpt.manifest import (MANIFEST_NAME, Manifest, ShardRecord, SnapshotRecord, leftovers,
-                                 new_snapshot_dir_name, read_manifest, remove_paths, write_manifest)
+                                 read_manifest, remove_paths, snapshot_dir_name, write_manifest)
+
+_attempts = iter(range(10**9))
+
+
+def new_dir(step: int, session: str = "test-session") -> str:
+    """A fresh attempt's directory name, as an engine names them."""
+    return snapshot_dir_name(step, session, next(_attempts))
 
 
 def record(step: int, seq: int = 0, world_size: int = 1, dir: str | None = None) -> SnapshotRecord:
@@ -416,9 +423,9 @@ def test_write_all_writes_every_byte_despite_short_writes(tmp_path, monkeypatch)
 
 def test_leftovers_lists_only_unreferenced_snapshot_dirs_and_tmp_manifests(tmp_path):
     root = str(tmp_path)
-    kept = new_snapshot_dir_name(10)
-    stale = new_snapshot_dir_name(11)
-    stale_same_step = new_snapshot_dir_name(10)
+    kept = new_dir(10)
+    stale = new_dir(11)
+    stale_same_step = new_dir(10)
     manifest = Manifest((record(10, dir=kept),), next_seq=1)
     write_manifest(root, manifest)
     for name in (kept, stale, stale_same_step, "step-5", "step-00000000000000000005.XYZW0123",
@@ -431,29 +438,29 @@ def test_leftovers_lists_only_unreferenced_snapshot_dirs_and_tmp_manifests(tmp_p
 
 
 def test_leftovers_of_an_empty_manifest_include_every_snapshot_dir(tmp_path):
-    names = [new_snapshot_dir_name(s) for s in (1, 2)]
+    names = [new_dir(s) for s in (1, 2)]
     for name in names:
         (tmp_path / name).mkdir()
     assert leftovers(str(tmp_path), Manifest()) == sorted(names)
 
 
 def test_remove_paths_removes_dirs_and_files_and_tolerates_missing_ones(tmp_path):
-    tree = tmp_path / new_snapshot_dir_name(3)
+    tree = tmp_path / new_dir(3)
     (tree / "sub").mkdir(parents=True)
     (tree / "rank-00000.ackpt").write_bytes(b"data")
     (tree / "sub" / "deep").write_bytes(b"data")
     (tmp_path / "manifest.json.tmp-9").write_bytes(b"{}")
     (tmp_path / "keep.txt").write_bytes(b"keep")
     remove_paths(str(tmp_path), [tree.name, "manifest.json.tmp-9", "never-existed",
-                                 new_snapshot_dir_name(4)])
+                                 new_dir(4)])
     assert os.listdir(tmp_path) == ["keep.txt"]
     remove_paths(str(tmp_path), [tree.name, "manifest.json.tmp-9"])  # again: already gone
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
-def test_new_snapshot_dir_names_are_distinct_and_recognised_as_leftovers(tmp_path):
-    names = [new_snapshot_dir_name(7) for _ in range(200)]
-    assert len(set(names)) == 200
+def test_snapshot_dir_names_are_distinct_and_recognised_as_leftovers(tmp_path):
+    names = [new_dir(7) for _ in range(200)] + [new_dir(7, session="other") for _ in range(200)]
+    assert len(set(names)) == 400
     for name in names:
         prefix, suffix = name.split(".")
         assert prefix == "step-00000000000000000007"
@@ -463,16 +470,22 @@ def test_new_snapshot_dir_names_are_distinct_and_recognised_as_leftovers(tmp_pat
     assert leftovers(str(tmp_path), Manifest()) == sorted(names[:5])
 
 
+def test_snapshot_dir_names_are_the_same_on_every_rank_of_a_session():
+    assert snapshot_dir_name(5, "s1", 0) == snapshot_dir_name(5, "s1", 0)
+    assert len({snapshot_dir_name(5, "s1", 0), snapshot_dir_name(5, "s1", 1),
+                snapshot_dir_name(5, "s2", 0)}) == 3
+
+
 @pytest.mark.parametrize("step", [0, 1, 10**6, 10**19, 10**20 - 1])
 def test_snapshot_dir_names_sort_by_step_and_match_the_leftover_pattern(tmp_path, step):
-    name = new_snapshot_dir_name(step)
+    name = new_dir(step)
     assert name.startswith(f"step-{step:020d}.") and len(name) == 5 + 20 + 1 + 8
     (tmp_path / name).mkdir()
     assert leftovers(str(tmp_path), Manifest()) == [name]
 
 
 def test_snapshot_dir_names_sort_in_step_order():
-    names = [new_snapshot_dir_name(s) for s in (2, 10, 100, 9)]
+    names = [new_dir(s) for s in (2, 10, 100, 9)]
     assert sorted(names) == [names[0], names[3], names[1], names[2]]
 
 

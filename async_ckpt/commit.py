@@ -1,0 +1,165 @@
+"""The commit stage: a snapshot enters the manifest only once every rank's shard of it is durable.
+
+It runs in rank 0's writer process, never in a training process, and coordinates through the
+shared checkpoint directory alone: a rank's shard appears under its final name only after its
+bytes are fsynced (it is written as ``*.partial`` and renamed), so the committer waits until every
+rank's final name exists, checks their indexes (and that the replicated state agrees), and writes
+the manifest. No collective runs, and no training process waits for another rank's I/O.
+
+Attempts commit in the order rank 0 took them. An attempt that some rank never completes is
+abandoned, never committed: when a later attempt completes first (that rank skipped or lost it),
+or when no shard of any pending attempt has changed for ``commit_timeout`` seconds (a rank died
+while writing; a few seconds once the training process is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .errors import CorruptSnapshotError, ReplicaMismatchError
+from .format import SHARD_FILE, ShardReader, shard_file_name
+from .fsutil import as_checkpoint_error, fsync_dir
+from .manifest import ShardRecord, SnapshotRecord, read_manifest, remove_paths, write_manifest
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.02
+ORPHAN_QUIET_S = 5.0  # how long a writer whose trainer is gone waits for the other ranks
+
+
+@dataclass
+class Attempt:
+    """One snapshot rank 0 has written, waiting for the other ranks' shards."""
+
+    job: int
+    step: int
+    dir: str
+    shard: ShardRecord  # rank 0's own shard
+    replicas: list  # rank 0's replica digests, which every rank's must equal
+    raw_bytes: int
+    figures: dict
+    durable_at: float = field(default_factory=time.monotonic)
+    last_change: float = field(default_factory=time.monotonic)
+    seen: tuple = ()
+
+
+class Committer:
+    """Rank 0's writer's list of attempts not yet committed or abandoned."""
+
+    def __init__(self, root: str, world_size: int, keep_last: int, keep_every: Optional[int],
+                 commit_timeout: float, send: Callable[[tuple], None]):
+        self.root, self.world_size = root, world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.commit_timeout = commit_timeout
+        self.send = send
+        self.pending: list[Attempt] = []
+
+    def add(self, attempt: Attempt) -> None:
+        self.pending.append(attempt)
+        self.poll(orphaned=False)
+
+    def poll(self, orphaned: bool) -> None:
+        """Commit what is complete, abandon what cannot complete any more."""
+        now = time.monotonic()
+        complete = [self._scan(a, now) for a in self.pending]
+        if any(complete):
+            last = max(i for i, c in enumerate(complete) if c)
+            for attempt, is_complete in zip(self.pending[:last + 1], complete):
+                if is_complete:
+                    self._commit(attempt)
+                else:
+                    self._abandon(attempt, "a later snapshot was complete first")
+            del self.pending[:last + 1]
+        quiet = min(self.commit_timeout, ORPHAN_QUIET_S) if orphaned else self.commit_timeout
+        while self.pending and now - max(a.last_change for a in self.pending) > quiet:
+            self._abandon(self.pending.pop(0), f"no rank wrote anything for {quiet:.0f} s")
+
+    def _scan(self, attempt: Attempt, now: float) -> bool:
+        """Whether every rank's shard is in place; notes any change as progress."""
+        try:
+            with os.scandir(os.path.join(self.root, attempt.dir)) as entries:
+                seen = tuple(sorted((e.name, e.stat().st_size) for e in entries))
+        except FileNotFoundError:
+            seen = ()
+        if seen != attempt.seen:
+            attempt.seen, attempt.last_change = seen, now
+        return len(self._ranks_present(attempt)) == self.world_size
+
+    def _ranks_present(self, attempt: Attempt) -> set[int]:
+        return {int(m.group(1)) for m in (SHARD_FILE.match(name) for name, _ in attempt.seen) if m}
+
+    def _abandon(self, attempt: Attempt, why: str) -> None:
+        missing = sorted(set(range(self.world_size)) - self._ranks_present(attempt))
+        message = (f"step {attempt.step} was not committed: rank(s) {missing} never finished their "
+                   f"shard ({why}). The previous committed snapshot stays the newest")
+        log.warning("%s", message)
+        remove_paths(self.root, [attempt.dir])
+        self.send(("abandoned", attempt.job, message))
+
+    def _commit(self, attempt: Attempt) -> None:
+        complete_at = time.monotonic()
+        try:
+            record = self._record(attempt)
+            manifest, dropped = read_manifest(self.root).commit(record, self.keep_last,
+                                                                 self.keep_every)
+            write_manifest(self.root, manifest)  # the commit point
+        except Exception as e:  # this attempt fails; the writer and older commits are unaffected
+            error = as_checkpoint_error(e, f"step {attempt.step}")
+            log.error("committing step %d failed: %s", attempt.step, error)
+            remove_paths(self.root, [attempt.dir])
+            self.send(("failed", attempt.job, type(error).__name__, str(error)))
+            return
+        committed_at = time.monotonic()
+        remove_paths(self.root, [d.dir for d in dropped])
+        self.send(("committed", attempt.job, {
+            **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
+            "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,
+            "stored_bytes": record.stored_bytes, "disk_free_bytes": shutil.disk_usage(self.root).free,
+            "dropped_steps": [d.step for d in dropped if d.step != attempt.step]}))
+
+    def _record(self, attempt: Attempt) -> SnapshotRecord:
+        """The manifest record of a complete attempt, after checking every other rank's shard."""
+        path = os.path.join(self.root, attempt.dir)
+        if self.world_size > 1:
+            fsync_dir(path)  # the other ranks' renames are durable before the manifest names them
+        shards, raw = [attempt.shard], attempt.raw_bytes
+        for rank in range(1, self.world_size):
+            with ShardReader(os.path.join(path, shard_file_name(rank))) as reader:
+                index = reader.index
+                if (index.get("step"), index.get("rank"), index.get("world_size")) != (
+                        attempt.step, rank, self.world_size):
+                    raise CorruptSnapshotError(
+                        f"{reader.path} is not rank {rank}'s shard of step {attempt.step} with "
+                        f"{self.world_size} ranks; do several jobs share {self.root}?")
+                _check_replicas(attempt, rank, index.get("replicas", []))
+                shards.append(ShardRecord(rank, shard_file_name(rank), reader.size,
+                                          reader.index_xxh3))
+                raw += sum(s["nbytes"] for s in index["storages"])
+        return SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
+                              world_size=self.world_size, shards=tuple(shards), raw_bytes=raw,
+                              stored_bytes=sum(s.bytes for s in shards))
+
+
+def _check_replicas(attempt: Attempt, rank: int, theirs: list) -> None:
+    ours = attempt.replicas
+    if [(r.get("entry"), r.get("nbytes")) for r in theirs] != [(r["entry"], r["nbytes"]) for r in ours]:
+        raise ReplicaMismatchError(
+            f"step {attempt.step}: the replicated entries have a different layout on rank {rank} "
+            f"than on rank 0 ({_entries(theirs)} vs {_entries(ours)}); every rank must register "
+            "the same replicated entries with the same shapes")
+    differ = sorted({a["entry"] for a, b in zip(ours, theirs) if a["xxh3"] != b.get("xxh3")})
+    if differ:
+        raise ReplicaMismatchError(
+            f"step {attempt.step}: replicated state {', '.join(map(repr, differ))} differs between "
+            f"rank 0 and rank {rank}, so it is not replicated; the snapshot was not committed. "
+            "Declare as replicated only what every rank holds identically (a DDP model and its "
+            "optimizer, not ZeRO/FSDP shards), and start every rank from the same weights")
+
+
+def _entries(replicas: list) -> str:
+    return ", ".join(sorted({str(r.get("entry")) for r in replicas})) or "none"
+

@@ -1,0 +1,100 @@
+"""Agreement between the ranks' engines of one ``torch.distributed`` job.
+
+The engines agree on a few things, always from the training thread and at points every rank
+reaches together: the set-up when they start, the step to restore, and (with preemption handling)
+whether a preemption notice reached any rank. They do it over a gloo group of their own, created
+when the engines start, so it works whatever backend training uses and never interleaves with
+training's collectives. Snapshots themselves need no agreement: rank 0's writer commits through
+the shared directory (``commit.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .errors import DistributedSetupError
+
+
+def _initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def resolve_ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as given, or those of the initialised process group, or 0 and 1."""
+    if rank is None and world_size is None:
+        if _initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise ValueError("pass both rank and world_size, or neither (then they come from "
+                         "torch.distributed)")
+    return rank, world_size
+
+
+class Coordinator:
+    """The engines' own channel; with one rank every agreement is trivially local."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.group = None
+        if world_size == 1:
+            return
+        if not _initialized():
+            raise DistributedSetupError(
+                f"world_size={world_size} needs torch.distributed: call "
+                "torch.distributed.init_process_group() (e.g. under torchrun) before creating the "
+                "engine")
+        if (torch.distributed.get_rank(), torch.distributed.get_world_size()) != (rank, world_size):
+            raise DistributedSetupError(
+                f"rank={rank}, world_size={world_size} do not match the process group (rank "
+                f"{torch.distributed.get_rank()} of {torch.distributed.get_world_size()}); leave "
+                "them out to use the group's")
+        self.group = torch.distributed.new_group(backend="gloo")
+
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, value, group=self.group)
+        return out
+
+    def from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` run on rank 0 only, its result (or its CheckpointError) on every rank."""
+        outcome = [None]
+        if self.rank == 0:
+            try:
+                outcome = [("ok", compute())]
+            except Exception as e:  # every rank must learn of it, or the others wait forever
+                outcome = [("error", e)]
+        if self.group is not None:
+            torch.distributed.broadcast_object_list(outcome, src=0, group=self.group)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
+    def raise_if_any(self, problem: Optional[str], error_type: type, what: str) -> None:
+        """Raise ``error_type`` on every rank when any rank reports a problem."""
+        if self.group is None:
+            if problem:
+                raise error_type(problem)
+            return
+        problems = [f"rank {r}: {p}" for r, p in enumerate(self.gather(problem)) if p]
+        if problems:
+            raise error_type(f"{what}: " + "; ".join(problems))
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` over all ranks."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def close(self) -> None:
+        if self.group is not None and _initialized():
+            torch.distributed.destroy_process_group(self.group)
+        self.group = None
