@@ -523,6 +523,8 @@ class _TreeWalk:
         total["bytes"] += nbytes or 0
         if storage is None:
             codec = "-"
+        elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
+            codec = f"in rank {t['rank']}'s shard"
         else:
             chunks = self.storages[storage]["chunks"]
             codec = "+".join(dict.fromkeys(c["codec"] for c in chunks)) or "-"

@@ -98,3 +98,18 @@ class Coordinator:
         if self.group is not None and _initialized():
             torch.distributed.destroy_process_group(self.group)
         self.group = None
+
+
+def newest_common_step(steps: list[int], group=None) -> Optional[int]:
+    """For ranks that keep their snapshots in separate directories (one engine per rank with
+    ``rank=0, world_size=1``, e.g. on node-local disks): the newest step that every rank has
+    committed, to pass to ``restore(step=...)`` on every rank. ``steps`` is this rank's
+    ``engine.committed_steps()``; "newest" follows rank 0's commit order. Call it on every rank,
+    from the training thread; None when no step is common to all.
+    """
+    everyone = [steps]
+    if _initialized():
+        everyone = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(everyone, list(steps), group=group)
+    common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+    return next((s for s in reversed(everyone[0]) if s in common), None)

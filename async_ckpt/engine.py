@@ -68,7 +68,7 @@ class CheckpointEngine:
         keep_every: also keep every snapshot whose step is a multiple of this.
         slots: staging buffers, each the size of the state; more slots absorb slower disks.
         when_busy: "wait" for a slot when all are being written, or "skip" the step (counted and
-            logged).
+            logged; one rank only).
         compression: None (store raw) or "zstd" (sign/exponent byte planes of floats, all of other
             data); ``level`` is the zstd level.
         allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
@@ -121,6 +121,8 @@ class CheckpointEngine:
         rank, world_size = resolve_ranks(rank, world_size)
         _require(0 <= rank < world_size, "rank must be in [0, world_size)")
         _require(commit_timeout > 0, "commit_timeout must be positive")
+        _require(world_size == 1 or when_busy == "wait", "when_busy='skip' needs one rank: ranks "
+                 "would skip different steps, which then never commit; use when_busy='wait'")
         if not isinstance(state, MutableMapping):
             raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
         _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
@@ -150,18 +152,14 @@ class CheckpointEngine:
         if preemption and threading.current_thread() is not threading.main_thread():
             raise ValueError("preemption handlers can only be installed from the main thread; "
                              "create the engine there or pass preemption=False")
-        self._lock_fd = self._lock(lock_timeout)
+        self._coordinator = Coordinator(rank, world_size)
+        self._lock_fd = self._pool = None
         try:
-            self._coordinator = Coordinator(rank, world_size)
-            self._session = self._start_session({
+            self._lock_fd = self._start_session(lock_timeout, {
                 "every": every, "keep_last": keep_last, "keep_every": keep_every,
                 "replicated": sorted(replicated), "spread_replicated": spread_replicated,
                 "rng": rng, "mode": mode})
             self._pool = StagingPool(slots)
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
-        try:
             self._writer = WriterClient({
                 "root": self.directory, "rank": rank, "world_size": world_size,
                 "spread_replicated": spread_replicated, "commit_timeout": commit_timeout,
@@ -171,8 +169,11 @@ class CheckpointEngine:
                 "low_io_priority": writer_low_io, "lock": self._lock_path,
                 "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()})
         except BaseException:
-            self._pool.close()
-            os.close(self._lock_fd)
+            if self._pool is not None:
+                self._pool.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            self._coordinator.close()
             raise
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
@@ -186,9 +187,58 @@ class CheckpointEngine:
     def _lock_path(self) -> str:
         return os.path.join(self.directory, f".lock-rank{self.rank:05d}")
 
+    def _start_session(self, lock_timeout: float, settings: dict) -> int:
+        """Take this rank's directory lock and agree with the other ranks on this run; returns the
+        lock's file descriptor.
+
+        In order: every rank checks that all were created with the same settings (this first
+        exchange also connects the ranks, while they arrive together); each takes its lock, waiting
+        for its previous writer (perhaps of a killed process) to finish; then rank 0, now sure that
+        no writer of an earlier run is active, removes leftovers of interrupted snapshots and draws
+        a token naming this run's snapshot directories, which it also writes to ``session.json``
+        for the others to find: proof that they share the directory.
+        """
+        everyone = self._coordinator.gather(settings)
+        differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
+        if differ:
+            raise DistributedSetupError(
+                "the ranks created their engines with different settings: " + "; ".join(
+                    f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})" for r, other in enumerate(everyone))
+                    for k in differ) + ". Create every rank's engine with the same arguments")
+        fd, problem = None, None
+        try:
+            fd = self._lock(lock_timeout)
+        except CheckpointDirError as e:
+            problem = str(e)
+        try:
+            self._coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
+            if self.world_size == 1:
+                self._remove_leftovers()
+                self._session = secrets.token_hex(8)
+                return fd
+
+            def new_session() -> str:
+                self._remove_leftovers()
+                token = secrets.token_hex(8)
+                atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
+                    {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
+                return token
+
+            self._session = self._coordinator.from_rank0(new_session)
+            seen = _session_token(self.directory)
+            self._coordinator.raise_if_any(
+                None if seen == self._session else f"{self.directory} does not hold rank 0's "
+                f"{SESSION_FILE} (found {seen!r})", CheckpointDirError,
+                "every rank must write to the same shared directory (see docs/distributed.md)")
+            return fd
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+
     def _lock(self, timeout: float) -> int:
-        """Take this rank's directory lock, waiting for the writer of a previous engine (perhaps of
-        a killed process) to finish, then clean up what interrupted snapshots left behind."""
+        """Take this rank's directory lock (shared with this engine's writer once taken), waiting
+        for the writer of a previous engine to finish."""
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + timeout
         while True:
@@ -202,8 +252,6 @@ class CheckpointEngine:
                         f"another engine (or its writer) is still using {self.directory} for rank "
                         f"{self.rank}; close it first or use another directory") from None
                 time.sleep(0.05)
-        if self.world_size == 1:
-            self._remove_leftovers()
         fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
         return fd
 
@@ -213,36 +261,6 @@ class CheckpointEngine:
         if stale:
             log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
             remove_paths(self.directory, stale)
-
-    def _start_session(self, settings: dict) -> str:
-        """Agree with the other ranks on this run: the same settings everywhere, leftovers removed
-        by rank 0 once every rank holds its lock (so no writer of an earlier run is still active),
-        and a fresh token naming this run's snapshot directories, which rank 0 also writes to
-        ``session.json`` for the others to find: proof that they share the directory."""
-        if self.world_size == 1:
-            return secrets.token_hex(8)
-        everyone = self._coordinator.gather(settings)
-        differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
-        if differ:
-            raise DistributedSetupError(
-                "the ranks created their engines with different settings: " + "; ".join(
-                    f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})" for r, other in enumerate(everyone))
-                    for k in differ) + ". Create every rank's engine with the same arguments")
-
-        def new_session() -> str:
-            self._remove_leftovers()
-            token = secrets.token_hex(8)
-            atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
-                {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
-            return token
-
-        token = self._coordinator.from_rank0(new_session)
-        seen = _session_token(self.directory)
-        self._coordinator.raise_if_any(
-            None if seen == token else f"{self.directory} does not hold rank 0's {SESSION_FILE} "
-            f"(found {seen!r})", CheckpointDirError,
-            "every rank must write to the same shared directory (see docs/distributed.md)")
-        return token
 
     def _install_preemption_handlers(self, preemption) -> dict:
         if preemption is False or preemption is None:

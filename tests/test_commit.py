@@ -1,0 +1,207 @@
+"""Which rank writes what (replication.py) and rank 0's commit of multi-rank snapshots (commit.py),
+driven directly: shards of the "other ranks" are written into the directory by the test."""
+
+import os
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from async_ckpt import commit
+from async_ckpt.commit import Attempt, Committer
+from async_ckpt.format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, shard_file_name
+from async_ckpt.manifest import ShardRecord, read_manifest
+from async_ckpt.plan import Plan, Region, TensorRecord
+from async_ckpt.replication import owners, shard_layout
+
+# --- replication ---------------------------------------------------------------------------------
+
+
+def test_without_spreading_rank_0_owns_every_replica():
+    assert owners([5, 1, 9], world_size=4, spread=False) == [0, 0, 0]
+
+
+def test_spreading_balances_bytes_largest_first():
+    assert owners([4, 4, 4, 1, 1], world_size=2, spread=True) == [0, 1, 0, 1, 1]
+    assert owners([10, 1, 1, 1], world_size=3, spread=True) == [0, 1, 2, 1]
+
+
+@given(st.lists(st.integers(1, 10**9), max_size=40), st.integers(1, 9))
+def test_spreading_is_as_even_as_the_largest_replica_allows(sizes, world_size):
+    owner = owners(sizes, world_size, spread=True)
+    assert owner == owners(list(sizes), world_size, spread=True)  # the same on every rank
+    load = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(world_size)]
+    assert all(0 <= o < world_size for o in owner)
+    if sizes:
+        assert max(load) - min(load) <= max(sizes)
+
+
+def plan_of(kinds):
+    """A plan with one region (and one tensor viewing it) per kind: None for rank-local state,
+    a name for a replicated entry."""
+    regions = tuple(Region(64 * i, 8 * (i + 1), 4, True, kind) for i, kind in enumerate(kinds))
+    tensors = tuple(TensorRecord(i, 0, "float32", (2 * (i + 1),), (1,)) for i in range(len(kinds)))
+    tensors += (TensorRecord(None, 0, "float32", (0,), (1,)),)
+    return Plan(regions, tensors, 64 * len(kinds))
+
+
+@given(st.lists(st.sampled_from([None, "model", "optimizer"]), max_size=12), st.integers(1, 5),
+       st.booleans())
+@settings(max_examples=200)
+def test_every_tensor_is_found_in_exactly_one_shard(kinds, world_size, spread):
+    plan = plan_of(kinds)
+    layouts = [shard_layout(plan, r, world_size, spread) for r in range(world_size)]
+    stored = [region for layout in layouts for region in layout.written]
+    local = [i for i, k in enumerate(kinds) if k is None or world_size == 1]
+    assert sorted(stored) == sorted(local * world_size + [i for i in range(len(kinds)) if i not in local])
+    for rank, layout in enumerate(layouts):
+        assert layout.uses_references == (world_size > 1 and any(kinds))
+        for region, record in zip(range(len(kinds)), layout.tensors):
+            owner = record.get("rank", rank)
+            assert layouts[owner].written[record["storage"]] == region
+            assert ("replica" in layouts[owner].replica_fields[record["storage"]]) == (region not in local)
+        assert layout.tensors[-1]["storage"] is None  # an empty tensor has no storage
+
+
+def test_one_rank_ignores_replication():
+    layout = shard_layout(plan_of(["model", None]), 0, 1, spread=True)
+    assert layout.written == (0, 1) and not layout.uses_references
+    assert all("rank" not in t for t in layout.tensors)
+
+
+# --- the committer -------------------------------------------------------------------------------
+
+WORLD = 3
+
+
+def write_shard(root, name, rank, step, replicas=(), partial=False, world_size=WORLD):
+    """What a rank's writer leaves: a durable shard under its final name (or still .partial)."""
+    os.makedirs(os.path.join(root, name), exist_ok=True)
+    final = os.path.join(root, name, shard_file_name(rank))
+    writer = ShardWriter(final + PARTIAL_SUFFIX, ChunkEncoder(None))
+    writer.add_storage(memoryview(bytes([rank]) * 64), 1, False)
+    size, digest = writer.finish({"step": step, "rank": rank, "world_size": world_size,
+                                  "tensors": [], "tree": {"kind": "dict", "entries": {}},
+                                  **({"replicas": list(replicas)} if replicas else {})})
+    if not partial:
+        os.rename(final + PARTIAL_SUFFIX, final)
+    return ShardRecord(rank, shard_file_name(rank), size, digest)
+
+
+def attempt(root, job, step, replicas=()):
+    name = f"step-{step:020d}.{job:08x}"
+    shard = write_shard(root, name, 0, step, replicas)
+    return Attempt(job=job, step=step, dir=name, shard=shard, replicas=list(replicas),
+                   raw_bytes=64, figures={"write_s": 0.0})
+
+
+@pytest.fixture
+def committer(tmp_path):
+    events = []
+    c = Committer(str(tmp_path), WORLD, keep_last=5, keep_every=None, commit_timeout=60,
+                  send=events.append)
+    c.events = events
+    return c
+
+
+def test_a_step_commits_only_once_every_rank_is_durable(tmp_path, committer):
+    a = attempt(str(tmp_path), 0, step=7)
+    committer.add(a)
+    write_shard(str(tmp_path), a.dir, 1, 7)
+    write_shard(str(tmp_path), a.dir, 2, 7, partial=True)  # written, not yet renamed: not durable
+    committer.poll(orphaned=False)
+    assert committer.events == [] and read_manifest(str(tmp_path)).steps() == []
+    os.rename(os.path.join(tmp_path, a.dir, shard_file_name(2) + PARTIAL_SUFFIX),
+              os.path.join(tmp_path, a.dir, shard_file_name(2)))
+    committer.poll(orphaned=False)
+    (event,) = committer.events
+    assert event[:2] == ("committed", 0)
+    record = read_manifest(str(tmp_path)).find(7)
+    assert [s.rank for s in record.shards] == [0, 1, 2] and record.world_size == WORLD
+    assert record.stored_bytes == sum(s.bytes for s in record.shards) and record.raw_bytes == 3 * 64
+    assert committer.pending == []
+
+
+def test_a_later_complete_step_abandons_an_earlier_incomplete_one(tmp_path, committer):
+    first, second = attempt(str(tmp_path), 0, step=1), attempt(str(tmp_path), 1, step=2)
+    committer.add(first)
+    write_shard(str(tmp_path), first.dir, 1, 1)  # rank 2 never writes step 1
+    committer.add(second)
+    for rank in (1, 2):
+        write_shard(str(tmp_path), second.dir, rank, 2)
+    committer.poll(orphaned=False)
+    assert [e[:2] for e in committer.events] == [("abandoned", 0), ("committed", 1)]
+    assert "rank(s) [2]" in committer.events[0][2]
+    assert read_manifest(str(tmp_path)).steps() == [2]
+    assert not os.path.exists(os.path.join(tmp_path, first.dir))
+
+
+def test_a_step_no_rank_makes_progress_on_is_abandoned_after_the_timeout(tmp_path, committer):
+    committer.commit_timeout = 0.3
+    a = attempt(str(tmp_path), 0, step=3)
+    committer.add(a)
+    write_shard(str(tmp_path), a.dir, 1, 3)
+    partial = os.path.join(tmp_path, a.dir, shard_file_name(2) + PARTIAL_SUFFIX)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.8:  # rank 2 keeps writing: not abandoned
+        with open(partial, "ab") as f:
+            f.write(b"x")
+        committer.poll(orphaned=False)
+        time.sleep(0.02)
+    assert committer.events == []
+    while not committer.events and time.monotonic() - started < 5:  # rank 2 died
+        committer.poll(orphaned=False)
+        time.sleep(0.02)
+    assert time.monotonic() - started >= 0.8 + 0.3
+    assert [e[:2] for e in committer.events] == [("abandoned", 0)]
+    assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
+
+
+def test_once_the_trainer_is_gone_the_wait_is_short(tmp_path, committer, monkeypatch):
+    monkeypatch.setattr(commit, "ORPHAN_QUIET_S", 0.1)
+    committer.add(attempt(str(tmp_path), 0, step=3))
+    time.sleep(0.15)
+    committer.poll(orphaned=False)
+    assert committer.events == []  # the trainer could still be waiting: commit_timeout applies
+    committer.poll(orphaned=True)
+    assert [e[:2] for e in committer.events] == [("abandoned", 0)]
+
+
+def test_differing_replicas_are_not_committed(tmp_path, committer):
+    ours = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000aa"}]
+    theirs = [{**ours[0], "xxh3": "00000000000000bb"}]
+    a = attempt(str(tmp_path), 0, step=4, replicas=ours)
+    committer.add(a)
+    write_shard(str(tmp_path), a.dir, 1, 4, ours)
+    write_shard(str(tmp_path), a.dir, 2, 4, theirs)
+    committer.poll(orphaned=False)
+    (event,) = committer.events
+    assert event[:3] == ("failed", 0, "ReplicaMismatchError")
+    assert "'model' differs between rank 0 and rank 2" in event[3]
+    assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
+
+
+def test_a_shard_of_another_job_is_refused(tmp_path, committer):
+    a = attempt(str(tmp_path), 0, step=5)
+    committer.add(a)
+    write_shard(str(tmp_path), a.dir, 1, 5)
+    write_shard(str(tmp_path), a.dir, 2, 5, world_size=4)
+    committer.poll(orphaned=False)
+    (event,) = committer.events
+    assert event[:3] == ("failed", 0, "CorruptSnapshotError") and "share" in event[3]
+    assert read_manifest(str(tmp_path)).steps() == []
+
+
+def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, committer):
+    committer.keep_last = 1
+    dirs = []
+    for job, step in enumerate((10, 11)):
+        a = attempt(str(tmp_path), job, step)
+        dirs.append(a.dir)
+        for rank in (1, 2):
+            write_shard(str(tmp_path), a.dir, rank, step)
+        committer.add(a)
+    assert read_manifest(str(tmp_path)).steps() == [11]
+    assert committer.events[-1][2]["dropped_steps"] == [10]
+    assert not os.path.exists(os.path.join(tmp_path, dirs[0]))
