@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import fcntl
-import hashlib
 import itertools
 import json
 import logging

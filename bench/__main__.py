@@ -1,7 +1,8 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/systems.py``), against the floors measured in the same run; then writes to
+every system (``bench/systems.py``), and two ranks under torchrun against DCP (``bench/ranks.py``),
+against the floors measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure with its ratios to its floor and to the best peer, the article's
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.advise import parse_duration
 
-from . import article, dcp, figures, interval, plots, report
+from . import article, dcp, figures, interval, plots, ranks, report
 from .measure import log, machine, med_p95, vmstat
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -113,17 +114,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"sweep done after {time.perf_counter() - start:.0f} s")
         training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"])
         log(f"training done after {time.perf_counter() - start:.0f} s")
+        dcp.shutdown()  # the two-rank run starts process groups of its own
+        ranks_raw = ranks.run(root, args.quick)
+        log(f"two ranks done after {time.perf_counter() - start:.0f} s")
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-    results = assemble(args, sweep_raw, training_raw, machine_info, vmstat_start, started,
-                       time.perf_counter() - start)
+    results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, vmstat_start,
+                       started, time.perf_counter() - start)
     write_outputs(results, args.out)
     return 0
 
 
-def assemble(args, sweep_raw: dict, training_raw: dict, machine_info: dict, vmstat_start: dict,
-             started: float, runtime_s: float) -> dict:
+def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine_info: dict,
+             vmstat_start: dict, started: float, runtime_s: float) -> dict:
     results = {
         "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
         "machine": machine_info, "loadavg_end": os.getloadavg(),
@@ -137,6 +141,7 @@ def assemble(args, sweep_raw: dict, training_raw: dict, machine_info: dict, vmst
         "consistency": {name: block.get("consistency") if block.get("available")
                         else f"n/a ({block['reason']})"
                         for name, block in training_raw["systems"].items()},
+        "ranks": ranks_raw,
         "raw": {"sweep": sweep_raw, "training": training_raw},
     }
     results["comparison"] = article.compare(results)

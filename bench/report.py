@@ -24,7 +24,8 @@ FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
 def render(results: dict, image_dir: str = "bench/results") -> str:
     results = _compact(results)
     sections = [_header(results), _legend(), _floors(results), _headline(results, image_dir),
-                _training(results, image_dir), _memory(results), _consistency(results),
+                _training(results, image_dir), _memory(results), _ranks(results),
+                _consistency(results),
                 _article(results), _advice(results), _per_size(results), _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -223,6 +224,34 @@ def _memory(results: dict) -> str:
             + _table(["system", "trainer peak above start · ×state · ×best peer",
                       "writer processes peak · ×state · ×best peer",
                       "growth per snapshot · ×state · ×best peer"], rows))
+
+
+def _ranks(results: dict) -> str:
+    ranks = results.get("ranks")
+    if not ranks:  # results.json of a version before the two-rank benchmark
+        return ""
+    floors = ranks["floors"]
+    rows = []
+    for name, s in ranks["systems"].items():
+        if not s["available"]:
+            rows.append([name, f"n/a ({s['reason']})", "", ""])
+            continue
+        rows.append([
+            name,
+            f"{_num(s['blocking_s'])} · {_ratio(s['blocking_x_floor'])} · "
+            f"{_ratio(s['blocking_x_best_peer'])}",
+            f"{_num(s['to_commit_s'])} · {_ratio(s['to_commit_x_floor'])} · "
+            f"{_ratio(s['to_commit_x_best_peer'])}",
+            f"{_mb(s['stored_bytes'])} ({' + '.join(_mb(b) for b in s['bytes_per_rank'])})"])
+    return (f"### {ranks['ranks']} ranks under torchrun (gloo), "
+            f"{ranks['state_bytes'] / 1e6:.3g} MB replicated state\n\n"
+            "The same model + Adam state on every rank, as DDP keeps it; medians of "
+            f"{ranks['repeats']} snapshots. Blocking is the slower rank's call (floor: one "
+            f"`copy_` of a rank's state, {_num(floors['copy_s'])} s); time to commit runs from "
+            "rank 0's call until rank 0 sees the snapshot committed, every rank's part durable "
+            f"(floor: `dd conv=fsync` of the state's bytes once, {_num(floors['dd_s'])} s).\n\n"
+            + _table(["system", "blocking s · ×floor · ×best peer",
+                      "time to commit s · ×floor · ×best peer", "MB written (per rank)"], rows))
 
 
 def _consistency(results: dict) -> str:

@@ -157,12 +157,13 @@ class Engine(System):
     blocking time, which includes the commit."""
 
     def __init__(self, state: dict, directory: str, name: str, mode: str,
-                 compression: Optional[str]):
+                 compression: Optional[str], **options):
         from async_ckpt import CheckpointEngine
 
         super().__init__(state, directory)
         self.name, self.mode = name, mode
-        self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression)
+        self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression,
+                                       **options)
         self._blocking: Optional[float] = None
 
     def save(self, step: int) -> None:

@@ -23,6 +23,7 @@ from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
 from bench.__main__ import KS, QUICK, loop_steps, parse_args  # noqa: E402
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
+from bench.ranks import SYSTEMS as RANK_SYSTEMS  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -98,6 +99,26 @@ def test_comparison_advice_and_floors(quick_run):
         assert {"copy_s", "dd_s", "read_cache_s"} <= set(floors), label
 
 
+def test_two_ranks_against_dcp(quick_run):
+    _, results, _ = quick_run
+    ranks = results["ranks"]
+    assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "dd_s"}
+    assert set(ranks["systems"]) == {name for name, _, _ in RANK_SYSTEMS}
+    for name, ours, _ in RANK_SYSTEMS:
+        s = ranks["systems"][name]
+        if not ours and not s["available"]:
+            assert s["reason"], name
+            continue
+        assert s["available"], name
+        for key in ("blocking", "to_commit"):
+            assert s[f"{key}_s"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
+        assert len(s["bytes_per_rank"]) == 2 and s["stored_bytes"] >= sum(s["bytes_per_rank"])
+    ours = ranks["systems"]["async_ckpt async, replicated written by rank 0"]
+    # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
+    assert ours["bytes_per_rank"][1] < ours["bytes_per_rank"][0] / 20
+    assert ours["stored_bytes"] < 1.2 * ranks["state_bytes"]
+
+
 def test_plots_are_pngs(quick_run):
     out, _, _ = quick_run
     for name in ("blocking_vs_size.png", "throughput_vs_k.png"):
@@ -116,7 +137,7 @@ def test_report_has_the_tables(quick_run):
     for heading in ("### Floors", "### Saving and restoring", "### Training loop",
                     "### Memory in the training loop", "### Recovery consistency",
                     "### Periodic vs asynchronous saves", "### Snapshot interval advice",
-                    "### Every state size"):
+                    "### Every state size", "### 2 ranks under torchrun"):
         assert heading in report, heading
     for name in SYSTEM_NAMES:
         assert f"| {name} |" in report, name

@@ -271,7 +271,8 @@ def stop_rank_mid_write(process, ckpt, rank):
 
 def test_distributed_behaviours(tmp_path):
     """Replica mismatch, disagreeing settings, an unshared directory, preemption, restore
-    agreement and node-local directories (tests/programs/ddp_checks.py), with 2 ranks."""
+    agreement, node-local directories and ZeRO optimizer shards (tests/programs/ddp_checks.py),
+    with 2 ranks."""
     run_dir = str(tmp_path)
     wait_done(torchrun(CHECKS, 2, run_dir, output=os.path.join(run_dir, "output.txt")), run_dir)
     results = []
@@ -292,6 +293,8 @@ def test_distributed_behaviours(tmp_path):
     assert [r["mine"] for r in restore] == [2.0, 102.0]
     assert all(r["explicit_step_3"] in ("CorruptSnapshotError", "ChecksumMismatchError")
                for r in restore)
+    zero = [r["check_zero_optimizer_shards_are_per_rank"] for r in results]
+    assert all(z["same_losses"] for z in zero) and all(z["shard_entries"] > 0 for z in zero)
     local = [r["check_node_local_directories"] for r in results]
     assert local == [{"restored": 3, "mine": 3.0}, {"restored": 3, "mine": 103.0}]
 

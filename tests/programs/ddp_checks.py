@@ -114,9 +114,44 @@ def check_node_local_directories(base: str, rank: int) -> dict:
     return {"restored": step, "mine": state["mine"][0].item()}
 
 
+def check_zero_optimizer_shards_are_per_rank(base: str, rank: int) -> dict:
+    """ZeroRedundancyOptimizer: each rank's shard of the optimizer state is its own entry; a
+    restore brings every rank's shard back, and training continues exactly."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ddp = DistributedDataParallel(model)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    data = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(4, 8, generator=data) for _ in range(6)]
+
+    def train(batch) -> float:
+        loss = ddp(batch).square().mean()
+        loss.backward()
+        zero.step()
+        zero.zero_grad()
+        return loss.item()
+
+    state = {"model": model, "optimizer_shard": zero.optim}  # zero.optim: this rank's shard
+    with CheckpointEngine(base, state, replicated=["model"]) as engine:
+        for step in range(3):
+            train(batches[step])
+        engine.snapshot(2)
+        after = [train(b) for b in batches[3:]]
+        shard_entries = len(zero.optim.state)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        engine.restore()
+    again = [train(b) for b in batches[3:]]
+    return {"same_losses": after == again, "shard_entries": shard_entries}
+
+
 CHECKS = [check_replica_mismatch, check_settings_must_agree, check_directory_must_be_shared,
           check_preemption_agrees, check_restore_agrees_on_a_step_every_rank_can_read,
-          check_node_local_directories]
+          check_node_local_directories, check_zero_optimizer_shards_are_per_rank]
 
 
 def main() -> None:

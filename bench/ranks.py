@@ -1,0 +1,200 @@
+"""Two ranks under torchrun: blocking time and time to commit of async_ckpt and of DCP
+``async_save``, on the same ranks, the same state and the same disk.
+
+The state is the sweep's model + Adam (``workloads.build_state``), identical on both ranks as DDP
+keeps it: async_ckpt declares it ``replicated`` (written once, by rank 0 or, spread, half by each
+rank); DCP's default planner de-duplicates it the same way. Each system runs in a block: a warm-up
+snapshot, then ``repeats`` snapshots, each followed by ``wait()`` on both ranks and a barrier (so
+writes never overlap each other or a floor, and no collective of ours runs while DCP's background
+thread runs its own). Per snapshot:
+
+* blocking: the slower rank's ``save`` call (training waits for the slowest rank);
+* time to commit: from rank 0's call until rank 0 sees the snapshot committed: async_ckpt's
+  ``to_commit_s`` (its commit waits for every rank's shard), DCP's upload future (its metadata is
+  written once every rank's data is).
+
+Floors, on rank 0 between blocks while rank 1 waits: ``copy_`` of one rank's state (what each rank
+must copy at least) and ``dd conv=fsync`` of the state's bytes (written once in all, on the one
+disk both ranks share). ``run(root, quick)`` (called by ``python -m bench``) starts ``torchrun
+--nproc-per-node 2 -m bench.ranks --worker ...`` and returns the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .floors import Floors
+from .measure import log, med_p95, timed
+from .systems import Engine, System, Unavailable
+from .workloads import build_state
+
+RANKS = 2
+FULL = {"size_gb": 0.5, "repeats": 4}
+QUICK = {"size_gb": 0.008, "repeats": 1}
+REPLICATED = ("model", "optimizer")
+
+
+def _ours(name: str, spread: bool) -> tuple[str, bool, Callable[[dict, str], System]]:
+    return name, True, lambda state, d: Engine(state, d, name, "async", None,
+                                               replicated=REPLICATED, spread_replicated=spread)
+
+
+def _dcp(name: str, stager: str) -> tuple[str, bool, Callable[[dict, str], System]]:
+    def open_(state: dict, directory: str) -> System:
+        from .dcp import DcpAsync
+        return DcpAsync(name, state, directory, "thread", stager)
+    return name, False, open_
+
+
+SYSTEMS = (
+    _ours("async_ckpt async, replicated written by rank 0", spread=False),
+    _ours("async_ckpt async, replicated spread over ranks", spread=True),
+    _dcp("DCP async_save (default stager)", "default"),
+    _dcp("DCP async_save (cached shm stager)", "cached"),
+)
+
+
+def run(root: str, quick: bool) -> dict:
+    """Run the workers under torchrun; the figures, or why they could not be measured."""
+    preset = QUICK if quick else FULL
+    out = os.path.join(root, "ranks.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={RANKS}", "-m", "bench.ranks", "--worker", "--dir",
+               os.path.join(root, "ranks"), "--out", out, "--size-gb", str(preset["size_gb"]),
+               "--repeats", str(preset["repeats"])]
+    log(f"two ranks: {' '.join(command[2:])}")
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the two-rank benchmark failed ({done.returncode}):\n"
+                           + done.stdout[-4000:])
+    with open(out, encoding="utf-8") as f:
+        return summarise(json.load(f))
+
+
+def summarise(raw: dict) -> dict:
+    """Medians with their ratios to the floors and to the best peer."""
+    floors = {key: med_p95([s[key] for s in raw["floors"]])["median"] for key in ("copy_s", "dd_s")}
+    systems = {}
+    for name, block in raw["systems"].items():
+        if not block["available"]:
+            systems[name] = block
+            continue
+        systems[name] = {
+            "available": True, "ours": block["ours"],
+            "blocking_s": med_p95(block["blocking_s"])["median"],
+            "to_commit_s": med_p95(block["to_commit_s"])["median"],
+            "stored_bytes": block["stored_bytes"], "bytes_per_rank": block["bytes_per_rank"]}
+    for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "dd_s")):
+        peers = [s[key] for s in systems.values() if s["available"] and not s["ours"]]
+        for s in systems.values():
+            if s["available"]:
+                s[key.replace("_s", "_x_floor")] = s[key] / floors[floor_key]
+                s[key.replace("_s", "_x_best_peer")] = s[key] / min(peers) if peers else None
+    return {"ranks": RANKS, "state_bytes": raw["state_bytes"], "floors": floors,
+            "repeats": raw["repeats"], "systems": systems, "raw": raw}
+
+
+# --- the worker (one per rank, under torchrun) ---------------------------------------------------
+
+
+def worker(directory: str, out: str, size_gb: float, repeats: int) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state, nbytes = build_state(size_gb)  # seeded: the same on both ranks
+    os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
+    floors = Floors(os.path.join(directory, "floors"), nbytes) if rank == 0 else None
+
+    def floor_sample() -> None:
+        if floors is not None:
+            floors.measure()
+        dist.barrier()
+
+    results = {}
+    floor_sample()
+    for name, ours, open_ in SYSTEMS:
+        results[name] = run_block(name, ours, open_, state, os.path.join(directory, f"s{len(results)}"),
+                                  repeats)
+        floor_sample()
+    if rank == 0:
+        floors.close()
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"state_bytes": nbytes, "repeats": repeats, "floors": floors.samples,
+                       "systems": results}, f)
+    dist.destroy_process_group()
+
+
+def run_block(name: str, ours: bool, open_: Callable[[dict, str], System], state: dict,
+              directory: str, repeats: int) -> dict:
+    rank = dist.get_rank()
+    try:
+        system = open_(state, directory)
+    except Unavailable as e:
+        return {"available": False, "reason": str(e)}
+    blocking, to_commit = [], []
+    try:
+        for step in range(repeats + 1):  # step 0 is the warm-up
+            dist.barrier()
+            seconds = timed(lambda: system.save(step))
+            system.wait()
+            slowest = max(_gather(seconds))
+            if step:
+                blocking.append(slowest)
+                to_commit.append(system.to_commit_s() if rank == 0 else None)
+        stored = system.stored_bytes() if rank == 0 else None
+        per_rank = _gather(_own_bytes(system, rank))
+    finally:
+        system.close()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    log(f"  {name}: blocking {blocking}, to commit {to_commit}")
+    return {"available": True, "ours": ours, "blocking_s": blocking, "to_commit_s": to_commit,
+            "stored_bytes": stored, "bytes_per_rank": per_rank}
+
+
+def _own_bytes(system: System, rank: int) -> int:
+    """Bytes this rank wrote of the newest snapshot (its shard; for DCP its data file)."""
+    path = system.newest_path()
+    mine = [n for n in os.listdir(path) if n.startswith((f"rank-{rank:05d}.", f"__{rank}_"))]
+    return sum(os.path.getsize(os.path.join(path, n)) for n in mine)
+
+
+def _gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.ranks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir")
+    parser.add_argument("--out")
+    parser.add_argument("--size-gb", type=float)
+    parser.add_argument("--repeats", type=int)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)  # two ranks on this machine's cores
+        worker(args.dir, args.out, args.size_gb, args.repeats)
+        return
+    root = tempfile.mkdtemp(prefix="bench-ranks-")
+    try:
+        print(json.dumps({k: v for k, v in run(root, args.quick).items() if k != "raw"}, indent=1))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
