@@ -154,7 +154,7 @@ class CheckpointEngine:
         self._coordinator = Coordinator(rank, world_size)
         self._lock_fd = self._pool = None
         try:
-            self._lock_fd = self._start_session(lock_timeout, {
+            self._lock_fd, self._session = self._start_session(lock_timeout, {
                 "every": every, "keep_last": keep_last, "keep_every": keep_every,
                 "replicated": sorted(replicated), "spread_replicated": spread_replicated,
                 "rng": rng, "mode": mode})
@@ -186,16 +186,15 @@ class CheckpointEngine:
     def _lock_path(self) -> str:
         return os.path.join(self.directory, f".lock-rank{self.rank:05d}")
 
-    def _start_session(self, lock_timeout: float, settings: dict) -> int:
+    def _start_session(self, lock_timeout: float, settings: dict) -> tuple[int, str]:
         """Take this rank's directory lock and agree with the other ranks on this run; returns the
-        lock's file descriptor.
+        lock's file descriptor and the session token that names this run's snapshot directories.
 
         In order: every rank checks that all were created with the same settings (this first
         exchange also connects the ranks, while they arrive together); each takes its lock, waiting
         for its previous writer (perhaps of a killed process) to finish; then rank 0, now sure that
-        no writer of an earlier run is active, removes leftovers of interrupted snapshots and draws
-        a token naming this run's snapshot directories, which it also writes to ``session.json``
-        for the others to find: proof that they share the directory.
+        no writer of an earlier run is active, starts the session (``_new_session``) and the others
+        check that they see its ``session.json``: proof that they share the directory.
         """
         everyone = self._coordinator.gather(settings)
         differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
@@ -211,29 +210,31 @@ class CheckpointEngine:
             problem = str(e)
         try:
             self._coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
-            if self.world_size == 1:
-                self._remove_leftovers()
-                self._session = secrets.token_hex(8)
-                return fd
-
-            def new_session() -> str:
-                self._remove_leftovers()
-                token = secrets.token_hex(8)
-                atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
-                    {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
-                return token
-
-            self._session = self._coordinator.from_rank0(new_session)
-            seen = _session_token(self.directory)
+            session = self._coordinator.from_rank0(self._new_session)
+            seen = session if self.world_size == 1 else _session_token(self.directory)
             self._coordinator.raise_if_any(
-                None if seen == self._session else f"{self.directory} does not hold rank 0's "
+                None if seen == session else f"{self.directory} does not hold rank 0's "
                 f"{SESSION_FILE} (found {seen!r})", CheckpointDirError,
                 "every rank must write to the same shared directory (see docs/distributed.md)")
-            return fd
+            return fd, session
         except BaseException:
             if fd is not None:
                 os.close(fd)
             raise
+
+    def _new_session(self) -> str:
+        """Rank 0, while no writer of any rank is active: remove what interrupted snapshots left,
+        and draw the new session's token (written to ``session.json`` when several ranks share the
+        directory)."""
+        stale = leftovers(self.directory, recover_manifest(self.directory))
+        if stale:
+            log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
+            remove_paths(self.directory, stale)
+        token = secrets.token_hex(8)
+        if self.world_size > 1:
+            atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
+                {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
+        return token
 
     def _lock(self, timeout: float) -> int:
         """Take this rank's directory lock (shared with this engine's writer once taken), waiting
@@ -253,13 +254,6 @@ class CheckpointEngine:
                 time.sleep(0.05)
         fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
         return fd
-
-    def _remove_leftovers(self) -> None:
-        """Delete what interrupted snapshots left; only while no writer of any rank is active."""
-        stale = leftovers(self.directory, recover_manifest(self.directory))
-        if stale:
-            log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-            remove_paths(self.directory, stale)
 
     def _install_preemption_handlers(self, preemption) -> dict:
         if preemption is False or preemption is None:
@@ -387,7 +381,8 @@ class CheckpointEngine:
             problems = self._coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
             if not any(problems):
                 return self._load(record.step, keys, loaded, strict)
-            where = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            where = "; ".join(p if self.world_size == 1 else f"rank {r}: {p}"
+                              for r, p in enumerate(problems) if p)
             if step is not None or not all(
                     p is None or p.startswith(_DAMAGE_ERRORS) for p in problems):
                 if error is not None:

@@ -3,7 +3,7 @@
 
 The state is the sweep's model + Adam (``workloads.build_state``), identical on both ranks as DDP
 keeps it: async_ckpt declares it ``replicated`` (written once, by rank 0 or, spread, half by each
-rank); DCP's default planner de-duplicates it the same way. Each system runs in a block: a warm-up
+rank); DCP's default planner de-duplicates it too, spreading the writes over the ranks. Each system runs in a block: a warm-up
 snapshot, then ``repeats`` snapshots, each followed by ``wait()`` on both ranks and a barrier (so
 writes never overlap each other or a floor, and no collective of ours runs while DCP's background
 thread runs its own). Per snapshot:

@@ -205,3 +205,24 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
     assert read_manifest(str(tmp_path)).steps() == [11]
     assert committer.events[-1][2]["dropped_steps"] == [10]
     assert not os.path.exists(os.path.join(tmp_path, dirs[0]))
+
+
+# --- agreement helpers without a process group ------------------------------------------------
+
+
+def test_without_torch_distributed_one_rank_agrees_with_itself():
+    from async_ckpt.distributed import Coordinator, newest_common_step, resolve_ranks
+    from async_ckpt.errors import CheckpointDirError
+
+    assert resolve_ranks(None, None) == (0, 1)
+    assert resolve_ranks(0, 1) == (0, 1)
+    with pytest.raises(ValueError):
+        resolve_ranks(None, 2)
+    alone = Coordinator(0, 1)
+    assert alone.gather("x") == ["x"] and alone.max(7) == 7
+    assert alone.from_rank0(lambda: 41 + 1) == 42
+    with pytest.raises(CheckpointDirError, match="^the problem$"):
+        alone.raise_if_any("the problem", CheckpointDirError, "context")
+    alone.raise_if_any(None, CheckpointDirError, "context")
+    assert newest_common_step([3, 1, 2]) == 2  # commit order, not the largest step
+    assert newest_common_step([]) is None
