@@ -1,10 +1,12 @@
 """Agreement between the ranks' engines of one ``torch.distributed`` job.
 
 The engines agree on a few things, always from the training thread and at points every rank
-reaches together: the set-up when they start, the step to restore, and (with preemption handling)
-whether a preemption notice reached any rank. They do it over a gloo group of their own, created
-when the engines start, so it works whatever backend training uses and never interleaves with
-training's collectives. Snapshots themselves need no agreement: rank 0's writer commits through
+reaches together in program order: the set-up when they start, the step to restore, and (with
+preemption handling) whether a preemption notice reached any rank. They use the job's default
+process group, already connected by then; never from a background thread, so they cannot
+interleave with training's own collectives. (A group of their own would be tidier, but torch 2.x
+reuses the rendezvous store across torchrun restarts, and a new gloo group then often fails to
+connect after a restart.) Snapshots themselves need no agreement: rank 0's writer commits through
 the shared directory (``commit.py``).
 """
 
@@ -34,11 +36,10 @@ def resolve_ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, 
 
 
 class Coordinator:
-    """The engines' own channel; with one rank every agreement is trivially local."""
+    """The engines' agreements; with one rank every agreement is trivially local."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.group = None
         if world_size == 1:
             return
         if not _initialized():
@@ -51,14 +52,13 @@ class Coordinator:
                 f"rank={rank}, world_size={world_size} do not match the process group (rank "
                 f"{torch.distributed.get_rank()} of {torch.distributed.get_world_size()}); leave "
                 "them out to use the group's")
-        self.group = torch.distributed.new_group(backend="gloo")
 
     def gather(self, value: Any) -> list:
         """Every rank's ``value``, in rank order, on every rank."""
-        if self.group is None:
+        if self.world_size == 1:
             return [value]
         out = [None] * self.world_size
-        torch.distributed.all_gather_object(out, value, group=self.group)
+        torch.distributed.all_gather_object(out, value)
         return out
 
     def from_rank0(self, compute: Callable[[], Any]) -> Any:
@@ -69,8 +69,8 @@ class Coordinator:
                 outcome = [("ok", compute())]
             except Exception as e:  # every rank must learn of it, or the others wait forever
                 outcome = [("error", e)]
-        if self.group is not None:
-            torch.distributed.broadcast_object_list(outcome, src=0, group=self.group)
+        if self.world_size > 1:
+            torch.distributed.broadcast_object_list(outcome, src=0)
         kind, value = outcome[0]
         if kind == "error":
             raise value
@@ -78,7 +78,7 @@ class Coordinator:
 
     def raise_if_any(self, problem: Optional[str], error_type: type, what: str) -> None:
         """Raise ``error_type`` on every rank when any rank reports a problem."""
-        if self.group is None:
+        if self.world_size == 1:
             if problem:
                 raise error_type(problem)
             return
@@ -87,17 +87,14 @@ class Coordinator:
             raise error_type(f"{what}: " + "; ".join(problems))
 
     def max(self, value: int) -> int:
-        """The largest ``value`` over all ranks."""
-        if self.group is None:
+        """The largest ``value`` over all ranks (with NCCL, through the current GPU, which makes
+        the call wait for the GPU's queued work)."""
+        if self.world_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
-
-    def close(self) -> None:
-        if self.group is not None and _initialized():
-            torch.distributed.destroy_process_group(self.group)
-        self.group = None
 
 
 def newest_common_step(steps: list[int], group=None) -> Optional[int]:

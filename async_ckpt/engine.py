@@ -172,7 +172,6 @@ class CheckpointEngine:
                 self._pool.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
-            self._coordinator.close()
             raise
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
@@ -471,7 +470,6 @@ class CheckpointEngine:
             if self._broken is None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
             self._release()
-            self._coordinator.close()
             self._restore_signal_handlers()
 
     def __enter__(self) -> "CheckpointEngine":

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
+from async_ckpt.cli import main as cli_main
 from async_ckpt.data import DistributedResumableSampler
 from async_ckpt.errors import WorldSizeMismatchError
 from async_ckpt.format import ShardReader
@@ -160,6 +161,19 @@ def test_every_step_is_committed_and_replicated_state_is_stored_once(tmp_path_fa
             assert_same(state[key], states[0][key], f"rank {rank} {key}")
         assert state["sampler"]["rank"] == rank
     assert record.raw_bytes < 1.1 * replicated_bytes  # once, not nproc times
+
+
+def test_the_command_line_reads_every_rank(tmp_path_factory, capsys):
+    ckpt = os.path.join(reference(tmp_path_factory, 2), "ckpt")
+    assert cli_main(["verify", ckpt, "--all"]) == 0
+    assert cli_main(["inspect", ckpt, "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 of 2" in out and "in rank 0's shard" in out
+    export = str(tmp_path_factory.mktemp("export") / "rank1.pt")
+    assert cli_main(["export", ckpt, "--step", str(STEPS - 1), "--to", export, "--rank", "1"]) == 0
+    exported = torch.load(export, weights_only=True)
+    assert_same(exported["model"], load(ckpt, rank=0)[1]["model"])
+    assert exported["sampler"]["rank"] == 1
 
 
 def test_spread_shares_the_replicated_state_among_ranks(tmp_path_factory):
