@@ -10,6 +10,9 @@ Attempts commit in the order rank 0 took them. An attempt that some rank never c
 abandoned, never committed: when a later attempt completes first (that rank skipped or lost it),
 or when no shard of any pending attempt has changed for ``commit_timeout`` seconds (a rank died
 while writing; a few seconds once the training process is gone).
+
+The other ranks' writers learn the outcome the same way (``CommitWatcher``): the manifest names
+the attempt (committed), or rank 0 removed its directory (given up).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .errors import CorruptSnapshotError, ReplicaMismatchError
+from .errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
 from .format import SHARD_FILE, ShardReader, shard_file_name
 from .fsutil import as_checkpoint_error, fsync_dir
-from .manifest import ShardRecord, SnapshotRecord, read_manifest, remove_paths, write_manifest
+from .manifest import (ShardRecord, SnapshotRecord, manifest_path, read_manifest, remove_paths,
+                       write_manifest)
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02
@@ -142,6 +146,64 @@ class Committer:
         return SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
                               world_size=self.world_size, shards=tuple(shards), raw_bytes=raw,
                               stored_bytes=sum(s.bytes for s in shards))
+
+
+class CommitWatcher:
+    """A writer of a rank other than 0: its shards are durable, and its trainer is told when rank
+    0's writer has committed them (the manifest names them) or given them up (their directory is
+    gone), so that ``wait()`` means "committed" on every rank. Should rank 0's writer itself be
+    gone, an attempt is given up after twice ``commit_timeout`` without a new manifest."""
+
+    def __init__(self, root: str, commit_timeout: float, send: Callable[[tuple], None]):
+        self.root, self.send = root, send
+        self.give_up_s = 2 * commit_timeout
+        self.pending: list[Attempt] = []
+        self._manifest_id: Optional[tuple] = None
+        self._committed: dict[str, SnapshotRecord] = {}
+        self._manifest_changed = time.monotonic()
+
+    def add(self, attempt: Attempt) -> None:
+        self.pending.append(attempt)
+        self.poll()
+
+    def poll(self) -> None:
+        self._reread_manifest()
+        now = time.monotonic()
+        still = []
+        for attempt in self.pending:
+            record = self._committed.get(attempt.dir)
+            if record is not None:
+                self.send(("committed", attempt.job, {
+                    **attempt.figures, "committed_at": time.monotonic(),
+                    "commit_s": time.monotonic() - attempt.durable_at,
+                    "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
+                    "disk_free_bytes": shutil.disk_usage(self.root).free}))
+            elif not os.path.exists(os.path.join(self.root, attempt.dir)):
+                self.send(("abandoned", attempt.job,
+                           f"step {attempt.step} was not committed: rank 0 gave it up (some rank "
+                           "never finished its shard) or dropped it before this rank saw it"))
+            elif now - max(attempt.durable_at, self._manifest_changed) > self.give_up_s:
+                self.send(("abandoned", attempt.job,
+                           f"step {attempt.step}: rank 0 committed nothing for "
+                           f"{self.give_up_s:.0f} s; is its writer still running?"))
+            else:
+                still.append(attempt)
+        self.pending = still
+
+    def _reread_manifest(self) -> None:
+        """Read the manifest again only when it was replaced (a new inode, size or time)."""
+        try:
+            st = os.stat(manifest_path(self.root))
+            manifest_id = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            manifest_id = None
+        if manifest_id == self._manifest_id:
+            return
+        try:
+            self._committed = {s.dir: s for s in read_manifest(self.root).snapshots}
+        except CheckpointError:
+            return  # replaced while read, or damaged: look again at the next poll
+        self._manifest_id, self._manifest_changed = manifest_id, time.monotonic()
 
 
 def _check_replicas(attempt: Attempt, rank: int, theirs: list) -> None:

@@ -336,11 +336,8 @@ class CheckpointEngine:
         return True
 
     def wait(self) -> None:
-        """Block until every snapshot in flight is committed (or has failed, which raises).
-
-        On ranks other than 0, until this rank's shard of each is durable: rank 0's writer commits
-        the step once every rank's shard is, and rank 0's ``wait()`` waits for that.
-        """
+        """Block until every snapshot in flight is committed (or has failed, which raises, or was
+        given up because another rank never finished its part, which is counted and logged)."""
         self._check_usable()
         while self._pending:
             self._handle(self._writer_event(None))
@@ -535,7 +532,7 @@ class CheckpointEngine:
             for slot in self._pool.slots:
                 if slot.buffer_id == event[1]:
                     slot.busy = False
-        elif kind in ("committed", "durable"):  # "durable": a rank > 0's shard, for rank 0 to commit
+        elif kind == "committed":
             record = self._pending.pop(event[1])
             figures = event[2]
             record.update(figures, committed=True)
@@ -546,7 +543,7 @@ class CheckpointEngine:
             self._counts["committed"] += 1
             self._counts["consecutive_failures"] = 0
             self._history.append(record)
-            log.info("%s step %d: blocked %.3f s, %.1f MB", kind, record["step"],
+            log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
                      record["blocking_s"], figures["stored_bytes"] / 1e6)
             if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "

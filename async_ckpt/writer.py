@@ -12,8 +12,8 @@ Protocol (tuples over ``multiprocessing.connection.Connection``):
   trainer -> writer: ("attach", buffer_id, nbytes) followed by the fd; ("detach", buffer_id);
                      ("snapshot", job); ("close",)
   writer -> trainer: ("ready", info); ("released", buffer_id, step);
-                     ("committed", job, figures) on rank 0, ("durable", job, figures) on others;
-                     ("abandoned", job, message); ("failed", job, error class name, message)
+                     ("committed", job, figures); ("abandoned", job, message);
+                     ("failed", job, error class name, message)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Optional
 
 import psutil
 
-from .commit import POLL_INTERVAL_S, Attempt, Committer
+from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitWatcher
 from .errors import DiskFullError, WriterDiedError
 from .format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, checksum, shard_file_name
 from .fsutil import as_checkpoint_error, fsync_dir
@@ -137,8 +137,8 @@ class WriterClient:
 
 
 class SnapshotWriter:
-    """The writer process's state: attached buffers, the current plan and shard layout, and (on
-    rank 0) the committer."""
+    """The writer process's state: attached buffers, the current plan and shard layout, and the
+    commit stage (rank 0 commits, the other ranks watch for the commit)."""
 
     def __init__(self, conn: Connection, config: dict):
         self.conn = conn
@@ -152,22 +152,26 @@ class SnapshotWriter:
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
-        self.committer = (Committer(self.root, self.world_size, config["keep_last"],
+        if self.rank == 0:
+            self.commit = Committer(self.root, self.world_size, config["keep_last"],
                                     config["keep_every"], config["commit_timeout"], self.send)
-                          if self.rank == 0 else None)
+        else:
+            self.commit = CommitWatcher(self.root, config["commit_timeout"], self.send)
 
     def serve(self) -> None:
-        """Handle the trainer's messages; between them, let the committer poll. Once the trainer
-        is gone (or closed), finish committing what is pending, then return."""
+        """Handle the trainer's messages; between them, let the commit stage poll. Once the
+        trainer is gone (or closed), rank 0 finishes committing what is pending, then returns."""
         orphaned = False
-        while not orphaned or (self.committer and self.committer.pending):
-            polling = self.committer is not None and bool(self.committer.pending)
+        while not orphaned or (self.rank == 0 and self.commit.pending):
+            polling = bool(self.commit.pending)
             if orphaned:
                 time.sleep(POLL_INTERVAL_S)
             elif wait([self.conn], POLL_INTERVAL_S if polling else None):
                 orphaned = not self.receive()
-            if polling:
-                self.committer.poll(orphaned)
+            if polling and self.rank == 0:
+                self.commit.poll(orphaned)
+            elif polling and not orphaned:
+                self.commit.poll()
 
     def receive(self) -> bool:
         """Handle one message; False once the trainer has closed the connection or died."""
@@ -213,13 +217,7 @@ class SnapshotWriter:
             log.error("snapshot of step %d failed: %s", step, error)
             self.send(("failed", job["job"], type(error).__name__, str(error)))
             return
-        if self.committer is not None:
-            self.committer.add(attempt)
-        else:  # rank 0's writer commits once every rank's shard is durable
-            self.send(("durable", job["job"], {**attempt.figures, "committed_at": attempt.durable_at,
-                                               "raw_bytes": attempt.raw_bytes,
-                                               "stored_bytes": attempt.shard.bytes,
-                                               "disk_free_bytes": shutil.disk_usage(self.root).free}))
+        self.commit.add(attempt)  # rank 0 commits; the others watch for it
 
     def write(self, job: dict, buf: memoryview, release) -> Attempt:
         """Write and fsync this rank's shard of one snapshot under its final name; calls

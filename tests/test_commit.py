@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt import commit
-from async_ckpt.commit import Attempt, Committer
+from async_ckpt.commit import Attempt, Committer, CommitWatcher
 from async_ckpt.format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, shard_file_name
 from async_ckpt.manifest import ShardRecord, read_manifest
 from async_ckpt.plan import Plan, Region, TensorRecord
@@ -205,6 +205,60 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
     assert read_manifest(str(tmp_path)).steps() == [11]
     assert committer.events[-1][2]["dropped_steps"] == [10]
     assert not os.path.exists(os.path.join(tmp_path, dirs[0]))
+
+
+# --- the other ranks' watch -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def watcher(tmp_path):
+    events = []
+    w = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append)
+    w.events = events
+    return w
+
+
+def rank1_attempt(root, job, step):
+    name = f"step-{step:020d}.{job:08x}"
+    shard = write_shard(root, name, 1, step)
+    return Attempt(job=job, step=step, dir=name, shard=shard, replicas=[], raw_bytes=64,
+                   figures={"write_s": 0.0, "shard_bytes": shard.bytes})
+
+
+def test_a_rank_learns_of_the_commit_from_the_manifest(tmp_path, watcher, committer):
+    mine = rank1_attempt(str(tmp_path), 0, step=6)
+    watcher.add(mine)
+    assert watcher.events == [] and watcher.pending == [mine]  # durable, not yet committed
+    ours = Attempt(job=9, step=6, dir=mine.dir, shard=write_shard(str(tmp_path), mine.dir, 0, 6),
+                   replicas=[], raw_bytes=64, figures={})
+    write_shard(str(tmp_path), mine.dir, 2, 6)
+    committer.add(ours)  # rank 0's writer commits
+    watcher.poll()
+    (event,) = watcher.events
+    assert event[:2] == ("committed", 0) and event[2]["stored_bytes"] == read_manifest(
+        str(tmp_path)).find(6).stored_bytes
+    assert watcher.pending == []
+
+
+def test_a_rank_learns_that_rank_0_gave_its_shard_up(tmp_path, watcher, committer):
+    mine = rank1_attempt(str(tmp_path), 0, step=6)
+    watcher.add(mine)
+    committer.commit_timeout = 0
+    committer.add(Attempt(job=9, step=6, dir=mine.dir, replicas=[], raw_bytes=64, figures={},
+                          shard=write_shard(str(tmp_path), mine.dir, 0, 6)))
+    time.sleep(0.01)
+    committer.poll(orphaned=False)  # rank 2 never wrote: rank 0 gives the step up
+    watcher.poll()
+    assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
+
+
+def test_a_rank_gives_up_when_rank_0_commits_nothing(tmp_path, watcher):
+    watcher.give_up_s = 0.05
+    watcher.add(rank1_attempt(str(tmp_path), 0, step=6))
+    time.sleep(0.1)
+    watcher.poll()
+    assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
+    assert "writer still running" in watcher.events[0][2]
 
 
 # --- agreement helpers without a process group ------------------------------------------------

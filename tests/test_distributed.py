@@ -305,6 +305,7 @@ def test_distributed_behaviours(tmp_path):
     restore = [r["check_restore_agrees_on_a_step_every_rank_can_read"] for r in results]
     assert [r["restored"] for r in restore] == [2, 2]
     assert [r["mine"] for r in restore] == [2.0, 102.0]
+    assert all(r["after_wait"] == [1, 2, 3] for r in restore)  # wait() means committed everywhere
     assert all(r["explicit_step_3"] in ("CorruptSnapshotError", "ChecksumMismatchError")
                for r in restore)
     zero = [r["check_zero_optimizer_shards_are_per_rank"] for r in results]

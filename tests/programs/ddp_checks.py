@@ -78,6 +78,8 @@ def check_restore_agrees_on_a_step_every_rank_can_read(base: str, rank: int) -> 
         for step in range(4):
             state["mine"].fill_(100 * rank + step)
             engine.snapshot(step)
+        engine.wait()  # on every rank: committed, not only this rank's part durable
+        after_wait = engine.committed_steps()
     dist.barrier()
     if rank == 0:
         record = read_manifest(base).snapshots[-1]
@@ -95,7 +97,8 @@ def check_restore_agrees_on_a_step_every_rank_can_read(base: str, rank: int) -> 
             explicit = "ok"
         except errors.CheckpointError as e:
             explicit = type(e).__name__
-    return {"restored": restored, "mine": state["mine"][0].item(), "explicit_step_3": explicit}
+    return {"restored": restored, "mine": state["mine"][0].item(), "explicit_step_3": explicit,
+            "after_wait": after_wait}
 
 
 def check_node_local_directories(base: str, rank: int) -> dict:
