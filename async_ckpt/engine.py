@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Iterable, MutableMapping, Optional, Union
+from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
 
 import psutil
 
@@ -358,46 +358,18 @@ class CheckpointEngine:
         """
         self._check_usable()
         self.wait()
-        manifest = self._coordinator.from_rank0(lambda: read_manifest(self.directory))
-        if step is None:
-            candidates = manifest.newest_first()
-        elif manifest.find(step) is not None:
-            candidates = [manifest.find(step)]
-        else:
-            raise NoSnapshotError(f"step {step} is not committed in {self.directory}; committed "
-                                  f"steps: {manifest.steps() or 'none'}")
-        damaged = []
-        for record in candidates:
-            keys, rank = self._restorable_part(record, reshard)
-            loaded, error = None, None
-            try:
-                loaded = read_snapshot(self.directory, record, rank, self.allow_pickle)
-            except CheckpointError as e:
-                error = e
-            problems = self._coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
-            if not any(problems):
-                return self._load(record.step, keys, loaded, strict)
-            where = "; ".join(p if self.world_size == 1 else f"rank {r}: {p}"
-                              for r, p in enumerate(problems) if p)
-            if step is not None or not all(
-                    p is None or p.startswith(_DAMAGE_ERRORS) for p in problems):
-                if error is not None:
-                    raise error
-                raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
-            log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
-                        record.step, where)
-            damaged.append(f"step {record.step}: {where}")
-        if damaged:
-            raise NoSnapshotError(
-                f"every committed snapshot in {self.directory} is damaged: " + "; ".join(damaged)
-                + ". Nothing was loaded; inspect them with `async-ckpt verify`")
-        return None
+        record, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle,
+                                        self._coordinator, lambda r: self._shard_to_read(r, reshard))
+        if loaded is None:
+            return None
+        resharding = record.world_size != self.world_size
+        return self._load(record.step, set(self.replicated) if resharding else None, loaded, strict)
 
-    def _restorable_part(self, record: SnapshotRecord, reshard: bool) -> tuple[Optional[set], int]:
-        """The entries to load from ``record`` (None: all, with the RNG), and the rank whose shard
-        to read."""
+    def _shard_to_read(self, record: SnapshotRecord, reshard: bool) -> int:
+        """The rank whose shard of ``record`` this rank reads; refuses another world size unless
+        re-sharding the replicated entries."""
         if record.world_size == self.world_size:
-            return None, self.rank
+            return self.rank
         if not reshard:
             raise WorldSizeMismatchError(
                 f"step {record.step} in {self.directory} was written by {record.world_size} "
@@ -414,7 +386,7 @@ class CheckpointEngine:
         log.warning("re-sharding step %d from %d to %d ranks: loading only the replicated entries "
                     "%s; per-rank entries %s and the RNG keep their current state", record.step,
                     record.world_size, self.world_size, sorted(self.replicated), skipped)
-        return set(self.replicated), min(self.rank, record.world_size - 1)
+        return min(self.rank, record.world_size - 1)
 
     def _load(self, step: int, keys: Optional[set], loaded: Entry, strict: bool) -> int:
         """Apply a snapshot read on every rank, after every rank has checked that it fits."""
@@ -578,29 +550,48 @@ def _session_token(directory: str) -> Optional[str]:
 
 
 def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
-                   allow_pickle: bool = False) -> tuple[Optional[int], Optional[Entry]]:
+                   allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
+                   shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
+                   ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
-    Returns (step, entry), or (None, None) when nothing was ever committed.
+    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``). With a
+    ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its part,
+    and they fall back together when any rank cannot read its part of a snapshot.
+    Returns (record, entry), or (None, None) when nothing was ever committed.
     """
-    manifest = read_manifest(directory)
-    if step is not None:
-        record = manifest.find(step)
-        if record is None:
-            raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
-                                  f"{manifest.steps() or 'none'}")
-        return step, read_snapshot(directory, record, rank, allow_pickle)
-    problems = []
-    for record in manifest.newest_first():
+    coordinator = coordinator or Coordinator(0, 1)
+    manifest = coordinator.from_rank0(lambda: read_manifest(directory))
+    if step is None:
+        candidates = manifest.newest_first()
+    elif manifest.find(step) is not None:
+        candidates = [manifest.find(step)]
+    else:
+        raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
+                              f"{manifest.steps() or 'none'}")
+    damaged = []
+    for record in candidates:
+        loaded, error = None, None
         try:
-            return record.step, read_snapshot(directory, record, rank, allow_pickle)
-        except (CorruptSnapshotError, UnsupportedFormatError) as e:
-            log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
-                        record.step, e)
-            problems.append(f"step {record.step}: {e}")
-    if problems:
+            loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
+                                   allow_pickle)
+        except CheckpointError as e:
+            error = e
+        problems = coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
+        if not any(problems):
+            return record, loaded
+        where = "; ".join(p if len(problems) == 1 else f"rank {r}: {p}"
+                          for r, p in enumerate(problems) if p)
+        if step is not None or not all(p is None or p.startswith(_DAMAGE_ERRORS) for p in problems):
+            if error is not None:
+                raise error
+            raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
+        log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
+                    record.step, where)
+        damaged.append(f"step {record.step}: {where}")
+    if damaged:
         raise NoSnapshotError(
-            f"every committed snapshot in {directory} is damaged: " + "; ".join(problems)
+            f"every committed snapshot in {directory} is damaged: " + "; ".join(damaged)
             + ". Nothing was loaded; inspect them with `async-ckpt verify`")
     return None, None
 
@@ -620,8 +611,8 @@ def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int 
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
-    found, loaded = read_committed(directory, step, rank, allow_pickle)
+    record, loaded = read_committed(directory, step, rank, allow_pickle)
     if loaded is None:
         raise NoSnapshotError(f"{directory} holds no committed snapshot")
     loaded.value.pop(RNG_KEY, None)
-    return found, loaded.plain()
+    return record.step, loaded.plain()
