@@ -43,15 +43,15 @@ from . import __version__
 from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, EncodingError,
                      NoSnapshotError, ManifestError, UnsupportedFormatError)
 from .format import ShardReader
-from .manifest import (MANIFEST_NAME, Manifest, SnapshotRecord, leftovers, read_manifest,
-                       recover_manifest, remove_paths, write_manifest)
+from .manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
+                       write_manifest)
+from .paths import (LOCK_PREFIX, MANIFEST_NAME, SHARD_FILE, lock_files, open_regular,
+                    remove_entries, snapshot_dir_step)
 
 __all__ = ["main", "build_parser"]
 
 PROG = "async-ckpt"
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
-_LOCK_PREFIX = ".lock-rank"
-_SHARD_FILE = re.compile(r"^rank-\d{5}\.ackpt$")
 _PREVIEW_CHARS = 60  # longer values are summarised by type and length
 
 EXIT_CODES_HELP = """\
@@ -170,7 +170,7 @@ def _checkpoint_dir(path: str) -> str:
         raise UsageError(f"{path} is not a directory; {hint}")
     names = os.listdir(path)
     if (MANIFEST_NAME in names or _snapshot_dirs(path)
-            or any(n.startswith(_LOCK_PREFIX) for n in names)):
+            or any(n.startswith(LOCK_PREFIX) for n in names)):
         return path
     raise UsageError(f"{path} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, no "
                      f"step-* snapshot directories); {hint}")
@@ -180,16 +180,6 @@ def _snapshot_dirs(root: str) -> list[str]:
     """Every snapshot directory under ``root``, committed or not (what ``leftovers`` would call
     leftovers if nothing were committed)."""
     return [n for n in leftovers(root, Manifest()) if n.startswith("step-")]
-
-
-def _dir_step(name: str) -> Optional[int]:
-    """The step of a snapshot directory name ``step-<20 digits>.<8 hex>`` (docs/FORMAT.md)."""
-    digits = name[len("step-"):len("step-") + 20]
-    return int(digits) if name.startswith("step-") and digits.isdigit() else None
-
-
-def _lock_files(root: str) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith(_LOCK_PREFIX))
 
 
 def _disk_bytes(path: str) -> int:
@@ -345,7 +335,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for name in leftovers(root, manifest):
         is_dir = os.path.isdir(os.path.join(root, name))
         stray.append({"name": name, "kind": "snapshot" if is_dir else "manifest-tmp",
-                      "step": _dir_step(name) if is_dir else None,
+                      "step": snapshot_dir_step(name) if is_dir else None,
                       "bytes": _disk_bytes(os.path.join(root, name))})
     damaged = any(s["problems"] for s in snapshots)
     if args.json:
@@ -418,7 +408,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         index = reader.index
     if index.get("step") != record.step:
         raise CorruptSnapshotError(
-            f"{path} holds step {index.get('step')!r}, the manifest says {record.step}")
+            f"{path} holds step {str(index.get('step'))[:40]!r}, the manifest says {record.step}")
+    _check_tensor_table(index, path)
     walk = _TreeWalk(index, path)
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
@@ -450,6 +441,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_tensor_table(index: dict, path: str) -> None:
+    """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
+    from .restore import tensor_layout
+
+    tensors = index.get("tensors")
+    if not isinstance(tensors, list):
+        raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+    storages = len(index["storages"])
+    for i, t in enumerate(tensors):
+        tensor_layout(t, path, i)
+        if t.get("rank") is None and t.get("storage") is not None and not 0 <= t["storage"] < storages:
+            raise CorruptSnapshotError(f"{path}: tensor {i} refers to storage {t['storage']}, which "
+                                       "does not exist")
+
+
 class _TreeWalk:
     """Turns a shard index's state tree (docs/FORMAT.md section 5) into display lines and totals,
     without decoding anything that could run code or loading tensor data."""
@@ -474,8 +480,9 @@ class _TreeWalk:
                                      "values": 0}
                 self.lines.append(("head", name, node["kind"]))
                 self._node(node, name)
-        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
-            raise CorruptSnapshotError(f"{self.path}: malformed state tree near {self._top!r}: {e}") from e
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError, RecursionError) as e:
+            raise CorruptSnapshotError(
+                f"{self.path}: malformed state tree near {self._top[:60]!r}: {str(e)[:200]}") from e
 
     def _node(self, node: dict, path: str) -> None:
         kind = node["kind"]
@@ -780,15 +787,15 @@ def _verify_unreferenced(root: str) -> None:
         return
     print("snapshot directories on disk (commit status unknown), checked file by file:")
     with _progress(sum(_disk_bytes(os.path.join(root, n)) for n in names), "verifying") as bar:
-        for name in sorted(names, key=lambda n: (_dir_step(n) or 0, n), reverse=True):
+        for name in sorted(names, key=lambda n: (snapshot_dir_step(n) or 0, n), reverse=True):
             directory = os.path.join(root, name)
-            shards = sorted(n for n in os.listdir(directory) if _SHARD_FILE.match(n))
+            shards = sorted(n for n in os.listdir(directory) if SHARD_FILE.fullmatch(n))
             problems = [] if shards else ["no shard file"]
             for shard in shards:
-                problems += _verify_shard(os.path.join(directory, shard), _dir_step(name))
+                problems += _verify_shard(os.path.join(directory, shard), snapshot_dir_step(name))
                 bar.update(_disk_bytes(os.path.join(directory, shard)))
             state = "DAMAGED" if problems else f"intact ({len(shards)} shard file{'s' * (len(shards) != 1)})"
-            print(f"  step {_dir_step(name)!s:<10} {name}  {state}")
+            print(f"  step {snapshot_dir_step(name)!s:<10} {name}  {state}")
             for problem in problems:
                 print(f"    {problem}")
 
@@ -973,8 +980,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             _check_something_kept_restores(root, kept, args.keep_last)
         plan = [(r.dir, f"committed step {r.step}, beyond --keep-last {args.keep_last}")
                 for r in dropped if r.dir not in kept_dirs]
-        plan += [(name, f"leftover of uncommitted step {_dir_step(name)}"
-                  if _dir_step(name) is not None else "leftover manifest replacement")
+        plan += [(name, f"leftover of uncommitted step {snapshot_dir_step(name)}"
+                  if snapshot_dir_step(name) is not None else "leftover manifest replacement")
                  for name in stray]
         verb = "would remove" if args.dry_run else "removing"
         print(f"{root}: keeping {len(kept)} committed snapshot{'s' * (len(kept) != 1)}"
@@ -993,7 +1000,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         lock_all()  # an engine that started since: refuse before changing anything
         if dropped:
             write_manifest(root, new_manifest)  # durable before any snapshot directory goes
-        remove_paths(root, [name for name, _ in plan])
+        remove_entries(root, [name for name, _ in plan])
         left = [name for name, _ in plan if os.path.lexists(os.path.join(root, name))]
     freed = sum(size for name, size in sizes.items() if name not in left)
     print(f"removed {len(plan) - len(left)} of {len(plan)}, freed {_size(freed)}")
@@ -1027,11 +1034,11 @@ def _directory_locks(root: str) -> Iterator[Callable[[], None]]:
     held: dict[str, int] = {}
 
     def lock_all() -> None:
-        for name in _lock_files(root):
+        for name in lock_files(root):
             if name in held:
                 continue
             try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                fd = open_regular(os.path.join(root, name), CheckpointDirError)
             except FileNotFoundError:
                 continue
             held[name] = fd

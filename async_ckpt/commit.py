@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
-from .format import SHARD_FILE, ShardReader, shard_file_name
+from .format import ShardReader
 from .fsutil import as_checkpoint_error, fsync_dir
-from .manifest import (ShardRecord, SnapshotRecord, manifest_path, read_manifest, remove_paths,
-                       write_manifest)
+from .manifest import ShardRecord, SnapshotRecord, manifest_path, read_manifest, write_manifest
+from .paths import SHARD_FILE, remove_entries, shard_file_name
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02
@@ -94,14 +94,14 @@ class Committer:
         return len(self._ranks_present(attempt)) == self.world_size
 
     def _ranks_present(self, attempt: Attempt) -> set[int]:
-        return {int(m.group(1)) for m in (SHARD_FILE.match(name) for name, _ in attempt.seen) if m}
+        return {int(m.group(1)) for m in (SHARD_FILE.fullmatch(name) for name, _ in attempt.seen) if m}
 
     def _abandon(self, attempt: Attempt, why: str) -> None:
         missing = sorted(set(range(self.world_size)) - self._ranks_present(attempt))
         message = (f"step {attempt.step} was not committed: rank(s) {missing} never finished their "
                    f"shard ({why}). The previous committed snapshot stays the newest")
         log.warning("%s", message)
-        remove_paths(self.root, [attempt.dir])
+        remove_entries(self.root, [attempt.dir])
         self.send(("abandoned", attempt.job, message))
 
     def _commit(self, attempt: Attempt) -> None:
@@ -114,11 +114,11 @@ class Committer:
         except Exception as e:  # this attempt fails; the writer and older commits are unaffected
             error = as_checkpoint_error(e, f"step {attempt.step}")
             log.error("committing step %d failed: %s", attempt.step, error)
-            remove_paths(self.root, [attempt.dir])
+            remove_entries(self.root, [attempt.dir])
             self.send(("failed", attempt.job, type(error).__name__, str(error)))
             return
         committed_at = time.monotonic()
-        remove_paths(self.root, [d.dir for d in dropped])
+        remove_entries(self.root, [d.dir for d in dropped])
         self.send(("committed", attempt.job, {
             **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
             "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,

@@ -14,7 +14,11 @@ import socket
 import time
 from typing import Optional
 
+from .errors import CheckpointDirError
+from .paths import read_regular
+
 HEARTBEAT_PREFIX = "heartbeat.rank"
+_MAX_HEARTBEAT_BYTES = 4096
 
 
 def heartbeat_path(directory: str, rank: int) -> str:
@@ -54,9 +58,9 @@ def read_heartbeats(directory: str) -> list[dict]:
     for name in sorted(names):
         if name.startswith(HEARTBEAT_PREFIX) and name.endswith(".json"):
             try:
-                with open(os.path.join(directory, name)) as f:
-                    beats.append(json.load(f))
-            except (OSError, ValueError):
+                beats.append(json.loads(read_regular(os.path.join(directory, name),
+                                                     _MAX_HEARTBEAT_BYTES, CheckpointDirError)))
+            except (OSError, ValueError, RecursionError, CheckpointDirError):
                 continue
     return beats
 

@@ -11,25 +11,27 @@ the snapshot committed last is the one to resume from, and retention must never 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import math
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .errors import CheckpointError, ManifestError, UnsupportedFormatError
 from .fsutil import atomic_write
+from .paths import (MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR,
+                    checked_name, read_regular, shard_file_name, snapshot_dir_step)
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "async_ckpt.manifest"
 MANIFEST_VERSION = 1
-_SNAPSHOT_DIR = re.compile(r"^step-(\d{20})\.([0-9a-f]{8})$")
-_MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME) + r"\.tmp-\d+$")
+MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is refused unread
+_MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
+_MAX_RANKS = 1 << 20
+_XXH3_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,6 @@ class SnapshotRecord:
         d = self.__dict__.copy()
         d["shards"] = [s.__dict__ for s in self.shards]
         return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "SnapshotRecord":
-        d = dict(d)
-        d["shards"] = tuple(ShardRecord(**s) for s in d["shards"])
-        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -124,15 +120,16 @@ def manifest_path(root: str) -> str:
 
 
 def read_manifest(root: str) -> Manifest:
-    """The committed snapshots under ``root``; an empty manifest when none was ever committed."""
+    """The committed snapshots under ``root``; an empty manifest when none was ever committed.
+
+    The file is untrusted: every field is checked (types, ranges, names against docs/FORMAT.md
+    section 1) before a record is built, so nothing later turns a damaged manifest into a path
+    outside ``root`` or an untyped exception."""
     path = manifest_path(root)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_regular(path, MAX_MANIFEST_BYTES, ManifestError)
     except FileNotFoundError:
         return Manifest()
-    except OSError as e:
-        raise ManifestError(f"cannot read {path}: {e.strerror}; check permissions") from e
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -141,39 +138,86 @@ def read_manifest(root: str) -> Manifest:
             "run `async-ckpt verify` on the directory, or restore a step explicitly") from e
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"{path} is not an async_ckpt manifest; point the engine at its own directory")
-    if doc.get("version") != MANIFEST_VERSION:
+    if type(doc.get("version")) is not int or doc["version"] != MANIFEST_VERSION:
         raise UnsupportedFormatError(
-            f"{path} has manifest version {doc.get('version')!r}; this async_ckpt reads version "
-            f"{MANIFEST_VERSION}. Upgrade async_ckpt to read it")
+            f"{path} has manifest version {_short(doc.get('version'))}; this async_ckpt reads "
+            f"version {MANIFEST_VERSION}. Upgrade async_ckpt to read it")
     try:
-        _check_types(doc, _MANIFEST_FIELDS, "manifest")
-        for i, snapshot in enumerate(doc["snapshots"]):
-            _check_types(snapshot, _SNAPSHOT_FIELDS, f"snapshot {i}")
-            for shard in snapshot["shards"]:
-                _check_types(shard, _SHARD_FIELDS, f"snapshot {i} shard")
-        snapshots = tuple(SnapshotRecord.from_json(s) for s in doc["snapshots"])
+        _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False)
+        snapshots = tuple(_snapshot_record(s, f"snapshot {i}") for i, s in enumerate(doc["snapshots"]))
+        _check_order(snapshots, doc["next_seq"])
         return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{path} is structurally invalid ({e}); it was damaged or hand-edited") from e
+    except ManifestError as e:
+        raise ManifestError(f"{path} is invalid: {e}; it was damaged or hand-edited. Committed "
+                            "snapshot directories are untouched") from None
 
 
-_MANIFEST_FIELDS = {"next_seq": int, "snapshots": list, "extra": dict}
-_SNAPSHOT_FIELDS = {"step": int, "seq": int, "dir": str, "committed_at": (int, float),
-                    "world_size": int, "shards": list, "raw_bytes": int, "stored_bytes": int}
-_SHARD_FIELDS = {"rank": int, "file": str, "bytes": int, "index_xxh3": str}
+def _int(lo: int, hi: int = _MAX_INT):
+    return lambda v: type(v) is int and lo <= v <= hi
 
 
-def _check_types(doc, fields: dict, what: str) -> None:
-    """Raise TypeError unless ``doc`` is an object whose fields have the listed JSON types
-    (``extra`` may be absent; bools are not ints)."""
-    if not isinstance(doc, dict):
-        raise TypeError(f"{what} is not an object")
-    for name, kind in fields.items():
+def _of_type(kind):
+    return lambda v: type(v) is kind
+
+
+# Each field and the check its value must pass (bools are not ints).
+_MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict)}
+_SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
+                    "committed_at": lambda v: type(v) in (int, float) and math.isfinite(v),
+                    "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
+                    "raw_bytes": _int(0), "stored_bytes": _int(0)}
+_SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes": _int(0),
+                 "index_xxh3": lambda v: type(v) is str and _XXH3_HEX.fullmatch(v) is not None}
+
+
+def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
+    """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (``extra`` may
+    be absent) and, if ``closed``, has no other fields."""
+    if type(doc) is not dict:
+        raise ManifestError(f"{what} is not an object")
+    if closed and doc.keys() - fields.keys():
+        raise ManifestError(f"{what} has unknown fields {sorted(doc.keys() - fields.keys())[:5]}")
+    for name, ok in fields.items():
         if name == "extra" and name not in doc:
             continue
-        value = doc[name]
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise TypeError(f"{what}: field {name!r} has the wrong type")
+        if name not in doc:
+            raise ManifestError(f"{what} has no field {name!r}")
+        if not ok(doc[name]):
+            raise ManifestError(f"{what}: field {name!r} has a wrong type or is out of range")
+
+
+def _snapshot_record(doc, what: str) -> SnapshotRecord:
+    _check_fields(doc, _SNAPSHOT_FIELDS, what)
+    checked_name(doc["dir"], SNAPSHOT_DIR, f"{what}: directory", ManifestError)
+    if snapshot_dir_step(doc["dir"]) != doc["step"]:
+        raise ManifestError(f"{what}: directory {doc['dir']} does not belong to step {doc['step']}")
+    if len(doc["shards"]) != doc["world_size"]:
+        raise ManifestError(f"{what} lists {len(doc['shards'])} shards for {doc['world_size']} ranks")
+    shards = []
+    for rank, shard in enumerate(doc["shards"]):
+        _check_fields(shard, _SHARD_FIELDS, f"{what} shard {rank}")
+        if shard["rank"] != rank or shard["file"] != shard_file_name(rank):
+            raise ManifestError(f"{what} shard {rank} is not rank {rank}'s file "
+                                f"{shard_file_name(rank)}")
+        shards.append(ShardRecord(rank, shard["file"], shard["bytes"], shard["index_xxh3"]))
+    return SnapshotRecord(step=doc["step"], seq=doc["seq"], dir=doc["dir"],
+                          committed_at=float(doc["committed_at"]), world_size=doc["world_size"],
+                          shards=tuple(shards), raw_bytes=doc["raw_bytes"],
+                          stored_bytes=doc["stored_bytes"])
+
+
+def _check_order(snapshots: tuple, next_seq: int) -> None:
+    """Steps and directories are unique, and ``seq`` strictly increases below ``next_seq``."""
+    if len({s.step for s in snapshots}) != len(snapshots) or len({s.dir for s in snapshots}) != len(snapshots):
+        raise ManifestError("a step or directory is listed twice")
+    seqs = [s.seq for s in snapshots] + [next_seq]
+    if any(a >= b for a, b in zip(seqs, seqs[1:])):
+        raise ManifestError("commit sequence numbers do not increase")
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def write_manifest(root: str, manifest: Manifest) -> None:
@@ -190,11 +234,11 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
     and index (chunk checksums are checked when it is restored). Call only while holding the
     directory's writer locks.
     """
-    if os.path.exists(manifest_path(root)):
+    if os.path.lexists(manifest_path(root)):
         return read_manifest(root)
     found: dict[int, SnapshotRecord] = {}
     for name in os.listdir(root):
-        record = _complete_snapshot(root, name) if _SNAPSHOT_DIR.match(name) else None
+        record = _complete_snapshot(root, name) if SNAPSHOT_DIR.fullmatch(name) else None
         if record is not None and (record.step not in found
                                    or found[record.step].committed_at < record.committed_at):
             found[record.step] = record
@@ -211,61 +255,43 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
 
 
 def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
-    from .format import SHARD_FILE, ShardReader  # the shard format is needed only for this repair
+    """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None."""
+    from .format import ShardReader  # the shard format is needed only for this repair
 
-    shards, indexes = [], []
-    for file in sorted(os.listdir(os.path.join(root, name))):
-        if not SHARD_FILE.match(file):  # e.g. a shard still being written (*.partial)
+    directory = os.path.join(root, name)
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return None
+    shards, indexes = {}, []
+    for file in sorted(os.listdir(directory)):
+        if not SHARD_FILE.fullmatch(file):  # e.g. a shard still being written (*.partial)
             continue
         try:
-            with ShardReader(os.path.join(root, name, file)) as reader:
-                indexes.append(reader.index)
-                shards.append(ShardRecord(reader.index.get("rank"), file, reader.size, reader.index_xxh3))
-        except (CheckpointError, OSError):
+            with ShardReader(os.path.join(directory, file)) as reader:
+                index = reader.index
+                record = ShardRecord(int(SHARD_FILE.fullmatch(file).group(1)), file, reader.size,
+                                     reader.index_xxh3)
+        except (CheckpointError, FileNotFoundError):
             continue
-    if not indexes:
-        return None
-    first = indexes[0]
-    world_size, step = first.get("world_size"), first.get("step")
-    if (not isinstance(step, int) or not isinstance(world_size, int)
-            or sorted(s.rank for s in shards) != list(range(world_size))
-            or any(i.get("step") != step for i in indexes)):
+        if index.get("rank") != record.rank:
+            return None
+        indexes.append(index)
+        shards[record.rank] = record
+    world_size = indexes[0].get("world_size") if indexes else None
+    created = indexes[0].get("created") if indexes else None
+    if (type(world_size) is not int or sorted(shards) != list(range(world_size))
+            or type(created) not in (int, float) or not math.isfinite(created)
+            or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
+                   for i in indexes)):
         return None
     raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
-    return SnapshotRecord(step=step, seq=0, dir=name, committed_at=float(first.get("created", 0)),
-                          world_size=world_size, shards=tuple(sorted(shards, key=lambda s: s.rank)),
-                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards))
-
-
-def snapshot_dir_name(step: int, session: str, attempt: int) -> str:
-    """The directory of the ``attempt``-th snapshot of ``step`` in a session: the same on every rank
-    (they agree on the session), fresh for every attempt, so re-snapshotting a committed step
-    never touches it."""
-    tag = hashlib.blake2b(f"{session}/{step}/{attempt}".encode(), digest_size=4).hexdigest()
-    return f"step-{step:020d}.{tag}"
+    return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
+                          world_size=world_size, shards=tuple(shards[r] for r in range(world_size)),
+                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()))
 
 
 def leftovers(root: str, manifest: Manifest) -> list[str]:
     """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
-    delete while no writer is active on ``root``."""
+    delete (with ``paths.remove_entries``) while no writer is active on ``root``."""
     referenced = {s.dir for s in manifest.snapshots}
-    names = []
-    for name in sorted(os.listdir(root)):
-        if _SNAPSHOT_DIR.match(name) and name not in referenced:
-            names.append(name)
-        elif _MANIFEST_TMP.match(name):
-            names.append(name)
-    return names
-
-
-def remove_paths(root: str, names: Iterable[str]) -> None:
-    """Delete snapshot directories or stray files under ``root``; missing ones are fine."""
-    for name in names:
-        path = os.path.join(root, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    return [name for name in sorted(os.listdir(root))
+            if (SNAPSHOT_DIR.fullmatch(name) and name not in referenced) or MANIFEST_TMP.fullmatch(name)]

@@ -484,10 +484,10 @@ def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys,
         committed = {r.dir for r in read_manifest(directory).snapshots}
         assert not committed & set(names)  # the manifest without them is already durable
         removed_after_commit.extend(names)
-        return cli_remove_paths(directory, names)
+        return cli_remove_entries(directory, names)
 
-    cli_remove_paths = cli.remove_paths
-    monkeypatch.setattr(cli, "remove_paths", remove_after_commit)
+    cli_remove_entries = cli.remove_entries
+    monkeypatch.setattr(cli, "remove_entries", remove_after_commit)
     code, out, _ = run(capsys, "gc", root, "--keep-last", "2")
     assert code == 0 and "keeping 2 committed snapshots (steps 60, 40)" in out
     assert removed_after_commit == dropped_dirs

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from async_ckpt import commit
 from async_ckpt.commit import Attempt, Committer, CommitWatcher
-from async_ckpt.format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, shard_file_name
+from async_ckpt.format import ChunkEncoder, ShardWriter
+from async_ckpt.paths import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.manifest import ShardRecord, read_manifest
 from async_ckpt.plan import Plan, Region, TensorRecord
 from async_ckpt.replication import owners, shard_layout

@@ -15,8 +15,9 @@ import pytest
 from async_ckpt import fsutil
 from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError, SnapshotWriteError,
                                UnsupportedFormatError)
-from async_ckpt.manifest import (MANIFEST_NAME, Manifest, ShardRecord, SnapshotRecord, leftovers,
-                                 read_manifest, remove_paths, snapshot_dir_name, write_manifest)
+from async_ckpt.manifest import (Manifest, ShardRecord, SnapshotRecord, leftovers, read_manifest,
+                                 write_manifest)
+from async_ckpt.paths import MANIFEST_NAME, remove_entries, snapshot_dir_name
 
 _attempts = iter(range(10**9))
 
@@ -444,17 +445,17 @@ def test_leftovers_of_an_empty_manifest_include_every_snapshot_dir(tmp_path):
     assert leftovers(str(tmp_path), Manifest()) == sorted(names)
 
 
-def test_remove_paths_removes_dirs_and_files_and_tolerates_missing_ones(tmp_path):
+def test_remove_entries_removes_dirs_and_files_and_tolerates_missing_ones(tmp_path):
     tree = tmp_path / new_dir(3)
     (tree / "sub").mkdir(parents=True)
     (tree / "rank-00000.ackpt").write_bytes(b"data")
     (tree / "sub" / "deep").write_bytes(b"data")
     (tmp_path / "manifest.json.tmp-9").write_bytes(b"{}")
     (tmp_path / "keep.txt").write_bytes(b"keep")
-    remove_paths(str(tmp_path), [tree.name, "manifest.json.tmp-9", "never-existed",
+    remove_entries(str(tmp_path), [tree.name, "manifest.json.tmp-9", "never-existed",
                                  new_dir(4)])
     assert os.listdir(tmp_path) == ["keep.txt"]
-    remove_paths(str(tmp_path), [tree.name, "manifest.json.tmp-9"])  # again: already gone
+    remove_entries(str(tmp_path), [tree.name, "manifest.json.tmp-9"])  # again: already gone
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
