@@ -24,6 +24,30 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str) -> bool:
+    """Create directory ``path`` and any missing parents so that the new entries are durable: the
+    parent of every directory found missing is fsynced once it is created. Returns False, having
+    fsynced nothing, when ``path`` already was a directory; raises FileExistsError when it (or a
+    parent) is something else.
+
+    Several processes may race to create the same directory. One whose mkdir finds it already there
+    lost the race: it fsyncs the parent all the same, since the winner may not have yet.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return False
+    parent = os.path.dirname(path)
+    if parent != path:
+        make_dirs(parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    fsync_dir(parent)
+    return True
+
+
 def write_all(fd: int, data) -> None:
     """``os.write`` until every byte of ``data`` (any buffer) is written; short writes happen."""
     view = memoryview(data).cast("B")
@@ -57,10 +81,11 @@ def atomic_write(path: str, data: bytes) -> None:
 
 
 def ensure_writable_dir(path: str) -> str:
-    """Create ``path`` if needed and check it is a writable directory; returns its absolute path."""
+    """Create ``path`` if needed (durably: see ``make_dirs``) and check it is a writable directory;
+    returns its absolute path."""
     path = os.path.abspath(os.fspath(path))
     try:
-        os.makedirs(path, exist_ok=True)
+        make_dirs(path)
     except FileExistsError as e:
         raise CheckpointDirError(f"{path} exists and is not a directory; pass a directory path") from e
     except OSError as e:

@@ -38,9 +38,10 @@ import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitWatcher
 from .errors import DiskFullError, WriterDiedError
-from .format import PARTIAL_SUFFIX, ChunkEncoder, ShardWriter, checksum, shard_file_name
-from .fsutil import as_checkpoint_error, fsync_dir
-from .manifest import ShardRecord, remove_paths
+from .format import ChunkEncoder, ShardWriter, checksum
+from .fsutil import as_checkpoint_error, fsync_dir, make_dirs
+from .manifest import ShardRecord
+from .paths import PARTIAL_SUFFIX, remove_entries, shard_file_name
 from .plan import Plan
 from .replication import ShardLayout, shard_layout
 
@@ -181,7 +182,10 @@ class SnapshotWriter:
             return False
         kind = message[0]
         if kind == "attach":
-            fd = recv_handle(self.conn)
+            try:
+                fd = recv_handle(self.conn)
+            except (EOFError, OSError):
+                return False  # the trainer died between the message and its fd: as if it closed
             self.buffers[message[1]] = mmap.mmap(fd, message[2], prot=mmap.PROT_READ)
             os.close(fd)
         elif kind == "detach":
@@ -228,7 +232,12 @@ class SnapshotWriter:
         raw_bytes = sum(r.nbytes for r in regions)
         self.check_space(raw_bytes)
         path = os.path.join(self.root, job["dir"])
-        os.makedirs(path, exist_ok=True)
+        # The directory's entry in the root must be durable before our shard's final name says the
+        # shard is (rank 0 commits once it sees every final name). make_dirs fsyncs the root when it
+        # creates the directory; when another rank already had, fsync it anyway: that rank may not
+        # have yet. One fsync of the root per snapshot.
+        if not make_dirs(path):
+            fsync_dir(self.root)
         final = os.path.join(path, shard_file_name(self.rank))
         partial = final + PARTIAL_SUFFIX
         shard = ShardWriter(partial, self.encoder, version=2 if layout.uses_references else 1)
@@ -250,9 +259,9 @@ class SnapshotWriter:
             fsync_dir(path)
         except BaseException:
             shard.close()
-            remove_paths(path, [os.path.basename(partial)])
+            remove_entries(path, [os.path.basename(partial)])
             if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans
-                shutil.rmtree(path, ignore_errors=True)
+                remove_entries(self.root, [job["dir"]])
             raise
         t_durable = time.monotonic()
         self.stored_ratio = size / max(raw_bytes, 1)
