@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import threading
 import time
 import weakref
@@ -37,9 +38,9 @@ from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
                      WriterDiedError)
 from .fsutil import atomic_write, ensure_writable_dir
 from .heartbeat import Heartbeat
-from .manifest import (SnapshotRecord, leftovers, read_manifest, recover_manifest, remove_paths,
-                       snapshot_dir_name)
-from .restore import Entry, apply, mismatch_error, read_snapshot
+from .manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
+from .paths import MAX_STEP, lock_file_name, read_regular, remove_entries, snapshot_dir_name
+from .restore import Entry, apply, check_generator_states, mismatch_error, read_snapshot
 from .rng import GlobalRNG
 from .staging import StagingPool
 from .writer import WriterClient
@@ -49,7 +50,6 @@ _STATS_HISTORY = 1000
 RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
-_DAMAGE_ERRORS = (CorruptSnapshotError.__name__, "ChecksumMismatchError", UnsupportedFormatError.__name__)
 SESSION_FILE = "session.json"  # names the engines' current session; proves the directory is shared
 
 
@@ -183,7 +183,7 @@ class CheckpointEngine:
 
     @property
     def _lock_path(self) -> str:
-        return os.path.join(self.directory, f".lock-rank{self.rank:05d}")
+        return os.path.join(self.directory, lock_file_name(self.rank))
 
     def _start_session(self, lock_timeout: float, settings: dict) -> tuple[int, str]:
         """Take this rank's directory lock and agree with the other ranks on this run; returns the
@@ -228,7 +228,7 @@ class CheckpointEngine:
         stale = leftovers(self.directory, recover_manifest(self.directory))
         if stale:
             log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-            remove_paths(self.directory, stale)
+            remove_entries(self.directory, stale)
         token = secrets.token_hex(8)
         if self.world_size > 1:
             atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
@@ -238,7 +238,15 @@ class CheckpointEngine:
     def _lock(self, timeout: float) -> int:
         """Take this rank's directory lock (shared with this engine's writer once taken), waiting
         for the writer of a previous engine to finish."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CheckpointDirError(f"cannot open the lock file {self._lock_path}: {e.strerror}; "
+                                     "check the directory's permissions") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointDirError(f"{self._lock_path} is not a regular file; remove it (an "
+                                     "engine creates its lock file itself)")
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -280,8 +288,8 @@ class CheckpointEngine:
         preemption signal once this step's snapshot is committed.
         """
         self._check_usable()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+            raise ValueError(f"step must be an int in [0, 10**20), not {step!r}")
         if self._heartbeat is not None:
             self._heartbeat.beat(step)
         self._drain(block=False)
@@ -359,11 +367,23 @@ class CheckpointEngine:
         self._check_usable()
         self.wait()
         record, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle,
-                                        self._coordinator, lambda r: self._shard_to_read(r, reshard))
+                                        self._coordinator, lambda r: self._shard_to_read(r, reshard),
+                                        self._check_loaded)
         if loaded is None:
             return None
         resharding = record.world_size != self.world_size
         return self._load(record.step, set(self.replicated) if resharding else None, loaded, strict)
+
+    def _check_loaded(self, loaded: Entry) -> None:
+        """Damage that shows only against what is registered: the RNG states this engine would
+        set, and the states of registered generators (checked before anything is loaded)."""
+        rng = loaded.value.get(RNG_KEY)
+        if self._rng is not None and rng is not None:
+            if rng.kind != "object":
+                raise CorruptSnapshotError(f"the snapshot's {RNG_KEY} entry is not an RNG state")
+            GlobalRNG.check_state(rng.value)
+        check_generator_states(self.state, Entry("dict", {k: v for k, v in loaded.value.items()
+                                                          if k != RNG_KEY}))
 
     def _shard_to_read(self, record: SnapshotRecord, reshard: bool) -> int:
         """The rank whose shard of ``record`` this rank reads; refuses another world size unless
@@ -543,19 +563,23 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) ->
 
 def _session_token(directory: str) -> Optional[str]:
     try:
-        with open(os.path.join(directory, SESSION_FILE), "rb") as f:
-            return json.loads(f.read()).get("token")
-    except (OSError, ValueError, AttributeError):
+        doc = json.loads(read_regular(os.path.join(directory, SESSION_FILE), 4096, CheckpointDirError))
+    except (OSError, ValueError, RecursionError, CheckpointDirError):
         return None
+    return doc.get("token") if isinstance(doc, dict) else None
 
 
 def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
                    allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
+                   check: Optional[Callable[[Entry], None]] = None,
                    ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
-    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``). With a
+    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
+    validates what was read further, raising CorruptSnapshotError for damage. Damage (by class:
+    ``CorruptSnapshotError``, ``UnsupportedFormatError``) moves on to the previous snapshot; any
+    other error is raised. With a
     ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its part,
     and they fall back together when any rank cannot read its part of a snapshot.
     Returns (record, entry), or (None, None) when nothing was ever committed.
@@ -575,14 +599,18 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
                                    allow_pickle)
+            if check is not None:
+                check(loaded)
         except CheckpointError as e:
             error = e
-        problems = coordinator.gather(None if error is None else f"{type(error).__name__}: {error}")
+        problems = coordinator.gather(None if error is None else (
+            isinstance(error, (CorruptSnapshotError, UnsupportedFormatError)),
+            f"{type(error).__name__}: {error}"))
         if not any(problems):
             return record, loaded
-        where = "; ".join(p if len(problems) == 1 else f"rank {r}: {p}"
+        where = "; ".join(p[1] if len(problems) == 1 else f"rank {r}: {p[1]}"
                           for r, p in enumerate(problems) if p)
-        if step is not None or not all(p is None or p.startswith(_DAMAGE_ERRORS) for p in problems):
+        if step is not None or not all(p is None or p[0] for p in problems):
             if error is not None:
                 raise error
             raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")

@@ -49,6 +49,11 @@ class ChecksumMismatchError(CorruptSnapshotError):
     """A chunk's stored bytes do not match the checksum recorded when it was written."""
 
 
+class InsufficientMemoryError(CheckpointError):
+    """Restoring a snapshot needs more host memory than is available now. Not damage: restore does
+    not fall back to an older snapshot, so that the newest one is not silently skipped."""
+
+
 class UnsupportedFormatError(CheckpointError):
     """The file was written in a format version this library does not read."""
 

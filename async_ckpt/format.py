@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 import sys
 from typing import Optional
@@ -25,6 +24,7 @@ import zstandard
 from . import filters
 from .errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from .fsutil import write_all
+from .paths import open_regular
 
 # Version 2 adds references to storages in other ranks' shards (state replicated across ranks is
 # stored once). A shard is written in the oldest version that can express it, so a single-rank
@@ -41,14 +41,6 @@ CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compr
 MAX_CHUNK_BYTES = 1 << 30
 MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
-
-
-SHARD_FILE = re.compile(r"^rank-(\d{5})\.ackpt$")
-PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
-
-
-def shard_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.ackpt"
 
 
 def checksum(*buffers) -> str:
@@ -164,7 +156,7 @@ class ShardReader:
                  expected_index_xxh3: Optional[str] = None):
         self.path = path
         try:
-            self._fd = os.open(path, os.O_RDONLY)
+            self._fd = open_regular(path, CorruptSnapshotError)
         except FileNotFoundError as e:
             raise CorruptSnapshotError(f"{path} is missing; the snapshot is incomplete") from e
         try:
@@ -190,7 +182,10 @@ class ShardReader:
             self._fd = -1
 
     def _pread(self, n: int, offset: int) -> bytes:
-        data = os.pread(self._fd, n, offset)
+        try:
+            data = os.pread(self._fd, n, offset)
+        except OSError as e:  # EIO from a failing device
+            raise CorruptSnapshotError(f"{self.path}: cannot read at offset {offset}: {e.strerror}") from e
         if len(data) != n:
             raise CorruptSnapshotError(f"{self.path}: short read at offset {offset} (truncated?)")
         return data
@@ -242,7 +237,10 @@ class ShardReader:
     def _read_chunk(self, chunk: dict, itemsize: int, target: memoryview, where: str) -> None:
         if chunk["codec"] == "raw":
             stored = target
-            got = os.preadv(self._fd, [stored], chunk["offset"])
+            try:
+                got = os.preadv(self._fd, [stored], chunk["offset"])
+            except OSError as e:
+                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
             if got != chunk["stored"]:
                 raise CorruptSnapshotError(f"{self.path}: short read of {where}")
         else:
@@ -280,12 +278,22 @@ class ShardReader:
 
 
 def _unzstd(data, size: int, path: str, where: str) -> bytes:
+    """Decode one zstd frame that must hold exactly ``size`` bytes, never allocating more.
+
+    The frame must declare its content size (our writer always does) and declare ``size``: a
+    frame may claim any size, and a decoder trusting the claim allocates it. Streaming decode stops
+    at the frame's end; bytes after it, or a frame that is cut short, are damage."""
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+        declared = zstandard.frame_content_size(data)
+        if declared != size:
+            raise CorruptSnapshotError(
+                f"{path}: {where} is a zstd frame declaring {declared} bytes, the index {size}")
+        decoder = zstandard.ZstdDecompressor().decompressobj()
+        out = decoder.decompress(data)
     except zstandard.ZstdError as e:
         raise CorruptSnapshotError(f"{path}: {where} does not decompress: {e}") from e
-    if len(out) != size:
-        raise CorruptSnapshotError(f"{path}: {where} decompresses to {len(out)} bytes, not {size}")
+    if len(out) != size or not decoder.eof or decoder.unused_data:
+        raise CorruptSnapshotError(f"{path}: {where} is not one zstd frame of exactly {size} bytes")
     return out
 
 
@@ -307,6 +315,11 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
         raise UnsupportedFormatError(
             f"{path} was written on a {index.get('byteorder')}-endian machine; this one is "
             f"{sys.byteorder}-endian")
+    replicas = index.get("replicas", [])
+    if not (isinstance(replicas, list) and all(
+            isinstance(r, dict) and isinstance(r.get("entry"), str) and is_int(r.get("owner"))
+            and is_int(r.get("nbytes")) and isinstance(r.get("xxh3"), str) for r in replicas)):
+        raise bad("'replicas' is malformed")
     storages = index.get("storages")
     if not isinstance(storages, list):
         raise bad("'storages' is not a list")
@@ -326,6 +339,8 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
                 raise bad(f"storage {i} chunk {j} is not where the previous chunk ended")
             if c["codec"] == "raw" and c["stored"] != c["raw"]:
                 raise bad(f"storage {i} chunk {j}: raw chunk with stored != raw")
+            if c["codec"] == "zstd" and c["stored"] == 0:
+                raise bad(f"storage {i} chunk {j}: an empty zstd frame")
             if c["codec"] == "planes":
                 _validate_planes(c, s["itemsize"], bad, f"storage {i} chunk {j}")
             position += c["stored"]

@@ -19,9 +19,14 @@ import torch
 
 from . import values
 from .capture import DTYPES, as_stateful
-from .errors import CorruptSnapshotError, StateMismatchError
+from .errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
+                     StateMismatchError)
 from .format import ShardReader
 from .manifest import SnapshotRecord
+
+_MAX_DIMS = 64  # torch's limit on tensor dimensions
+_MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
+_MAX_TREE_DEPTH = 100
 
 
 @dataclass
@@ -63,7 +68,7 @@ def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
         wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
-        _check_fits_in_memory(sum(s["nbytes"] for s in sources.values()), shard(rank).path)
+        _check_fits_in_memory(sources.values(), record.step)
         buffers = {}
         for (r, i), s in sources.items():
             buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
@@ -91,12 +96,42 @@ def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
     return storages[i]
 
 
-def _check_fits_in_memory(nbytes: int, path: str) -> None:
-    total = psutil.virtual_memory().total
-    if nbytes > total:
-        raise CorruptSnapshotError(
-            f"{path} claims {nbytes / 1e9:.1f} GB of tensors, more than this machine's memory "
-            f"({total / 1e9:.1f} GB): the index is damaged, or restore it on a larger machine")
+def _check_fits_in_memory(storages, step: int) -> None:
+    """Refuse, before allocating, to read more than the memory available now: the storages, plus
+    scratch for decoding the largest chunk (twice its size for byte planes)."""
+    storages = list(storages)
+    largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
+    need = sum(s["nbytes"] for s in storages) + 2 * largest_chunk
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise InsufficientMemoryError(
+            f"restoring step {step} needs {need / 1e9:.2f} GB of host memory, {available / 1e9:.2f} "
+            "GB is available now; free memory (or restore on a larger machine). The snapshot was "
+            "not checked for damage, and nothing was loaded")
+
+
+def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:
+    """The dtype, shape and stride of tensor record ``i`` (docs/FORMAT.md 3.5), checked: a known
+    dtype, at most 64 dimensions, sizes and strides in [0, 2^62], at most 2^62 elements, and a
+    storage reference of the right types."""
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
+
+    if not isinstance(r, dict):
+        raise bad("not an object")
+    dtype = DTYPES.get(r["dtype"]) if type(r.get("dtype")) is str else None
+    shape, stride = r.get("shape"), r.get("stride")
+    if dtype is None:
+        raise bad(f"unknown dtype {str(r.get('dtype'))[:40]!r}")
+    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride) <= _MAX_DIMS
+            and all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape + stride)):
+        raise bad("malformed shape or stride")
+    if math.prod(shape) > _MAX_EXTENT:
+        raise bad("more elements than any storage can hold")
+    if not ((r.get("storage") is None or type(r["storage"]) is int) and type(r.get("rank", 0)) is int
+            and type(r.get("offset", 0)) is int):
+        raise bad("bad storage reference")
+    return dtype, shape, stride
 
 
 def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
@@ -104,18 +139,13 @@ def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], ra
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
 
-    if not isinstance(r, dict):
-        raise bad("not an object")
-    dtype = DTYPES.get(r.get("dtype"))
-    shape, stride = r.get("shape"), r.get("stride")
-    if dtype is None:
-        raise bad(f"unknown dtype {r.get('dtype')!r}")
-    if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
-            and all(type(n) is int and n >= 0 for n in shape + stride)):
-        raise bad("malformed shape or stride")
-    offset = r.get("offset")
+    dtype, shape, stride = tensor_layout(r, path, i)
     if math.prod(shape) == 0:
-        return torch.empty_strided(shape, stride, dtype=dtype)
+        try:
+            return torch.empty_strided(shape, stride, dtype=dtype)
+        except RuntimeError as e:
+            raise bad(f"shape {shape[:8]} and stride {stride[:8]} are not a valid layout") from e
+    offset = r.get("offset")
     buffer = buffers.get((r.get("rank", rank), r.get("storage")))
     if buffer is None or not (type(offset) is int and offset >= 0):
         raise bad("bad storage reference")
@@ -126,8 +156,21 @@ def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], ra
     return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
 
 
-_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v], "$size": lambda v: torch.Size(v),
-               "$device": lambda v: torch.device(v)}
+def _size(v: Any) -> torch.Size:
+    if type(v) is not list or len(v) > _MAX_DIMS or not all(type(n) is int and 0 <= n <= _MAX_EXTENT
+                                                             for n in v):
+        raise ValueError("not a list of sizes")
+    return torch.Size(v)
+
+
+def _device(v: Any) -> torch.device:
+    if type(v) is not str or len(v) > 64:
+        raise ValueError("not a device name")
+    return torch.device(v)
+
+
+_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v] if type(v) is str else None, "$size": _size,
+               "$device": _device}
 
 
 def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: str) -> Entry:
@@ -136,20 +179,26 @@ def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: s
             (tag, v), = node.items()
             try:
                 if tag == "$tensor":
+                    if type(v) is not int or v < 0:
+                        raise IndexError(v)
                     return tensors[v]
                 if tag in _TORCH_TAGS:
-                    return _TORCH_TAGS[tag](v)
+                    value = _TORCH_TAGS[tag](v)
+                    if value is None:
+                        raise KeyError(v)
+                    return value
             except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-                raise CorruptSnapshotError(f"{path}: bad {tag} value {v!r}") from e
+                raise CorruptSnapshotError(f"{path}: bad {tag} value {str(v)[:40]!r}") from e
         return NotImplemented
 
-    def entry(node: Any) -> Entry:
-        if not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value"):
+    def entry(node: Any, depth: int) -> Entry:
+        if (not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value")
+                or depth > _MAX_TREE_DEPTH):
             raise CorruptSnapshotError(f"{path}: malformed state tree")
         if node["kind"] == "dict":
             if not isinstance(node.get("entries"), dict):
                 raise CorruptSnapshotError(f"{path}: malformed state tree")
-            return Entry("dict", {k: entry(v) for k, v in node["entries"].items()})
+            return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
         value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
         if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
             if not isinstance(value, dict):
@@ -158,7 +207,9 @@ def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: s
             value._metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
         return Entry(node["kind"], value)
 
-    return entry(tree)
+    if not isinstance(tree, dict) or tree.get("kind") != "dict":
+        raise CorruptSnapshotError(f"{path}: the state tree's root is not a dict")
+    return entry(tree, 0)
 
 
 # --- loading into the registered objects -------------------------------------------------------
@@ -180,6 +231,19 @@ class _Mismatch:
             f"snapshot of step {step} does not fit the registered state; nothing was loaded. "
             + "; ".join(parts) + ". Register the same objects as when saving, or pass strict=False "
             "to load only what matches")
+
+
+def check_generator_states(state: Mapping[str, Any], loaded: Entry) -> None:
+    """Raise CorruptSnapshotError (damage: restore falls back) for a saved generator state that
+    the registered generator must not be given, before anything is loaded: such states reach C
+    code that trusts them (see ``rng.py``)."""
+    if loaded.kind == "dict" and isinstance(state, Mapping) and as_stateful(state) is None:
+        for key in loaded.value.keys() & state.keys():
+            check_generator_states(state[key], loaded.value[key])
+    elif loaded.kind == "object":
+        check = getattr(as_stateful(state), "check_state", None)
+        if check is not None:
+            check(loaded.value)
 
 
 def mismatch_error(state: MutableMapping[str, Any], loaded: Entry, step: int,
@@ -226,6 +290,8 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
             mismatch.mismatched.append(f"{where} (saved a state_dict, registered a {type(current).__name__})")
         elif isinstance(current, torch.nn.Module):
             _check_module(path, current, saved.value, mismatch, strict)
+        elif isinstance(current, torch.optim.Optimizer):
+            _check_optimizer(where, current, saved.value, mismatch)
     elif saved.kind == "tensor":
         problem = (_tensor_mismatch(current, saved.value) if isinstance(current, torch.Tensor)
                    else f"registered a {type(current).__name__}, not a tensor")
@@ -249,13 +315,48 @@ def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mis
                 mismatch.mismatched.append(f"{_join(path, key)} ({problem})")
 
 
+def _check_optimizer(where: str, optimizer: torch.optim.Optimizer, saved: Any,
+                     mismatch: _Mismatch) -> None:
+    """The saved state has the structure ``load_state_dict`` relies on, with as many parameter
+    groups and parameters per group as ``optimizer``; else torch fails half-way through loading."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and isinstance(state, dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        mismatch.mismatched.append(f"{where} (the saved state is not an optimizer state dict)")
+        return
+    saved_sizes = [len(g["params"]) for g in groups]
+    current_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    ids = [i for g in groups for i in g["params"]]
+    if saved_sizes != current_sizes:
+        mismatch.mismatched.append(f"{where} (saved parameter groups of sizes {saved_sizes[:8]}, "
+                                   f"the optimizer has {current_sizes[:8]})")
+    elif len(set(map(repr, ids))) != len(ids) or not set(state) <= set(ids) or not all(
+            isinstance(s, dict) for s in state.values()):
+        mismatch.mismatched.append(f"{where} (the saved per-parameter state does not match its "
+                                   "parameter groups)")
+
+
 def _load(current: Any, saved: Entry, strict: bool) -> None:
+    """Load into the registered objects, after every check passed. Should an object's own
+    ``load_state_dict`` still refuse the saved value, the error names it and says what was loaded."""
+    try:
+        _load_entry(current, saved, strict)
+    except CheckpointError:
+        raise
+    except Exception as e:  # an object's load_state_dict refused a value no check could foresee
+        raise StateMismatchError(
+            f"loading the snapshot failed ({type(e).__name__}: {str(e)[:200]}); entries before the "
+            "failing one were already loaded, so restore again (or restart) before training") from e
+
+
+def _load_entry(current: Any, saved: Entry, strict: bool) -> None:
     if saved.kind == "dict":
         for key, entry in saved.value.items():
             if entry.kind == "value":
                 current[key] = entry.value
             elif key in current:
-                _load(current[key], entry, strict)
+                _load_entry(current[key], entry, strict)
     elif saved.kind == "object":
         if isinstance(current, torch.nn.Module):
             current.load_state_dict(_matching(current, saved.value) if not strict else saved.value,

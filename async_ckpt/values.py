@@ -225,13 +225,16 @@ def _hint(v: Any) -> str:
 
 # --------------------------------------------------------------------------------------- decoder
 
+_Path = Any  # in the decoder: "" for the root, else (parent path, key); rendered by _where()
+
+
 
 class _Decoder:
     def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[dict], Any]]) -> None:
         self.allow_pickle = allow_pickle
         self.leaf = leaf
 
-    def __call__(self, node: Any, path: str, depth: int) -> Any:
+    def __call__(self, node: Any, path: _Path, depth: int) -> Any:
         t = type(node)
         if node is None or t is bool or t is int or t is str:
             return node
@@ -243,7 +246,7 @@ class _Decoder:
         if depth > _MAX_DEPTH:
             raise _corrupt(path, f"containers are nested deeper than {_MAX_DEPTH} levels")
         if t is list:
-            return [self(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(node)]
+            return [self(x, (path, i), depth + 1) for i, x in enumerate(node)]
         if t is not dict:
             raise _corrupt(path, f"a value of type {t.__name__!r}, which JSON cannot hold")
         tag = _tag_of(node, path)
@@ -251,7 +254,7 @@ class _Decoder:
             out = {}
             for k, x in node.items():
                 key = k[1:] if k[:1] == "$" else k
-                out[key] = self(x, _child(path, key), depth + 1)
+                out[key] = self(x, (path, key), depth + 1)
             return out
         decode_tag = _TAGS.get(tag)
         if decode_tag is not None:
@@ -263,7 +266,7 @@ class _Decoder:
         raise _corrupt(path, f"unknown tag {_show(tag)}")
 
 
-def _tag_of(node: dict, path: str) -> Optional[str]:
+def _tag_of(node: dict, path: _Path) -> Optional[str]:
     """The tag of a tagged node, or None for a plain dict; rejects non-str keys and mixed nodes."""
     tag = None
     for k in node:
@@ -276,19 +279,19 @@ def _tag_of(node: dict, path: str) -> Optional[str]:
     return tag
 
 
-def _dec_int(dec: _Decoder, p: Any, path: str, depth: int) -> int:
+def _dec_int(dec: _Decoder, p: Any, path: _Path, depth: int) -> int:
     if type(p) is str and _HEX_INT_RE.fullmatch(p):
         return int(p, 16)  # no digit limit for base 16
     raise _corrupt(path, f"$int payload must be a hex string like '-0x1f', got {_show(p)}")
 
 
-def _dec_float(dec: _Decoder, p: Any, path: str, depth: int) -> float:
+def _dec_float(dec: _Decoder, p: Any, path: _Path, depth: int) -> float:
     if type(p) is str and p in _SPECIAL_FLOATS:
         return float(p)  # a fresh object: two NaN keys of one dict must stay distinct
     raise _corrupt(path, f"$float payload must be 'nan', 'inf' or '-inf', got {_show(p)}")
 
 
-def _dec_str(dec: _Decoder, p: Any, path: str, depth: int) -> str:
+def _dec_str(dec: _Decoder, p: Any, path: _Path, depth: int) -> str:
     raw = _unb64(p, path, "$str")
     try:
         return raw.decode("utf-8", "surrogatepass")
@@ -296,15 +299,15 @@ def _dec_str(dec: _Decoder, p: Any, path: str, depth: int) -> str:
         raise _corrupt(path, f"$str payload is not UTF-8: {e}") from e
 
 
-def _dec_bytes(kind: type, tag: str, dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+def _dec_bytes(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
     return kind(_unb64(p, path, tag))
 
 
-def _dec_tuple(dec: _Decoder, p: Any, path: str, depth: int) -> tuple:
+def _dec_tuple(dec: _Decoder, p: Any, path: _Path, depth: int) -> tuple:
     return tuple(_dec_items(dec, p, path, depth, "$tuple"))
 
 
-def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
     items = _dec_items(dec, p, path, depth, tag)
     try:
         out = kind(items)
@@ -315,31 +318,31 @@ def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: str, depth: int)
     return out
 
 
-def _dec_items(dec: _Decoder, p: Any, path: str, depth: int, tag: str) -> list:
+def _dec_items(dec: _Decoder, p: Any, path: _Path, depth: int, tag: str) -> list:
     if type(p) is not list:
         raise _corrupt(path, f"{tag} payload must be a list, got {_show(p)}")
-    return [dec(x, f"{path}[{i}]", depth) for i, x in enumerate(p)]
+    return [dec(x, (path, i), depth) for i, x in enumerate(p)]
 
 
-def _dec_dict(dec: _Decoder, p: Any, path: str, depth: int) -> dict:
+def _dec_dict(dec: _Decoder, p: Any, path: _Path, depth: int) -> dict:
     if type(p) is not list:
         raise _corrupt(path, f"$dict payload must be a list of [key, value] pairs, got {_show(p)}")
     out: dict = {}
     for n, pair in enumerate(p):
         if type(pair) is not list or len(pair) != 2:
             raise _corrupt(path, f"$dict entry #{n} is not a [key, value] pair")
-        key = dec(pair[0], f"{path}[<key #{n}>]", depth)
+        key = dec(pair[0], (path, _KeyNumber(n)), depth)
         try:
             seen = key in out
         except TypeError as e:
             raise _corrupt(path, f"$dict entry #{n} has an unhashable key: {e}") from e
         if seen:
             raise _corrupt(path, f"$dict entry #{n} repeats an earlier key")
-        out[key] = dec(pair[1], _child(path, key), depth)
+        out[key] = dec(pair[1], (path, key), depth)
     return out
 
 
-def _dec_ndarray(dec: _Decoder, p: Any, path: str, depth: int) -> np.ndarray:
+def _dec_ndarray(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.ndarray:
     dtype, raw = _numpy_payload(p, path, "$ndarray", {"dtype", "shape", "data"})
     shape = p["shape"]
     if type(shape) is not list or len(shape) > 64 or any(type(n) is not int or n < 0 for n in shape):
@@ -353,14 +356,14 @@ def _dec_ndarray(dec: _Decoder, p: Any, path: str, depth: int) -> np.ndarray:
         raise _corrupt(path, f"$ndarray shape {shape} is not a valid numpy shape: {e}") from e
 
 
-def _dec_npscalar(dec: _Decoder, p: Any, path: str, depth: int) -> np.generic:
+def _dec_npscalar(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.generic:
     dtype, raw = _numpy_payload(p, path, "$npscalar", {"dtype", "data"})
     if len(raw) != dtype.itemsize:
         raise _corrupt(path, f"$npscalar of dtype {dtype.str} needs {dtype.itemsize} bytes, data has {len(raw)}")
     return np.frombuffer(raw, dtype=dtype)[0]
 
 
-def _numpy_payload(p: Any, path: str, tag: str, keys: set) -> tuple:
+def _numpy_payload(p: Any, path: _Path, tag: str, keys: set) -> tuple:
     """Validate the common part of $ndarray / $npscalar payloads: (dtype, raw bytes)."""
     if type(p) is not dict or set(p) != keys:
         raise _corrupt(path, f"{tag} payload must be an object with exactly the keys {sorted(keys)}")
@@ -379,7 +382,7 @@ def _numpy_payload(p: Any, path: str, tag: str, keys: set) -> tuple:
     return dtype, raw
 
 
-def _dec_pickle(dec: _Decoder, p: Any, path: str, depth: int) -> Any:
+def _dec_pickle(dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
     if not dec.allow_pickle:
         raise EncodingError(
             f"the checkpoint holds a pickled object at {_where(path)}; unpickling runs code stored "
@@ -466,7 +469,23 @@ def _show(p: Any) -> str:
     return f"a {type(p).__name__}"
 
 
-def _where(path: str) -> str:
+class _KeyNumber(int):
+    """In a decoder path: the key (not the value) of the n-th pair of a ``$dict``."""
+
+
+def _where(path) -> str:
+    """A key path for messages. The decoder passes paths as (parent, key) pairs and renders them
+    only here, when an error is raised: building a string per element would make decoding cost
+    grow with nesting depth times key length."""
+    keys = []
+    while type(path) is tuple:
+        path, key = path
+        keys.append(key)
+    for key in reversed(keys):
+        if type(key) is _KeyNumber:
+            path = f"{path}[<key #{int(key)}>]"
+        else:
+            path = _child(path, key[:57] + "..." if type(key) is str and len(key) > 60 else key)
     return path or "<root>"
 
 

@@ -1,0 +1,316 @@
+"""Hostile and damaged checkpoint directories: one test (or a few) per class of hole found.
+
+Each test crafts the directory an attacker would (checksums recomputed: they prove nothing) and
+asserts the rule of docs/SECURITY.md: a typed error, or the data of a committed snapshot; nothing
+deleted outside the directory; nothing loaded before everything was checked. The fuzzer
+(``test_fuzz.py``) explores the same space at random; these pin each class down.
+"""
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from async_ckpt import CheckpointEngine, cli, load
+from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
+                               ManifestError, NoSnapshotError)
+from async_ckpt.manifest import read_manifest
+from async_ckpt.paths import remove_entries
+from fuzzing import build_pristine, diff, hang_guard, make_state, rewrite_shard, fix_manifest
+
+STEP2 = "step2-shard"
+RNG_PATH = ("tree", "entries", "__async_ckpt_rng__", "state")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return build_pristine(str(tmp_path_factory.mktemp("pristine") / "ckpt"))
+
+
+@pytest.fixture
+def root(pristine, tmp_path):
+    """A fresh copy of the pristine checkpoint (steps 1 and 2), with a sentinel next to it."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    pristine.write(str(path))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "precious").write_bytes(b"not the checkpoint's")
+    return str(path)
+
+
+def assert_outside_intact(root):
+    parent = os.path.dirname(root)
+    assert os.path.isdir(root)
+    with open(os.path.join(parent, "outside", "precious"), "rb") as f:
+        assert f.read() == b"not the checkpoint's"
+
+
+def manifest_doc(root):
+    with open(os.path.join(root, "manifest.json"), "rb") as f:
+        return json.load(f)
+
+
+def write_manifest_doc(root, doc):
+    with open(os.path.join(root, "manifest.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def edit_index(pristine, root, alias, edit):
+    """Rewrite a shard's index with ``edit(index)`` applied, trailer and manifest fixed up."""
+    shard = pristine.shards[alias]
+    index = copy.deepcopy(shard.index)
+    edit(index)
+    data, digest = rewrite_shard(shard.prefix, json.dumps(index, separators=(",", ":")).encode())
+    with open(os.path.join(root, shard.relpath), "wb") as f:
+        f.write(data)
+    write_manifest_doc(root, fix_manifest(manifest_doc(root), shard.dir, len(data), digest))
+
+
+def rng_state(index):
+    node = index
+    for key in RNG_PATH:
+        node = node[key]
+    return node
+
+
+def restore_quietly(root, caplog):
+    """Restore into a fresh state with an engine; returns (step, state) or the typed error."""
+    state = make_state(7)
+    before = copy.deepcopy(state["model"].state_dict())
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        try:
+            with hang_guard(20, "restore"):
+                return engine.restore(), state
+        except CheckpointError as e:
+            assert diff(before, state["model"].state_dict()) is None, "loaded before failing"
+            return e, state
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert isinstance(code, int) and "Traceback" not in err + out
+    return code, out, err
+
+
+# --- 1. deletion outside the directory --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../outside", "ABS", ".", "", "step-00000000000000000001.0000000a/..",
+                                  "step-00000000000000000001.0000000a\x00"])
+def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(root, capsys, name):
+    doc = manifest_doc(root)
+    doc["snapshots"][0]["dir"] = os.path.join(os.path.dirname(root), "outside") if name == "ABS" else name
+    write_manifest_doc(root, doc)
+    with pytest.raises(ManifestError):
+        read_manifest(root)
+    code, _, err = run_cli(capsys, "gc", root, "--keep-last", "1")
+    assert code != 0 and "ManifestError" not in err  # a one-line message, not a class dump
+    with pytest.raises(ManifestError):
+        CheckpointEngine(root, make_state(0), heartbeat_interval=None)
+    assert_outside_intact(root)
+    assert sorted(os.listdir(root)) == sorted(os.listdir(root))  # still listable
+    assert len([n for n in os.listdir(root) if n.startswith("step-")]) == 2
+
+
+def test_a_shard_file_name_that_is_a_path_is_refused(root):
+    doc = manifest_doc(root)
+    doc["snapshots"][1]["shards"][0]["file"] = "../../outside/precious"
+    write_manifest_doc(root, doc)
+    with pytest.raises(ManifestError):
+        load(root)
+    assert_outside_intact(root)
+
+
+def test_deletion_removes_only_our_names_and_never_follows_symlinks(tmp_path):
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"x")
+    link = root / "step-00000000000000000005.0000abcd"
+    link.symlink_to(outside)
+    real = root / "step-00000000000000000006.0000abcd"
+    real.mkdir()
+    (real / "inner-link").symlink_to(outside)
+    (root / "notes.txt").write_bytes(b"keep")
+    remove_entries(str(root), [link.name, real.name, "notes.txt", "..", str(outside), "."])
+    assert sorted(os.listdir(root)) == ["notes.txt"]
+    assert (outside / "precious").read_bytes() == b"x"
+
+
+# --- 2. interpreter crash from RNG states -----------------------------------------------------
+
+
+def _crash_numpy(index):
+    rng_state(index)["numpy"]["$tuple"][2] = 10**6  # the legacy generator's position
+
+
+def _bad_python_index(index):
+    rng_state(index)["python"]["$tuple"][1]["$tuple"][624] = 10**6
+
+
+@pytest.mark.parametrize("edit", [_crash_numpy, _bad_python_index])
+def test_a_crafted_rng_state_falls_back_and_never_reaches_the_generator(pristine, root, caplog, edit):
+    edit_index(pristine, root, STEP2, edit)
+    with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+        step, state = restore_quietly(root, caplog)
+    assert step == 1 and "falling back" in caplog.text
+    assert diff(pristine.refs[1][1]["model"], state["model"].state_dict()) is None
+    np.random.random(10)  # would read out of bounds (and crash) with the crafted position
+    code = subprocess.run([sys.executable, "-c", "import async_ckpt, numpy as np; "
+                           f"async_ckpt.load({root!r}); np.random.random(10)"]).returncode
+    assert code == 0
+
+
+# --- 3. memory bombs --------------------------------------------------------------------------
+
+_BOMB = r"""
+import resource, sys, zstandard
+from async_ckpt.errors import CorruptSnapshotError
+from async_ckpt.format import _unzstd
+# 1 GiB of zeros declared in the frame header, 8 KiB in the index: a decoder that trusts the
+# frame allocates 1 GiB, which this address-space limit refuses (MemoryError, not a typed error).
+writer = zstandard.ZstdCompressor().compressobj(size=1 << 30)
+frame = b"".join(writer.compress(bytes(1 << 20)) for _ in range(1024)) + writer.flush()
+resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+try:
+    _unzstd(frame, 8192, "shard", "chunk")
+except CorruptSnapshotError as e:
+    print("refused", len(frame))
+"""
+
+
+def test_a_zstd_frame_declaring_more_than_its_chunk_is_refused_before_allocating():
+    out = subprocess.run([sys.executable, "-c", _BOMB], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("refused"), out.stderr
+
+
+@pytest.mark.parametrize("frame", ["no-content-size", "trailing-bytes", "two-frames", "short"])
+def test_a_zstd_frame_that_is_not_exactly_the_chunk_is_damage(frame):
+    import zstandard
+    from async_ckpt.format import _unzstd
+    data = bytes(range(256)) * 32
+    good = zstandard.ZstdCompressor().compress(data)
+    stored = {"no-content-size": zstandard.ZstdCompressor(write_content_size=False).compress(data),
+              "trailing-bytes": good + b"junk", "two-frames": good + good,
+              "short": good[:-3]}[frame]
+    assert _unzstd(good, len(data), "shard", "chunk") == data
+    with pytest.raises(CorruptSnapshotError):
+        _unzstd(stored, len(data), "shard", "chunk")
+
+
+# --- 4. untyped exceptions, no fallback, hangs ------------------------------------------------
+
+
+def _tensor_field(field, value):
+    def edit(index):
+        index["tensors"][0][field] = value
+    return edit
+
+
+INDEX_EDITS = {
+    "dtype-is-a-list": _tensor_field("dtype", ["float32"]),
+    "zero-stride-2**80-elements": lambda i: i["tensors"][0].update(shape=[2**80], stride=[0]),
+    "storage-is-a-list": _tensor_field("storage", [0]),
+    "negative-tensor-reference": lambda i: i["tree"]["entries"]["extra"]["entries"]["zeros"].update(
+        state={"$tensor": -1}),
+    "root-is-a-list": lambda i: i.update(tree=[]),
+    "root-is-a-value": lambda i: i.update(tree={"kind": "value", "state": 1}),
+    "tree-nested-deep": lambda i: i.update(tree=_deep_tree(200)),
+    "size-overflow": lambda i: i["tree"]["entries"]["extra"]["entries"].update(
+        size={"kind": "value", "state": {"$size": [2**80]}}),
+    "replicas-not-a-list": lambda i: i.update(replicas=5),
+}
+
+
+def _deep_tree(depth):
+    node = {"kind": "value", "state": 0}
+    for _ in range(depth):
+        node = {"kind": "dict", "entries": {"x": node}}
+    return node
+
+
+@pytest.mark.parametrize("case", list(INDEX_EDITS))
+def test_index_damage_is_typed_and_falls_back_to_the_previous_snapshot(pristine, root, caplog, capsys,
+                                                                       case):
+    edit_index(pristine, root, STEP2, INDEX_EDITS[case])
+    with pytest.raises(CorruptSnapshotError):
+        load(root, step=2)
+    step, state = load(root)
+    assert step == 1 and diff(pristine.refs[1][1], state) is None
+    step, _ = restore_quietly(root, caplog)
+    assert step == 1
+    for command in ("verify", "inspect", "ls"):
+        run_cli(capsys, command, root)
+    assert_outside_intact(root)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink-to-dir", "missing"])
+def test_a_shard_that_is_not_a_regular_file_is_damage_and_never_hangs(pristine, root, capsys, kind):
+    path = os.path.join(root, pristine.shards[STEP2].relpath)
+    os.unlink(path)
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink-to-dir":
+        os.symlink(os.path.join(os.path.dirname(root), "outside"), path)
+    with hang_guard(20, kind):
+        step, _ = load(root)
+        assert step == 1
+        code, _, _ = run_cli(capsys, "verify", root)
+        assert code != 0
+    assert_outside_intact(root)
+
+
+def test_a_fifo_in_place_of_the_manifest_is_a_typed_error(root):
+    os.unlink(os.path.join(root, "manifest.json"))
+    os.mkfifo(os.path.join(root, "manifest.json"))
+    with hang_guard(20, "fifo manifest"), pytest.raises(ManifestError):
+        load(root)
+
+
+# --- 5. all or nothing ------------------------------------------------------------------------
+
+
+def test_a_malformed_rng_entry_loads_nothing_when_there_is_no_fallback(pristine, root, caplog):
+    edit_index(pristine, root, STEP2, lambda i: rng_state(i).update(torch={"$tensor": 0}))
+    state = make_state(7)
+    before = copy.deepcopy(state["model"].state_dict())
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(CorruptSnapshotError):
+            engine.restore(step=2)
+    assert diff(before, state["model"].state_dict()) is None
+
+
+# --- 6. "larger than this machine's memory" is not corruption ---------------------------------
+
+
+def test_too_little_memory_is_its_own_error_and_does_not_fall_back(root, monkeypatch):
+    import async_ckpt.restore as restore
+
+    class Tiny:
+        available = 1000
+
+    monkeypatch.setattr(restore.psutil, "virtual_memory", lambda: Tiny)
+    state = make_state(7)
+    before = copy.deepcopy(state["model"].state_dict())
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(InsufficientMemoryError):
+            engine.restore()
+    assert diff(before, state["model"].state_dict()) is None
+    with pytest.raises(InsufficientMemoryError):
+        load(root)
+
+
+def test_every_snapshot_damaged_says_so(pristine, root):
+    edit_index(pristine, root, STEP2, INDEX_EDITS["root-is-a-list"])
+    edit_index(pristine, root, "step1-shard", INDEX_EDITS["root-is-a-list"])
+    with pytest.raises(NoSnapshotError):
+        load(root)

@@ -1,0 +1,130 @@
+"""rng.py alone: the global and user-owned generators round-trip, and every saved state is checked
+before a generator gets it (NumPy and torch trust positions inside their states and read out of
+bounds with crafted ones)."""
+
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from async_ckpt.errors import CorruptSnapshotError, StateMismatchError
+from async_ckpt.rng import GlobalRNG, NumpyGenerator, TorchGenerator, generator_adapter
+
+BIT_GENERATORS = ["MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"]
+
+
+def test_global_rng_round_trips_every_generator():
+    rng = GlobalRNG()
+    saved = rng.state_dict()
+    expected = (random.random(), np.random.random(), torch.rand(1))
+    random.random(), np.random.random(), torch.rand(3)
+    rng.load_state_dict(saved)
+    assert (random.random(), np.random.random()) == expected[:2]
+    assert torch.equal(torch.rand(1), expected[2])
+
+
+@pytest.mark.parametrize("name", BIT_GENERATORS)
+def test_numpy_bit_generators_round_trip_and_refuse_another_kind(name):
+    generator = np.random.Generator(getattr(np.random, name)(5))
+    adapter = generator_adapter(generator)
+    saved = adapter.state_dict()
+    expected = generator.random(3)
+    generator.random(7)
+    adapter.load_state_dict(saved)
+    assert np.array_equal(generator.random(3), expected)
+    other = "PCG64" if name != "PCG64" else "SFC64"
+    with pytest.raises(StateMismatchError):
+        generator_adapter(np.random.Generator(getattr(np.random, other)())).load_state_dict(saved)
+
+
+def _plain(state):
+    """A generator state with tensors and arrays as bytes, comparable with ==."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_plain(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return ("tensor", state.numpy().tobytes())
+    if isinstance(state, np.ndarray):
+        return ("array", state.dtype.str, state.tobytes())
+    return state
+
+
+def _torch_state(left, next_):
+    state = bytearray(torch.Generator().manual_seed(3).get_state().numpy().tobytes())
+    struct.pack_into("<i", state, 8, left)
+    struct.pack_into("<Q", state, 16, next_)
+    return torch.frombuffer(state, dtype=torch.uint8).clone()
+
+
+def _python_state(index):
+    version, words, gauss = random.getstate()
+    return version, words[:624] + (index,), gauss
+
+
+def _numpy_legacy(pos):
+    name, key, _, has_gauss, cached = np.random.RandomState(1).get_state()
+    return name, key, pos, has_gauss, cached
+
+
+def _philox(buffer_pos):
+    state = np.random.Philox(1).state
+    state["buffer_pos"] = buffer_pos
+    return state
+
+
+CRAFTED = {
+    # torch reads its state at index `next` without checking it against `left`
+    "torch-next-past-the-end": (lambda: TorchGenerator(torch.Generator()),
+                                lambda: {"torch_generator": _torch_state(624, 624)}),
+    "torch-wrong-size": (lambda: TorchGenerator(torch.Generator()),
+                         lambda: {"torch_generator": torch.zeros(16, dtype=torch.uint8)}),
+    "torch-not-uint8": (lambda: TorchGenerator(torch.Generator()),
+                        lambda: {"torch_generator": torch.zeros(5056, dtype=torch.int8)}),
+    "numpy-legacy-position": (lambda: NumpyGenerator(np.random.RandomState(0)),
+                              lambda: {"numpy_random_state": _numpy_legacy(10**6)}),
+    "numpy-legacy-short-key": (lambda: NumpyGenerator(np.random.RandomState(0)),
+                               lambda: {"numpy_random_state": ("MT19937", np.zeros(3, np.uint32),
+                                                               0, 0, 0.0)}),
+    "mt19937-position": (lambda: NumpyGenerator(np.random.MT19937(0)),
+                         lambda: {"numpy_bit_generator": {"bit_generator": "MT19937", "state": {
+                             "key": np.zeros(624, np.uint32), "pos": 625}}}),
+    "philox-buffer-position": (lambda: NumpyGenerator(np.random.Philox(0)),
+                               lambda: {"numpy_bit_generator": _philox(5)}),
+    "pcg64-state-too-large": (lambda: NumpyGenerator(np.random.PCG64(0)),
+                              lambda: {"numpy_bit_generator": {
+                                  "bit_generator": "PCG64", "state": {"state": 2**128, "inc": 1},
+                                  "has_uint32": 0, "uinteger": 0}}),
+    "not-a-dict": (lambda: NumpyGenerator(np.random.PCG64(0)), lambda: {"numpy_bit_generator": [1]}),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_generator_states_are_refused_before_the_generator_changes(case):
+    make_adapter, make_state = CRAFTED[case]
+    adapter = make_adapter()
+    before = adapter.state_dict()
+    with pytest.raises(CorruptSnapshotError):
+        adapter.load_state_dict(make_state())
+    assert _plain(adapter.state_dict()) == _plain(before)
+
+
+@pytest.mark.parametrize("left, next_", [(1, 0), (624, 1), (1, 624), (300, 325)])
+def test_every_reachable_torch_position_is_accepted(left, next_):
+    adapter = TorchGenerator(torch.Generator())
+    adapter.load_state_dict({"torch_generator": _torch_state(left, next_)})
+    torch.rand(2000, generator=adapter.generator)
+
+
+@pytest.mark.parametrize("python, numpy_pos", [(_python_state(625), 0), (_python_state(0), -1),
+                                               (_python_state(0), True)])
+def test_global_rng_refuses_crafted_states_and_changes_nothing(python, numpy_pos):
+    rng = GlobalRNG()
+    saved = rng.state_dict()
+    crafted = dict(saved, python=python, numpy=_numpy_legacy(numpy_pos))
+    with pytest.raises(CorruptSnapshotError):
+        rng.load_state_dict(crafted)
+    assert random.getstate() == saved["python"]
+    assert torch.equal(torch.get_rng_state(), saved["torch"])
