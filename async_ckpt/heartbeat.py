@@ -32,14 +32,21 @@ class Heartbeat:
         self.path = heartbeat_path(directory, rank)
         self.rank, self.interval = rank, interval
         self._last = float("-inf")
+        self.step: Optional[int] = None
         self._host = socket.gethostname()
 
-    def beat(self, step: int) -> None:
+    def beat(self, step: Optional[int] = None) -> None:
+        """Write the heartbeat, at most once per interval; ``step`` defaults to the last one given
+        (a beat while the engine waits for its writer)."""
+        if step is not None:
+            self.step = step
+        if self.step is None:
+            return  # no snapshot() yet: a heartbeat names a step
         now = time.monotonic()
         if now - self._last < self.interval:
             return
         self._last = now
-        record = {"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(),
+        record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
         tmp = f"{self.path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:

@@ -119,3 +119,21 @@ def test_a_writer_falling_behind_is_counted(ckpt_dir):
         stats = engine.stats()
     assert stats["writer_behind"] == 1
     assert stats["disk_free_bytes"] > 0 and stats["consecutive_failures"] == 0
+
+
+def test_heartbeats_go_on_while_the_engine_waits_for_a_slow_commit(ckpt_dir, monkeypatch):
+    """A supervisor must not take a job whose final commit is slow for a hung one."""
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, heartbeat_interval=3600) as engine:
+        engine.snapshot(4)
+        os.unlink(heartbeat_path(ckpt_dir, 0))
+        real_next_event, quiet = engine._writer.next_event, iter(range(3))
+
+        def slow_writer(timeout):
+            if timeout is not None and next(quiet, None) is not None:
+                engine._heartbeat._last = float("-inf")  # the interval has passed
+                return None  # nothing from the writer within the interval
+            return real_next_event(timeout)
+
+        monkeypatch.setattr(engine._writer, "next_event", slow_writer)
+        engine.wait()
+        assert [b["step"] for b in read_heartbeats(ckpt_dir)] == [4]
