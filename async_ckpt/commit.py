@@ -27,7 +27,8 @@ from typing import Callable, Optional
 from .errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
 from .format import ShardReader
 from .fsutil import as_checkpoint_error, fsync_dir
-from .manifest import ShardRecord, SnapshotRecord, manifest_path, read_manifest, write_manifest
+from .manifest import (DroppedRecord, ShardRecord, SnapshotRecord, manifest_path, read_manifest,
+                       write_manifest)
 from .paths import SHARD_FILE, remove_entries, shard_file_name
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class CommitWatcher:
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
         self._manifest_id: Optional[tuple] = None
-        self._committed: dict[str, SnapshotRecord] = {}
+        self._committed: dict[str, SnapshotRecord | DroppedRecord] = {}  # by directory
         self._manifest_changed = time.monotonic()
 
     def add(self, attempt: Attempt) -> None:
@@ -171,6 +172,10 @@ class CommitWatcher:
         now = time.monotonic()
         still = []
         for attempt in self.pending:
+            gone = not os.path.exists(os.path.join(self.root, attempt.dir))
+            if gone and attempt.dir not in self._committed and not self._reread_manifest():
+                still.append(attempt)  # rank 0 deletes a directory only once a manifest that
+                continue               # says why is durable: read that one before concluding
             record = self._committed.get(attempt.dir)
             if record is not None:
                 self.send(("committed", attempt.job, {
@@ -178,10 +183,10 @@ class CommitWatcher:
                     "commit_s": time.monotonic() - attempt.durable_at,
                     "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
                     "disk_free_bytes": shutil.disk_usage(self.root).free}))
-            elif not os.path.exists(os.path.join(self.root, attempt.dir)):
+            elif gone:
                 self.send(("abandoned", attempt.job,
                            f"step {attempt.step} was not committed: rank 0 gave it up (some rank "
-                           "never finished its shard) or dropped it before this rank saw it"))
+                           "never finished its shard)"))
             elif now - max(attempt.durable_at, self._manifest_changed) > self.give_up_s:
                 self.send(("abandoned", attempt.job,
                            f"step {attempt.step}: rank 0 committed nothing for "
@@ -190,20 +195,23 @@ class CommitWatcher:
                 still.append(attempt)
         self.pending = still
 
-    def _reread_manifest(self) -> None:
-        """Read the manifest again only when it was replaced (a new inode, size or time)."""
+    def _reread_manifest(self) -> bool:
+        """Read the manifest again when it was replaced (a new inode, size or time); False when it
+        could not be read (replaced while read, or damaged: look again at the next poll)."""
         try:
             st = os.stat(manifest_path(self.root))
             manifest_id = (st.st_ino, st.st_size, st.st_mtime_ns)
         except FileNotFoundError:
             manifest_id = None
         if manifest_id == self._manifest_id:
-            return
+            return True
         try:
-            self._committed = {s.dir: s for s in read_manifest(self.root).snapshots}
+            manifest = read_manifest(self.root)
         except CheckpointError:
-            return  # replaced while read, or damaged: look again at the next poll
+            return False
+        self._committed = {s.dir: s for s in (*manifest.snapshots, *manifest.dropped)}
         self._manifest_id, self._manifest_changed = manifest_id, time.monotonic()
+        return True
 
 
 def _check_replicas(attempt: Attempt, rank: int, theirs: list) -> None:

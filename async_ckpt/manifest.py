@@ -64,12 +64,27 @@ class SnapshotRecord:
 
 
 @dataclass(frozen=True)
+class DroppedRecord:
+    """A snapshot that was committed and later dropped by retention. The other ranks' writers
+    read these to tell "committed, then dropped" from "given up" when a directory is gone."""
+
+    dir: str
+    step: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+_DROPPED_KEPT = 64  # dropped snapshots remembered in the manifest
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """Committed snapshots in commit order, oldest first."""
+    """Committed snapshots in commit order, oldest first, and the latest ones dropped since."""
 
     snapshots: tuple[SnapshotRecord, ...] = ()
     next_seq: int = 0
     extra: dict = field(default_factory=dict)
+    dropped: tuple[DroppedRecord, ...] = ()
 
     def steps(self) -> list[int]:
         return [s.step for s in self.snapshots]
@@ -95,14 +110,17 @@ class Manifest:
         kept = [s for s in ordered
                 if s.seq in newest or (keep_every and s.step % keep_every == 0)]
         dropped = replaced + [s for s in ordered if s not in kept]
-        return Manifest(tuple(kept), self.next_seq + 1, self.extra), dropped
+        remembered = self.dropped + tuple(DroppedRecord(s.dir, s.step, s.raw_bytes, s.stored_bytes)
+                                          for s in dropped)
+        return Manifest(tuple(kept), self.next_seq + 1, self.extra,
+                        remembered[-_DROPPED_KEPT:]), dropped
 
     def without(self, steps: Iterable[int]) -> tuple["Manifest", list[SnapshotRecord]]:
         """The manifest without the given steps, and the dropped records."""
         steps = set(steps)
         kept = tuple(s for s in self.snapshots if s.step not in steps)
         dropped = [s for s in self.snapshots if s.step in steps]
-        return Manifest(kept, self.next_seq, self.extra), dropped
+        return Manifest(kept, self.next_seq, self.extra, self.dropped), dropped
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -111,6 +129,7 @@ class Manifest:
             "next_seq": self.next_seq,
             "snapshots": [s.to_json() for s in self.snapshots],
             **({"extra": self.extra} if self.extra else {}),
+            **({"dropped": [d.__dict__ for d in self.dropped]} if self.dropped else {}),
         }
         return json.dumps(doc, indent=1, allow_nan=False).encode()
 
@@ -146,7 +165,8 @@ def read_manifest(root: str) -> Manifest:
         _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False)
         snapshots = tuple(_snapshot_record(s, f"snapshot {i}") for i, s in enumerate(doc["snapshots"]))
         _check_order(snapshots, doc["next_seq"])
-        return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}))
+        dropped = tuple(_dropped_record(d, f"dropped {i}") for i, d in enumerate(doc.get("dropped", [])))
+        return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}), dropped)
     except ManifestError as e:
         raise ManifestError(f"{path} is invalid: {e}; it was damaged or hand-edited. Committed "
                             "snapshot directories are untouched") from None
@@ -161,7 +181,9 @@ def _of_type(kind):
 
 
 # Each field and the check its value must pass (bools are not ints).
-_MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict)}
+_MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict),
+                    "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT}
+_OPTIONAL_FIELDS = ("extra", "dropped")
 _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
                     "committed_at": lambda v: type(v) in (int, float) and math.isfinite(v),
                     "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
@@ -171,14 +193,14 @@ _SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes"
 
 
 def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
-    """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (``extra`` may
-    be absent) and, if ``closed``, has no other fields."""
+    """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (``extra`` and
+    ``dropped`` may be absent) and, if ``closed``, has no other fields."""
     if type(doc) is not dict:
         raise ManifestError(f"{what} is not an object")
     if closed and doc.keys() - fields.keys():
         raise ManifestError(f"{what} has unknown fields {sorted(doc.keys() - fields.keys())[:5]}")
     for name, ok in fields.items():
-        if name == "extra" and name not in doc:
+        if name in _OPTIONAL_FIELDS and name not in doc:
             continue
         if name not in doc:
             raise ManifestError(f"{what} has no field {name!r}")
@@ -204,6 +226,16 @@ def _snapshot_record(doc, what: str) -> SnapshotRecord:
                           committed_at=float(doc["committed_at"]), world_size=doc["world_size"],
                           shards=tuple(shards), raw_bytes=doc["raw_bytes"],
                           stored_bytes=doc["stored_bytes"])
+
+
+_DROPPED_FIELDS = {"dir": _of_type(str), "step": _SNAPSHOT_FIELDS["step"],
+                   "raw_bytes": _int(0), "stored_bytes": _int(0)}
+
+
+def _dropped_record(doc, what: str) -> DroppedRecord:
+    _check_fields(doc, _DROPPED_FIELDS, what)
+    checked_name(doc["dir"], SNAPSHOT_DIR, f"{what}: directory", ManifestError)
+    return DroppedRecord(doc["dir"], doc["step"], doc["raw_bytes"], doc["stored_bytes"])
 
 
 def _check_order(snapshots: tuple, next_seq: int) -> None:

@@ -281,3 +281,20 @@ def test_without_torch_distributed_one_rank_agrees_with_itself():
     alone.raise_if_any(None, CheckpointDirError, "context")
     assert newest_common_step([3, 1, 2]) == 2  # commit order, not the largest step
     assert newest_common_step([]) is None
+
+
+def test_a_step_committed_and_dropped_between_two_polls_is_reported_committed(tmp_path, watcher):
+    """Retention (keep_last=1) removes a commit before this rank's watcher looked: it must not
+    report that committed step as given up."""
+    rank0 = Committer(str(tmp_path), WORLD, keep_last=1, keep_every=None, commit_timeout=60,
+                      send=lambda event: None)
+    mine = [rank1_attempt(str(tmp_path), job, step) for job, step in ((0, 6), (1, 7))]
+    for attempt in mine:
+        watcher.pending.append(attempt)  # durable here; the watcher has not polled yet
+        write_shard(str(tmp_path), attempt.dir, 2, attempt.step)
+        rank0.add(Attempt(job=9, step=attempt.step, dir=attempt.dir, replicas=[], raw_bytes=64,
+                          figures={}, shard=write_shard(str(tmp_path), attempt.dir, 0, attempt.step)))
+    assert read_manifest(str(tmp_path)).steps() == [7]
+    assert not os.path.exists(os.path.join(tmp_path, mine[0].dir))  # dropped by retention
+    watcher.poll()
+    assert [e[:2] for e in watcher.events] == [("committed", 0), ("committed", 1)]
