@@ -9,6 +9,7 @@ anything written into the user's objects.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from .errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryEr
                      StateMismatchError)
 from .format import ShardReader
 from .manifest import SnapshotRecord
+
+log = logging.getLogger(__name__)
 
 _MAX_DIMS = 64  # torch's limit on tensor dimensions
 _MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
@@ -219,6 +222,8 @@ class _Mismatch:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[str] = []
+        self.skipped: list[str] = []  # strict=False: objects left as they are, and why
+        self.skip_ids: set[int] = set()
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched)
@@ -255,11 +260,18 @@ def mismatch_error(state: MutableMapping[str, Any], loaded: Entry, step: int,
 
 
 def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True) -> None:
-    """Load ``loaded`` into ``state``'s objects; checks everything before changing anything."""
-    error = mismatch_error(state, loaded, step, strict)
-    if error is not None:
-        raise error
-    _load(state, loaded, strict)
+    """Load ``loaded`` into ``state``'s objects; checks everything before changing anything.
+
+    With ``strict=False`` an optimizer whose saved state does not match its parameters is left as
+    it is (loading part of it would leave moments shaped for other parameters), and logged."""
+    mismatch = _Mismatch()
+    _check("", state, loaded, mismatch, strict)
+    if mismatch:
+        raise mismatch.error(step)
+    if mismatch.skipped:
+        log.warning("restore(strict=False) of step %d left these as they were: %s", step,
+                    "; ".join(mismatch.skipped))
+    _load(state, loaded, strict, mismatch.skip_ids)
 
 
 def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
@@ -291,7 +303,12 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
         elif isinstance(current, torch.nn.Module):
             _check_module(path, current, saved.value, mismatch, strict)
         elif isinstance(current, torch.optim.Optimizer):
-            _check_optimizer(where, current, saved.value, mismatch)
+            problem = _optimizer_mismatch(current, saved.value)
+            if problem and strict:
+                mismatch.mismatched.append(f"{where} ({problem})")
+            elif problem:
+                mismatch.skipped.append(f"{where} ({problem})")
+                mismatch.skip_ids.add(id(current))
     elif saved.kind == "tensor":
         problem = (_tensor_mismatch(current, saved.value) if isinstance(current, torch.Tensor)
                    else f"registered a {type(current).__name__}, not a tensor")
@@ -315,33 +332,42 @@ def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mis
                 mismatch.mismatched.append(f"{_join(path, key)} ({problem})")
 
 
-def _check_optimizer(where: str, optimizer: torch.optim.Optimizer, saved: Any,
-                     mismatch: _Mismatch) -> None:
-    """The saved state has the structure ``load_state_dict`` relies on, with as many parameter
-    groups and parameters per group as ``optimizer``; else torch fails half-way through loading."""
+# Per-parameter state of torch's optimizers that has the parameter's shape.
+_PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                       "grad_avg", "acc_delta", "sum", "ax", "prev", "exp_inf", "mu_product")
+
+
+def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optional[str]:
+    """Why ``saved`` cannot be loaded into ``optimizer``, or None: it must have the structure
+    ``load_state_dict`` relies on (else torch fails half-way through loading), as many parameter
+    groups and parameters per group, and per-parameter state shaped like those parameters."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     state = saved.get("state") if isinstance(saved, dict) else None
     if not (isinstance(groups, list) and isinstance(state, dict)
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-        mismatch.mismatched.append(f"{where} (the saved state is not an optimizer state dict)")
-        return
+        return "the saved state is not an optimizer state dict"
     saved_sizes = [len(g["params"]) for g in groups]
     current_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    ids = [i for g in groups for i in g["params"]]
     if saved_sizes != current_sizes:
-        mismatch.mismatched.append(f"{where} (saved parameter groups of sizes {saved_sizes[:8]}, "
-                                   f"the optimizer has {current_sizes[:8]})")
-    elif len(set(map(repr, ids))) != len(ids) or not set(state) <= set(ids) or not all(
+        return f"saved parameter groups of sizes {saved_sizes[:8]}, the optimizer has {current_sizes[:8]}"
+    ids = [i for g in groups for i in g["params"]]
+    if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids) or not set(state) <= set(ids) or not all(
             isinstance(s, dict) for s in state.values()):
-        mismatch.mismatched.append(f"{where} (the saved per-parameter state does not match its "
-                                   "parameter groups)")
+        return "the saved per-parameter state does not match its parameter groups"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for n, (i, param) in enumerate(zip(ids, params)):
+        for key, value in state.get(i, {}).items():
+            if key in _PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                return (f"saved {key} of parameter {n} has shape {tuple(value.shape)}, the "
+                        f"parameter {tuple(param.shape)}")
+    return None
 
 
-def _load(current: Any, saved: Entry, strict: bool) -> None:
+def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset()) -> None:
     """Load into the registered objects, after every check passed. Should an object's own
     ``load_state_dict`` still refuse the saved value, the error names it and says what was loaded."""
     try:
-        _load_entry(current, saved, strict)
+        _load_entry(current, saved, strict, skip_ids)
     except CheckpointError:
         raise
     except Exception as e:  # an object's load_state_dict refused a value no check could foresee
@@ -350,13 +376,15 @@ def _load(current: Any, saved: Entry, strict: bool) -> None:
             "failing one were already loaded, so restore again (or restart) before training") from e
 
 
-def _load_entry(current: Any, saved: Entry, strict: bool) -> None:
+def _load_entry(current: Any, saved: Entry, strict: bool, skip_ids: set[int]) -> None:
     if saved.kind == "dict":
         for key, entry in saved.value.items():
             if entry.kind == "value":
                 current[key] = entry.value
             elif key in current:
-                _load_entry(current[key], entry, strict)
+                _load_entry(current[key], entry, strict, skip_ids)
+    elif id(current) in skip_ids:
+        return
     elif saved.kind == "object":
         if isinstance(current, torch.nn.Module):
             current.load_state_dict(_matching(current, saved.value) if not strict else saved.value,

@@ -1,6 +1,7 @@
 """The engine end to end, in one process: snapshot, commit, retention, restore, errors."""
 
 import copy
+import logging
 import math
 import os
 import resource
@@ -574,3 +575,26 @@ def test_an_engine_dropped_without_close_frees_the_directory(ckpt_dir):
     assert writer.wait(timeout=60) == 0  # it finished what was staged, then exited
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(3)}, lock_timeout=5) as engine:
         assert engine.restore() == 0
+
+
+def test_non_strict_restore_leaves_an_optimizer_whose_state_fits_other_parameters(ckpt_dir, caplog):
+    """Adam moments shaped for other parameters are not loaded (the first step would crash);
+    what was skipped is reported, and what fits is loaded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}) as engine:
+        engine.snapshot(0)
+    wider = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))  # head resized
+    wider_opt = torch.optim.AdamW(wider.parameters())
+    with CheckpointEngine(ckpt_dir, {"model": wider, "optimizer": wider_opt}) as engine:
+        with pytest.raises(StateMismatchError, match="exp_avg"):
+            engine.restore()
+        with caplog.at_level(logging.WARNING, logger="async_ckpt"):
+            assert engine.restore(strict=False) == 0
+    assert "optimizer" in caplog.text and "left these as they were" in caplog.text
+    assert torch.equal(wider[0].weight, model[0].weight) and wider_opt.state == {}
+    wider(torch.randn(3, 8)).sum().backward()
+    wider_opt.step()  # consistent: it starts from fresh moments
