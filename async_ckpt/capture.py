@@ -75,6 +75,12 @@ def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> di
         return node
     if isinstance(obj, torch.Tensor):
         return {"kind": "tensor", "state": encode(obj, path)}
+    if isinstance(obj, (torch.utils.data.DataLoader, torch.utils.data.Sampler)):
+        raise EncodingError(
+            f"{path!r} is a {type(obj).__name__}, which has no state_dict(): its data position "
+            "cannot be saved, and a pickled copy would restore nothing that the running loader "
+            "reads. Register an async_ckpt.data.ResumableLoader (or ResumableSampler) instead, or "
+            "torchdata's StatefulDataLoader")
     if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
         return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode)
                                             for k, v in obj.items()}}

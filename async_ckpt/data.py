@@ -111,14 +111,23 @@ iteration mid-epoch that the uninterrupted run did not, so the global torch RNG 
 engine is one draw off from the next step on. Give the loader its own ``generator=torch.Generator()``:
 nothing here depends on the worker seeds it produces.
 
-A torchdata ``StatefulDataLoader`` needs none of this; it is registered as an ordinary state entry.
+:class:`ResumableLoader` does all of the above for you: it is a ``DataLoader`` that owns the
+sampler, its own generator, and per-sample seeds of the global RNGs, so augmentation written the
+natural way (``torch.rand`` in ``__getitem__``) resumes exactly with any ``num_workers``.
+
+A torchdata ``StatefulDataLoader`` is registered as an ordinary state entry and restores its
+position, but async_ckpt does not make it exact: at a resume its workers are seeded afresh (their
+RNG positions are not saved), and without ``generator=`` it draws from the global torch RNG. The
+engine warns when it sees either; prefer :class:`ResumableLoader`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import operator
+import random
 import warnings
 from collections.abc import Mapping, Sized
 from typing import Iterator, Optional, Union
@@ -126,12 +135,12 @@ from typing import Iterator, Optional, Union
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .errors import StateMismatchError, UnsupportedFormatError
 
-__all__ = ["ResumableSampler", "DistributedResumableSampler", "EpochIndex", "sample_seed",
-           "sample_generator"]
+__all__ = ["ResumableLoader", "ResumableSampler", "DistributedResumableSampler", "EpochIndex",
+           "sample_seed", "sample_generator"]
 
 STATE_VERSION = 1
 _CHUNK = 1 << 16  # indices converted to Python ints at a time while iterating
@@ -478,3 +487,120 @@ class DistributedResumableSampler(ResumableSampler):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "rank": self.rank}
+
+
+# --- the loader ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _global_rngs_seeded(seed: int):
+    """Seed Python's, NumPy's and torch's global generators with ``seed`` for the body, and put
+    back the states they had (in the training process, they are the training run's streams)."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+class _SeededPerSample(Dataset):
+    """A map-style dataset whose ``__getitem__`` sees the global RNGs seeded from ``(seed, epoch,
+    index)``: random augmentation drawn from them is the same with any ``num_workers``, on any
+    worker, and after a resume."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: EpochIndex):
+        with _global_rngs_seeded(sample_seed(self.seed, index.epoch, index)):
+            return self.dataset[int(index)]
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` that resumes exactly: register it with the engine and call
+    :meth:`advance` after each batch the training loop consumed.
+
+    It owns what a stock ``DataLoader`` leaves to chance after a restart:
+
+    - the **order and position**: a :class:`ResumableSampler` (``epoch``, batches consumed);
+    - the **loader's own draw**: a private ``torch.Generator`` for the worker base seed, so
+      starting an iteration never draws from the global torch RNG (which the engine restores:
+      one extra draw would change every later dropout mask);
+    - **per-sample randomness**: ``dataset[i]`` runs with Python's, NumPy's and torch's global
+      RNGs seeded from ``(seed, epoch, i)`` (and put back afterwards), so augmentation written
+      the natural way (``torch.rand`` in ``__getitem__``) gives the same draws with any
+      ``num_workers`` and after a resume.
+
+    Args: ``dataset`` (map-style), ``batch_size``, ``shuffle``, ``seed``, ``drop_last``; any other
+    ``DataLoader`` keyword (``num_workers``, ``collate_fn``, ``pin_memory``,
+    ``persistent_workers``, ...) except ``sampler``, ``batch_sampler`` and ``generator``, which it
+    owns. ``epoch``, ``consumed``, :meth:`epochs`, :meth:`set_epoch` and :meth:`advance` are the
+    sampler's.
+    """
+
+    def __init__(self, dataset, batch_size: int = 1, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, **loader_kwargs):
+        owned = {"sampler", "batch_sampler", "generator", "shuffle"} & loader_kwargs.keys()
+        if owned:
+            raise ValueError(f"ResumableLoader owns {sorted(owned)}; pass shuffle= and seed= "
+                             "instead")
+        sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, batch_size=batch_size,
+                                   drop_last=drop_last, with_epoch=True)
+        super().__init__(_SeededPerSample(dataset, sampler.seed), batch_size=batch_size,
+                         sampler=sampler, drop_last=drop_last,
+                         generator=torch.Generator().manual_seed(sample_seed(seed, -1, -1)),
+                         **loader_kwargs)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def consumed(self) -> int:
+        return self.sampler.consumed
+
+    def epochs(self, num_epochs: Optional[int] = None) -> Iterator[int]:
+        return self.sampler.epochs(num_epochs)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def advance(self, batches: int = 1) -> None:
+        self.sampler.advance(batches)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def inexact_loader_warnings(state: Mapping) -> list[str]:
+    """Why a registered loader cannot resume exactly: one message per problem, naming the fix."""
+    messages = []
+    for name, obj in state.items():
+        if isinstance(obj, Mapping) and not hasattr(obj, "state_dict"):
+            messages += inexact_loader_warnings(obj)
+        elif (isinstance(obj, DataLoader) and hasattr(obj, "state_dict")  # a stock one is refused
+              and not isinstance(obj, ResumableLoader)):
+            kind = type(obj).__name__
+            if obj.generator is None:
+                messages.append(
+                    f"{name!r}: a {kind} without generator= draws its worker seed from the global "
+                    "torch RNG each time an iteration starts; after a resume that draw lands "
+                    "elsewhere and every later random draw (dropout) differs. Pass "
+                    "generator=torch.Generator(), or use async_ckpt.data.ResumableLoader")
+            if obj.num_workers > 0:
+                messages.append(
+                    f"{name!r}: the workers of a {kind} are seeded afresh at a resume, so random "
+                    "augmentation drawn from a worker's RNG differs afterwards. Use "
+                    "async_ckpt.data.ResumableLoader, or draw it from "
+                    "async_ckpt.data.sample_generator(seed, epoch, index)")
+    return messages

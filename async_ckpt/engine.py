@@ -24,6 +24,7 @@ import signal
 import stat
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
 
@@ -31,6 +32,7 @@ import psutil
 
 from . import errors
 from .capture import capture, plan_layout
+from .data import inexact_loader_warnings
 from .distributed import Coordinator, resolve_ranks
 from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
                      DistributedSetupError, EngineClosedError, NoSnapshotError, Preempted,
@@ -50,6 +52,7 @@ _STATS_HISTORY = 1000
 RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
+_WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
 SESSION_FILE = "session.json"  # names the engines' current session; proves the directory is shared
 
 
@@ -94,7 +97,8 @@ class CheckpointEngine:
             whatever ``every`` says, waits for its commit and raises ``Preempted`` (a SystemExit
             with code 75). Installed from the main thread only; the old handlers come back at
             ``close()``.
-        heartbeat_interval: seconds between heartbeat files written from ``snapshot()`` calls
+        heartbeat_interval: seconds between heartbeat files written from ``snapshot()`` calls,
+            and while the engine waits for its writer (``wait()``, ``close()``, a busy slot)
             (``DIR/heartbeat.rankNNNNN.json``); None turns them off.
         slow_writer_s: a snapshot that waits this long for a free slot is logged and counted as
             the writer falling behind (``stats()["writer_behind"]``).
@@ -128,6 +132,8 @@ class CheckpointEngine:
         replicated = frozenset([replicated] if isinstance(replicated, str) else replicated)
         _require(replicated <= state.keys(), "replicated names entries that are not in state: "
                  f"{sorted(replicated - state.keys())}")
+        for message in inexact_loader_warnings(state):
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.directory = ensure_writable_dir(directory)
         self.state = state
         self.mode, self.every, self.when_busy = mode, every, when_busy
@@ -139,6 +145,7 @@ class CheckpointEngine:
         self._pending: dict[int, dict] = {}  # job number -> its figures so far, in submission order
         self._jobs = itertools.count()
         self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
+        self._last_step_taken: Optional[int] = None
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
         self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = collections.Counter()
@@ -328,6 +335,7 @@ class CheckpointEngine:
                              "plan": plan if plan != self._writer_plan else None,
                              "submitted": time.monotonic()})
         self._attempts[step] += 1
+        self._last_step_taken = step
         self._writer_plan = plan
         record = {"step": step, "called_at": called_at, "blocking_s": time.perf_counter() - t0,
                   "wait_slot_s": t_slot - t0, "capture_s": t_captured - t_slot,
@@ -447,12 +455,18 @@ class CheckpointEngine:
             **({} if self._closed else self._writer.rss()),
         }
 
-    def close(self) -> None:
-        """Wait for snapshots in flight, then stop the writer and free the staging memory."""
+    def close(self, final_step: Optional[int] = None) -> None:
+        """Wait for snapshots in flight, then stop the writer and free the staging memory.
+
+        ``final_step``: the last step the loop trained; it is snapshotted (whatever ``every``
+        says) and committed first unless it was the last step snapshotted, so that a finished job
+        run again does not retrain its last steps."""
         if self._closed:
             return
         try:
             if self._broken is None:
+                if final_step is not None and final_step != self._last_step_taken:
+                    self.snapshot(final_step, force=True)
                 self.wait()
         finally:
             self._closed = True
@@ -482,8 +496,17 @@ class CheckpointEngine:
             raise self._broken
 
     def _writer_event(self, timeout: Optional[float]) -> Optional[tuple]:
+        """The next message from the writer, or None after ``timeout`` (None: wait for one). While
+        waiting without a timeout (a slow commit in ``wait()``/``close()``, a slot coming free),
+        heartbeats go on: a job waiting for its checkpoint is not hung."""
         try:
-            return self._writer.next_event(timeout)
+            if timeout is not None or self._heartbeat is None:
+                return self._writer.next_event(timeout)
+            while True:
+                event = self._writer.next_event(max(self._heartbeat.interval, _WAIT_BEAT_MIN_S))
+                if event is not None:
+                    return event
+                self._heartbeat.beat()
         except WriterDiedError as e:
             self._broken = e
             self._counts["failed"] += len(self._pending)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.data import (DistributedResumableSampler, EpochIndex, ResumableSampler,
-                             sample_generator, sample_seed)
+from async_ckpt.data import (DistributedResumableSampler, EpochIndex, ResumableLoader,
+                             ResumableSampler, sample_generator, sample_seed)
 from async_ckpt.errors import StateMismatchError, UnsupportedFormatError
 
 N, B, EPOCHS = 23, 4, 3  # 23 % 4 != 0: a short last batch, or one dropped
@@ -479,3 +479,73 @@ def test_round_trip_through_the_engine(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"sampler": other}) as engine:
         with pytest.raises(StateMismatchError, match="seed"):
             engine.restore()
+
+
+# --- ResumableLoader, and loaders the engine cannot make exact -----------------------------------
+
+
+class _Augmented(Dataset):
+    """Augmentation drawn the natural way: from the global torch RNG of whoever loads the sample."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+def _batches(loader, n):
+    out = []
+    for batch in loader:
+        out.append(batch)
+        loader.advance()
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumable_loader_gives_the_same_batches_after_a_resume_and_spares_the_global_rng(workers):
+    full = ResumableLoader(_Augmented(), batch_size=3, seed=5, num_workers=workers)
+    reference = _batches(full, 4) + _batches(full, 4)  # two epochs of 4 batches
+    first = ResumableLoader(_Augmented(), batch_size=3, seed=5, num_workers=workers)
+    head = _batches(first, 2)
+    resumed = ResumableLoader(_Augmented(), batch_size=3, seed=5, num_workers=workers)
+    resumed.load_state_dict(first.state_dict())
+    torch.manual_seed(123)  # the restored training RNG: iterating must not draw from it
+    before = torch.get_rng_state()
+    tail = _batches(resumed, 2) + _batches(resumed, 4)
+    assert torch.equal(torch.get_rng_state(), before)
+    for got, want in zip(head + tail, reference):
+        assert torch.equal(got, want)
+    assert resumed.epoch == 2 and resumed.consumed == 0
+
+
+def test_resumable_loader_owns_its_sampler_and_generator():
+    with pytest.raises(ValueError, match="owns"):
+        ResumableLoader(_Augmented(), batch_size=3, generator=torch.Generator())
+
+
+@pytest.mark.parametrize("make", [lambda d: DataLoader(d, batch_size=2), lambda d: RandomSampler(d)])
+def test_a_stock_loader_or_sampler_is_refused_with_the_right_advice(ckpt_dir, make):
+    from async_ckpt.errors import EncodingError
+    state = {"t": torch.zeros(1), "data": make(_Augmented())}
+    for allow_pickle in (False, True):  # a pickled copy would restore nothing the loader reads
+        with CheckpointEngine(ckpt_dir, state, allow_pickle=allow_pickle,
+                              heartbeat_interval=None) as engine:
+            with pytest.raises(EncodingError, match="ResumableLoader"):
+                engine.snapshot(0)
+
+
+def test_registered_loaders_that_cannot_resume_exactly_are_named_with_the_fix(ckpt_dir):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    loader = StatefulDataLoader(_Augmented(), batch_size=2, num_workers=2)
+    with pytest.warns(RuntimeWarning) as caught:
+        CheckpointEngine(ckpt_dir, {"data": {"loader": loader}}, heartbeat_interval=None).close()
+    text = " ".join(str(w.message) for w in caught)
+    assert "generator=torch.Generator()" in text and "seeded afresh" in text
+    exact = ResumableLoader(_Augmented(), batch_size=2, num_workers=2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CheckpointEngine(ckpt_dir, {"loader": exact}, heartbeat_interval=None).close()

@@ -24,10 +24,16 @@ BATCHES_PER_EPOCH = 12  # examples/train.py: 96 samples, batches of 8
 def train(ckpt_dir, log, every, kill_after_step=None):
     """Run train.py; with ``kill_after_step``, SIGKILL it (and its writer and data workers) as soon
     as its log shows that step. Returns the exit code."""
-    start = os.path.getsize(log) if os.path.exists(log) else 0
-    process = subprocess.Popen(
-        [sys.executable, TRAIN, "--ckpt-dir", ckpt_dir, "--log", log, "--steps", str(STEPS),
-         "--every", str(every), "--seed", "3"], start_new_session=True)
+    return run_killed([TRAIN, "--ckpt-dir", ckpt_dir, "--log", log, "--steps", str(STEPS),
+                       "--every", str(every), "--seed", "3"], kill_after_step, log)
+
+
+def run_killed(argv, kill_after_step=None, log=None):
+    """Run a training program (``argv`` after the interpreter) in its own session; with
+    ``kill_after_step``, SIGKILL its whole session (writer and data workers too) as soon as its
+    JSON-lines ``log`` shows that step. Returns the exit code."""
+    start = os.path.getsize(log) if log and os.path.exists(log) else 0
+    process = subprocess.Popen([sys.executable, *argv], start_new_session=True)
     if kill_after_step is None:
         return process.wait(timeout=300)
     deadline = time.monotonic() + 300
