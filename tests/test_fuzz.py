@@ -1,0 +1,528 @@
+"""Structured fuzzing of a REAL checkpoint: mutate a copy, read it every way there is, check the rule.
+
+The rule, for any mutated checkpoint directory:
+
+- every read (``async_ckpt.load``, ``CheckpointEngine.restore``) either raises a subclass of
+  ``async_ckpt.errors.CheckpointError`` or returns data bit-identical to one of the committed
+  snapshots (the newest, or the older one as a fallback; ``load(dir, step=1)`` only step 1);
+- never another exception type, never a hang (SIGALRM after ``ASYNC_CKPT_FUZZ_HANG_S``), never a
+  crash, never a deletion outside the checkpoint directory or of the directory itself, never code
+  run from the file (a ``$pickle`` node that would create a directory);
+- when ``restore()`` raises, the registered objects and the global generators are unchanged; when
+  it succeeds they equal a committed snapshot bit for bit, the registered objects are still the
+  ones registered, and every generator (``random``, ``numpy.random``, ``torch``, the registered
+  ``torch.Generator`` and NumPy ``Generator``) can still draw (checked in a forked child, so a
+  crafted state that crashes the process is reported, not fatal);
+- the command line (``cli.main([...])`` for ls, inspect, verify, export, gc --dry-run and a real
+  gc) always returns an int exit code (0, 1 or 2): no exception escapes ``main()`` and nothing it
+  prints holds a "Traceback".
+
+Two exceptions to "bit-identical". An edit of a shard index's ``tree`` or ``tensors``, or of the
+tensor bytes, with the checksums recomputed describes other, well-formed data (a different view,
+value or generator state) that no reader can tell from the real thing: for those
+(``Mutation.relaxed``) a successful read may return other data ("altered" in the counts);
+everything else still holds. And the manifest has no checksum: when it was itself mutated (deleted,
+emptied), ``restore()`` may return None (nothing committed) if it changed nothing ("none").
+
+A module fixture writes the pristine checkpoint once (``fuzzing.build_pristine``: steps 1 raw and 2
+with zstd, exercising the raw, zstd and planes codecs) and keeps its bytes in memory; every case
+copies them into a fresh sandbox, applies ONE mutation (``fuzzing.MUTATION_KINDS``: byte flips,
+truncation, shard-index JSON edits with trailer and manifest fixed up, manifest JSON edits,
+files replaced by directories/FIFOs/symlinks or deleted, and chunk data rewritten with checksums
+fixed up: zstd frames replaced by bombs and broken frames, tensor bytes such as a generator's
+state overwritten; for restore() also crafted generator states: ``rng_state``) and runs the
+targets. Each kind has its own load+CLI test and restore test (one engine per test function), so
+one failing kind does not hide the others.
+
+Run:
+
+    python -m pytest -q tests/test_fuzz.py                    # CI: ~300 cases, fixed seed, ~40 s
+    ASYNC_CKPT_FUZZ_CASES=10000 python -m pytest -q tests/test_fuzz.py   # long run, random seed
+    ASYNC_CKPT_FUZZ_CASES=10000 ASYNC_CKPT_FUZZ_KEEP_GOING=1 ASYNC_CKPT_FUZZ_HANG_S=3 \
+        python -m pytest -q tests/test_fuzz.py                # list every distinct failure
+
+A failing case is shrunk by Hypothesis and reported with its mutation (``Falsifying example:
+fuzz(mutation=IndexEdit(step2-shard: tensors[0].dtype = []))``) and a note per broken rule; an
+exception that escaped the library is re-raised as is, so its traceback shows where it came from
+and Hypothesis reports distinct bugs separately.
+
+Environment:
+
+- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 13 test functions (default 300); setting it
+  also drops the fixed seed unless ``ASYNC_CKPT_FUZZ_SEED`` is set.
+- ``ASYNC_CKPT_FUZZ_KEEP_GOING=1``: do not stop at the first failing case of a test; record every
+  failure and fail the test at its end with the distinct failures (no shrinking). Best for a long
+  run that should list every distinct bug.
+- ``ASYNC_CKPT_FUZZ_HANG_S`` (default 10): seconds before a target counts as hung;
+  ``ASYNC_CKPT_FUZZ_HANG_NEXT_S`` (default 2): the limit for the other targets of a case that
+  already hung once (a FIFO hangs every target that opens it).
+- ``ASYNC_CKPT_FUZZ_REPORT=path.json``: write the outcome counts and distinct failures there.
+- ``ASYNC_CKPT_FUZZ_BREADCRUMB`` (default ``$TMPDIR/async_ckpt_fuzz_current_case.txt``): the case
+  being run; after a hard crash of the test process it names the mutation (and holds the stacks
+  faulthandler dumped if the process got stuck in C code).
+
+The counts (typed error / clean / fallback / altered per target, exit codes per command) and the
+distinct failures (rule, exception type, target, file:function, shortest mutation) are printed at
+the end of the module; with ``--hypothesis-show-statistics`` Hypothesis also shows them per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, event, given, seed, settings
+
+import async_ckpt
+import fuzzing as fz
+from async_ckpt import CheckpointEngine, cli
+from async_ckpt.errors import CheckpointError
+
+TOTAL_CASES = int(os.environ.get("ASYNC_CKPT_FUZZ_CASES", "300"))
+LONG_RUN = "ASYNC_CKPT_FUZZ_CASES" in os.environ
+SEED = os.environ.get("ASYNC_CKPT_FUZZ_SEED")
+CI_SEED = 20240607
+KEEP_GOING = os.environ.get("ASYNC_CKPT_FUZZ_KEEP_GOING", "") not in ("", "0")
+HANG_S = float(os.environ.get("ASYNC_CKPT_FUZZ_HANG_S", "10"))
+HANG_NEXT_S = float(os.environ.get("ASYNC_CKPT_FUZZ_HANG_NEXT_S", "2"))
+REPORT = os.environ.get("ASYNC_CKPT_FUZZ_REPORT")
+BREADCRUMB = os.environ.get("ASYNC_CKPT_FUZZ_BREADCRUMB",
+                            os.path.join(tempfile.gettempdir(), "async_ckpt_fuzz_current_case.txt"))
+RESTORE_KINDS = fz.MUTATION_KINDS + fz.RESTORE_ONLY_KINDS
+CASES_PER_TEST = max(1, TOTAL_CASES // (len(fz.MUTATION_KINDS) + len(RESTORE_KINDS)))
+
+# Command lines run on every mutated directory (DIR and OUT are filled in), in this order; the
+# real gc runs last, then load() once more on what it left. (`main()` builds its whole parser on
+# every call, so each command line costs ~10 ms: the list is what covers distinct code paths.)
+CLI_READ = [["ls"], ["ls", "--json"], ["inspect"], ["inspect", "--step", "1"], ["verify", "--all"],
+            ["export", "--step", "2", "--to", "OUT/all.pt"],
+            ["export", "--step", "1", "--only", "model", "--to", "OUT/model.safetensors"],
+            ["gc", "--keep-last", "1", "--dry-run"]]
+CLI_GC = [["gc"], ["gc", "--keep-last", "1"]]
+
+
+def fuzz_settings(test):
+    test = settings(max_examples=CASES_PER_TEST, deadline=None, database=None,
+                    report_multiple_bugs=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much,
+                                           HealthCheck.large_base_example])(test)
+    if SEED is not None:
+        return seed(int(SEED))(test)
+    return test if LONG_RUN else seed(CI_SEED)(test)
+
+
+# --- failures, raised so that Hypothesis tells distinct bugs apart and shrinks each -------------
+
+
+class FuzzFailure(AssertionError):
+    """A broken rule that is not an exception escaping the library."""
+
+
+class WrongData(FuzzFailure):
+    pass
+
+
+class ObjectsChanged(FuzzFailure):
+    pass
+
+
+class StrayDeletion(FuzzFailure):
+    pass
+
+
+class CodeExecuted(FuzzFailure):
+    pass
+
+
+class Hang(FuzzFailure):
+    pass
+
+
+class DrawFailed(FuzzFailure):
+    pass
+
+
+class BadCliExit(FuzzFailure):
+    pass
+
+
+_RULE_ERRORS = {"wrong data": WrongData, "objects changed on error": ObjectsChanged,
+                "registered object replaced": ObjectsChanged, "stray deletion": StrayDeletion,
+                "checkpoint dir deleted": StrayDeletion, "code from the file ran": CodeExecuted,
+                "hang": Hang, "rng draw after restore": DrawFailed, "cli exit code": BadCliExit,
+                "objects unusable after restore()": ObjectsChanged,
+                "cli printed a traceback": BadCliExit}
+
+
+class Case:
+    """One mutated directory and the failures its targets showed."""
+
+    def __init__(self, test: str, mutation: fz.Mutation, sandbox: fz.Sandbox, log: fz.FuzzLog):
+        self.test, self.mutation, self.sandbox, self.log = test, mutation, sandbox, log
+        self.failures: list[fz.Failure] = []
+        self.hung = False
+        self.seen_problems: set[str] = set()
+
+    def fail(self, rule: str, target: str, message: str, exc=None, where: str = "") -> None:
+        self.failures.append(fz.Failure(rule, target, message, where, exc))
+
+    def call(self, target: str, fn, typed_ok: bool = True):
+        """Run one target under the hang guard: ("ok", value), ("error", CheckpointError) or
+        ("failed", None) when it broke a rule (recorded)."""
+        limit = HANG_NEXT_S if self.hung else HANG_S
+        try:
+            try:
+                with fz.hang_guard(limit, target):
+                    return "ok", fn()
+            except CheckpointError as e:
+                if typed_ok:
+                    return "error", e
+                raise
+        except fz.FuzzHang as e:
+            self.hung = True
+            self.fail("hang", target, str(e), e, fz.where_raised(e))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - any other exception breaks the rule
+            message = " ".join(f"{type(e).__name__}: {_clip(fz.safe_str(e))}".split())
+            self.fail("untyped exception", target, message, e, fz.where_raised(e))
+        finally:
+            self.check_sandbox(target)
+        return "failed", None
+
+    def check_sandbox(self, target: str) -> None:
+        for rule, problem in self.sandbox.problems():
+            if problem not in self.seen_problems:
+                self.seen_problems.add(problem)
+                self.fail(rule, target, problem)
+
+    def finish(self) -> None:
+        self.log.cases[self.test] += 1
+        for f in self.failures:
+            self.log.failure(self.test, f, self.mutation)
+            event(f"FAILED {f.rule}: {fz._target_group(f.target)}")
+        if not self.failures or KEEP_GOING:
+            return
+        notes = [f"mutation: {self.mutation!r}"] + [f"failure: {f}" for f in self.failures]
+        first = self.failures[0]
+        if first.rule == "untyped exception":
+            exc = first.exc  # re-raised as is: Hypothesis groups failures by where they came from
+        else:
+            exc = _RULE_ERRORS[first.rule](str(first))
+        for line in notes:
+            exc.add_note(line)
+        if exc is first.exc:
+            raise exc
+        raise exc from first.exc
+
+
+def _clip(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[:n] + f"...<{len(text)} chars>"
+
+
+def check_keep_going(log: fz.FuzzLog, test: str) -> None:
+    found = log.failures_of(test)
+    if KEEP_GOING and found:
+        lines = [f"[{f['rule']}] {f['exception']} in {f['target']} at {f['where'] or '-'} "
+                 f"(x{f['count']}), e.g. {f['mutation']}: {f['message'][:200]}" for f in found]
+        pytest.fail(f"{len(found)} distinct failures in {test}:\n" + "\n".join(lines), pytrace=False)
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def log(request):
+    """The outcome counts, printed (and written to ASYNC_CKPT_FUZZ_REPORT) at the end. The
+    library's warnings (one per fallback) are silenced meanwhile: they would bury the report."""
+    log = fz.FuzzLog()
+    logger = logging.getLogger("async_ckpt")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield log
+    finally:
+        logger.setLevel(level)
+    summary = log.summary()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print("\n" + summary)
+    if REPORT:
+        with open(REPORT, "w") as f:
+            json.dump(log.to_json(), f, indent=1, default=str)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    p = fz.build_pristine(str(tmp_path_factory.mktemp("pristine") / "ckpt"))
+    # Self-test of the rewriting helpers: each index rewritten unchanged, each zstd payload
+    # recompressed to the same bytes, and each storage re-encoded unchanged (planes as raw), with
+    # every checksum fixed up, must still load exactly.
+    root = str(tmp_path_factory.mktemp("selftest"))
+    same_data = [fz.ChunkPayload(*where, "recompress_same") for where in sorted(p.decoded)]
+    same_data += [fz.TensorBytes(alias, si, 0, 0, 0) for alias, shard in p.shards.items()
+                  for si in range(len(shard.index["storages"]))]
+    for what in list(p.shards) + same_data:
+        sandbox = fz.Sandbox(root)
+        p.write(sandbox.ckpt)
+        if what in p.shards:
+            shard = p.shard_by_alias(what)
+            data, digest = fz.rewrite_shard(shard.prefix, fz.index_bytes(shard.index))
+            fz._write(os.path.join(sandbox.ckpt, shard.relpath), data)
+            fz._write(os.path.join(sandbox.ckpt, fz.MANIFEST),
+                      fz.manifest_bytes(fz.fix_manifest(p.manifest, shard.dir, len(data), digest)))
+        else:
+            what.apply(p, sandbox.ckpt, sandbox.ctx)
+        for step in fz.STEPS:
+            got = async_ckpt.load(sandbox.ckpt, step=step)
+            assert fz.diff(got, p.refs[step]) is None, f"harness self-test failed for {what!r}"
+        sandbox.close()
+    return p
+
+
+@pytest.fixture(scope="module")
+def sandbox_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fuzz-cases"))
+
+
+# --- load() and the command line -----------------------------------------------------------------
+
+
+def check_load(case: Case, target: str, result: tuple, allowed: tuple, refs: dict) -> str:
+    """The outcome of a load() call: error:<type>, clean, fallback, altered, or failed."""
+    kind, value = result
+    if kind == "error":
+        return f"error:{type(value).__name__}"
+    if kind == "failed":
+        return "failed"
+    if not (isinstance(value, tuple) and len(value) == 2):
+        case.fail("wrong data", target, f"returned {type(value).__name__}, not (step, state)")
+        return "failed"
+    step, state = value
+    if step not in allowed:
+        case.fail("wrong data", target, f"returned step {step!r}; only {list(allowed)} may come back")
+        return "failed"
+    d = fz.diff(state, refs[step][1])
+    if d is not None:
+        if case.mutation.relaxed:
+            return "altered"
+        case.fail("wrong data", target, f"returned step {step} but not its committed data: {d}")
+        return "failed"
+    return "clean" if step == allowed[0] else "fallback"
+
+
+def run_cli(case: Case, words: list[str]) -> str:
+    sandbox = case.sandbox
+    argv = [words[0], sandbox.ckpt] + [w.replace("OUT", sandbox.out) for w in words[1:]]
+    target = "cli " + " ".join([words[0], "DIR"] + words[1:])
+    out, err = io.StringIO(), io.StringIO()
+
+    def go():
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return cli.main(argv)
+
+    kind, code = case.call(target, go, typed_ok=False)
+    if kind != "ok":
+        return "failed"
+    if type(code) is not int or code not in (0, 1, 2):
+        case.fail("cli exit code", target, f"main() returned {code!r}, not an exit code 0, 1 or 2")
+        return "failed"
+    printed = out.getvalue() + err.getvalue()
+    if "Traceback" in printed:
+        case.fail("cli printed a traceback", target, _clip(err.getvalue() or out.getvalue(), 600))
+        return "failed"
+    return f"exit:{code}"
+
+
+def run_load_cli_case(test: str, mutation: fz.Mutation, p: fz.Pristine, log: fz.FuzzLog,
+                      sandbox_root: str) -> None:
+    sandbox = fz.Sandbox(sandbox_root)
+    case = Case(test, mutation, sandbox, log)
+    root = sandbox.ckpt
+    try:
+        with fz.crash_breadcrumb(BREADCRUMB, f"{test}: {mutation!r}", 30 * HANG_S + 60):
+            p.write(root)
+            mutation.apply(p, root, sandbox.ctx)
+            for target, fn, allowed in (
+                    ("load(dir)", lambda: async_ckpt.load(root), (2, 1)),
+                    ("load(dir, step=1)", lambda: async_ckpt.load(root, step=1), (1,))):
+                outcome = check_load(case, target, case.call(target, fn), allowed, p.refs)
+                log.outcome(test, target, outcome)
+                event(f"{target}: {outcome}")
+            for words in CLI_READ + CLI_GC:
+                outcome = run_cli(case, words)
+                log.outcome(test, "cli " + " ".join(words[:1]), outcome)
+            target = "load(dir) after a real gc"
+            outcome = check_load(case, target, case.call(target, lambda: async_ckpt.load(root)),
+                                 (2, 1), p.refs)
+            log.outcome(test, target, outcome)
+    finally:
+        sandbox.close()
+    case.finish()
+
+
+@pytest.mark.parametrize("kind", fz.MUTATION_KINDS)
+def test_load_and_cli(kind, pristine, log, sandbox_root):
+    test = f"load_cli[{kind}]"
+
+    @fuzz_settings
+    @given(mutation=fz.mutation_strategy(pristine, kind))
+    def fuzz(mutation):
+        run_load_cli_case(test, mutation, pristine, log, sandbox_root)
+
+    fuzz()
+    check_keep_going(log, test)
+
+
+# --- restore() into live objects -------------------------------------------------------------------
+
+
+class LiveState:
+    """The registered state of the restore tests and a way back to a known state after a case."""
+
+    REGISTERED_EXTRA = ("zeros", "pattern")  # tensors in extra: copied into, never replaced
+
+    def __init__(self):
+        self.state = fz.make_state(seed=123)
+        self.handles = dict(self.state)
+        self.extra_keys = list(self.state["extra"])
+        self.extra_tensors = {k: self.state["extra"][k] for k in self.REGISTERED_EXTRA}
+
+    def replaced(self) -> list[str]:
+        """Registered objects that restore() swapped for something else."""
+        found = [k for k, v in self.handles.items() if self.state.get(k) is not v]
+        extra = self.handles["extra"]
+        found += [f"extra.{k}" for k, v in self.extra_tensors.items() if extra.get(k) is not v]
+        return found
+
+    def put_back(self) -> None:
+        self.state.clear()
+        self.state.update(self.handles)
+        extra = self.handles["extra"]
+        for k in list(extra):
+            if k not in self.extra_keys:
+                del extra[k]
+        extra.update(self.extra_tensors)
+
+    def renew(self) -> None:
+        """Fresh objects in the same (registered) mapping, after a case left the old ones broken."""
+        fresh = LiveState()
+        self.state.clear()
+        self.state.update(fresh.state)
+        self.handles, self.extra_tensors = fresh.handles, fresh.extra_tensors
+
+
+def run_restore_case(test, mutation, p, log, sandbox, engine, live, fps):
+    is_lock = lambda name: os.path.basename(name).startswith(".lock-rank")  # noqa: E731 - held by the engine
+    case = Case(test, mutation, sandbox, log)
+    with fz.crash_breadcrumb(BREADCRUMB, f"{test}: {mutation!r}", 30 * HANG_S + 60):
+        sandbox.reset_ckpt(keep=is_lock)
+        p.write(sandbox.ckpt, skip=is_lock)
+        mutation.apply(p, sandbox.ckpt, sandbox.ctx)
+        before = fz.live_fingerprint(live.handles)
+        kind, value = case.call("restore()", engine.restore)
+        try:
+            after = fz.live_fingerprint(live.handles)
+        except Exception as e:  # noqa: BLE001 - the objects cannot even report their state
+            case.fail("untyped exception", "state_dict() after restore()",
+                      f"{type(e).__name__}: {_clip(fz.safe_str(e))}", e, fz.where_raised(e))
+            after = None
+        outcome = "failed"
+        if kind == "error":
+            outcome = f"error:{type(value).__name__}"
+            d = after and fz.diff(after, before)
+            if d:
+                case.fail("objects changed on error", "restore()",
+                          f"{type(value).__name__} was raised, but the objects changed: {d}")
+        elif kind == "ok" and after is not None:
+            if value is None:
+                outcome = "none"
+                if not mutation.manifest_level:
+                    case.fail("wrong data", "restore()", "returned None (nothing committed) for "
+                              "a directory whose manifest is intact")
+                d = fz.diff(after, before)
+                if d:
+                    case.fail("wrong data", "restore()", f"returned None but changed the objects: {d}")
+            elif value in fps:
+                d = fz.diff(after, fps[value])
+                if d is None:
+                    outcome = "clean" if value == 2 else "fallback"
+                elif mutation.relaxed:
+                    outcome = "altered"
+                else:
+                    case.fail("wrong data", "restore()",
+                              f"returned step {value} but the objects differ from it: {d}")
+            else:
+                case.fail("wrong data", "restore()", f"returned {value!r}, not a committed step")
+            if live.replaced():
+                case.fail("registered object replaced", "restore()",
+                          f"restore() replaced registered objects {live.replaced()} instead of "
+                          "loading into them")
+        log.outcome(test, "restore()", outcome)
+        event(f"restore(): {outcome}")
+        # Draw from every generator. A state bit-identical to one already drawn from (before
+        # the case, or a committed snapshot's) draws in-process; any other state, possibly
+        # crafted, in a forked child, so that a crash is reported instead of ending the run.
+        known = after is not None and any(fz.diff(after, good) is None
+                                           for good in (before, *fps.values()))
+        problem = (fz.draw_here(fz.rng_draws(live.handles)) if known
+                   else fz.draw_in_child(fz.rng_draws(live.handles), HANG_S))
+        if problem:
+            case.fail("rng draw after restore", "draw after restore()", problem)
+        log.outcome(test, "draws after restore()", "failed" if problem else "ok")
+        # Back to a known state, so that the next case starts from the newest snapshot.
+        live.put_back()
+        sandbox.repair()
+        sandbox.reset_ckpt(keep=is_lock)
+        p.write(sandbox.ckpt, skip=is_lock)
+        if not reset_to_newest(engine, live, fps):
+            case.fail("objects unusable after restore()", "restore() of the pristine checkpoint",
+                      "after this case, restoring the intact checkpoint no longer brings the "
+                      "registered objects back to step 2 (fresh objects were registered instead)")
+            live.renew()
+            assert reset_to_newest(engine, live, fps), "harness: cannot restore the pristine checkpoint"
+    case.finish()
+
+
+def reset_to_newest(engine, live: LiveState, fps: dict) -> bool:
+    try:
+        with fz.hang_guard(HANG_S, "restore() of the pristine checkpoint"):
+            restored = engine.restore()
+        return restored == 2 and fz.diff(fz.live_fingerprint(live.handles), fps[2]) is None
+    except (Exception, fz.FuzzHang):  # noqa: BLE001 - reported by the caller
+        return False
+
+
+@pytest.mark.parametrize("kind", RESTORE_KINDS)
+def test_restore(kind, pristine, log, sandbox_root):
+    test = f"restore[{kind}]"
+    sandbox = fz.Sandbox(sandbox_root)
+    pristine.write(sandbox.ckpt)
+    live = LiveState()
+    engine = CheckpointEngine(sandbox.ckpt, live.state, heartbeat_interval=None)
+    try:
+        fps = {}
+        for step in fz.STEPS:
+            assert engine.restore(step=step) == step
+            fps[step] = fz.live_fingerprint(live.handles)
+        assert fz.diff(fps[1], fps[2]) is not None
+        assert engine.restore() == 2
+
+        @fuzz_settings
+        @given(mutation=fz.mutation_strategy(pristine, kind))
+        def fuzz(mutation):
+            run_restore_case(test, mutation, pristine, log, sandbox, engine, live, fps)
+
+        fuzz()
+    finally:
+        try:
+            engine.close()
+        finally:
+            sandbox.close()
+    check_keep_going(log, test)
