@@ -29,7 +29,8 @@ snapshots must not come faster than the writer commits them (the interval is at 
 or they queue). For a periodic blocking save both times are the same: ``b`` = time to durable and
 ``lag`` = 0.
 
-The article this project follows advises an interval of 1-5% of the total training time (a 10-day
+The article this project started from (a Chinese article on fault-tolerant restarts of
+distributed training, whose first line begins "分布式训练容错重启的断点续训设计") advises an interval of 1-5% of the total training time (a 10-day
 run: every 2.4-12 hours), or every 1000-2000 steps on a GPU cluster; ``advise`` prices those
 intervals with the same model so they can be compared with the computed one.
 """

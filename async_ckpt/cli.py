@@ -337,15 +337,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         stray.append({"name": name, "kind": "snapshot" if is_dir else "manifest-tmp",
                       "step": snapshot_dir_step(name) if is_dir else None,
                       "bytes": _disk_bytes(os.path.join(root, name))})
-    damaged = any(s["problems"] for s in snapshots)
+    # Exit 1 on damage, and when nothing is committed (as inspect, verify and export do).
+    failed = any(s["problems"] for s in snapshots) or not snapshots
     if args.json:
         doc = {"directory": os.path.abspath(root), "manifest": has_manifest,
                "newest_step": manifest.snapshots[-1].step if manifest.snapshots else None,
                "snapshots": snapshots, "leftovers": stray}
         print(json.dumps(doc, indent=1))
-        return EXIT_DAMAGE if damaged else EXIT_OK
+        return EXIT_DAMAGE if failed else EXIT_OK
     _print_ls(root, has_manifest, snapshots, stray)
-    return EXIT_DAMAGE if damaged else EXIT_OK
+    return EXIT_DAMAGE if failed else EXIT_OK
 
 
 def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[dict]) -> None:
@@ -811,8 +812,8 @@ def _add_export(commands) -> None:
                    "dotted key paths, e.g. model.0.weight; with --only model the keys are the "
                    "model's state_dict keys).")
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory")
-    sub.add_argument("--step", type=_step_arg, required=True, metavar="N",
-                     help="the committed step to export")
+    sub.add_argument("--step", type=_step_arg, metavar="N",
+                     help="the committed step to export (default: the newest)")
     sub.add_argument("--to", required=True, metavar="FILE",
                      help="output file, ending in .pt (or .pth) or .safetensors")
     sub.add_argument("--only", metavar="ENTRY",
@@ -838,13 +839,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not os.path.isdir(parent):
         raise UsageError(f"{parent} does not exist; create it first")
     manifest = read_manifest(root)
-    _pick_record(manifest, args.step, root, "export")
+    wanted = _pick_record(manifest, args.step, root, "export").step
 
     from .engine import load
     try:
-        step, state = load(root, args.step, rank=args.rank, allow_pickle=args.allow_pickle)
+        step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle)
     except EncodingError as e:  # load() raises it only for a refused pickle
-        raise UsageError(f"step {args.step}: {str(e).split(';')[0]}, refused by default; pass "
+        raise UsageError(f"step {wanted}: {str(e).split(';')[0]}, refused by default; pass "
                          "--allow-pickle only if you trust where this checkpoint came from") from e
     what = "all entries"
     if args.only is not None:

@@ -1,6 +1,9 @@
 """The article's comparison of periodic blocking saves and asynchronous side-path saves, with the
 words in its cells replaced by what this run measured.
 
+"The article" (``SOURCE``) is the project's starting point: a Chinese article on fault-tolerant
+restarts of distributed training, cited by its first line.
+
 The periodic column is ``torch.save`` + fsync, the save most training scripts do; the asynchronous
 column is async_ckpt in async mode. Rows, as in the article: implementation difficulty, loss on
 interruption, I/O pressure, fit, recovery consistency.
@@ -16,6 +19,10 @@ from typing import Optional
 from .systems import OURS_ASYNC, TORCH_SAVE, TorchSave
 
 PERIODIC, ASYNC = TORCH_SAVE.name, OURS_ASYNC.name
+SOURCE = ("a Chinese article on fault-tolerant restarts of distributed training, whose first line "
+          "reads \"分布式训练容错重启的断点续训设计，核心答案只有一句话：把模型参数、优化器状态、数据加载器位置和随机数"
+          "状态完整保存下来\" (resume by saving parameters, optimizer state, data-loader position and "
+          "RNG state, and aligning them exactly on restore)")
 ARTICLE = {  # the article's words, translated
     "implementation difficulty": ("low", "high"),
     "loss on interruption": ("at most one save interval",

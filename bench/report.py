@@ -14,6 +14,7 @@ from typing import Optional
 
 from async_ckpt.advise import format_advice
 
+from . import article
 from .article import ASYNC, headline_case
 from .systems import NONE, SYSTEM_NAMES
 
@@ -277,7 +278,8 @@ def _article(results: dict) -> str:
              f"*{row['article'][1]}* — {row['measured'][1]}"]
             for aspect, row in comparison["rows"].items()]
     return ("### Periodic vs asynchronous saves: the article's table, measured\n\n"
-            "In italics the article's words, then what this run measured.\n\n"
+            f"\"The article\" is the source this project started from: {article.SOURCE}. In "
+            "italics its words, then what this run measured.\n\n"
             + _table(["", f"periodic blocking save ({periodic})",
                       f"asynchronous side-path save ({async_})"], rows))
 

@@ -149,7 +149,7 @@ def test_ls_of_a_directory_an_engine_opened_but_never_committed(capsys, tmp_path
     with CheckpointEngine(root, {"t": torch.zeros(2)}):
         pass
     code, out, _ = run(capsys, "ls", root)
-    assert code == 0 and "no committed snapshot" in out
+    assert code == 1 and "no committed snapshot" in out  # as inspect, verify and export exit
     assert json.loads(run(capsys, "ls", root, "--json")[1])["snapshots"] == []
 
 
