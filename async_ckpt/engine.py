@@ -436,7 +436,14 @@ class CheckpointEngine:
         return read_manifest(self.directory).steps()
 
     def stats(self) -> dict:
-        """Figures per committed snapshot (newest last) and of the engine as a whole."""
+        """Figures per committed snapshot (newest last) and of the engine as a whole.
+
+        ``snapshots[i]``: ``step``; ``blocking_s`` (what ``snapshot()`` cost training),
+        ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's ``queue_s``, ``write_s``,
+        ``fsync_s`` and, for rank 0, ``wait_ranks_s``; ``commit_s`` (durable to committed);
+        ``to_commit_s`` (``snapshot()`` called to committed); ``committed_at`` (Unix time, as
+        in the manifest); ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``;
+        ``staging_gbps``, ``durable_gbps``. Durations are seconds."""
         if not self._closed and self._broken is None:
             self._drain(block=False, raise_failures=False)
         return {
@@ -552,6 +559,8 @@ class CheckpointEngine:
             figures = event[2]
             record.update(figures, committed=True)
             record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
+            # the writer reports a monotonic time; stats() gives Unix time, as the manifest does
+            record["committed_at"] = time.time() - (time.monotonic() - figures["committed_at"])
             record["staging_gbps"] = record["staged_bytes"] / max(record["staging_s"], 1e-9) / 1e9
             record["durable_gbps"] = figures["shard_bytes"] / max(
                 figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9

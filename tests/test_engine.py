@@ -598,3 +598,12 @@ def test_non_strict_restore_leaves_an_optimizer_whose_state_fits_other_parameter
     assert torch.equal(wider[0].weight, model[0].weight) and wider_opt.state == {}
     wider(torch.randn(3, 8)).sum().backward()
     wider_opt.step()  # consistent: it starts from fresh moments
+
+
+def test_stats_committed_at_is_unix_time_like_the_manifest(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(4)}, heartbeat_interval=None) as engine:
+        engine.snapshot(2)
+        engine.wait()
+        ours = engine.stats()["snapshots"][-1]["committed_at"]
+    manifest = read_manifest(ckpt_dir).find(2).committed_at
+    assert abs(ours - manifest) < 60  # same clock (a monotonic time would be decades off)
