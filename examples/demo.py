@@ -28,9 +28,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary "
+                        "one, removed at the end)")
     args = parser.parse_args()
-    directory = args.dir or tempfile.mkdtemp(prefix="async_ckpt_demo_")
+    if args.dir is not None:
+        run(args, args.dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="async_ckpt_demo_") as directory:
+        run(args, directory)
+
+
+def run(args: argparse.Namespace, directory: str) -> None:
 
     model, optimizer, scheduler = build()
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": {"step": 0}}
@@ -60,8 +68,7 @@ def main() -> None:
             if engine.snapshot(step):
                 print(f"step {step:4d}  loss {loss.item():.4f}  step {step_time * 1e3:5.1f} ms  -> snapshot")
             report_commits(engine)
-        engine.snapshot(args.steps - 1, force=True)  # the final state, whatever `every` says
-        engine.wait()
+        engine.close(final_step=args.steps - 1)  # the final state, whatever `every` says
         report_commits(engine)
         print(f"committed steps: {engine.committed_steps()}")
         expected = copy.deepcopy(model.state_dict())
