@@ -40,6 +40,7 @@ FULL = {"sizes": (0.064, 0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "floor_every"
 QUICK = {"sizes": (0.008, 0.016), "bf16_sizes": (0.008,), "floor_every": len(SYSTEMS),
          "workload": {"width": 128, "depth": 2, "batch": 8}}
 KS = (1, 10, 100)
+COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 
 
 def loop_steps(k: int, quick: bool) -> int:
@@ -61,9 +62,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "'' for none)")
     parser.add_argument("--ks", type=_ints, default=KS, metavar="K,K,...",
                         help="snapshot intervals of the training loop (default 1,10,100)")
-    parser.add_argument("--out", default=os.path.join("bench", "results"),
-                        help="where results.json, the PNGs and report.md go "
-                             "(default bench/results)")
+    parser.add_argument("--out", default=None,
+                        help="where results.json, the PNGs and report.md go (default: "
+                             f"{COMMITTED_RESULTS} for a full run with the default sizes and "
+                             "intervals; a new scratch directory for a --quick or partial run, "
+                             "so that it never overwrites the committed report)")
     parser.add_argument("--dir", default=None,
                         help="where to make the scratch directory (default /tmp); it is removed")
     parser.add_argument("--mtbf", type=parse_duration, default=parse_duration("24h"),
@@ -82,6 +85,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not args.ks or any(k < 1 for k in args.ks):
         parser.error("--ks needs at least one interval, each at least 1")
     args.ks = tuple(sorted(set(args.ks)))
+    if args.out is None:
+        full = (not args.quick and args.sizes == FULL["sizes"] and args.ks == KS
+                and args.bf16_sizes == FULL["bf16_sizes"])
+        args.out = COMMITTED_RESULTS if full else tempfile.mkdtemp(prefix="bench-results-")
+    try:
+        import matplotlib  # noqa: F401  (the plots; checked before minutes of measuring)
+    except ImportError:
+        parser.error("the benchmark's plots need matplotlib: pip install -e '.[bench]'")
     args.command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     return args
 
@@ -123,6 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, vmstat_start,
                        started, time.perf_counter() - start)
     write_outputs(results, args.out)
+    log(f"results in {args.out}")
     return 0
 
 

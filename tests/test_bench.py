@@ -20,7 +20,7 @@ sys.path.insert(0, REPO)
 
 from bench.figures import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TRAINING_FIGURES  # noqa: E402
 from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
-from bench.__main__ import KS, QUICK, loop_steps, parse_args  # noqa: E402
+from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args  # noqa: E402
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
 from bench.ranks import SYSTEMS as RANK_SYSTEMS  # noqa: E402
@@ -170,3 +170,11 @@ def test_options():
         parse_args(["--ks", "0"])
     assert [loop_steps(k, quick=False) for k in KS] == [12, 60, 300]
     assert all(loop_steps(k, quick=True) // k >= 2 for k in KS)
+
+
+@pytest.mark.parametrize("argv", [["--quick"], ["--sizes", "0.064"], ["--ks", "10"]])
+def test_a_quick_or_partial_run_never_writes_over_the_committed_report(argv):
+    assert parse_args([]).out == COMMITTED_RESULTS
+    out = parse_args(argv).out
+    assert os.path.abspath(out) != os.path.abspath(COMMITTED_RESULTS) and os.path.isdir(out)
+    os.rmdir(out)
