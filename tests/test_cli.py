@@ -598,8 +598,10 @@ def test_compare_loss_usage_errors_name_the_line(capsys, tmp_path):
 
 
 def test_console_script_and_python_m(ckpt):
-    script = shutil.which("async-ckpt")
-    assert script is not None, "pip install did not put the async-ckpt console script on PATH"
+    # pip puts console scripts next to the interpreter it installs for (a venv's bin/, which is
+    # on PATH only once the venv is activated)
+    script = os.path.join(os.path.dirname(sys.executable), "async-ckpt")
+    assert os.access(script, os.X_OK), f"pip install did not put the console script at {script}"
     result = subprocess.run([script, "ls", ckpt], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stderr == ""
     assert "4 committed snapshots" in result.stdout
