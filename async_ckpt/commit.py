@@ -56,20 +56,23 @@ class Committer:
     """Rank 0's writer's list of attempts not yet committed or abandoned."""
 
     def __init__(self, root: str, world_size: int, keep_last: int, keep_every: Optional[int],
-                 commit_timeout: float, send: Callable[[tuple], None]):
+                 commit_timeout: float, send: Callable[[tuple], None],
+                 clock: Callable[[], float] = time.monotonic):
         self.root, self.world_size = root, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout = commit_timeout
         self.send = send
+        self.clock = clock  # monotonic seconds; tests pass a clock they advance
         self.pending: list[Attempt] = []
 
     def add(self, attempt: Attempt) -> None:
+        attempt.last_change = self.clock()
         self.pending.append(attempt)
         self.poll(orphaned=False)
 
     def poll(self, orphaned: bool) -> None:
         """Commit what is complete, abandon what cannot complete any more."""
-        now = time.monotonic()
+        now = self.clock()
         complete = [self._scan(a, now) for a in self.pending]
         if any(complete):
             last = max(i for i, c in enumerate(complete) if c)
@@ -106,7 +109,7 @@ class Committer:
         self.send(("abandoned", attempt.job, message))
 
     def _commit(self, attempt: Attempt) -> None:
-        complete_at = time.monotonic()
+        complete_at = self.clock()
         try:
             record = self._record(attempt)
             manifest, dropped = read_manifest(self.root).commit(record, self.keep_last,
@@ -118,7 +121,7 @@ class Committer:
             remove_entries(self.root, [attempt.dir])
             self.send(("failed", attempt.job, type(error).__name__, str(error)))
             return
-        committed_at = time.monotonic()
+        committed_at = self.clock()
         remove_entries(self.root, [d.dir for d in dropped])
         self.send(("committed", attempt.job, {
             **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
@@ -155,13 +158,14 @@ class CommitWatcher:
     gone), so that ``wait()`` means "committed" on every rank. Should rank 0's writer itself be
     gone, an attempt is given up after twice ``commit_timeout`` without a new manifest."""
 
-    def __init__(self, root: str, commit_timeout: float, send: Callable[[tuple], None]):
-        self.root, self.send = root, send
+    def __init__(self, root: str, commit_timeout: float, send: Callable[[tuple], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.root, self.send, self.clock = root, send, clock
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
         self._manifest_id: Optional[tuple] = None
         self._committed: dict[str, SnapshotRecord | DroppedRecord] = {}  # by directory
-        self._manifest_changed = time.monotonic()
+        self._manifest_changed = clock()
 
     def add(self, attempt: Attempt) -> None:
         self.pending.append(attempt)
@@ -169,7 +173,7 @@ class CommitWatcher:
 
     def poll(self) -> None:
         self._reread_manifest()
-        now = time.monotonic()
+        now = self.clock()
         still = []
         for attempt in self.pending:
             gone = not os.path.exists(os.path.join(self.root, attempt.dir))
@@ -179,8 +183,7 @@ class CommitWatcher:
             record = self._committed.get(attempt.dir)
             if record is not None:
                 self.send(("committed", attempt.job, {
-                    **attempt.figures, "committed_at": time.monotonic(),
-                    "commit_s": time.monotonic() - attempt.durable_at,
+                    **attempt.figures, "committed_at": now, "commit_s": now - attempt.durable_at,
                     "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
                     "disk_free_bytes": shutil.disk_usage(self.root).free}))
             elif gone:
@@ -210,7 +213,7 @@ class CommitWatcher:
         except CheckpointError:
             return False
         self._committed = {s.dir: s for s in (*manifest.snapshots, *manifest.dropped)}
-        self._manifest_id, self._manifest_changed = manifest_id, time.monotonic()
+        self._manifest_id, self._manifest_changed = manifest_id, self.clock()
         return True
 
 

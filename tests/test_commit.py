@@ -97,11 +97,29 @@ def attempt(root, job, step, replicas=()):
                    raw_bytes=64, figures={"write_s": 0.0})
 
 
+class Clock:
+    """A monotonic clock the test advances: the commit stage's timeouts without sleeping."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
-def committer(tmp_path):
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def committer(tmp_path, clock):
     events = []
     c = Committer(str(tmp_path), WORLD, keep_last=5, keep_every=None, commit_timeout=60,
-                  send=events.append)
+                  send=events.append, clock=clock)
     c.events = events
     return c
 
@@ -138,31 +156,32 @@ def test_a_later_complete_step_abandons_an_earlier_incomplete_one(tmp_path, comm
     assert not os.path.exists(os.path.join(tmp_path, first.dir))
 
 
-def test_a_step_no_rank_makes_progress_on_is_abandoned_after_the_timeout(tmp_path, committer):
+def test_a_step_no_rank_makes_progress_on_is_abandoned_after_the_timeout(tmp_path, committer,
+                                                                          clock):
     committer.commit_timeout = 0.3
     a = attempt(str(tmp_path), 0, step=3)
     committer.add(a)
     write_shard(str(tmp_path), a.dir, 1, 3)
     partial = os.path.join(tmp_path, a.dir, shard_file_name(2) + PARTIAL_SUFFIX)
-    started = time.monotonic()
-    while time.monotonic() - started < 0.8:  # rank 2 keeps writing: not abandoned
+    for _ in range(8):  # rank 2 keeps writing for 0.8 s, longer than the timeout: not abandoned
         with open(partial, "ab") as f:
             f.write(b"x")
+        clock.advance(0.1)
         committer.poll(orphaned=False)
-        time.sleep(0.02)
     assert committer.events == []
-    while not committer.events and time.monotonic() - started < 5:  # rank 2 died
-        committer.poll(orphaned=False)
-        time.sleep(0.02)
-    assert time.monotonic() - started >= 0.8 + 0.3
+    clock.advance(0.29)  # rank 2 died: nothing changes
+    committer.poll(orphaned=False)
+    assert committer.events == []
+    clock.advance(0.02)
+    committer.poll(orphaned=False)
     assert [e[:2] for e in committer.events] == [("abandoned", 0)]
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
-def test_once_the_trainer_is_gone_the_wait_is_short(tmp_path, committer, monkeypatch):
+def test_once_the_trainer_is_gone_the_wait_is_short(tmp_path, committer, monkeypatch, clock):
     monkeypatch.setattr(commit, "ORPHAN_QUIET_S", 0.1)
     committer.add(attempt(str(tmp_path), 0, step=3))
-    time.sleep(0.15)
+    clock.advance(0.15)
     committer.poll(orphaned=False)
     assert committer.events == []  # the trainer could still be waiting: commit_timeout applies
     committer.poll(orphaned=True)
@@ -212,9 +231,9 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
 
 
 @pytest.fixture
-def watcher(tmp_path):
+def watcher(tmp_path, clock):
     events = []
-    w = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append)
+    w = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append, clock=clock)
     w.events = events
     return w
 
@@ -241,22 +260,22 @@ def test_a_rank_learns_of_the_commit_from_the_manifest(tmp_path, watcher, commit
     assert watcher.pending == []
 
 
-def test_a_rank_learns_that_rank_0_gave_its_shard_up(tmp_path, watcher, committer):
+def test_a_rank_learns_that_rank_0_gave_its_shard_up(tmp_path, watcher, committer, clock):
     mine = rank1_attempt(str(tmp_path), 0, step=6)
     watcher.add(mine)
     committer.commit_timeout = 0
     committer.add(Attempt(job=9, step=6, dir=mine.dir, replicas=[], raw_bytes=64, figures={},
                           shard=write_shard(str(tmp_path), mine.dir, 0, 6)))
-    time.sleep(0.01)
+    clock.advance(0.01)
     committer.poll(orphaned=False)  # rank 2 never wrote: rank 0 gives the step up
     watcher.poll()
     assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
 
 
-def test_a_rank_gives_up_when_rank_0_commits_nothing(tmp_path, watcher):
+def test_a_rank_gives_up_when_rank_0_commits_nothing(tmp_path, watcher, clock):
     watcher.give_up_s = 0.05
     watcher.add(rank1_attempt(str(tmp_path), 0, step=6))
-    time.sleep(0.1)
+    clock.advance(0.1)
     watcher.poll()
     assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
     assert "writer still running" in watcher.events[0][2]
