@@ -1,0 +1,75 @@
+"""capture.py and staging.py alone, without an engine or a writer: the layout of a state's tensors
+in a slot, and the slot's bytes after staging."""
+
+import os
+
+import pytest
+import torch
+
+from async_ckpt.capture import capture, plan_layout
+from async_ckpt.errors import EncodingError, LayoutError
+from async_ckpt.plan import ALIGNMENT
+from async_ckpt.staging import StagingPool
+
+
+def _slot_bytes(slot, region):
+    return slot.tensor[region.offset:region.offset + region.nbytes]
+
+
+def test_views_of_one_storage_share_one_region_and_keep_their_offsets():
+    base = torch.arange(100, dtype=torch.float32)
+    view, other = base[10:30].view(4, 5).t(), torch.ones(3, dtype=torch.float64)
+    plan, sources = plan_layout([base, view, other, torch.empty(0)])
+    assert len(plan.regions) == 2 and len(sources) == 2
+    assert [r.region for r in plan.tensors] == [0, 0, 1, None]
+    assert plan.tensors[1].offset == 40 and plan.tensors[1].stride == (1, 5)
+    assert plan.regions[0].nbytes == 400 and plan.regions[0].itemsize == 4
+    assert plan.regions[0].is_float and plan.regions[1].itemsize == 8
+    assert all(r.offset % ALIGNMENT == 0 for r in plan.regions)
+    assert plan.nbytes >= plan.raw_bytes == 400 + 24
+
+
+def test_only_storages_every_tensor_of_which_is_replicated_are_replicas():
+    shared = torch.zeros(8)
+    plan, _ = plan_layout([shared, shared[2:], torch.zeros(4), torch.zeros(2)],
+                          ["model", None, "model", "optimizer"])
+    assert [r.replica_of for r in plan.regions] == [None, "model", "optimizer"]
+
+
+def test_staging_copies_every_region_and_reuses_the_slot(tmp_path):
+    pool = StagingPool(2)
+    try:
+        tensors = [torch.randn(1000), torch.arange(7, dtype=torch.int16)]
+        plan, sources = plan_layout(tensors)
+        slot = pool.free_slot()
+        assert pool.fit(slot, plan, pin=False) is True
+        pool.stage(plan, sources, slot)
+        for region, tensor in zip(plan.regions, tensors):
+            assert bytes(_slot_bytes(slot, region).numpy()) == tensor.numpy().tobytes()
+        buffer_id = slot.buffer_id
+        assert pool.fit(slot, plan, pin=False) is False and slot.buffer_id == buffer_id
+        bigger, bigger_sources = plan_layout([torch.randn(1 << 20)])
+        assert pool.fit(slot, bigger, pin=False) is True and slot.buffer_id != buffer_id
+        with os.fdopen(os.dup(slot.fd), "rb") as f:  # what the writer process maps
+            pool.stage(bigger, bigger_sources, slot)
+            assert f.read(16) == bigger_sources[0][:16].numpy().tobytes()
+    finally:
+        pool.close()
+    assert all(s.fd == -1 and s.nbytes == 0 for s in pool.slots)
+
+
+def test_capture_turns_the_state_into_a_safe_tree_and_a_tensor_list():
+    model = torch.nn.Linear(2, 2)
+    captured = capture({"model": model, "step": {"n": 3, "t": torch.ones(1)}})
+    assert captured.tree["entries"]["model"]["kind"] == "object"
+    assert captured.tree["entries"]["step"]["entries"]["n"] == {"kind": "value", "state": 3}
+    assert len(captured.tensors) == 3 and captured.entry_of == ["model", "model", "step"]
+
+
+@pytest.mark.parametrize("value, error", [
+    (torch.zeros(3).to_sparse(), LayoutError),
+    (object(), EncodingError),
+])
+def test_capture_refuses_what_it_cannot_restore(value, error):
+    with pytest.raises(error):
+        capture({"x": value})
