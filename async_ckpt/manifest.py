@@ -32,6 +32,7 @@ MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is ref
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
 _MAX_RANKS = 1 << 20
 _XXH3_HEX = re.compile(r"[0-9a-f]{16}")
+_LATEST_TIME = 253402300799  # 9999-12-31T23:59:59Z: any later Unix time cannot be shown as a date
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ _MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _
                     "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT}
 _OPTIONAL_FIELDS = ("extra", "dropped")
 _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
-                    "committed_at": lambda v: type(v) in (int, float) and math.isfinite(v),
+                    "committed_at": lambda v: type(v) in (int, float) and 0 <= v <= _LATEST_TIME,
                     "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
                     "raw_bytes": _int(0), "stored_bytes": _int(0)}
 _SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes": _int(0),
@@ -311,7 +312,7 @@ def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
     world_size = indexes[0].get("world_size") if indexes else None
     created = indexes[0].get("created") if indexes else None
     if (type(world_size) is not int or sorted(shards) != list(range(world_size))
-            or type(created) not in (int, float) or not math.isfinite(created)
+            or type(created) not in (int, float) or not 0 <= created <= _LATEST_TIME
             or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
                    for i in indexes)):
         return None

@@ -19,7 +19,7 @@ import torch
 
 from async_ckpt import CheckpointEngine, cli, load
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
-                               ManifestError, NoSnapshotError)
+                               ManifestError, NoSnapshotError, StateMismatchError)
 from async_ckpt.manifest import read_manifest
 from async_ckpt.paths import remove_entries
 from fuzzing import build_pristine, diff, hang_guard, make_state, rewrite_shard, fix_manifest
@@ -117,6 +117,17 @@ def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(root
     assert_outside_intact(root)
     assert sorted(os.listdir(root)) == sorted(os.listdir(root))  # still listable
     assert len([n for n in os.listdir(root) if n.startswith("step-")]) == 2
+
+
+@pytest.mark.parametrize("when", [-6.1e16, 1e308, float("nan")])
+def test_a_commit_time_no_date_can_show_is_refused(root, capsys, when):
+    doc = manifest_doc(root)
+    doc["snapshots"][0]["committed_at"] = when
+    write_manifest_doc(root, doc)
+    with pytest.raises(ManifestError):
+        read_manifest(root)
+    for command in ("ls", "inspect", "verify"):
+        assert run_cli(capsys, command, root)[0] == 1
 
 
 def test_a_shard_file_name_that_is_a_path_is_refused(root):
@@ -274,6 +285,18 @@ def test_a_fifo_in_place_of_the_manifest_is_a_typed_error(root):
     os.mkfifo(os.path.join(root, "manifest.json"))
     with hang_guard(20, "fifo manifest"), pytest.raises(ManifestError):
         load(root)
+
+
+def test_an_optimizer_state_torch_cannot_load_is_refused_before_loading_anything(pristine, root,
+                                                                                  caplog):
+    edit_index(pristine, root, STEP2, lambda i: i["tree"]["entries"]["optimizer"]["state"][
+        "param_groups"][0].update(params=[[0], 1]))
+    state = make_state(7)
+    before = copy.deepcopy(state["model"].state_dict())
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match="optimizer"):
+            engine.restore()
+    assert diff(before, state["model"].state_dict()) is None
 
 
 # --- 5. all or nothing ------------------------------------------------------------------------
