@@ -37,8 +37,9 @@ one failing kind does not hide the others.
 Run:
 
     python -m pytest -q tests/test_fuzz.py                    # CI: ~300 cases, fixed seed, ~40 s
-    ASYNC_CKPT_FUZZ_CASES=10000 python -m pytest -q tests/test_fuzz.py   # long run, random seed
-    ASYNC_CKPT_FUZZ_CASES=10000 ASYNC_CKPT_FUZZ_KEEP_GOING=1 ASYNC_CKPT_FUZZ_HANG_S=3 \
+    ASYNC_CKPT_FUZZ_CASES=12000 python -m pytest -q tests/test_fuzz.py   # long run, random seed:
+                                      # >= 10,000 cases (file replacement runs out at 38 per test)
+    ASYNC_CKPT_FUZZ_CASES=12000 ASYNC_CKPT_FUZZ_KEEP_GOING=1 ASYNC_CKPT_FUZZ_HANG_S=3 \
         python -m pytest -q tests/test_fuzz.py                # list every distinct failure
 
 A failing case is shrunk by Hypothesis and reported with its mutation (``Falsifying example:
