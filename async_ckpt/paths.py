@@ -29,6 +29,7 @@ SHARD_FILE = re.compile(r"rank-(\d{5})\.ackpt")
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
 LOCK_PREFIX = ".lock-rank"
+LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"\d{5}")
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 _DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)
 
@@ -57,7 +58,7 @@ def lock_file_name(rank: int) -> str:
 
 def lock_files(root: str) -> list[str]:
     """The engine lock files in ``root`` (one per rank that ever wrote there)."""
-    return sorted(n for n in os.listdir(root) if re.fullmatch(re.escape(LOCK_PREFIX) + r"\d{5}", n))
+    return sorted(n for n in os.listdir(root) if LOCK_FILE.fullmatch(n))
 
 
 def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointError]) -> str:
