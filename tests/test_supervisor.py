@@ -186,11 +186,13 @@ def test_job_that_always_crashes_is_given_up_after_n_restarts(tmp_path):
 
 COMMIT_AND_CRASH = """
 import sys
-from async_ckpt.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
+from async_ckpt.manifest import Manifest, ShardRecord, SnapshotRecord, read_manifest, write_manifest
 root = sys.argv[1]
 m = read_manifest(root)
 step = len(m.snapshots)
-m, _ = m.commit(SnapshotRecord(step, 0, f"step-{step:020d}.00000000", 0.0, 1, (), 0, 0), keep_last=9)
+shard = ShardRecord(0, "rank-00000.ackpt", 0, "0" * 16)
+m, _ = m.commit(SnapshotRecord(step, 0, f"step-{step:020d}.00000000", 0.0, 1, (shard,), 0, 0),
+                keep_last=9)
 write_manifest(root, m)
 sys.exit(5)
 """
