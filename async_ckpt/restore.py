@@ -20,6 +20,7 @@ import torch
 
 from . import values
 from .capture import DTYPES, as_stateful
+from .rng import NumpyGenerator, TorchGenerator
 from .errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
                      StateMismatchError)
 from .format import ShardReader
@@ -364,36 +365,81 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
 
 
 def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset()) -> None:
-    """Load into the registered objects, after every check passed. Should an object's own
-    ``load_state_dict`` still refuse the saved value, the error names it and says what was loaded."""
+    """Load into the registered objects, once every check passed, all or nothing as far as it can.
+
+    Objects whose own ``load_state_dict`` may still refuse a value no check foresees (optimizers,
+    schedulers, your classes; torch's optimizers half-apply a state they then refuse) go first,
+    each one's attributes kept, so that a refusal puts every one of them back. Then modules and
+    tensors, whose shapes and dtypes were checked, are copied in place; plain values last."""
+    objects, in_place, values = [], [], []
+    _collect(current, saved, strict, skip_ids, objects, in_place, values)
+    kept = []
     try:
-        _load_entry(current, saved, strict, skip_ids)
-    except CheckpointError:
-        raise
+        for obj, state in objects:
+            target = as_stateful(obj)
+            kept.append((target, _keep(target)))
+            target.load_state_dict(state)
     except Exception as e:  # an object's load_state_dict refused a value no check could foresee
+        for target, attributes in reversed(kept):
+            _put_back(target, attributes)
+        if isinstance(e, CheckpointError):
+            raise
         raise StateMismatchError(
-            f"loading the snapshot failed ({type(e).__name__}: {str(e)[:200]}); entries before the "
-            "failing one were already loaded, so restore again (or restart) before training") from e
+            f"a registered {type(obj).__name__} refused the snapshot's state ({type(e).__name__}: "
+            f"{str(e)[:200]}); nothing was loaded") from e
+    try:
+        for load in in_place:
+            load()
+    except Exception as e:
+        raise StateMismatchError(
+            f"loading the snapshot into a module or tensor failed ({type(e).__name__}: "
+            f"{str(e)[:200]}) after other entries were loaded; restore again before training") from e
+    for parent, key, value in values:
+        parent[key] = value
 
 
-def _load_entry(current: Any, saved: Entry, strict: bool, skip_ids: set[int]) -> None:
+def _collect(current: Any, saved: Entry, strict: bool, skip_ids: set[int], objects: list,
+             in_place: list, values: list) -> None:
+    """Sort the loads ``_load`` will do into objects, in-place copies and plain assignments."""
     if saved.kind == "dict":
         for key, entry in saved.value.items():
             if entry.kind == "value":
-                current[key] = entry.value
+                values.append((current, key, entry.value))
             elif key in current:
-                _load_entry(current[key], entry, strict, skip_ids)
+                _collect(current[key], entry, strict, skip_ids, objects, in_place, values)
     elif id(current) in skip_ids:
         return
+    elif saved.kind == "object" and isinstance(current, torch.nn.Module):
+        state = _matching(current, saved.value) if not strict else saved.value
+        in_place.append(lambda: current.load_state_dict(state, strict=strict))
     elif saved.kind == "object":
-        if isinstance(current, torch.nn.Module):
-            current.load_state_dict(_matching(current, saved.value) if not strict else saved.value,
-                                    strict=strict)
-        else:
-            as_stateful(current).load_state_dict(saved.value)
+        objects.append((current, saved.value))
     elif saved.kind == "tensor":
-        with torch.no_grad():
-            current.copy_(saved.value)
+        in_place.append(lambda: _copy_into(current, saved.value))
+
+
+def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        tensor.copy_(value)
+
+
+def _keep(target: Any) -> tuple[str, Any]:
+    """What puts ``target`` back as it is now: a generator's state, else its attributes."""
+    if isinstance(target, (TorchGenerator, NumpyGenerator)):
+        return "state", target.state_dict()
+    try:
+        return "attributes", dict(vars(target))
+    except TypeError:  # no __dict__ (slots): it cannot be put back
+        return "nothing", None
+
+
+def _put_back(target: Any, kept: tuple[str, Any]) -> None:
+    how, value = kept
+    if how == "state":
+        target.load_state_dict(value)
+    elif how == "attributes":
+        vars(target).clear()
+        vars(target).update(value)
 
 
 def _matching(module: torch.nn.Module, saved: Mapping) -> dict:

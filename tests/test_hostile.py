@@ -299,6 +299,20 @@ def test_an_optimizer_state_torch_cannot_load_is_refused_before_loading_anything
     assert diff(before, state["model"].state_dict()) is None
 
 
+def test_an_optimizer_that_refuses_its_state_half_way_is_put_back(pristine, root):
+    """torch's AdamW installs a loaded state, then fails converting its `step`: found by the
+    10,000-case fuzz run. Every object loaded before the refusal is put back too."""
+    edit_index(pristine, root, STEP2, lambda i: i["tree"]["entries"]["optimizer"]["state"][
+        "state"]["$dict"][0][1].update(step={}))
+    state = make_state(7)
+    before = {k: copy.deepcopy(state[k].state_dict()) for k in ("model", "optimizer", "scheduler")}
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match="nothing was loaded"):
+            engine.restore()
+    for key, value in before.items():
+        assert diff(value, state[key].state_dict()) is None, key
+
+
 # --- 5. all or nothing ------------------------------------------------------------------------
 
 
