@@ -35,7 +35,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", required=True)
     parser.add_argument("--log", required=True)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=18)
     parser.add_argument("--every", type=int, default=1)
     args = parser.parse_args()
 
