@@ -160,14 +160,16 @@ CHECKS = [check_replica_mismatch, check_settings_must_agree, check_directory_mus
 def main() -> None:
     base = sys.argv[1]
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for check in CHECKS:
-        results[check.__name__] = check(os.path.join(base, check.__name__), rank)
-        dist.barrier()
-    with open(os.path.join(base, f"result-rank-{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    try:  # a process left with a live gloo group aborts at exit ("terminate called ...")
+        rank = dist.get_rank()
+        results = {}
+        for check in CHECKS:
+            results[check.__name__] = check(os.path.join(base, check.__name__), rank)
+            dist.barrier()
+        with open(os.path.join(base, f"result-rank-{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
