@@ -5,7 +5,8 @@ the largest K), the blocking time the median ``save`` time in the loop at the la
 save waits for an earlier one), and the time to durable the one measured by the consistency check
 on the same state. A periodic blocking save is priced with its blocking time as its whole cost. The
 mean time between failures and the run's length are the benchmark's ``--mtbf`` and
-``--run-length`` (defaults: a failure a day, the article's 10-day run).
+``--run-length`` (defaults: a failure a day, the article's 10-day run; the article is
+``article.SOURCE``).
 """
 
 from __future__ import annotations
