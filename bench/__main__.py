@@ -36,10 +36,10 @@ from .training import run_training
 
 SCHEMA = 1
 FULL = {"sizes": (0.064, 0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "floor_every": 3,
-        "workload": {"width": 768, "depth": 10, "batch": 16}}
+        "workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10, 100)}
 QUICK = {"sizes": (0.008,), "bf16_sizes": (0.008,), "floor_every": len(SYSTEMS),
-         "workload": {"width": 128, "depth": 2, "batch": 8}}
-KS = (1, 10, 100)
+         "workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 3)}
+KS = FULL["ks"]
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 
 
@@ -60,8 +60,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--bf16-sizes", type=_floats, default=None, metavar="GB,...",
                         help="bf16 state sizes of the sweep (default 0.256,1; --quick: 0.008; "
                              "'' for none)")
-    parser.add_argument("--ks", type=_ints, default=KS, metavar="K,K,...",
-                        help="snapshot intervals of the training loop (default 1,10,100)")
+    parser.add_argument("--ks", type=_ints, default=None, metavar="K,K,...",
+                        help="snapshot intervals of the training loop (default 1,10,100; "
+                             "--quick: 1,3)")
     parser.add_argument("--out", default=None,
                         help="where results.json, the PNGs and report.md go (default: "
                              f"{COMMITTED_RESULTS} for a full run with the default sizes and "
@@ -80,6 +81,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     preset = QUICK if args.quick else FULL
     args.sizes = preset["sizes"] if args.sizes is None else args.sizes
     args.bf16_sizes = preset["bf16_sizes"] if args.bf16_sizes is None else args.bf16_sizes
+    args.ks = preset["ks"] if args.ks is None else args.ks
     if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
         parser.error("--sizes needs at least one size, and every size must be positive")
     if not args.ks or any(k < 1 for k in args.ks):

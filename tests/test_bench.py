@@ -46,7 +46,7 @@ def test_every_system_and_figure_is_reported(quick_run):
     sweep_cases = [case_label("fp32", s) for s in QUICK["sizes"]] + \
         [case_label("bf16", s) for s in QUICK["bf16_sizes"]]
     expected_cases = {**{f.key: sweep_cases for f in SWEEP_FIGURES},
-                      **{f.key: [f"K={k}" for k in KS] for f in TRAINING_FIGURES},
+                      **{f.key: [f"K={k}" for k in QUICK["ks"]] for f in TRAINING_FIGURES},
                       **{f.key: ["loop"] for f in MEMORY_FIGURES}}
     assert set(results["figures"]) == {f.key for f in FIGURES}
     for key, figure in results["figures"].items():
