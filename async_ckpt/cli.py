@@ -32,7 +32,6 @@ import fcntl
 import json
 import math
 import os
-import re
 import struct
 import sys
 import textwrap

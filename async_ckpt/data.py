@@ -498,7 +498,7 @@ def _global_rngs_seeded(seed: int):
     saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # the CPU one only: CUDA's are the run's
     try:
         yield
     finally:
@@ -547,7 +547,7 @@ class ResumableLoader(DataLoader):
 
     def __init__(self, dataset, batch_size: int = 1, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, **loader_kwargs):
-        owned = {"sampler", "batch_sampler", "generator", "shuffle"} & loader_kwargs.keys()
+        owned = {"sampler", "batch_sampler", "generator"} & loader_kwargs.keys()
         if owned:
             raise ValueError(f"ResumableLoader owns {sorted(owned)}; pass shuffle= and seed= "
                              "instead")

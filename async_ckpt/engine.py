@@ -246,7 +246,8 @@ class CheckpointEngine:
         """Take this rank's directory lock (shared with this engine's writer once taken), waiting
         for the writer of a previous engine to finish."""
         try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             raise CheckpointDirError(f"cannot open the lock file {self._lock_path}: {e.strerror}; "
                                      "check the directory's permissions") from e

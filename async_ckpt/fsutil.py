@@ -63,7 +63,8 @@ def atomic_write(path: str, data: bytes) -> None:
     """
     directory = os.path.dirname(path) or "."
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _unlink_quietly(tmp)  # a stale one (or a planted link): never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         write_all(fd, data)
         os.fsync(fd)

@@ -49,7 +49,12 @@ class Heartbeat:
         record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
         tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
+        try:
+            os.unlink(tmp)  # a stale one (or a planted link): never written through
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
             json.dump(record, f)
         os.replace(tmp, self.path)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -236,6 +235,8 @@ _DROPPED_FIELDS = {"dir": _of_type(str), "step": _SNAPSHOT_FIELDS["step"],
 def _dropped_record(doc, what: str) -> DroppedRecord:
     _check_fields(doc, _DROPPED_FIELDS, what)
     checked_name(doc["dir"], SNAPSHOT_DIR, f"{what}: directory", ManifestError)
+    if snapshot_dir_step(doc["dir"]) != doc["step"]:
+        raise ManifestError(f"{what}: directory {doc['dir']} does not belong to step {doc['step']}")
     return DroppedRecord(doc["dir"], doc["step"], doc["raw_bytes"], doc["stored_bytes"])
 
 
@@ -268,6 +269,9 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
     directory's writer locks.
     """
     if os.path.lexists(manifest_path(root)):
+        if not os.path.exists(manifest_path(root)):  # a dangling link: not "no manifest"
+            raise ManifestError(f"{manifest_path(root)} is a link to nothing; replace it with the "
+                                "real manifest (committed snapshot directories are untouched)")
         return read_manifest(root)
     found: dict[int, SnapshotRecord] = {}
     for name in os.listdir(root):

@@ -20,6 +20,7 @@ import torch
 
 from . import values
 from .capture import DTYPES, as_stateful
+from .data import ResumableLoader, ResumableSampler
 from .rng import NumpyGenerator, TorchGenerator
 from .errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
                      StateMismatchError)
@@ -83,6 +84,13 @@ def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
     finally:
         for reader in readers.values():
             reader.close()
+
+
+def _is_module_metadata(metadata: Any) -> bool:
+    """``state_dict()._metadata`` as torch writes it: module prefix -> {"version": int, ...}."""
+    return isinstance(metadata, dict) and all(
+        isinstance(k, str) and isinstance(v, dict) and type(v.get("version", 0)) is int
+        for k, v in metadata.items())
 
 
 def _is_reference(r: dict, record: SnapshotRecord) -> bool:
@@ -205,10 +213,11 @@ def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: s
             return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
         value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
         if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
-            if not isinstance(value, dict):
+            metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
+            if not isinstance(value, dict) or not _is_module_metadata(metadata):
                 raise CorruptSnapshotError(f"{path}: malformed module state")
             value = collections.OrderedDict(value)
-            value._metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
+            value._metadata = metadata
         return Entry(node["kind"], value)
 
     if not isinstance(tree, dict) or tree.get("kind") != "dict":
@@ -247,9 +256,9 @@ def check_generator_states(state: Mapping[str, Any], loaded: Entry) -> None:
         for key in loaded.value.keys() & state.keys():
             check_generator_states(state[key], loaded.value[key])
     elif loaded.kind == "object":
-        check = getattr(as_stateful(state), "check_state", None)
-        if check is not None:
-            check(loaded.value)
+        adapter = as_stateful(state)
+        if isinstance(adapter, (TorchGenerator, NumpyGenerator)):
+            adapter.check_state(loaded.value)
 
 
 def mismatch_error(state: MutableMapping[str, Any], loaded: Entry, step: int,
@@ -335,7 +344,7 @@ def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mis
 
 # Per-parameter state of torch's optimizers that has the parameter's shape.
 _PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                       "grad_avg", "acc_delta", "sum", "ax", "prev", "exp_inf", "mu_product")
+                       "grad_avg", "acc_delta", "sum", "ax", "prev", "exp_inf")
 
 
 def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optional[str]:
@@ -391,9 +400,12 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
         for load in in_place:
             load()
     except Exception as e:
+        for target, attributes in reversed(kept):
+            _put_back(target, attributes)
         raise StateMismatchError(
             f"loading the snapshot into a module or tensor failed ({type(e).__name__}: "
-            f"{str(e)[:200]}) after other entries were loaded; restore again before training") from e
+            f"{str(e)[:200]}); the objects were put back, but modules and tensors loaded before "
+            "it keep the snapshot's values: restore again before training") from e
     for parent, key, value in values:
         parent[key] = value
 
@@ -424,8 +436,9 @@ def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _keep(target: Any) -> tuple[str, Any]:
-    """What puts ``target`` back as it is now: a generator's state, else its attributes."""
-    if isinstance(target, (TorchGenerator, NumpyGenerator)):
+    """What puts ``target`` back as it is now: the state of a generator or of our loaders (whose
+    position lives in another object), else its attributes."""
+    if isinstance(target, (TorchGenerator, NumpyGenerator, ResumableSampler, ResumableLoader)):
         return "state", target.state_dict()
     try:
         return "attributes", dict(vars(target))

@@ -27,6 +27,7 @@ _MT_N = 624  # Mersenne Twister state words
 _UINT32, _UINT64, _UINT128 = 2**32, 2**64, 2**128
 _TORCH_CPU_STATE_BYTES = torch.Generator().get_state().numel()
 _TORCH_MT_HEADER = struct.Struct("<QiiQ")  # initial seed, left, seeded, next; then the MT words
+_CUDA_STATE_BYTES = (8, 16)  # a CUDA generator's state: its seed and its Philox offset
 
 
 def _bad(what: str) -> CorruptSnapshotError:
@@ -44,7 +45,7 @@ def _is_array(v, dtype, shape: tuple) -> bool:
 
 def check_python_state(state) -> None:
     """A ``random.getstate()`` value: (3, 624 words and an index in [0, 624], None or a float)."""
-    if not (type(state) is tuple and len(state) == 3 and state[0] == 3 and type(state[0]) is int
+    if not (type(state) is tuple and len(state) == 3 and type(state[0]) is int and state[0] == 3
             and type(state[1]) is tuple and len(state[1]) == _MT_N + 1
             and all(_is_int(w, 0, _UINT32) for w in state[1][:_MT_N])
             and _is_int(state[1][_MT_N], 0, _MT_N + 1)
@@ -55,7 +56,8 @@ def check_python_state(state) -> None:
 def check_numpy_legacy_state(state) -> None:
     """A ``RandomState.get_state()`` tuple: ("MT19937", 624 uint32 words, a position in [0, 624],
     has_gauss 0/1, the cached Gaussian)."""
-    if not (type(state) is tuple and len(state) == 5 and state[0] == "MT19937"
+    if not (type(state) is tuple and len(state) == 5 and type(state[0]) is str
+            and state[0] == "MT19937"
             and _is_array(state[1], np.uint32, (_MT_N,)) and _is_int(state[2], 0, _MT_N + 1)
             and _is_int(state[3], 0, 2) and type(state[4]) is float):
         raise _bad("NumPy RandomState state")
@@ -104,11 +106,13 @@ def check_torch_state(state, device: torch.device) -> None:
     """A torch generator state: a uint8 tensor of the size this build uses for ``device``; for
     the CPU one, its Mersenne Twister position must be one a draw can reach (torch does not check
     it and reads its state out of bounds)."""
-    if not (isinstance(state, torch.Tensor) and type(state) is torch.Tensor
-            and state.dtype == torch.uint8 and state.dim() == 1):
+    if not (type(state) is torch.Tensor and state.dtype == torch.uint8 and state.dim() == 1
+            and state.is_contiguous()):
         raise _bad("torch generator state")
     if device.type != "cpu":
-        return  # a CUDA state is a seed and an offset; torch checks its size
+        if state.numel() not in _CUDA_STATE_BYTES:
+            raise _bad(f"CUDA generator state ({state.numel()} bytes)")
+        return
     if state.numel() != _TORCH_CPU_STATE_BYTES:
         raise _bad(f"torch CPU generator state ({state.numel()} bytes, not {_TORCH_CPU_STATE_BYTES})")
     _, left, seeded, next_ = _TORCH_MT_HEADER.unpack(state[:_TORCH_MT_HEADER.size].numpy().tobytes())

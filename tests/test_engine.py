@@ -600,6 +600,22 @@ def test_non_strict_restore_leaves_an_optimizer_whose_state_fits_other_parameter
     wider_opt.step()  # consistent: it starts from fresh moments
 
 
+@pytest.mark.parametrize("make", [torch.optim.NAdam, torch.optim.Adam, torch.optim.SGD,
+                                  torch.optim.Adagrad, torch.optim.RMSprop])
+def test_every_builtin_optimizer_state_fits_its_parameters(ckpt_dir, make):
+    model = torch.nn.Linear(3, 2)
+    opt = make(model.parameters(), lr=0.1, **({"momentum": 0.9} if make is torch.optim.SGD else {}))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    with CheckpointEngine(ckpt_dir, {"optimizer": opt}, heartbeat_interval=None) as engine:
+        engine.snapshot(0)
+    fresh = make(torch.nn.Linear(3, 2).parameters(), lr=0.1,
+                 **({"momentum": 0.9} if make is torch.optim.SGD else {}))
+    with CheckpointEngine(ckpt_dir, {"optimizer": fresh}, heartbeat_interval=None) as engine:
+        assert engine.restore() == 0
+    assert_same(opt.state_dict()["state"], fresh.state_dict()["state"])
+
+
 def test_stats_committed_at_is_unix_time_like_the_manifest(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(4)}, heartbeat_interval=None) as engine:
         engine.snapshot(2)

@@ -130,6 +130,15 @@ def test_a_commit_time_no_date_can_show_is_refused(root, capsys, when):
         assert run_cli(capsys, command, root)[0] == 1
 
 
+def test_a_dangling_manifest_link_is_an_error_not_a_directory_without_commits(root):
+    """Taken for "no manifest", it made every committed snapshot a leftover to delete."""
+    os.unlink(os.path.join(root, "manifest.json"))
+    os.symlink(os.path.join(os.path.dirname(root), "nowhere"), os.path.join(root, "manifest.json"))
+    with pytest.raises(ManifestError):
+        CheckpointEngine(root, make_state(0), heartbeat_interval=None)
+    assert len([n for n in os.listdir(root) if n.startswith("step-")]) == 2
+
+
 def test_a_shard_file_name_that_is_a_path_is_refused(root):
     doc = manifest_doc(root)
     doc["snapshots"][1]["shards"][0]["file"] = "../../outside/precious"
@@ -237,6 +246,8 @@ INDEX_EDITS = {
     "size-overflow": lambda i: i["tree"]["entries"]["extra"]["entries"].update(
         size={"kind": "value", "state": {"$size": [2**80]}}),
     "replicas-not-a-list": lambda i: i.update(replicas=5),
+    "module-metadata-not-versions": lambda i: i["tree"]["entries"]["model"].update(
+        metadata={"": 5}),
 }
 
 

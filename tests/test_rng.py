@@ -98,6 +98,10 @@ CRAFTED = {
                                   "bit_generator": "PCG64", "state": {"state": 2**128, "inc": 1},
                                   "has_uint32": 0, "uinteger": 0}}),
     "not-a-dict": (lambda: NumpyGenerator(np.random.PCG64(0)), lambda: {"numpy_bit_generator": [1]}),
+    "legacy-name-an-array": (lambda: NumpyGenerator(np.random.RandomState(0)),
+                             lambda: {"numpy_random_state": (np.zeros(2),) + _numpy_legacy(0)[1:]}),
+    "torch-not-contiguous": (lambda: TorchGenerator(torch.Generator()), lambda: {
+        "torch_generator": torch.Generator().get_state().repeat(2)[::2]}),
 }
 
 
