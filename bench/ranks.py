@@ -22,6 +22,7 @@ disk both ranks share). ``run(root, quick)`` (called by ``python -m bench``) sta
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -131,6 +132,7 @@ def worker(directory: str, out: str, size_gb: float, repeats: int) -> None:
         with open(out, "w", encoding="utf-8") as f:
             json.dump({"state_bytes": nbytes, "repeats": repeats, "floors": floors.samples,
                        "systems": results}, f)
+    gc.collect()  # objects that hold the group go while Python is alive, not at exit
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ rank in ``LOGS/rank-R.jsonl`` ({"step", "loss", "lr"}).
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -61,52 +62,60 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # CPU here; "nccl" with one GPU per rank works the same way
-    try:  # a process that exits with its gloo group alive aborts ("terminate called ...")
-        rank = dist.get_rank()
-        torch.set_num_threads(1)  # the same kernels in every run, so results are bit-identical
-        torch.use_deterministic_algorithms(True)
-        torch.manual_seed(args.seed + rank)  # dropout masks differ per rank; DDP syncs the weights
-
-        model = build_model(args.width)
-        # DDP broadcasts rank 0's initial weights. It also re-orders its gradient buckets once,
-        # after the first iteration of each process; with 3 or more ranks the bucket layout changes
-        # the order in which the allreduce adds floats, so a resumed process would differ from an
-        # uninterrupted one in the last bits. find_unused_parameters=True keeps the first layout for
-        # good (at the cost of one autograd graph walk per step, and a warning) and makes resumes
-        # bit-identical.
-        ddp = DistributedDataParallel(model, find_unused_parameters=True)
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-        sampler = DistributedResumableSampler(SAMPLES, shuffle=True, seed=args.seed,
-                                              batch_size=BATCH, drop_last=True, drop_last_batch=True)
-        loader = DataLoader(SyntheticFeatures(args.seed), batch_size=BATCH, sampler=sampler,
-                            drop_last=True, generator=torch.Generator())
-        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
-
-        os.makedirs(args.log_dir, exist_ok=True)
-        with CheckpointEngine(args.ckpt_dir, state, every=args.every, keep_last=3,
-                              replicated=["model", "optimizer", "scheduler"],
-                              spread_replicated=args.spread) as engine, \
-                open(os.path.join(args.log_dir, f"rank-{rank}.jsonl"), "a") as log:
-            restored = engine.restore()  # the newest step every rank committed, on every rank
-            step = 0 if restored is None else restored + 1
-            while step < args.steps:
-                for x, y in loader:
-                    loss = torch.nn.functional.cross_entropy(ddp(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    scheduler.step()
-                    sampler.advance()
-                    log.write(json.dumps({"step": step, "loss": loss.item(),
-                                          "lr": scheduler.get_last_lr()[0]}) + "\n")
-                    log.flush()
-                    engine.snapshot(step, force=step == args.steps - 1)  # on every rank, every step
-                    step += 1
-                    if step == args.steps:
-                        break
+    try:
+        train(args)
     finally:
+        # The DDP model holds the group and sits in reference cycles: collect it while Python is
+        # alive, or the group's threads are torn down at interpreter exit, which aborts the
+        # process ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    torch.set_num_threads(1)  # the same kernels in every run, so results are bit-identical
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(args.seed + rank)  # dropout masks differ per rank; DDP syncs the weights
+
+    model = build_model(args.width)
+    # DDP broadcasts rank 0's initial weights. It also re-orders its gradient buckets once,
+    # after the first iteration of each process; with 3 or more ranks the bucket layout changes
+    # the order in which the allreduce adds floats, so a resumed process would differ from an
+    # uninterrupted one in the last bits. find_unused_parameters=True keeps the first layout for
+    # good (at the cost of one autograd graph walk per step, and a warning) and makes resumes
+    # bit-identical.
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    sampler = DistributedResumableSampler(SAMPLES, shuffle=True, seed=args.seed,
+                                          batch_size=BATCH, drop_last=True, drop_last_batch=True)
+    loader = DataLoader(SyntheticFeatures(args.seed), batch_size=BATCH, sampler=sampler,
+                        drop_last=True, generator=torch.Generator())
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+
+    os.makedirs(args.log_dir, exist_ok=True)
+    with CheckpointEngine(args.ckpt_dir, state, every=args.every, keep_last=3,
+                          replicated=["model", "optimizer", "scheduler"],
+                          spread_replicated=args.spread) as engine, \
+            open(os.path.join(args.log_dir, f"rank-{rank}.jsonl"), "a") as log:
+        restored = engine.restore()  # the newest step every rank committed, on every rank
+        step = 0 if restored is None else restored + 1
+        while step < args.steps:
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(ddp(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+                sampler.advance()
+                log.write(json.dumps({"step": step, "loss": loss.item(),
+                                      "lr": scheduler.get_last_lr()[0]}) + "\n")
+                log.flush()
+                engine.snapshot(step, force=step == args.steps - 1)  # on every rank, every step
+                step += 1
+                if step == args.steps:
+                    break
 
 
 if __name__ == "__main__":

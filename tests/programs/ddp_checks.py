@@ -5,6 +5,7 @@ BASE on every rank; each rank writes what it observed to BASE/result-rank-R.json
 assert on.
 """
 
+import gc
 import json
 import os
 import signal
@@ -169,6 +170,10 @@ def main() -> None:
         with open(os.path.join(base, f"result-rank-{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:
+        # DDP and ZeroRedundancyOptimizer objects of the checks sit in reference cycles and hold
+        # the gloo group: collected at interpreter exit, they tear its threads down too late
+        # ("terminate called without an active exception"). Collect them while Python is alive.
+        gc.collect()
         dist.destroy_process_group()
 
 
