@@ -1,7 +1,7 @@
 """async_ckpt: asynchronous checkpoints for PyTorch training that restore bit for bit.
 
 The public names are imported lazily so that the writer process, which imports
-``async_ckpt.writer``, never imports torch.
+``async_ckpt.write.writer``, never imports torch.
 """
 
 import importlib
@@ -9,7 +9,7 @@ import importlib
 __all__ = ["CheckpointEngine", "load", "errors"]
 __version__ = "0.1.0"
 
-_LAZY = {"CheckpointEngine": "async_ckpt.engine", "load": "async_ckpt.engine",
+_LAZY = {"CheckpointEngine": "async_ckpt.engine", "load": "async_ckpt.read.snapshot",
          "errors": "async_ckpt.errors"}
 
 

@@ -13,7 +13,6 @@ writer commits a step once every rank's shard of it is durable (see ``commit.py`
 from __future__ import annotations
 
 import collections
-import fcntl
 import itertools
 import json
 import logging
@@ -21,35 +20,34 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
+from typing import Any, Iterable, MutableMapping, Optional, Union
 
 import psutil
 
 from . import errors
-from .capture import capture, plan_layout
 from .data import inexact_loader_warnings
 from .distributed import Coordinator, resolve_ranks
 from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
-                     DistributedSetupError, EngineClosedError, NoSnapshotError, Preempted,
-                     StateMismatchError, UnsupportedFormatError, WorldSizeMismatchError,
-                     WriterDiedError)
-from .fsutil import atomic_write, ensure_writable_dir
-from .heartbeat import Heartbeat
-from .manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
-from .paths import MAX_STEP, lock_file_name, read_regular, remove_entries, snapshot_dir_name
-from .restore import Entry, apply, check_generator_states, mismatch_error, read_snapshot
-from .rng import GlobalRNG
-from .staging import StagingPool
-from .writer import WriterClient
+                     DistributedSetupError, EngineClosedError, Preempted, StateMismatchError,
+                     WorldSizeMismatchError, WriterDiedError)
+from .format.manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
+from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
+from .read.restore import apply, check_generator_states, mismatch_error
+from .read.snapshot import Entry, read_committed
+from .storage.local import atomic_write, ensure_writable_dir, read_regular, remove_entries
+from .storage.locks import lock_path, take_rank_lock
+from .train.capture import capture, plan_layout
+from .train.heartbeat import Heartbeat
+from .train.rng import GlobalRNG
+from .train.staging import StagingPool
+from .write.writer import WriterClient
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
-RNG_KEY = "__async_ckpt_rng__"  # the entry under which the global RNG states are saved
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
 _WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
@@ -172,7 +170,7 @@ class CheckpointEngine:
                 "keep_last": keep_last, "keep_every": keep_every, "compression": compression,
                 "level": level, "reserve_bytes": reserve_bytes,
                 "nice": writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
-                "low_io_priority": writer_low_io, "lock": self._lock_path,
+                "low_io_priority": writer_low_io, "lock": lock_path(self.directory, rank),
                 "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()})
         except BaseException:
             if self._pool is not None:
@@ -187,10 +185,6 @@ class CheckpointEngine:
         self._old_handlers = self._install_preemption_handlers(preemption)
 
     # --- set-up -----------------------------------------------------------------------------
-
-    @property
-    def _lock_path(self) -> str:
-        return os.path.join(self.directory, lock_file_name(self.rank))
 
     def _start_session(self, lock_timeout: float, settings: dict) -> tuple[int, str]:
         """Take this rank's directory lock and agree with the other ranks on this run; returns the
@@ -211,7 +205,7 @@ class CheckpointEngine:
                     for k in differ) + ". Create every rank's engine with the same arguments")
         fd, problem = None, None
         try:
-            fd = self._lock(lock_timeout)
+            fd = take_rank_lock(self.directory, self.rank, lock_timeout)
         except CheckpointDirError as e:
             problem = str(e)
         try:
@@ -241,34 +235,6 @@ class CheckpointEngine:
             atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
                 {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
         return token
-
-    def _lock(self, timeout: float) -> int:
-        """Take this rank's directory lock (shared with this engine's writer once taken), waiting
-        for the writer of a previous engine to finish."""
-        try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
-                         | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            raise CheckpointDirError(f"cannot open the lock file {self._lock_path}: {e.strerror}; "
-                                     "check the directory's permissions") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CheckpointDirError(f"{self._lock_path} is not a regular file; remove it (an "
-                                     "engine creates its lock file itself)")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise CheckpointDirError(
-                        f"another engine (or its writer) is still using {self.directory} for rank "
-                        f"{self.rank}; close it first or use another directory") from None
-                time.sleep(0.05)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
-        return fd
 
     def _install_preemption_handlers(self, preemption) -> dict:
         if preemption is False or preemption is None:
@@ -602,78 +568,6 @@ def _session_token(directory: str) -> Optional[str]:
     return doc.get("token") if isinstance(doc, dict) else None
 
 
-def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
-                   allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
-                   shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
-                   check: Optional[Callable[[Entry], None]] = None,
-                   ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
-    """Read the newest committed snapshot that verifies (or exactly ``step``).
-
-    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
-    validates what was read further, raising CorruptSnapshotError for damage. Damage (by class:
-    ``CorruptSnapshotError``, ``UnsupportedFormatError``) moves on to the previous snapshot; any
-    other error is raised. With a
-    ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its part,
-    and they fall back together when any rank cannot read its part of a snapshot.
-    Returns (record, entry), or (None, None) when nothing was ever committed.
-    """
-    coordinator = coordinator or Coordinator(0, 1)
-    manifest = coordinator.from_rank0(lambda: read_manifest(directory))
-    if step is None:
-        candidates = manifest.newest_first()
-    elif manifest.find(step) is not None:
-        candidates = [manifest.find(step)]
-    else:
-        raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
-                              f"{manifest.steps() or 'none'}")
-    damaged = []
-    for record in candidates:
-        loaded, error = None, None
-        try:
-            loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle)
-            if check is not None:
-                check(loaded)
-        except CheckpointError as e:
-            error = e
-        problems = coordinator.gather(None if error is None else (
-            isinstance(error, (CorruptSnapshotError, UnsupportedFormatError)),
-            f"{type(error).__name__}: {error}"))
-        if not any(problems):
-            return record, loaded
-        where = "; ".join(p[1] if len(problems) == 1 else f"rank {r}: {p[1]}"
-                          for r, p in enumerate(problems) if p)
-        if step is not None or not all(p is None or p[0] for p in problems):
-            if error is not None:
-                raise error
-            raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
-        log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
-                    record.step, where)
-        damaged.append(f"step {record.step}: {where}")
-    if damaged:
-        raise NoSnapshotError(
-            f"every committed snapshot in {directory} is damaged: " + "; ".join(damaged)
-            + ". Nothing was loaded; inspect them with `async-ckpt verify`")
-    return None, None
-
-
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
-         allow_pickle: bool = False) -> tuple[int, dict]:
-    """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
-
-    Returns (step, state) where state mirrors what was registered: each object's state_dict, each
-    tensor, each dict. Tensors that shared memory when saved share it again.
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
-    record, loaded = read_committed(directory, step, rank, allow_pickle)
-    if loaded is None:
-        raise NoSnapshotError(f"{directory} holds no committed snapshot")
-    loaded.value.pop(RNG_KEY, None)
-    return record.step, loaded.plain()

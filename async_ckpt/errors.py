@@ -13,6 +13,11 @@ class CheckpointDirError(CheckpointError):
     """The checkpoint directory is missing, not a directory, or not writable."""
 
 
+class DirectoryInUseError(CheckpointDirError):
+    """Another engine, or the writer process of one (perhaps of a killed job, still committing),
+    holds the directory's lock for this rank."""
+
+
 class EngineClosedError(CheckpointError):
     """A method was called on an engine after ``close()``."""
 

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from async_ckpt import _native
-from async_ckpt.filters import shuffle_reference, unshuffle_reference
+from async_ckpt.format.filters import shuffle_reference, unshuffle_reference
 
 
 def best_seconds(fn: Callable[[], None], repeat: int) -> float:

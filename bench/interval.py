@@ -1,4 +1,4 @@
-"""The report's snapshot-interval advice: ``async_ckpt.advise`` fed with this run's measurements.
+"""The report's snapshot-interval advice: ``async_ckpt.tools.advise`` fed with this run's measurements.
 
 For each system that ran the training loop: the step time is the loop's without checkpointing (at
 the largest K), the blocking time the median ``save`` time in the loop at the largest K (where no
@@ -11,7 +11,7 @@ mean time between failures and the run's length are the benchmark's ``--mtbf`` a
 
 from __future__ import annotations
 
-from async_ckpt.advise import advise, expected_loss
+from async_ckpt.tools.advise import advise, expected_loss
 
 from .systems import SYSTEMS
 

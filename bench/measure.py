@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import torch
 
-from async_ckpt.fsutil import fsync_dir
+from async_ckpt.storage.local import fsync_dir
 
 
 def log(message: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 from typing import Optional
 
-from async_ckpt.advise import format_advice
+from async_ckpt.tools.advise import format_advice
 
 from . import article
 from .article import ASYNC, headline_case

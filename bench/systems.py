@@ -190,7 +190,7 @@ class Engine(System):
         return self.engine.restore()
 
     def newest_path(self) -> str:
-        from async_ckpt.manifest import read_manifest
+        from async_ckpt.format.manifest import read_manifest
 
         return os.path.join(self.directory, read_manifest(self.directory).snapshots[-1].dir)
 

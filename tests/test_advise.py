@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from async_ckpt.advise import (add_arguments, advise, advise_from_args, expected_loss,
+from async_ckpt.tools.advise import (add_arguments, advise, advise_from_args, expected_loss,
                                format_advice, parse_duration, render)
 
 HOUR, DAY = 3600.0, 86400.0

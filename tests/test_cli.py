@@ -18,10 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from async_ckpt import CheckpointEngine, cli, load
-from async_ckpt.cli import main
+from async_ckpt import CheckpointEngine, load
+
+from async_ckpt.tools import cli
+from async_ckpt.tools.cli import main
 from async_ckpt.errors import NoSnapshotError
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same, make_training_state, train_step
 
 STEPS = [0, 10, 20, 30]
@@ -61,7 +63,7 @@ def shard_path(root, step):
 
 
 def chunk_offset(root, step, storage):
-    from async_ckpt.format import ShardReader
+    from async_ckpt.format.shard import ShardReader
     with ShardReader(shard_path(root, step)) as reader:
         return reader.index["storages"][storage]["chunks"][0]["offset"]
 
@@ -181,7 +183,7 @@ def test_inspect_shows_tensors_values_and_totals_per_entry(capsys, ckpt):
 
 
 def test_inspect_an_older_step_shows_its_codec_and_reads_no_tensor_data(capsys, ckpt, monkeypatch):
-    from async_ckpt.format import ShardReader
+    from async_ckpt.format.shard import ShardReader
 
     def refuse(*args, **kwargs):
         raise AssertionError("inspect read tensor data")

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_ckpt import commit
-from async_ckpt.commit import Attempt, Committer, CommitWatcher
-from async_ckpt.format import ChunkEncoder, ShardWriter
-from async_ckpt.paths import PARTIAL_SUFFIX, shard_file_name
-from async_ckpt.manifest import ShardRecord, read_manifest
-from async_ckpt.plan import Plan, Region, TensorRecord
-from async_ckpt.replication import owners, shard_layout
+from async_ckpt.write import commit
+from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
+from async_ckpt.format.shard import ChunkEncoder, ShardWriter
+from async_ckpt.format.names import PARTIAL_SUFFIX, shard_file_name
+from async_ckpt.format.manifest import ShardRecord, read_manifest
+from async_ckpt.format.layout import Plan, Region, TensorRecord
+from async_ckpt.format.layout import owners, shard_layout
 
 # --- replication ---------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import DiskFullError, SnapshotWriteError
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")

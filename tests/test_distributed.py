@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.cli import main as cli_main
+from async_ckpt.tools.cli import main as cli_main
 from async_ckpt.data import DistributedResumableSampler
 from async_ckpt.errors import WorldSizeMismatchError
-from async_ckpt.format import ShardReader
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.shard import ShardReader
+from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same
 
 pytestmark = pytest.mark.slow
@@ -223,7 +223,7 @@ def rank_processes(process, rank):
                 continue
             if p.ppid() == process.pid:
                 trainer = p
-            elif "async_ckpt.writer" in p.cmdline():
+            elif "async_ckpt.write.writer" in p.cmdline():
                 writer = p
         except psutil.Error:
             continue

@@ -19,9 +19,9 @@ from typing import Optional
 
 import pytest
 
-from async_ckpt import fsutil
+from async_ckpt.storage import local as fsutil
 from async_ckpt.errors import CheckpointDirError
-from async_ckpt.writer import SnapshotWriter
+from async_ckpt.write.writer import SnapshotWriter
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
                        "durable_snapshot.py")

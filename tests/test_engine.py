@@ -15,7 +15,7 @@ from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DistributedSetupError, EncodingError,
                                EngineClosedError, LayoutError, ManifestError, NoSnapshotError,
                                StagingMemoryError, StateMismatchError, WriterDiedError)
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same, bit_equal, make_training_state, train_step
 
 
@@ -398,7 +398,7 @@ def test_host_memory_stays_flat_over_hundreds_of_snapshots(ckpt_dir):
 def test_writer_process_never_imports_torch():
     import subprocess
     import sys
-    code = "import sys, async_ckpt.writer; assert 'torch' not in sys.modules"
+    code = "import sys, async_ckpt.write.writer; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

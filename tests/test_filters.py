@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_ckpt import filters
-from async_ckpt.filters import MAX_ITEMSIZE, shuffle_reference, unshuffle_reference
+from async_ckpt.format import filters
+from async_ckpt.format.filters import MAX_ITEMSIZE, shuffle_reference, unshuffle_reference
 
 try:
     from async_ckpt import _native
@@ -228,7 +228,7 @@ def test_native_releases_the_gil(fn):
 def test_pure_python_switch(value, expected):
     env = dict(os.environ, ASYNC_CKPT_PURE_PYTHON=value)
     result = subprocess.run(
-        [sys.executable, "-c", "from async_ckpt import filters; print(filters.BACKEND)"],
+        [sys.executable, "-c", "from async_ckpt.format import filters; print(filters.BACKEND)"],
         env=env,
         capture_output=True,
         text=True,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from async_ckpt.format import (HEADER_SIZE, MAGIC, TRAILER_MAGIC, TRAILER_SIZE, ChunkEncoder,
+from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, TRAILER_MAGIC, TRAILER_SIZE, ChunkEncoder,
                                ShardReader, ShardWriter)
 
 META = {"step": 7, "rank": 0}

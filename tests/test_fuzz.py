@@ -81,7 +81,8 @@ from hypothesis import HealthCheck, event, given, seed, settings
 
 import async_ckpt
 import fuzzing as fz
-from async_ckpt import CheckpointEngine, cli
+from async_ckpt import CheckpointEngine
+from async_ckpt.tools import cli
 from async_ckpt.errors import CheckpointError
 
 TOTAL_CASES = int(os.environ.get("ASYNC_CKPT_FUZZ_CASES", "300"))

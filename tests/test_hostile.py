@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from async_ckpt import CheckpointEngine, cli, load
+from async_ckpt import CheckpointEngine, load
+
+from async_ckpt.tools import cli
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
                                ManifestError, NoSnapshotError, StateMismatchError)
-from async_ckpt.manifest import read_manifest
-from async_ckpt.paths import remove_entries
+from async_ckpt.format.manifest import read_manifest
+from async_ckpt.storage.local import remove_entries
 from fuzzing import build_pristine, diff, hang_guard, make_state, rewrite_shard, fix_manifest
 
 STEP2 = "step2-shard"
@@ -193,7 +195,7 @@ def test_a_crafted_rng_state_falls_back_and_never_reaches_the_generator(pristine
 _BOMB = r"""
 import resource, sys, zstandard
 from async_ckpt.errors import CorruptSnapshotError
-from async_ckpt.format import _unzstd
+from async_ckpt.format.shard import _unzstd
 # 1 GiB of zeros declared in the frame header, 8 KiB in the index: a decoder that trusts the
 # frame allocates 1 GiB, which this address-space limit refuses (MemoryError, not a typed error).
 writer = zstandard.ZstdCompressor().compressobj(size=1 << 30)
@@ -214,7 +216,7 @@ def test_a_zstd_frame_declaring_more_than_its_chunk_is_refused_before_allocating
 @pytest.mark.parametrize("frame", ["no-content-size", "trailing-bytes", "two-frames", "short"])
 def test_a_zstd_frame_that_is_not_exactly_the_chunk_is_damage(frame):
     import zstandard
-    from async_ckpt.format import _unzstd
+    from async_ckpt.format.shard import _unzstd
     data = bytes(range(256)) * 32
     good = zstandard.ZstdCompressor().compress(data)
     stored = {"no-content-size": zstandard.ZstdCompressor(write_content_size=False).compress(data),
@@ -341,12 +343,12 @@ def test_a_malformed_rng_entry_loads_nothing_when_there_is_no_fallback(pristine,
 
 
 def test_too_little_memory_is_its_own_error_and_does_not_fall_back(root, monkeypatch):
-    import async_ckpt.restore as restore
+    import async_ckpt.read.snapshot as snapshot
 
     class Tiny:
         available = 1000
 
-    monkeypatch.setattr(restore.psutil, "virtual_memory", lambda: Tiny)
+    monkeypatch.setattr(snapshot.psutil, "virtual_memory", lambda: Tiny)
     state = make_state(7)
     before = copy.deepcopy(state["model"].state_dict())
     with CheckpointEngine(root, state, heartbeat_interval=None) as engine:

@@ -12,12 +12,13 @@ import stat
 
 import pytest
 
-from async_ckpt import fsutil
+from async_ckpt.storage import local as fsutil
 from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError, SnapshotWriteError,
                                UnsupportedFormatError)
-from async_ckpt.manifest import (Manifest, ShardRecord, SnapshotRecord, leftovers, read_manifest,
+from async_ckpt.format.manifest import (Manifest, ShardRecord, SnapshotRecord, leftovers, read_manifest,
                                  write_manifest)
-from async_ckpt.paths import MANIFEST_NAME, remove_entries, snapshot_dir_name
+from async_ckpt.format.names import MANIFEST_NAME, snapshot_dir_name
+from async_ckpt.storage.local import remove_entries
 
 _attempts = iter(range(10**9))
 

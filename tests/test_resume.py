@@ -12,7 +12,7 @@ import time
 import pytest
 
 from async_ckpt import load
-from async_ckpt.cli import main as cli_main
+from async_ckpt.tools.cli import main as cli_main
 from conftest import assert_same
 
 pytestmark = pytest.mark.slow

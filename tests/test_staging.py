@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from async_ckpt.capture import capture, plan_layout
+from async_ckpt.train.capture import capture, plan_layout
 from async_ckpt.errors import EncodingError, LayoutError
-from async_ckpt.plan import ALIGNMENT
-from async_ckpt.staging import StagingPool
+from async_ckpt.format.layout import ALIGNMENT
+from async_ckpt.train.staging import StagingPool
 
 
 def _slot_bytes(slot, region):

@@ -4,7 +4,7 @@ job that crashes once is restarted; one that always crashes is given up on; pree
 signals stop the supervisor without a restart and leave no process of the job behind.
 
 The jobs are tests/programs/flaky_job.py (torch, CheckpointEngine) and signal_job.py (no torch).
-The supervisor runs as ``python -m async_ckpt.supervisor`` where signals or whole training runs are
+The supervisor runs as ``python -m async_ckpt.tools.supervisor`` where signals or whole training runs are
 involved, in-process (``supervise()``, ``main()``) for the quick cases.
 """
 
@@ -20,10 +20,10 @@ import psutil
 import pytest
 
 from async_ckpt import load
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.manifest import read_manifest
 from async_ckpt.errors import PREEMPTED_EXIT_CODE
-from async_ckpt.heartbeat import heartbeat_path
-from async_ckpt.supervisor import main, supervise
+from async_ckpt.train.heartbeat import heartbeat_path
+from async_ckpt.tools.supervisor import main, supervise
 from conftest import assert_same
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def flaky(tmp_path, *options):
 
 
 def run_supervisor(options, cmd, timeout=120):
-    return subprocess.run([sys.executable, "-m", "async_ckpt.supervisor", *options, "--", *cmd],
+    return subprocess.run([sys.executable, "-m", "async_ckpt.tools.supervisor", *options, "--", *cmd],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -186,7 +186,7 @@ def test_job_that_always_crashes_is_given_up_after_n_restarts(tmp_path):
 
 COMMIT_AND_CRASH = """
 import sys
-from async_ckpt.manifest import Manifest, ShardRecord, SnapshotRecord, read_manifest, write_manifest
+from async_ckpt.format.manifest import Manifest, ShardRecord, SnapshotRecord, read_manifest, write_manifest
 root = sys.argv[1]
 m = read_manifest(root)
 step = len(m.snapshots)
@@ -230,7 +230,7 @@ def test_sigterm_preempts_a_real_job_which_commits_and_exits_75(tmp_path):
     handler commits a snapshot at the next step and exits 75; the supervisor exits 75."""
     log = tmp_path / "loss.jsonl"
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "async_ckpt.supervisor", "--ckpt-dir", str(tmp_path / "ckpt"),
+        [sys.executable, "-m", "async_ckpt.tools.supervisor", "--ckpt-dir", str(tmp_path / "ckpt"),
          "--grace", "30", "--", sys.executable,
          *flaky(tmp_path, "--preemption", "--steps", "100000")],
         stderr=subprocess.PIPE, text=True)
@@ -259,7 +259,7 @@ def test_signal_to_supervisor_is_forwarded_and_nothing_of_the_job_survives(tmp_p
                                                                             expected):
     out = str(tmp_path / "job")
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "async_ckpt.supervisor", "--grace", "1", "--backoff", "0", "--",
+        [sys.executable, "-m", "async_ckpt.tools.supervisor", "--grace", "1", "--backoff", "0", "--",
          sys.executable, SIGNAL_JOB, out, str(job_exit)],
         stderr=subprocess.PIPE, text=True)
     try:

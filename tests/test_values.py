@@ -1,4 +1,4 @@
-"""Tests of async_ckpt.values: exact round trips, refusals naming the key path, hostile trees."""
+"""Tests of async_ckpt.format.values: exact round trips, refusals naming the key path, hostile trees."""
 
 import base64
 import collections
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from async_ckpt.errors import CorruptSnapshotError, EncodingError
-from async_ckpt.values import decode, encode
+from async_ckpt.format.values import decode, encode
 
 # ------------------------------------------------------------------------------------- helpers
 
@@ -621,6 +621,6 @@ def test_fuzz_mutated_encodings(value, junk, rnd):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, async_ckpt.values; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, async_ckpt.format.values; assert 'torch' not in sys.modules, 'torch imported'"
     root = pathlib.Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from async_ckpt import CheckpointEngine, errors
 from async_ckpt.distributed import newest_common_step
-from async_ckpt.manifest import read_manifest
+from async_ckpt.format.manifest import read_manifest
 
 
 def replicated_state(rank: int) -> dict:

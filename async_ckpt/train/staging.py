@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .errors import StagingMemoryError
-from .plan import Plan, align_up
+from ..errors import StagingMemoryError
+from ..format.layout import Plan, align_up
 
 log = logging.getLogger(__name__)
 _GROWTH_ALIGNMENT = 2 << 20

@@ -18,10 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from .errors import CheckpointError, ManifestError, UnsupportedFormatError
-from .fsutil import atomic_write
-from .paths import (MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR,
-                    checked_name, read_regular, shard_file_name, snapshot_dir_step)
+from ..errors import CheckpointError, ManifestError, UnsupportedFormatError
+from ..storage.local import atomic_write, read_regular
+from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +292,7 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
 
 def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
     """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None."""
-    from .format import ShardReader  # the shard format is needed only for this repair
+    from .shard import ShardReader  # the shard format is needed only for this repair
 
     directory = os.path.join(root, name)
     if os.path.islink(directory) or not os.path.isdir(directory):

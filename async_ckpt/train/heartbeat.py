@@ -14,8 +14,8 @@ import socket
 import time
 from typing import Optional
 
-from .errors import CheckpointDirError
-from .paths import read_regular
+from ..errors import CheckpointDirError
+from ..storage.local import read_regular
 
 HEARTBEAT_PREFIX = "heartbeat.rank"
 _MAX_HEARTBEAT_BYTES = 4096

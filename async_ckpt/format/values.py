@@ -70,7 +70,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .errors import CorruptSnapshotError, EncodingError
+from ..errors import CorruptSnapshotError, EncodingError
 
 __all__ = ["encode", "decode"]
 

@@ -1,6 +1,6 @@
 """The writer process: turns staged snapshots into durable, committed files.
 
-The training process starts it once per engine as ``python -m async_ckpt.writer`` (a fresh
+The training process starts it once per engine as ``python -m async_ckpt.write.writer`` (a fresh
 interpreter: never a fork of a CUDA process, and unlike multiprocessing's spawn it does not re-import
 the user's ``__main__``). It never imports torch. The two talk over a Unix socket: staging buffers
 arrive as memfd file descriptors, snapshots as small job messages naming a buffer. For each job the
@@ -19,7 +19,6 @@ Protocol (tuples over ``multiprocessing.connection.Connection``):
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import mmap
@@ -37,13 +36,13 @@ from typing import Optional
 import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitWatcher
-from .errors import DiskFullError, WriterDiedError
-from .format import ChunkEncoder, ShardWriter, checksum
-from .fsutil import as_checkpoint_error, fsync_dir, make_dirs
-from .manifest import ShardRecord
-from .paths import PARTIAL_SUFFIX, remove_entries, shard_file_name
-from .plan import Plan
-from .replication import ShardLayout, shard_layout
+from ..errors import DiskFullError, WriterDiedError
+from ..format.shard import ChunkEncoder, ShardWriter, checksum
+from ..storage.local import as_checkpoint_error, fsync_dir, make_dirs, remove_entries
+from ..storage.locks import join_rank_lock
+from ..format.manifest import ShardRecord
+from ..format.names import PARTIAL_SUFFIX, shard_file_name
+from ..format.layout import Plan, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 120.0
@@ -59,7 +58,7 @@ class WriterClient:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "async_ckpt.writer", "--fd", str(theirs.fileno()),
+                [sys.executable, "-m", "async_ckpt.write.writer", "--fd", str(theirs.fileno()),
                  "--config", json.dumps(config)],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
@@ -307,8 +306,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         format=f"async_ckpt writer[rank {config['rank']}] %(levelname)s %(message)s")
     conn = Connection(args.fd)
     _lower_priority(config["nice"], config["low_io_priority"])
-    lock = os.open(config["lock"], os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(lock, fcntl.LOCK_SH)  # held until exit: no other engine cleans up under our feet
+    join_rank_lock(config["lock"])  # held until exit: no other engine cleans up under our feet
     conn.send(("ready", {"pid": os.getpid()}))
     SnapshotWriter(conn, config).serve()
 

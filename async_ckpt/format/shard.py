@@ -22,9 +22,8 @@ import xxhash
 import zstandard
 
 from . import filters
-from .errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from .fsutil import write_all
-from .paths import open_regular
+from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
+from ..storage.local import open_regular, write_all
 
 # Version 2 adds references to storages in other ranks' shards (state replicated across ranks is
 # stored once). A shard is written in the oldest version that can express it, so a single-rank

@@ -55,9 +55,9 @@ from typing import Optional, Sequence
 import psutil
 
 from .cli import int_arg
-from .errors import PREEMPTED_EXIT_CODE, CheckpointError
-from .heartbeat import read_heartbeats
-from .manifest import SnapshotRecord, read_manifest
+from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
+from ..train.heartbeat import read_heartbeats
+from ..format.manifest import SnapshotRecord, read_manifest
 
 __all__ = ["PREEMPTED_EXIT_CODE", "MAX_BACKOFF_S", "supervise", "add_arguments", "run_from_args",
            "main"]
@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m async_ckpt.supervisor [OPTIONS] -- CMD ...``: the same as the subcommand."""
+    """``python -m async_ckpt.tools.supervisor [OPTIONS] -- CMD ...``: the same as the subcommand."""
     return run_from_args(build_parser().parse_args(argv))
 
 

@@ -1,17 +1,28 @@
-"""Durability primitives shared by the writer and the manifest: fsync of directories, atomic replace.
+"""The local POSIX directory: the only ways the library opens, writes, replaces and deletes files.
 
-A rename is only durable once the directory that holds it is fsynced; a file's contents only once the
-file is. Every commit path in the library goes through these helpers so that the order
+Durability: a rename is only durable once the directory that holds it is fsynced; a file's
+contents only once the file is. Every commit path goes through these helpers so that the order
 (write, fsync file, rename, fsync directory) is written down once.
+
+Untrusted directories (docs/SECURITY.md): files are opened only when they are regular files,
+checked without blocking (a FIFO would hang the reader, a device could act); deletion removes only
+entries whose names are ours (``format.names.is_ours``), directly inside the given directory,
+without following symlinks.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import shutil
+import stat
+from typing import Iterable, Type
 
-from .errors import CheckpointDirError, CheckpointError, DiskFullError, SnapshotWriteError
+from ..errors import CheckpointDirError, CheckpointError, DiskFullError, SnapshotWriteError
+from ..format.names import is_ours
 
+log = logging.getLogger(__name__)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -125,3 +136,69 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def open_regular(path: str, error: Type[CheckpointError], flags: int = os.O_RDONLY) -> int:
+    """A file descriptor of ``path``, which must be a regular file (a symlink to one is followed).
+
+    Opened with O_NONBLOCK so that a FIFO planted in the directory cannot hang the caller, and
+    checked with fstat on the open descriptor. FileNotFoundError propagates (callers say what a
+    missing file means); anything else that is not a readable regular file raises ``error``.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise error(f"{path} is not a regular file; the checkpoint directory was tampered with")
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL
+        raise error(f"cannot open {path!r}: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path} is not a regular file; the checkpoint directory was tampered with")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, limit: int, error: Type[CheckpointError]) -> bytes:
+    """The whole content of the regular file ``path``, refusing one larger than ``limit`` bytes
+    before reading it."""
+    fd = open_regular(path, error)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise error(f"{path} has {size} bytes, more than the {limit} a valid one can have")
+        data = os.pread(fd, size + 1, 0)
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise error(f"{path} grew past {limit} bytes while read")
+    return data
+
+
+def remove_entries(root: str, names: Iterable[str]) -> None:
+    """Delete the named entries directly inside ``root``; missing ones are fine.
+
+    Only names of ours are deleted (snapshot directories, shard files, interrupted manifest
+    replacements); anything else is logged and left alone. A symlink is removed as a link, never
+    followed, and a directory's tree is removed without following the symlinks inside it.
+    """
+    for name in names:
+        if not is_ours(name):
+            log.error("refusing to delete %r under %s: not a name async_ckpt writes", name, root)
+            continue
+        path = os.path.join(root, name)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not delete %s: %s", path, e.strerror)

@@ -1,228 +1,24 @@
-"""Reading a committed snapshot back: verify every chunk, rebuild the tensors (sharing storage where
-they shared it when saved), and load them into the registered objects.
+"""Loading a snapshot that was read (``snapshot.py``) into the registered objects.
 
-Loading is all-or-nothing: the whole snapshot is read and verified, then checked against the
-registered state (missing, unexpected and mismatched keys are listed together), and only then is
-anything written into the user's objects.
+Loading is all-or-nothing: the snapshot is checked against the registered state first (missing,
+unexpected and mismatched keys are listed together), and only then is anything written into the
+user's objects; an object that still refuses its state puts every object back.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
-import os
-from dataclasses import dataclass
 from typing import Any, Mapping, MutableMapping, Optional
 
-import psutil
 import torch
 
-from . import values
-from .capture import DTYPES, as_stateful
-from .data import ResumableLoader, ResumableSampler
-from .rng import NumpyGenerator, TorchGenerator
-from .errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
-                     StateMismatchError)
-from .format import ShardReader
-from .manifest import SnapshotRecord
+from ..data import ResumableLoader, ResumableSampler
+from ..errors import CheckpointError, StateMismatchError
+from ..train.capture import as_stateful
+from ..train.rng import NumpyGenerator, TorchGenerator
+from .snapshot import Entry
 
 log = logging.getLogger(__name__)
-
-_MAX_DIMS = 64  # torch's limit on tensor dimensions
-_MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
-_MAX_TREE_DEPTH = 100
-
-
-@dataclass
-class Entry:
-    """A restored entry, tagged with how it was captured (object, tensor, dict or value)."""
-
-    kind: str
-    value: Any  # for "dict": dict[str, Entry]
-
-    def plain(self) -> Any:
-        if self.kind == "dict":
-            return {k: e.plain() for k, e in self.value.items()}
-        return self.value
-
-
-def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: bool = False) -> Entry:
-    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
-    replicated storages it refers to in other ranks' shards."""
-    readers: dict[int, ShardReader] = {}
-
-    def shard(r: int) -> ShardReader:
-        if r not in readers:
-            s = next((s for s in record.shards if s.rank == r), None)
-            if s is None:
-                raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
-            readers[r] = ShardReader(os.path.join(root, record.dir, s.file), s.bytes, s.index_xxh3)
-            if readers[r].index.get("step") != record.step:
-                raise CorruptSnapshotError(f"{readers[r].path} holds step "
-                                           f"{readers[r].index.get('step')!r}, the manifest says {record.step}")
-        return readers[r]
-
-    try:
-        index = shard(rank).index
-        records = index.get("tensors")
-        if not isinstance(records, list):
-            raise CorruptSnapshotError(f"{shard(rank).path}: the index has no tensor table")
-        wanted = [(rank, i) for i in range(len(index["storages"]))]
-        wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
-                          and r.get("rank", rank) != rank and _is_reference(r, record)})
-        sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
-        _check_fits_in_memory(sources.values(), record.step)
-        buffers = {}
-        for (r, i), s in sources.items():
-            buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
-            shard(r).read_storage(i, buffers[r, i].numpy())
-        tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
-                   for n, t in enumerate(records)]
-        return _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
-    finally:
-        for reader in readers.values():
-            reader.close()
-
-
-def _is_module_metadata(metadata: Any) -> bool:
-    """``state_dict()._metadata`` as torch writes it: module prefix -> {"version": int, ...}."""
-    return isinstance(metadata, dict) and all(
-        isinstance(k, str) and isinstance(v, dict) and type(v.get("version", 0)) is int
-        for k, v in metadata.items())
-
-
-def _is_reference(r: dict, record: SnapshotRecord) -> bool:
-    """Whether a tensor record's reference to another rank's storage is well-formed (a malformed
-    one is reported with the tensor's other problems)."""
-    return (type(r.get("rank")) is int and type(r.get("storage")) is int
-            and any(s.rank == r["rank"] for s in record.shards))
-
-
-def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
-    storages = reader.index["storages"]
-    if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
-        raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
-                                   "rank's shard refers to")
-    return storages[i]
-
-
-def _check_fits_in_memory(storages, step: int) -> None:
-    """Refuse, before allocating, to read more than the memory available now: the storages, plus
-    scratch for decoding the largest chunk (twice its size for byte planes)."""
-    storages = list(storages)
-    largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
-    need = sum(s["nbytes"] for s in storages) + 2 * largest_chunk
-    available = psutil.virtual_memory().available
-    if need > available:
-        raise InsufficientMemoryError(
-            f"restoring step {step} needs {need / 1e9:.2f} GB of host memory, {available / 1e9:.2f} "
-            "GB is available now; free memory (or restore on a larger machine). The snapshot was "
-            "not checked for damage, and nothing was loaded")
-
-
-def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:
-    """The dtype, shape and stride of tensor record ``i`` (docs/FORMAT.md 3.5), checked: a known
-    dtype, at most 64 dimensions, sizes and strides in [0, 2^62], at most 2^62 elements, and a
-    storage reference of the right types."""
-    def bad(why: str) -> CorruptSnapshotError:
-        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
-
-    if not isinstance(r, dict):
-        raise bad("not an object")
-    dtype = DTYPES.get(r["dtype"]) if type(r.get("dtype")) is str else None
-    shape, stride = r.get("shape"), r.get("stride")
-    if dtype is None:
-        raise bad(f"unknown dtype {str(r.get('dtype'))[:40]!r}")
-    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride) <= _MAX_DIMS
-            and all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape + stride)):
-        raise bad("malformed shape or stride")
-    if math.prod(shape) > _MAX_EXTENT:
-        raise bad("more elements than any storage can hold")
-    if not ((r.get("storage") is None or type(r["storage"]) is int) and type(r.get("rank", 0)) is int
-            and type(r.get("offset", 0)) is int):
-        raise bad("bad storage reference")
-    return dtype, shape, stride
-
-
-def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
-                        i: int) -> torch.Tensor:
-    def bad(why: str) -> CorruptSnapshotError:
-        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
-
-    dtype, shape, stride = tensor_layout(r, path, i)
-    if math.prod(shape) == 0:
-        try:
-            return torch.empty_strided(shape, stride, dtype=dtype)
-        except RuntimeError as e:
-            raise bad(f"shape {shape[:8]} and stride {stride[:8]} are not a valid layout") from e
-    offset = r.get("offset")
-    buffer = buffers.get((r.get("rank", rank), r.get("storage")))
-    if buffer is None or not (type(offset) is int and offset >= 0):
-        raise bad("bad storage reference")
-    itemsize = dtype.itemsize
-    end = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
-    if offset % itemsize or end > buffer.numel():
-        raise bad("view lies outside its storage")
-    return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
-
-
-def _size(v: Any) -> torch.Size:
-    if type(v) is not list or len(v) > _MAX_DIMS or not all(type(n) is int and 0 <= n <= _MAX_EXTENT
-                                                             for n in v):
-        raise ValueError("not a list of sizes")
-    return torch.Size(v)
-
-
-def _device(v: Any) -> torch.device:
-    if type(v) is not str or len(v) > 64:
-        raise ValueError("not a device name")
-    return torch.device(v)
-
-
-_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v] if type(v) is str else None, "$size": _size,
-               "$device": _device}
-
-
-def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: str) -> Entry:
-    def leaf(node: dict):
-        if len(node) == 1:
-            (tag, v), = node.items()
-            try:
-                if tag == "$tensor":
-                    if type(v) is not int or v < 0:
-                        raise IndexError(v)
-                    return tensors[v]
-                if tag in _TORCH_TAGS:
-                    value = _TORCH_TAGS[tag](v)
-                    if value is None:
-                        raise KeyError(v)
-                    return value
-            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-                raise CorruptSnapshotError(f"{path}: bad {tag} value {str(v)[:40]!r}") from e
-        return NotImplemented
-
-    def entry(node: Any, depth: int) -> Entry:
-        if (not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value")
-                or depth > _MAX_TREE_DEPTH):
-            raise CorruptSnapshotError(f"{path}: malformed state tree")
-        if node["kind"] == "dict":
-            if not isinstance(node.get("entries"), dict):
-                raise CorruptSnapshotError(f"{path}: malformed state tree")
-            return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
-        value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
-        if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
-            metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
-            if not isinstance(value, dict) or not _is_module_metadata(metadata):
-                raise CorruptSnapshotError(f"{path}: malformed module state")
-            value = collections.OrderedDict(value)
-            value._metadata = metadata
-        return Entry(node["kind"], value)
-
-    if not isinstance(tree, dict) or tree.get("kind") != "dict":
-        raise CorruptSnapshotError(f"{path}: the state tree's root is not a dict")
-    return entry(tree, 0)
 
 
 # --- loading into the registered objects -------------------------------------------------------

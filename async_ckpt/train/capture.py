@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import values
-from .errors import EncodingError, LayoutError
-from .plan import ALIGNMENT, Plan, Region, TensorRecord, align_up
+from ..format import values
+from ..errors import EncodingError, LayoutError
+from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up
 from .rng import generator_adapter
 
 DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import torch
 
-from .errors import CorruptSnapshotError, StateMismatchError
+from ..errors import CorruptSnapshotError, StateMismatchError
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
-from .format import ShardReader
-from .fsutil import as_checkpoint_error, fsync_dir
-from .manifest import (DroppedRecord, ShardRecord, SnapshotRecord, manifest_path, read_manifest,
+from ..errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
+from ..format.shard import ShardReader
+from ..storage.local import as_checkpoint_error, fsync_dir, remove_entries
+from ..format.manifest import (DroppedRecord, ShardRecord, SnapshotRecord, manifest_path, read_manifest,
                        write_manifest)
-from .paths import SHARD_FILE, remove_entries, shard_file_name
+from ..format.names import SHARD_FILE, shard_file_name
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02

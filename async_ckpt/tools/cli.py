@@ -3,7 +3,7 @@
 Answers, without writing Python, which snapshots exist, which are intact, what is in them, and moves
 weights out: ``ls``, ``inspect``, ``verify``, ``export``, ``gc``, plus ``compare-loss`` for
 training logs. Everything is read through the library (``manifest``, ``format.ShardReader``,
-``engine.load``), so the command line and ``restore()`` never disagree about what a snapshot is.
+``read.snapshot.load``), so the command line and ``restore()`` never disagree about what a snapshot is.
 
 Each command is one ``_add_<command>`` function that declares its arguments and one
 ``cmd_<command>`` function that runs it and returns the exit code; a new command is one more pair
@@ -28,7 +28,6 @@ import collections
 import contextlib
 import datetime
 import errno
-import fcntl
 import json
 import math
 import os
@@ -36,16 +35,18 @@ import struct
 import sys
 import textwrap
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from . import __version__
-from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, EncodingError,
+from .. import __version__
+from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError,
+                      EncodingError,
                      NoSnapshotError, ManifestError, UnsupportedFormatError)
-from .format import ShardReader
-from .manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
+from ..format.shard import ShardReader
+from ..format.manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
                        write_manifest)
-from .paths import (LOCK_PREFIX, MANIFEST_NAME, SHARD_FILE, lock_files, open_regular,
-                    remove_entries, snapshot_dir_step)
+from ..format.names import LOCK_PREFIX, MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
+from ..storage.local import remove_entries
+from ..storage.locks import every_rank_exclusively
 
 __all__ = ["main", "build_parser"]
 
@@ -90,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.run(args)
     except UsageError as e:
         return _fail(str(e), EXIT_USAGE)
-    except NotDone as e:
+    except (NotDone, DirectoryInUseError) as e:
         return _fail(str(e), EXIT_DAMAGE)
     except CheckpointDirError as e:
         return _fail(str(e), EXIT_USAGE)
@@ -443,7 +444,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _check_tensor_table(index: dict, path: str) -> None:
     """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
-    from .restore import tensor_layout
+    from ..read.snapshot import tensor_layout
 
     tensors = index.get("tensors")
     if not isinstance(tensors, list):
@@ -840,7 +841,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     manifest = read_manifest(root)
     wanted = _pick_record(manifest, args.step, root, "export").step
 
-    from .engine import load
+    from ..read.snapshot import load
     try:
         step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle)
     except EncodingError as e:  # load() raises it only for a refused pickle
@@ -965,7 +966,7 @@ def _add_gc(commands) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     root = _checkpoint_dir(args.dir)
-    with _directory_locks(root) as lock_all:
+    with every_rank_exclusively(root) as lock_all:
         manifest = recover_manifest(root, write=not args.dry_run)
         stray = leftovers(root, manifest)
         if args.keep_last is not None and len(manifest.snapshots) > args.keep_last:
@@ -1025,35 +1026,6 @@ def _check_something_kept_restores(root: str, kept: Sequence[SnapshotRecord], ke
                   f"{keep_last} keeps verifies ({'; '.join(problems)}), so the dropped ones may be "
                   f"all that restores. Run `{PROG} verify {root} --all`, then choose --keep-last "
                   "so that an intact snapshot stays")
-
-
-@contextlib.contextmanager
-def _directory_locks(root: str) -> Iterator[Callable[[], None]]:
-    """Hold every rank's engine lock of ``root`` exclusively (engines and writers hold them
-    shared), without waiting; yields a function that also locks lock files created since."""
-    held: dict[str, int] = {}
-
-    def lock_all() -> None:
-        for name in lock_files(root):
-            if name in held:
-                continue
-            try:
-                fd = open_regular(os.path.join(root, name), CheckpointDirError)
-            except FileNotFoundError:
-                continue
-            held[name] = fd
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise NotDone(f"an engine is writing to {root}; stop it first (its lock {name} is "
-                              "held by a running engine or its writer process)") from None
-
-    try:
-        lock_all()
-        yield lock_all
-    finally:
-        for fd in held.values():
-            os.close(fd)
 
 
 # --- compare-loss ------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Names inside a checkpoint directory: the one owner of every file-name pattern (docs/FORMAT.md
+section 1).
+
+A checkpoint directory is untrusted input (docs/SECURITY.md). So a name read from a file becomes a
+path only after it matches one of the exact patterns below (one path component, no separator, no
+``.``/``..``, no NUL, bounded length), through ``checked_name``; and only names of ours are ever
+deleted (``is_ours``). How files are opened and deleted is ``storage.local``'s business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Optional, Type
+
+from ..errors import CheckpointError
+
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME) + r"\.tmp-\d{1,10}")
+SNAPSHOT_DIR = re.compile(r"step-(\d{20})\.([0-9a-f]{8})")
+SHARD_FILE = re.compile(r"rank-(\d{5})\.ackpt")
+PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
+PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
+LOCK_PREFIX = ".lock-rank"
+LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"\d{5}")
+MAX_STEP = 10**20  # steps have 20 digits in directory names
+RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
+_DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)
+
+
+def is_ours(name) -> bool:
+    """Whether ``name`` is an entry the library writes and may delete (snapshot directories,
+    shard files finished or not, interrupted manifest replacements)."""
+    return type(name) is str and any(p.fullmatch(name) for p in _DELETABLE)
+
+
+def snapshot_dir_name(step: int, session: str, attempt: int) -> str:
+    """The directory of the ``attempt``-th snapshot of ``step`` in a session: the same on every rank
+    (they agree on the session), fresh for every attempt, so re-snapshotting a committed step
+    never touches it."""
+    tag = hashlib.blake2b(f"{session}/{step}/{attempt}".encode(), digest_size=4).hexdigest()
+    return f"step-{step:020d}.{tag}"
+
+
+def snapshot_dir_step(name: str) -> Optional[int]:
+    """The step a snapshot directory name carries, or None when ``name`` is not one."""
+    match = SNAPSHOT_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.ackpt"
+
+
+def lock_file_name(rank: int) -> str:
+    return f"{LOCK_PREFIX}{rank:05d}"
+
+
+def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointError]) -> str:
+    """``name`` if it is a string matching ``pattern`` exactly, else ``error``: the one gate between a
+    name read from a file and a path."""
+    if type(name) is not str or not pattern.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise error(f"{what} {shown} is not a valid name (docs/FORMAT.md section 1); the file was "
+                    "damaged or crafted, and nothing it names is used")
+    return name

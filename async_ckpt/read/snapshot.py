@@ -1,0 +1,299 @@
+"""Reading a committed snapshot back into CPU tensors and values (``Entry`` trees), verified.
+
+``read_snapshot`` reads one rank's shard (and the replicated storages it refers to in other ranks'
+shards): every chunk checksummed, every tensor record and tree node validated, tensors that shared
+memory when saved sharing it again. ``read_committed`` picks what to read: the newest committed
+snapshot that every rank can read, falling back together past damage. ``load`` is the public
+engine-free reader. Nothing here touches the user's objects (``restore.py`` does).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import psutil
+import torch
+
+from ..distributed import Coordinator
+from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
+                      InsufficientMemoryError, NoSnapshotError, UnsupportedFormatError)
+from ..format import values
+from ..format.manifest import SnapshotRecord, read_manifest
+from ..format.names import RNG_KEY
+from ..format.shard import ShardReader
+from ..train.capture import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+_MAX_DIMS = 64  # torch's limit on tensor dimensions
+_MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
+_MAX_TREE_DEPTH = 100
+
+
+@dataclass
+class Entry:
+    """A restored entry, tagged with how it was captured (object, tensor, dict or value)."""
+
+    kind: str
+    value: Any  # for "dict": dict[str, Entry]
+
+    def plain(self) -> Any:
+        if self.kind == "dict":
+            return {k: e.plain() for k, e in self.value.items()}
+        return self.value
+
+
+def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
+                  allow_pickle: bool = False) -> Entry:
+    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
+    replicated storages it refers to in other ranks' shards."""
+    readers: dict[int, ShardReader] = {}
+
+    def shard(r: int) -> ShardReader:
+        if r not in readers:
+            s = next((s for s in record.shards if s.rank == r), None)
+            if s is None:
+                raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
+            readers[r] = ShardReader(os.path.join(root, record.dir, s.file), s.bytes, s.index_xxh3)
+            if readers[r].index.get("step") != record.step:
+                raise CorruptSnapshotError(f"{readers[r].path} holds step "
+                                           f"{readers[r].index.get('step')!r}, the manifest says {record.step}")
+        return readers[r]
+
+    try:
+        index = shard(rank).index
+        records = index.get("tensors")
+        if not isinstance(records, list):
+            raise CorruptSnapshotError(f"{shard(rank).path}: the index has no tensor table")
+        wanted = [(rank, i) for i in range(len(index["storages"]))]
+        wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
+                          and r.get("rank", rank) != rank and _is_reference(r, record)})
+        sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
+        _check_fits_in_memory(sources.values(), record.step)
+        buffers = {}
+        for (r, i), s in sources.items():
+            buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
+            shard(r).read_storage(i, buffers[r, i].numpy())
+        tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
+                   for n, t in enumerate(records)]
+        return _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _is_module_metadata(metadata: Any) -> bool:
+    """``state_dict()._metadata`` as torch writes it: module prefix -> {"version": int, ...}."""
+    return isinstance(metadata, dict) and all(
+        isinstance(k, str) and isinstance(v, dict) and type(v.get("version", 0)) is int
+        for k, v in metadata.items())
+
+
+def _is_reference(r: dict, record: SnapshotRecord) -> bool:
+    """Whether a tensor record's reference to another rank's storage is well-formed (a malformed
+    one is reported with the tensor's other problems)."""
+    return (type(r.get("rank")) is int and type(r.get("storage")) is int
+            and any(s.rank == r["rank"] for s in record.shards))
+
+
+def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
+    storages = reader.index["storages"]
+    if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
+        raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
+                                   "rank's shard refers to")
+    return storages[i]
+
+
+def _check_fits_in_memory(storages, step: int) -> None:
+    """Refuse, before allocating, to read more than the memory available now: the storages, plus
+    scratch for decoding the largest chunk (twice its size for byte planes)."""
+    storages = list(storages)
+    largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
+    need = sum(s["nbytes"] for s in storages) + 2 * largest_chunk
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise InsufficientMemoryError(
+            f"restoring step {step} needs {need / 1e9:.2f} GB of host memory, {available / 1e9:.2f} "
+            "GB is available now; free memory (or restore on a larger machine). The snapshot was "
+            "not checked for damage, and nothing was loaded")
+
+
+def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:
+    """The dtype, shape and stride of tensor record ``i`` (docs/FORMAT.md 3.5), checked: a known
+    dtype, at most 64 dimensions, sizes and strides in [0, 2^62], at most 2^62 elements, and a
+    storage reference of the right types."""
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
+
+    if not isinstance(r, dict):
+        raise bad("not an object")
+    dtype = DTYPES.get(r["dtype"]) if type(r.get("dtype")) is str else None
+    shape, stride = r.get("shape"), r.get("stride")
+    if dtype is None:
+        raise bad(f"unknown dtype {str(r.get('dtype'))[:40]!r}")
+    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride) <= _MAX_DIMS
+            and all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape + stride)):
+        raise bad("malformed shape or stride")
+    if math.prod(shape) > _MAX_EXTENT:
+        raise bad("more elements than any storage can hold")
+    if not ((r.get("storage") is None or type(r["storage"]) is int) and type(r.get("rank", 0)) is int
+            and type(r.get("offset", 0)) is int):
+        raise bad("bad storage reference")
+    return dtype, shape, stride
+
+
+def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
+                        i: int) -> torch.Tensor:
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
+
+    dtype, shape, stride = tensor_layout(r, path, i)
+    if math.prod(shape) == 0:
+        try:
+            return torch.empty_strided(shape, stride, dtype=dtype)
+        except RuntimeError as e:
+            raise bad(f"shape {shape[:8]} and stride {stride[:8]} are not a valid layout") from e
+    offset = r.get("offset")
+    buffer = buffers.get((r.get("rank", rank), r.get("storage")))
+    if buffer is None or not (type(offset) is int and offset >= 0):
+        raise bad("bad storage reference")
+    itemsize = dtype.itemsize
+    end = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
+    if offset % itemsize or end > buffer.numel():
+        raise bad("view lies outside its storage")
+    return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
+
+
+def _size(v: Any) -> torch.Size:
+    if type(v) is not list or len(v) > _MAX_DIMS or not all(type(n) is int and 0 <= n <= _MAX_EXTENT
+                                                             for n in v):
+        raise ValueError("not a list of sizes")
+    return torch.Size(v)
+
+
+def _device(v: Any) -> torch.device:
+    if type(v) is not str or len(v) > 64:
+        raise ValueError("not a device name")
+    return torch.device(v)
+
+
+_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v] if type(v) is str else None, "$size": _size,
+               "$device": _device}
+
+
+def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: str) -> Entry:
+    def leaf(node: dict):
+        if len(node) == 1:
+            (tag, v), = node.items()
+            try:
+                if tag == "$tensor":
+                    if type(v) is not int or v < 0:
+                        raise IndexError(v)
+                    return tensors[v]
+                if tag in _TORCH_TAGS:
+                    value = _TORCH_TAGS[tag](v)
+                    if value is None:
+                        raise KeyError(v)
+                    return value
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise CorruptSnapshotError(f"{path}: bad {tag} value {str(v)[:40]!r}") from e
+        return NotImplemented
+
+    def entry(node: Any, depth: int) -> Entry:
+        if (not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value")
+                or depth > _MAX_TREE_DEPTH):
+            raise CorruptSnapshotError(f"{path}: malformed state tree")
+        if node["kind"] == "dict":
+            if not isinstance(node.get("entries"), dict):
+                raise CorruptSnapshotError(f"{path}: malformed state tree")
+            return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
+        value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
+        if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
+            metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
+            if not isinstance(value, dict) or not _is_module_metadata(metadata):
+                raise CorruptSnapshotError(f"{path}: malformed module state")
+            value = collections.OrderedDict(value)
+            value._metadata = metadata
+        return Entry(node["kind"], value)
+
+    if not isinstance(tree, dict) or tree.get("kind") != "dict":
+        raise CorruptSnapshotError(f"{path}: the state tree's root is not a dict")
+    return entry(tree, 0)
+
+
+def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
+                   allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
+                   shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
+                   check: Optional[Callable[[Entry], None]] = None,
+                   ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
+    """Read the newest committed snapshot that verifies (or exactly ``step``).
+
+    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
+    validates what was read further, raising CorruptSnapshotError for damage. Damage (by class:
+    ``CorruptSnapshotError``, ``UnsupportedFormatError``) moves on to the previous snapshot; any
+    other error is raised. With a
+    ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its part,
+    and they fall back together when any rank cannot read its part of a snapshot.
+    Returns (record, entry), or (None, None) when nothing was ever committed.
+    """
+    coordinator = coordinator or Coordinator(0, 1)
+    manifest = coordinator.from_rank0(lambda: read_manifest(directory))
+    if step is None:
+        candidates = manifest.newest_first()
+    elif manifest.find(step) is not None:
+        candidates = [manifest.find(step)]
+    else:
+        raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
+                              f"{manifest.steps() or 'none'}")
+    damaged = []
+    for record in candidates:
+        loaded, error = None, None
+        try:
+            loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
+                                   allow_pickle)
+            if check is not None:
+                check(loaded)
+        except CheckpointError as e:
+            error = e
+        problems = coordinator.gather(None if error is None else (
+            isinstance(error, (CorruptSnapshotError, UnsupportedFormatError)),
+            f"{type(error).__name__}: {error}"))
+        if not any(problems):
+            return record, loaded
+        where = "; ".join(p[1] if len(problems) == 1 else f"rank {r}: {p[1]}"
+                          for r, p in enumerate(problems) if p)
+        if step is not None or not all(p is None or p[0] for p in problems):
+            if error is not None:
+                raise error
+            raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
+        log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
+                    record.step, where)
+        damaged.append(f"step {record.step}: {where}")
+    if damaged:
+        raise NoSnapshotError(
+            f"every committed snapshot in {directory} is damaged: " + "; ".join(damaged)
+            + ". Nothing was loaded; inspect them with `async-ckpt verify`")
+    return None, None
+
+
+def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
+         allow_pickle: bool = False) -> tuple[int, dict]:
+    """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
+
+    Returns (step, state) where state mirrors what was registered: each object's state_dict, each
+    tensor, each dict. Tensors that shared memory when saved share it again.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
+    record, loaded = read_committed(directory, step, rank, allow_pickle)
+    if loaded is None:
+        raise NoSnapshotError(f"{directory} holds no committed snapshot")
+    loaded.value.pop(RNG_KEY, None)
+    return record.step, loaded.plain()

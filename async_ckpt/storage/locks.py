@@ -1,0 +1,106 @@
+"""The directory lock protocol: one lock file per rank, ``DIR/.lock-rankNNNNN`` (``format.names``).
+
+Who holds what, and why:
+
+- An engine takes its rank's lock *exclusively* at start-up, waiting until the previous holder is
+  gone: the previous engine of this rank and, above all, its writer process, which may still be
+  committing what a killed trainer staged. Once it has the lock it downgrades it to *shared*.
+- Its writer process takes the same lock *shared* and holds it until it exits, so the lock stays
+  held while the writer finishes, even after the trainer died.
+- Whoever deletes what no engine names (start-up clean-up runs while the exclusive lock is held;
+  ``async-ckpt gc`` takes every rank's lock exclusively without waiting) knows no writer is active.
+
+flock locks belong to open file descriptions, so a lock is released when its holder's process
+exits, however it exits. They are local to one machine (see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import time
+from typing import Callable, Iterator
+
+from ..errors import CheckpointDirError, DirectoryInUseError
+from ..format.names import LOCK_FILE, lock_file_name
+from .local import open_regular
+
+_RETRY_S = 0.05
+
+
+def lock_path(root: str, rank: int) -> str:
+    return os.path.join(root, lock_file_name(rank))
+
+
+def take_rank_lock(root: str, rank: int, timeout: float) -> int:
+    """An engine's lock of ``rank`` on ``root``: taken exclusively (waiting up to ``timeout``
+    seconds for the previous engine and its writer to finish), then held shared, which its writer
+    joins. Returns the file descriptor; closing it releases the lock."""
+    path = lock_path(root, rank)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o644)
+    except OSError as e:
+        raise CheckpointDirError(f"cannot open the lock file {path}: {e.strerror}; check the "
+                                 "directory's permissions") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointDirError(f"{path} is not a regular file; remove it (an engine creates "
+                                     "its lock file itself)")
+        deadline = time.monotonic() + timeout
+        while not _try_lock(fd, fcntl.LOCK_EX):
+            if time.monotonic() > deadline:
+                raise DirectoryInUseError(
+                    f"another engine (or its writer) is still using {root} for rank {rank}; "
+                    "close it first or use another directory")
+            time.sleep(_RETRY_S)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # shared with our writer from now on
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def join_rank_lock(path: str) -> int:
+    """The writer's share of its engine's lock, held until the writer process exits."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+@contextlib.contextmanager
+def every_rank_exclusively(root: str) -> Iterator[Callable[[], None]]:
+    """Hold every rank's lock of ``root`` exclusively, without waiting (DirectoryInUseError when
+    an engine or writer holds one); yields a function that also takes lock files created since."""
+    held: dict[str, int] = {}
+
+    def lock_all() -> None:
+        for name in sorted(n for n in os.listdir(root) if LOCK_FILE.fullmatch(n)):
+            if name in held:
+                continue
+            try:
+                fd = open_regular(os.path.join(root, name), CheckpointDirError)
+            except FileNotFoundError:
+                continue
+            held[name] = fd
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                raise DirectoryInUseError(
+                    f"an engine is writing to {root}; stop it first (its lock {name} is held by a "
+                    "running engine or its writer process)")
+
+    try:
+        lock_all()
+        yield lock_all
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
