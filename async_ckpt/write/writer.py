@@ -37,7 +37,7 @@ import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitWatcher
 from ..errors import DiskFullError, WriterDiedError
-from ..format.shard import ChunkEncoder, ShardWriter, checksum
+from ..format.shard import ChunkEncoder, ShardWriter, checksum, version_needed
 from ..storage.local import as_checkpoint_error, fsync_dir, make_dirs, remove_entries
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord
@@ -239,7 +239,7 @@ class SnapshotWriter:
             fsync_dir(self.root)
         final = os.path.join(path, shard_file_name(self.rank))
         partial = final + PARTIAL_SUFFIX
-        shard = ShardWriter(partial, self.encoder, version=2 if layout.uses_references else 1)
+        shard = ShardWriter(partial, self.encoder, version=version_needed(layout.uses_references))
         try:
             for region, fields in zip(regions, layout.replica_fields):
                 shard.add_storage(buf[region.offset:region.offset + region.nbytes],
