@@ -31,7 +31,7 @@ import psutil
 from . import errors
 from .data import inexact_loader_warnings
 from .distributed import Coordinator, resolve_ranks
-from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
+from .errors import (CheckpointDirError, CorruptSnapshotError,
                      DistributedSetupError, EngineClosedError, Preempted, StateMismatchError,
                      WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
@@ -44,7 +44,9 @@ from .train.capture import capture, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.rng import GlobalRNG
 from .train.staging import StagingPool
-from .write.writer import WriterClient
+from .write.client import WriterClient
+from .write.protocol import (Abandoned, Committed, Failed, Released, SnapshotJob, WriterConfig,
+                             WriterEvent)
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
@@ -164,14 +166,14 @@ class CheckpointEngine:
                 "replicated": sorted(replicated), "spread_replicated": spread_replicated,
                 "rng": rng, "mode": mode})
             self._pool = StagingPool(slots)
-            self._writer = WriterClient({
-                "root": self.directory, "rank": rank, "world_size": world_size,
-                "spread_replicated": spread_replicated, "commit_timeout": commit_timeout,
-                "keep_last": keep_last, "keep_every": keep_every, "compression": compression,
-                "level": level, "reserve_bytes": reserve_bytes,
-                "nice": writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
-                "low_io_priority": writer_low_io, "lock": lock_path(self.directory, rank),
-                "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()})
+            self._writer = WriterClient(WriterConfig(
+                root=self.directory, rank=rank, world_size=world_size,
+                spread_replicated=spread_replicated, commit_timeout=commit_timeout,
+                keep_last=keep_last, keep_every=keep_every, compression=compression,
+                level=level, reserve_bytes=reserve_bytes,
+                nice=writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
+                low_io_priority=writer_low_io, lock=lock_path(self.directory, rank),
+                log_level=logging.getLogger("async_ckpt").getEffectiveLevel()))
         except BaseException:
             if self._pool is not None:
                 self._pool.close()
@@ -296,11 +298,10 @@ class CheckpointEngine:
         t_staged = time.perf_counter()
         slot.busy = True
         job = next(self._jobs)
-        self._writer.submit({"job": job, "step": step, "buffer_id": slot.buffer_id,
-                             "dir": snapshot_dir_name(step, self._session, self._attempts[step]),
-                             "tree": captured.tree,
-                             "plan": plan if plan != self._writer_plan else None,
-                             "submitted": time.monotonic()})
+        self._writer.submit(SnapshotJob(
+            job=job, step=step, buffer_id=slot.buffer_id,
+            dir=snapshot_dir_name(step, self._session, self._attempts[step]), tree=captured.tree,
+            plan=plan if plan != self._writer_plan else None, submitted=time.monotonic()))
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
@@ -469,7 +470,7 @@ class CheckpointEngine:
         if self._broken is not None:
             raise self._broken
 
-    def _writer_event(self, timeout: Optional[float]) -> Optional[tuple]:
+    def _writer_event(self, timeout: Optional[float]) -> Optional[WriterEvent]:
         """The next message from the writer, or None after ``timeout`` (None: wait for one). While
         waiting without a timeout (a slow commit in ``wait()``/``close()``, a slot coming free),
         heartbeats go on: a job waiting for its checkpoint is not hung."""
@@ -515,15 +516,14 @@ class CheckpointEngine:
         if self._failures:
             raise self._failures.popleft()
 
-    def _handle(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "released":
+    def _handle(self, event: WriterEvent) -> None:
+        if isinstance(event, Released):
             for slot in self._pool.slots:
-                if slot.buffer_id == event[1]:
+                if slot.buffer_id == event.buffer_id:
                     slot.busy = False
-        elif kind == "committed":
-            record = self._pending.pop(event[1])
-            figures = event[2]
+        elif isinstance(event, Committed):
+            record = self._pending.pop(event.job)
+            figures = event.figures
             record.update(figures, committed=True)
             record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
             # the writer reports a monotonic time; stats() gives Unix time, as the manifest does
@@ -540,18 +540,15 @@ class CheckpointEngine:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
                             "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
                             figures["stored_bytes"] / 1e6)
-        elif kind == "abandoned":  # another rank never wrote its part: not an error of this rank
-            self._pending.pop(event[1])
+        elif isinstance(event, Abandoned):  # another rank never wrote its part: not this rank's error
+            self._pending.pop(event.job)
             self._counts["abandoned"] += 1
-            log.warning("%s", event[2])
-        elif kind == "failed":
-            self._pending.pop(event[1])
+            log.warning("%s", event.message)
+        elif isinstance(event, Failed):
+            self._pending.pop(event.job)
             self._counts["failed"] += 1
             self._counts["consecutive_failures"] += 1
-            error_type = getattr(errors, event[2], errors.SnapshotWriteError)
-            if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
-                error_type = errors.SnapshotWriteError
-            self._failures.append(error_type(event[3]))
+            self._failures.append(event.error)  # the writer's error object, of its own class
 
 
 def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) -> None:

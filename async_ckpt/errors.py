@@ -2,11 +2,18 @@
 
 All errors derive from :class:`CheckpointError`, so ``except CheckpointError`` catches anything the
 library raises on purpose. Tests assert on these types, not on message text.
+
+An error's only argument is its message, so every error pickles: the writer process sends the
+error objects themselves to the training process, which raises them.
 """
 
 
 class CheckpointError(Exception):
     """Base class of every error raised by async_ckpt."""
+
+    # Damage to a snapshot: restore moves on to the previous one. Set by the class (subclasses
+    # inherit it), so that the fallback is decided by type, never by the name of one.
+    is_damage = False
 
 
 class CheckpointDirError(CheckpointError):
@@ -49,6 +56,8 @@ class EncodingError(CheckpointError):
 class CorruptSnapshotError(CheckpointError):
     """A snapshot file is damaged: bad checksum, truncated, or structurally invalid."""
 
+    is_damage = True
+
 
 class ChecksumMismatchError(CorruptSnapshotError):
     """A chunk's stored bytes do not match the checksum recorded when it was written."""
@@ -61,6 +70,8 @@ class InsufficientMemoryError(CheckpointError):
 
 class UnsupportedFormatError(CheckpointError):
     """The file was written in a format version this library does not read."""
+
+    is_damage = True  # for this library: an older snapshot may still be readable
 
 
 class ManifestError(CheckpointError):
@@ -101,3 +112,6 @@ class Preempted(SystemExit):
     def __init__(self, step: int, signum: int):
         super().__init__(PREEMPTED_EXIT_CODE)
         self.step, self.signal = step, signum
+
+    def __reduce__(self):  # its args are the exit code, not what __init__ takes
+        return type(self), (self.step, self.signal)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
+from async_ckpt.write.protocol import Abandoned, Committed, Failed
+from async_ckpt.errors import CorruptSnapshotError, ReplicaMismatchError
 from async_ckpt.format.shard import ChunkEncoder, ShardWriter
 from async_ckpt.format.names import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.format.manifest import ShardRecord, read_manifest
@@ -97,6 +99,11 @@ def attempt(root, job, step, replicas=()):
                    raw_bytes=64, figures={"write_s": 0.0})
 
 
+def outcomes(events):
+    """Each event's type and job, in order."""
+    return [(type(e), e.job) for e in events]
+
+
 class Clock:
     """A monotonic clock the test advances: the commit stage's timeouts without sleeping."""
 
@@ -129,13 +136,13 @@ def test_a_step_commits_only_once_every_rank_is_durable(tmp_path, committer):
     committer.add(a)
     write_shard(str(tmp_path), a.dir, 1, 7)
     write_shard(str(tmp_path), a.dir, 2, 7, partial=True)  # written, not yet renamed: not durable
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     assert committer.events == [] and read_manifest(str(tmp_path)).steps() == []
     os.rename(os.path.join(tmp_path, a.dir, shard_file_name(2) + PARTIAL_SUFFIX),
               os.path.join(tmp_path, a.dir, shard_file_name(2)))
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     (event,) = committer.events
-    assert event[:2] == ("committed", 0)
+    assert isinstance(event, Committed) and event.job == 0
     record = read_manifest(str(tmp_path)).find(7)
     assert [s.rank for s in record.shards] == [0, 1, 2] and record.world_size == WORLD
     assert record.stored_bytes == sum(s.bytes for s in record.shards) and record.raw_bytes == 3 * 64
@@ -149,9 +156,9 @@ def test_a_later_complete_step_abandons_an_earlier_incomplete_one(tmp_path, comm
     committer.add(second)
     for rank in (1, 2):
         write_shard(str(tmp_path), second.dir, rank, 2)
-    committer.poll(orphaned=False)
-    assert [e[:2] for e in committer.events] == [("abandoned", 0), ("committed", 1)]
-    assert "rank(s) [2]" in committer.events[0][2]
+    committer.poll(trainer_gone=False)
+    assert outcomes(committer.events) == [(Abandoned, 0), (Committed, 1)]
+    assert "rank(s) [2]" in committer.events[0].message
     assert read_manifest(str(tmp_path)).steps() == [2]
     assert not os.path.exists(os.path.join(tmp_path, first.dir))
 
@@ -167,14 +174,14 @@ def test_a_step_no_rank_makes_progress_on_is_abandoned_after_the_timeout(tmp_pat
         with open(partial, "ab") as f:
             f.write(b"x")
         clock.advance(0.1)
-        committer.poll(orphaned=False)
+        committer.poll(trainer_gone=False)
     assert committer.events == []
     clock.advance(0.29)  # rank 2 died: nothing changes
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     assert committer.events == []
     clock.advance(0.02)
-    committer.poll(orphaned=False)
-    assert [e[:2] for e in committer.events] == [("abandoned", 0)]
+    committer.poll(trainer_gone=False)
+    assert outcomes(committer.events) == [(Abandoned, 0)]
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
@@ -182,10 +189,10 @@ def test_once_the_trainer_is_gone_the_wait_is_short(tmp_path, committer, monkeyp
     monkeypatch.setattr(commit, "ORPHAN_QUIET_S", 0.1)
     committer.add(attempt(str(tmp_path), 0, step=3))
     clock.advance(0.15)
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     assert committer.events == []  # the trainer could still be waiting: commit_timeout applies
-    committer.poll(orphaned=True)
-    assert [e[:2] for e in committer.events] == [("abandoned", 0)]
+    committer.poll(trainer_gone=True)
+    assert outcomes(committer.events) == [(Abandoned, 0)]
 
 
 def test_differing_replicas_are_not_committed(tmp_path, committer):
@@ -195,10 +202,11 @@ def test_differing_replicas_are_not_committed(tmp_path, committer):
     committer.add(a)
     write_shard(str(tmp_path), a.dir, 1, 4, ours)
     write_shard(str(tmp_path), a.dir, 2, 4, theirs)
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     (event,) = committer.events
-    assert event[:3] == ("failed", 0, "ReplicaMismatchError")
-    assert "'model' differs between rank 0 and rank 2" in event[3]
+    assert isinstance(event, Failed) and event.job == 0
+    assert type(event.error) is ReplicaMismatchError
+    assert "'model' differs between rank 0 and rank 2" in str(event.error)
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
@@ -207,9 +215,10 @@ def test_a_shard_of_another_job_is_refused(tmp_path, committer):
     committer.add(a)
     write_shard(str(tmp_path), a.dir, 1, 5)
     write_shard(str(tmp_path), a.dir, 2, 5, world_size=4)
-    committer.poll(orphaned=False)
+    committer.poll(trainer_gone=False)
     (event,) = committer.events
-    assert event[:3] == ("failed", 0, "CorruptSnapshotError") and "share" in event[3]
+    assert isinstance(event, Failed) and event.job == 0
+    assert type(event.error) is CorruptSnapshotError and "share" in str(event.error)
     assert read_manifest(str(tmp_path)).steps() == []
 
 
@@ -223,7 +232,7 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
             write_shard(str(tmp_path), a.dir, rank, step)
         committer.add(a)
     assert read_manifest(str(tmp_path)).steps() == [11]
-    assert committer.events[-1][2]["dropped_steps"] == [10]
+    assert committer.events[-1].figures["dropped_steps"] == [10]
     assert not os.path.exists(os.path.join(tmp_path, dirs[0]))
 
 
@@ -253,9 +262,10 @@ def test_a_rank_learns_of_the_commit_from_the_manifest(tmp_path, watcher, commit
                    replicas=[], raw_bytes=64, figures={})
     write_shard(str(tmp_path), mine.dir, 2, 6)
     committer.add(ours)  # rank 0's writer commits
-    watcher.poll()
+    watcher.poll(trainer_gone=False)
     (event,) = watcher.events
-    assert event[:2] == ("committed", 0) and event[2]["stored_bytes"] == read_manifest(
+    assert isinstance(event, Committed) and event.job == 0
+    assert event.figures["stored_bytes"] == read_manifest(
         str(tmp_path)).find(6).stored_bytes
     assert watcher.pending == []
 
@@ -267,18 +277,18 @@ def test_a_rank_learns_that_rank_0_gave_its_shard_up(tmp_path, watcher, committe
     committer.add(Attempt(job=9, step=6, dir=mine.dir, replicas=[], raw_bytes=64, figures={},
                           shard=write_shard(str(tmp_path), mine.dir, 0, 6)))
     clock.advance(0.01)
-    committer.poll(orphaned=False)  # rank 2 never wrote: rank 0 gives the step up
-    watcher.poll()
-    assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
+    committer.poll(trainer_gone=False)  # rank 2 never wrote: rank 0 gives the step up
+    watcher.poll(trainer_gone=False)
+    assert outcomes(watcher.events) == [(Abandoned, 0)]
 
 
 def test_a_rank_gives_up_when_rank_0_commits_nothing(tmp_path, watcher, clock):
     watcher.give_up_s = 0.05
     watcher.add(rank1_attempt(str(tmp_path), 0, step=6))
     clock.advance(0.1)
-    watcher.poll()
-    assert [e[:2] for e in watcher.events] == [("abandoned", 0)]
-    assert "writer still running" in watcher.events[0][2]
+    watcher.poll(trainer_gone=False)
+    assert outcomes(watcher.events) == [(Abandoned, 0)]
+    assert "writer still running" in watcher.events[0].message
 
 
 # --- agreement helpers without a process group ------------------------------------------------
@@ -315,5 +325,5 @@ def test_a_step_committed_and_dropped_between_two_polls_is_reported_committed(tm
                           figures={}, shard=write_shard(str(tmp_path), attempt.dir, 0, attempt.step)))
     assert read_manifest(str(tmp_path)).steps() == [7]
     assert not os.path.exists(os.path.join(tmp_path, mine[0].dir))  # dropped by retention
-    watcher.poll()
-    assert [e[:2] for e in watcher.events] == [("committed", 0), ("committed", 1)]
+    watcher.poll(trainer_gone=False)
+    assert outcomes(watcher.events) == [(Committed, 0), (Committed, 1)]

@@ -21,6 +21,11 @@ import pytest
 
 from async_ckpt.storage import local as fsutil
 from async_ckpt.errors import CheckpointDirError
+from async_ckpt.format.manifest import ShardRecord
+from async_ckpt.format.names import shard_file_name, snapshot_dir_name
+from async_ckpt.write import commit
+from async_ckpt.write.commit import Attempt
+from async_ckpt.write.protocol import Attach, WriterConfig
 from async_ckpt.write.writer import SnapshotWriter
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
@@ -203,16 +208,18 @@ def test_make_dirs_refuses_a_file_in_the_way(tmp_path, fsynced):
     assert fsynced == []
 
 
-def writer_config(tmp_path) -> dict:
-    return {"root": str(tmp_path), "rank": 0, "world_size": 1, "spread_replicated": False,
-            "reserve_bytes": 0, "compression": None, "level": 3, "keep_last": 2, "keep_every": None,
-            "commit_timeout": 10.0}
+def writer_config(tmp_path, rank=0, world_size=1) -> WriterConfig:
+    return WriterConfig(root=str(tmp_path), rank=rank, world_size=world_size,
+                        spread_replicated=False, reserve_bytes=0, compression=None, level=3,
+                        keep_last=2, keep_every=None, commit_timeout=10.0, nice=0,
+                        low_io_priority=False, lock=str(tmp_path / "lock"), log_level=30)
 
 
-def connected_writer(tmp_path):
+def connected_writer(tmp_path, rank=0, world_size=1):
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     trainer = Connection(ours.detach())
-    return trainer, SnapshotWriter(Connection(theirs.detach()), writer_config(tmp_path))
+    return trainer, SnapshotWriter(Connection(theirs.detach()),
+                                   writer_config(tmp_path, rank, world_size))
 
 
 def test_writer_attaches_a_buffer_sent_with_its_fd(tmp_path):
@@ -220,7 +227,7 @@ def test_writer_attaches_a_buffer_sent_with_its_fd(tmp_path):
     fd = os.memfd_create("staging")
     try:
         os.write(fd, b"staged bytes".ljust(4096, b"\0"))
-        trainer.send(("attach", 7, 4096))
+        trainer.send(Attach(7, 4096))
         send_handle(trainer, fd, os.getpid())
         assert writer.receive() is True
         assert writer.buffers[7][:12] == b"staged bytes"
@@ -236,7 +243,7 @@ def test_writer_attaches_a_buffer_sent_with_its_fd(tmp_path):
 @pytest.mark.parametrize("drive", ["receive", "serve"])
 def test_writer_treats_trainer_dying_before_the_fd_as_closed(tmp_path, drive):
     trainer, writer = connected_writer(tmp_path)
-    trainer.send(("attach", 7, 4096))
+    trainer.send(Attach(7, 4096))
     trainer.close()  # the training process died between the message and its fd
     try:
         if drive == "receive":
@@ -247,3 +254,33 @@ def test_writer_treats_trainer_dying_before_the_fd_as_closed(tmp_path, drive):
     finally:
         writer.conn.close()
 
+
+
+def pending_attempt(tmp_path, rank):
+    name = snapshot_dir_name(1, "session", 0)
+    os.makedirs(tmp_path / name, exist_ok=True)
+    return Attempt(job=0, step=1, dir=name, shard=ShardRecord(rank, shard_file_name(rank), 0, ""),
+                   replicas=[], raw_bytes=0, figures={})
+
+
+def test_once_the_trainer_is_gone_rank_0_s_writer_settles_what_is_pending(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "ORPHAN_QUIET_S", 0.05)
+    trainer, writer = connected_writer(tmp_path, rank=0, world_size=2)
+    writer.commit.pending.append(pending_attempt(tmp_path, 0))  # rank 1 never writes its shard
+    trainer.close()
+    try:
+        writer.serve()  # gives the step up after the short quiet instead of commit_timeout
+        assert writer.commit.pending == [] and os.listdir(tmp_path) == []
+    finally:
+        writer.conn.close()
+
+
+def test_once_the_trainer_is_gone_another_rank_s_writer_returns_at_once(tmp_path):
+    trainer, writer = connected_writer(tmp_path, rank=1, world_size=2)
+    writer.commit.pending.append(pending_attempt(tmp_path, 1))  # durable, not yet committed
+    trainer.close()
+    try:
+        writer.serve()  # nobody is left to tell; rank 0 commits the shard without this writer
+        assert writer.commit.pending == []
+    finally:
+        writer.conn.close()

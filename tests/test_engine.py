@@ -487,6 +487,34 @@ def test_every_snapshot_damaged_raises_and_loads_nothing(ckpt_dir):
     assert torch.all(target["t"] == 7.0)
 
 
+def test_the_fallback_is_decided_by_the_error_s_class_even_for_a_new_one(ckpt_dir):
+    from async_ckpt.errors import CheckpointError
+    from async_ckpt.read.snapshot import read_committed
+
+    class NewKindOfDamage(CorruptSnapshotError):
+        pass
+
+    class NotDamage(CheckpointError):
+        pass
+
+    _three_snapshots(ckpt_dir)
+    seen = []
+
+    def newest_is(error_type):
+        def check(entry):
+            seen.append(entry)
+            if len(seen) == 1:
+                raise error_type("the newest snapshot fails the check")
+        return check
+
+    record, _ = read_committed(ckpt_dir, check=newest_is(NewKindOfDamage))
+    assert record.step == 1 and len(seen) == 2
+    seen.clear()
+    with pytest.raises(NotDamage):
+        read_committed(ckpt_dir, check=newest_is(NotDamage))  # raised, not skipped
+    assert len(seen) == 1
+
+
 def test_garbage_manifest_is_a_typed_error(ckpt_dir):
     _three_snapshots(ckpt_dir)
     with open(os.path.join(ckpt_dir, "manifest.json"), "wb") as f:

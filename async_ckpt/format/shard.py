@@ -25,10 +25,6 @@ from . import filters
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.local import open_regular, write_all
 
-# Version 2 adds references to storages in other ranks' shards (state replicated across ranks is
-# stored once). A shard is written in the oldest version that can express it, so a single-rank
-# snapshot stays readable by readers of version 1.
-FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
@@ -40,6 +36,13 @@ CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compr
 MAX_CHUNK_BYTES = 1 << 30
 MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
+
+
+def version_needed(uses_references: bool) -> int:
+    """The format version to write a shard in: the oldest that can express it. Version 2 adds
+    references to storages in other ranks' shards (state replicated across ranks is stored once),
+    so a shard without them stays readable by readers of version 1."""
+    return 2 if uses_references else 1
 
 
 def checksum(*buffers) -> str:

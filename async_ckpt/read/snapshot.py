@@ -21,7 +21,7 @@ import torch
 
 from ..distributed import Coordinator
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
-                      InsufficientMemoryError, NoSnapshotError, UnsupportedFormatError)
+                      InsufficientMemoryError, NoSnapshotError)
 from ..format import values
 from ..format.manifest import SnapshotRecord, read_manifest
 from ..format.names import RNG_KEY
@@ -235,11 +235,10 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
     ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
-    validates what was read further, raising CorruptSnapshotError for damage. Damage (by class:
-    ``CorruptSnapshotError``, ``UnsupportedFormatError``) moves on to the previous snapshot; any
-    other error is raised. With a
-    ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its part,
-    and they fall back together when any rank cannot read its part of a snapshot.
+    validates what was read further, raising CorruptSnapshotError for damage. Damage (an error
+    whose class says ``is_damage``) moves on to the previous snapshot; any other error is
+    raised. With a ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank
+    reads its part, and they fall back together when any rank cannot read its part of a snapshot.
     Returns (record, entry), or (None, None) when nothing was ever committed.
     """
     coordinator = coordinator or Coordinator(0, 1)
@@ -262,7 +261,7 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         except CheckpointError as e:
             error = e
         problems = coordinator.gather(None if error is None else (
-            isinstance(error, (CorruptSnapshotError, UnsupportedFormatError)),
+            error.is_damage,
             f"{type(error).__name__}: {error}"))
         if not any(problems):
             return record, loaded

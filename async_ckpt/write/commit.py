@@ -12,7 +12,8 @@ or when no shard of any pending attempt has changed for ``commit_timeout`` secon
 while writing; a few seconds once the training process is gone).
 
 The other ranks' writers learn the outcome the same way (``CommitWatcher``): the manifest names
-the attempt (committed), or rank 0 removed its directory (given up).
+the attempt (committed), or rank 0 removed its directory (given up). Both are a ``CommitStage``,
+so the writer loop drives either without knowing its rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from ..errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
 from ..format.shard import ShardReader
@@ -30,6 +31,7 @@ from ..storage.local import as_checkpoint_error, fsync_dir, remove_entries
 from ..format.manifest import (DroppedRecord, ShardRecord, SnapshotRecord, manifest_path, read_manifest,
                        write_manifest)
 from ..format.names import SHARD_FILE, shard_file_name
+from .protocol import Abandoned, Committed, Failed, WriterEvent
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02
@@ -52,11 +54,26 @@ class Attempt:
     seen: tuple = ()
 
 
+class CommitStage(Protocol):
+    """What the writer loop drives once a shard is durable: it tells the trainer (through
+    ``send``) whether each attempt was committed, abandoned or failed. Time comes from the stage's
+    injected monotonic clock, so tests advance it instead of sleeping."""
+
+    pending: list[Attempt]
+
+    def add(self, attempt: Attempt) -> None:
+        """Take a durable attempt, and poll."""
+
+    def poll(self, trainer_gone: bool) -> None:
+        """Settle what can be settled now. ``trainer_gone``: the training process closed or died;
+        the loop calls ``poll`` until nothing is pending."""
+
+
 class Committer:
     """Rank 0's writer's list of attempts not yet committed or abandoned."""
 
     def __init__(self, root: str, world_size: int, keep_last: int, keep_every: Optional[int],
-                 commit_timeout: float, send: Callable[[tuple], None],
+                 commit_timeout: float, send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic):
         self.root, self.world_size = root, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -68,10 +85,11 @@ class Committer:
     def add(self, attempt: Attempt) -> None:
         attempt.last_change = self.clock()
         self.pending.append(attempt)
-        self.poll(orphaned=False)
+        self.poll(trainer_gone=False)
 
-    def poll(self, orphaned: bool) -> None:
-        """Commit what is complete, abandon what cannot complete any more."""
+    def poll(self, trainer_gone: bool) -> None:
+        """Commit what is complete, abandon what cannot complete any more (sooner once the
+        trainer is gone: then nobody waits for a rank that is late)."""
         now = self.clock()
         complete = [self._scan(a, now) for a in self.pending]
         if any(complete):
@@ -82,7 +100,7 @@ class Committer:
                 else:
                     self._abandon(attempt, "a later snapshot was complete first")
             del self.pending[:last + 1]
-        quiet = min(self.commit_timeout, ORPHAN_QUIET_S) if orphaned else self.commit_timeout
+        quiet = min(self.commit_timeout, ORPHAN_QUIET_S) if trainer_gone else self.commit_timeout
         while self.pending and now - max(a.last_change for a in self.pending) > quiet:
             self._abandon(self.pending.pop(0), f"no rank wrote anything for {quiet:.0f} s")
 
@@ -106,7 +124,7 @@ class Committer:
                    f"shard ({why}). The previous committed snapshot stays the newest")
         log.warning("%s", message)
         remove_entries(self.root, [attempt.dir])
-        self.send(("abandoned", attempt.job, message))
+        self.send(Abandoned(attempt.job, message))
 
     def _commit(self, attempt: Attempt) -> None:
         complete_at = self.clock()
@@ -119,11 +137,11 @@ class Committer:
             error = as_checkpoint_error(e, f"step {attempt.step}")
             log.error("committing step %d failed: %s", attempt.step, error)
             remove_entries(self.root, [attempt.dir])
-            self.send(("failed", attempt.job, type(error).__name__, str(error)))
+            self.send(Failed(attempt.job, error))
             return
         committed_at = self.clock()
         remove_entries(self.root, [d.dir for d in dropped])
-        self.send(("committed", attempt.job, {
+        self.send(Committed(attempt.job, {
             **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
             "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,
             "stored_bytes": record.stored_bytes, "disk_free_bytes": shutil.disk_usage(self.root).free,
@@ -158,7 +176,7 @@ class CommitWatcher:
     gone), so that ``wait()`` means "committed" on every rank. Should rank 0's writer itself be
     gone, an attempt is given up after twice ``commit_timeout`` without a new manifest."""
 
-    def __init__(self, root: str, commit_timeout: float, send: Callable[[tuple], None],
+    def __init__(self, root: str, commit_timeout: float, send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic):
         self.root, self.send, self.clock = root, send, clock
         self.give_up_s = 2 * commit_timeout
@@ -169,9 +187,14 @@ class CommitWatcher:
 
     def add(self, attempt: Attempt) -> None:
         self.pending.append(attempt)
-        self.poll()
+        self.poll(trainer_gone=False)
 
-    def poll(self) -> None:
+    def poll(self, trainer_gone: bool) -> None:
+        """Report what rank 0 has committed or given up. Once the trainer is gone nobody is left
+        to tell: drop what is pending (its shards are durable; rank 0 commits without us)."""
+        if trainer_gone:
+            self.pending = []
+            return
         self._reread_manifest()
         now = self.clock()
         still = []
@@ -182,18 +205,18 @@ class CommitWatcher:
                 continue               # says why is durable: read that one before concluding
             record = self._committed.get(attempt.dir)
             if record is not None:
-                self.send(("committed", attempt.job, {
+                self.send(Committed(attempt.job, {
                     **attempt.figures, "committed_at": now, "commit_s": now - attempt.durable_at,
                     "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
                     "disk_free_bytes": shutil.disk_usage(self.root).free}))
             elif gone:
-                self.send(("abandoned", attempt.job,
-                           f"step {attempt.step} was not committed: rank 0 gave it up (some rank "
-                           "never finished its shard)"))
+                self.send(Abandoned(attempt.job,
+                                    f"step {attempt.step} was not committed: rank 0 gave it up "
+                                    "(some rank never finished its shard)"))
             elif now - max(attempt.durable_at, self._manifest_changed) > self.give_up_s:
-                self.send(("abandoned", attempt.job,
-                           f"step {attempt.step}: rank 0 committed nothing for "
-                           f"{self.give_up_s:.0f} s; is its writer still running?"))
+                self.send(Abandoned(attempt.job,
+                                    f"step {attempt.step}: rank 0 committed nothing for "
+                                    f"{self.give_up_s:.0f} s; is its writer still running?"))
             else:
                 still.append(attempt)
         self.pending = still

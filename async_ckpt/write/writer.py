@@ -2,42 +2,43 @@
 
 The training process starts it once per engine as ``python -m async_ckpt.write.writer`` (a fresh
 interpreter: never a fork of a CUDA process, and unlike multiprocessing's spawn it does not re-import
-the user's ``__main__``). It never imports torch. The two talk over a Unix socket: staging buffers
-arrive as memfd file descriptors, snapshots as small job messages naming a buffer. For each job the
-writer encodes and writes the shard, tells the trainer the buffer is free again, fsyncs, and commits
-the step to the manifest. When the training process dies the socket closes; the writer finishes the
-jobs already queued (their bytes are staged and whole) and exits.
+the user's ``__main__``), through ``client.WriterClient``. It never imports torch. The two talk over
+a Unix socketpair in the typed messages of ``protocol.py``:
 
-Protocol (tuples over ``multiprocessing.connection.Connection``):
-  trainer -> writer: ("attach", buffer_id, nbytes) followed by the fd; ("detach", buffer_id);
-                     ("snapshot", job); ("close",)
-  writer -> trainer: ("ready", info); ("released", buffer_id, step);
-                     ("committed", job, figures); ("abandoned", job, message);
-                     ("failed", job, error class name, message)
+  trainer -> writer: Attach(buffer_id, nbytes), then the buffer's memfd; Detach(buffer_id);
+                     SnapshotJob(job, step, buffer_id, dir, tree, plan, submitted); Close()
+  writer -> trainer: Ready(pid) once started; per job Released(buffer_id, step) as soon as the
+                     staging buffer is no longer read, then one of Committed(job, figures),
+                     Abandoned(job, message) (another rank never finished its shard) or
+                     Failed(job, error) (a CheckpointError object, raised in the trainer)
+
+For each job the writer encodes and writes the shard, releases the buffer, fsyncs, and hands the
+attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit).
+When the training process dies the socket closes; the writer finishes the jobs already queued
+(their bytes are staged and whole) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import mmap
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import recv_handle
 from typing import Optional
 
 import psutil
 
-from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitWatcher
-from ..errors import DiskFullError, WriterDiedError
-from ..format.shard import ChunkEncoder, ShardWriter, checksum
+from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
+from .protocol import (Attach, Close, Detach, Failed, Ready, Released, SnapshotJob, WriterConfig,
+                       WriterEvent)
+from ..errors import DiskFullError
+from ..format.shard import ChunkEncoder, ShardWriter, checksum, version_needed
 from ..storage.local import as_checkpoint_error, fsync_dir, make_dirs, remove_entries
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord
@@ -45,133 +46,41 @@ from ..format.names import PARTIAL_SUFFIX, shard_file_name
 from ..format.layout import Plan, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
-_READY_TIMEOUT_S = 120.0
-
-
-class WriterClient:
-    """The training process's handle on its writer process."""
-
-    def __init__(self, config: dict):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "async_ckpt.write.writer", "--fd", str(theirs.fileno()),
-                 "--config", json.dumps(config)],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        event = self.next_event(_READY_TIMEOUT_S)
-        if event is None or event[0] != "ready":
-            self.kill()
-            raise WriterDiedError(f"the writer process did not start (got {event!r}); see its stderr")
-        self.pid = self.process.pid
-
-    def attach(self, buffer_id: int, fd: int, nbytes: int) -> None:
-        self._send(("attach", buffer_id, nbytes))
-        try:
-            send_handle(self.conn, fd, self.process.pid)
-        except OSError as e:
-            raise self.died() from e
-
-    def detach(self, buffer_id: int) -> None:
-        self._send(("detach", buffer_id))
-
-    def submit(self, job: dict) -> None:
-        self._send(("snapshot", job))
-
-    def _send(self, message: tuple) -> None:
-        try:
-            self.conn.send(message)
-        except OSError as e:
-            raise self.died() from e
-
-    def next_event(self, timeout: Optional[float]) -> Optional[tuple]:
-        """The next message from the writer, or None after ``timeout`` seconds (None: no limit).
-
-        Raises WriterDiedError as soon as the writer is gone, instead of hanging."""
-        if not wait([self.conn], timeout):
-            return None
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError) as e:
-            raise self.died() from e
-
-    def died(self) -> WriterDiedError:
-        try:
-            code = self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with code {code}" if code is not None else "stopped answering")
-        return WriterDiedError(
-            f"the checkpoint writer process (pid {self.process.pid}) {how}. Snapshots in flight are "
-            "lost; committed ones are intact. Check memory and disk, then create a new engine "
-            "(or restart the job) to resume from the newest committed snapshot")
-
-    def rss(self) -> dict:
-        try:
-            info = psutil.Process(self.process.pid).memory_info()
-        except psutil.Error:
-            return {}
-        return {"writer_rss": info.rss, "writer_shared": info.shared}
-
-    def close(self, timeout: float) -> None:
-        try:
-            self.conn.send(("close",))
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.error("writer process %d did not exit in %.0f s; killing it", self.process.pid, timeout)
-            self.kill()
-        self.conn.close()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
 
 
 class SnapshotWriter:
     """The writer process's state: attached buffers, the current plan and shard layout, and the
     commit stage (rank 0 commits, the other ranks watch for the commit)."""
 
-    def __init__(self, conn: Connection, config: dict):
+    def __init__(self, conn: Connection, config: WriterConfig):
         self.conn = conn
-        self.root = config["root"]
-        self.rank = config["rank"]
-        self.world_size = config["world_size"]
-        self.spread_replicated = config["spread_replicated"]
-        self.reserve_bytes = config["reserve_bytes"]
-        self.encoder = ChunkEncoder(config["compression"], config["level"])
+        self.root = config.root
+        self.rank = config.rank
+        self.world_size = config.world_size
+        self.spread_replicated = config.spread_replicated
+        self.reserve_bytes = config.reserve_bytes
+        self.encoder = ChunkEncoder(config.compression, config.level)
         self.buffers: dict[int, mmap.mmap] = {}
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
-        if self.rank == 0:
-            self.commit = Committer(self.root, self.world_size, config["keep_last"],
-                                    config["keep_every"], config["commit_timeout"], self.send)
-        else:
-            self.commit = CommitWatcher(self.root, config["commit_timeout"], self.send)
+        self.commit: CommitStage = (
+            Committer(self.root, self.world_size, config.keep_last, config.keep_every,
+                      config.commit_timeout, self.send) if self.rank == 0
+            else CommitWatcher(self.root, config.commit_timeout, self.send))
 
     def serve(self) -> None:
         """Handle the trainer's messages; between them, let the commit stage poll. Once the
-        trainer is gone (or closed), rank 0 finishes committing what is pending, then returns."""
-        orphaned = False
-        while not orphaned or (self.rank == 0 and self.commit.pending):
+        trainer is gone (or closed), poll until the stage has nothing pending, then return."""
+        trainer_gone = False
+        while not trainer_gone or self.commit.pending:
             polling = bool(self.commit.pending)
-            if orphaned:
+            if trainer_gone:
                 time.sleep(POLL_INTERVAL_S)
             elif wait([self.conn], POLL_INTERVAL_S if polling else None):
-                orphaned = not self.receive()
-            if polling and self.rank == 0:
-                self.commit.poll(orphaned)
-            elif polling and not orphaned:
-                self.commit.poll()
+                trainer_gone = not self.receive()
+            if polling:
+                self.commit.poll(trainer_gone)
 
     def receive(self) -> bool:
         """Handle one message; False once the trainer has closed the connection or died."""
@@ -179,38 +88,42 @@ class SnapshotWriter:
             message = self.conn.recv()
         except (EOFError, OSError):
             return False
-        kind = message[0]
-        if kind == "attach":
-            try:
-                fd = recv_handle(self.conn)
-            except (EOFError, OSError):
-                return False  # the trainer died between the message and its fd: as if it closed
-            self.buffers[message[1]] = mmap.mmap(fd, message[2], prot=mmap.PROT_READ)
-            os.close(fd)
-        elif kind == "detach":
-            self.buffers.pop(message[1]).close()
-        elif kind == "snapshot":
-            self.handle(message[1])
-        return kind != "close"
+        match message:
+            case Attach(buffer_id, nbytes):
+                try:
+                    fd = recv_handle(self.conn)
+                except (EOFError, OSError):
+                    return False  # the trainer died between the message and its fd: as if it closed
+                self.buffers[buffer_id] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+                os.close(fd)
+            case Detach(buffer_id):
+                self.buffers.pop(buffer_id).close()
+            case SnapshotJob():
+                self.handle(message)
+            case Close():
+                return False
+            case _:
+                raise TypeError(f"the writer got an unknown message {message!r}")
+        return True
 
-    def send(self, message: tuple) -> None:
+    def send(self, event: WriterEvent) -> None:
         try:
-            self.conn.send(message)
+            self.conn.send(event)
         except OSError:
             pass  # the trainer died; still finish and commit what it staged
 
-    def handle(self, job: dict) -> None:
-        if job.get("plan") is not None:
-            self.plan = job["plan"]
+    def handle(self, job: SnapshotJob) -> None:
+        if job.plan is not None:
+            self.plan = job.plan
             self.layout = shard_layout(self.plan, self.rank, self.world_size, self.spread_replicated)
-        step, buffer_id = job["step"], job["buffer_id"]
+        step, buffer_id = job.step, job.buffer_id
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.send(("released", buffer_id, step))
+                self.send(Released(buffer_id, step))
 
         try:
             attempt = self.write(job, memoryview(self.buffers[buffer_id]), release)
@@ -218,19 +131,19 @@ class SnapshotWriter:
             release()
             error = as_checkpoint_error(e, f"step {step}")
             log.error("snapshot of step %d failed: %s", step, error)
-            self.send(("failed", job["job"], type(error).__name__, str(error)))
+            self.send(Failed(job.job, error))
             return
         self.commit.add(attempt)  # rank 0 commits; the others watch for it
 
-    def write(self, job: dict, buf: memoryview, release) -> Attempt:
+    def write(self, job: SnapshotJob, buf: memoryview, release) -> Attempt:
         """Write and fsync this rank's shard of one snapshot under its final name; calls
         ``release`` once the staging buffer is no longer read."""
-        step, plan, layout = job["step"], self.plan, self.layout
+        step, plan, layout = job.step, self.plan, self.layout
         t_start = time.monotonic()
         regions = [plan.regions[i] for i in layout.written]
         raw_bytes = sum(r.nbytes for r in regions)
         self.check_space(raw_bytes)
-        path = os.path.join(self.root, job["dir"])
+        path = os.path.join(self.root, job.dir)
         # The directory's entry in the root must be durable before our shard's final name says the
         # shard is (rank 0 commits once it sees every final name). make_dirs fsyncs the root when it
         # creates the directory; when another rank already had, fsync it anyway: that rank may not
@@ -239,7 +152,7 @@ class SnapshotWriter:
             fsync_dir(self.root)
         final = os.path.join(path, shard_file_name(self.rank))
         partial = final + PARTIAL_SUFFIX
-        shard = ShardWriter(partial, self.encoder, version=2 if layout.uses_references else 1)
+        shard = ShardWriter(partial, self.encoder, version=version_needed(layout.uses_references))
         try:
             for region, fields in zip(regions, layout.replica_fields):
                 shard.add_storage(buf[region.offset:region.offset + region.nbytes],
@@ -252,7 +165,7 @@ class SnapshotWriter:
             t_written = time.monotonic()
             size, index_digest = shard.finish({
                 "step": step, "rank": self.rank, "world_size": self.world_size,
-                "created": time.time(), "tensors": list(layout.tensors), "tree": job["tree"],
+                "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": replicas} if replicas else {})})
             os.rename(partial, final)  # the final name says: these bytes are durable
             fsync_dir(path)
@@ -260,14 +173,14 @@ class SnapshotWriter:
             shard.close()
             remove_entries(path, [os.path.basename(partial)])
             if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans
-                remove_entries(self.root, [job["dir"]])
+                remove_entries(self.root, [job.dir])
             raise
         t_durable = time.monotonic()
         self.stored_ratio = size / max(raw_bytes, 1)
-        return Attempt(job=job["job"], step=step, dir=job["dir"],
+        return Attempt(job=job.job, step=step, dir=job.dir,
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
                        replicas=replicas, raw_bytes=raw_bytes, figures={
-                           "queue_s": t_start - job["submitted"], "write_s": t_written - t_start,
+                           "queue_s": t_start - job.submitted, "write_s": t_written - t_start,
                            "fsync_s": t_durable - t_written, "shard_bytes": size},
                        durable_at=t_durable)
 
@@ -297,17 +210,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
-    config = json.loads(args.config)
+    config = WriterConfig.from_json(args.config)
     # A terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole process group; the writer
     # finishes what the trainer staged and exits when the trainer closes the socket (or dies).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=config["log_level"], stream=sys.stderr,
-                        format=f"async_ckpt writer[rank {config['rank']}] %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format=f"async_ckpt writer[rank {config.rank}] %(levelname)s %(message)s")
     conn = Connection(args.fd)
-    _lower_priority(config["nice"], config["low_io_priority"])
-    join_rank_lock(config["lock"])  # held until exit: no other engine cleans up under our feet
-    conn.send(("ready", {"pid": os.getpid()}))
+    _lower_priority(config.nice, config.low_io_priority)
+    join_rank_lock(config.lock)  # held until exit: no other engine cleans up under our feet
+    conn.send(Ready(os.getpid()))
     SnapshotWriter(conn, config).serve()
 
 

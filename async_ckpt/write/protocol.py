@@ -1,0 +1,143 @@
+"""What the training process and its writer process say to each other, as typed messages.
+
+The messages travel pickled over the socketpair the trainer creates for its own writer: both ends
+are our own processes, never data read from a checkpoint directory, so unpickling them runs no code
+that anyone else wrote. Errors cross as ``CheckpointError`` objects (``Failed.error``), so the
+trainer raises the very class the writer saw and ``isinstance`` keeps working for subclasses.
+The writer's settings cross once, as JSON on its command line (``WriterConfig``).
+
+  trainer -> writer: Attach (then the memfd itself), Detach, SnapshotJob, Close
+  writer -> trainer: Ready once started; then per job Released, and one ``JobOutcome``:
+                     Committed, Abandoned or Failed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..errors import CheckpointError
+from ..format.layout import Plan
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """The writer process's settings, fixed for its lifetime."""
+
+    root: str
+    rank: int
+    world_size: int
+    spread_replicated: bool
+    commit_timeout: float
+    keep_last: int
+    keep_every: Optional[int]
+    compression: Optional[str]
+    level: int
+    reserve_bytes: int
+    nice: int
+    low_io_priority: bool
+    lock: str  # this rank's lock file, which the writer joins (storage/locks.py)
+    log_level: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WriterConfig":
+        return cls(**json.loads(text))
+
+
+# --- trainer -> writer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attach:
+    """A staging buffer of ``nbytes``; its memfd follows on the socket (``send_handle``), and the
+    writer maps it read-only."""
+
+    buffer_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Detach:
+    """The trainer replaced the buffer (the state outgrew it); the writer unmaps it, which frees
+    the memory once the trainer has closed it too."""
+
+    buffer_id: int
+
+
+@dataclass(frozen=True)
+class SnapshotJob:
+    """Write the snapshot staged in buffer ``buffer_id`` into directory ``dir`` of the root."""
+
+    job: int  # the trainer's number for this snapshot, echoed in the answers
+    step: int
+    buffer_id: int
+    dir: str
+    tree: dict  # the state tree (docs/FORMAT.md), stored in the shard's index
+    plan: Optional[Plan]  # None: the same plan as the previous job's
+    submitted: float  # time.monotonic() in the trainer: the writer's queue time starts here
+
+
+@dataclass(frozen=True)
+class Close:
+    """The trainer is done: finish what is staged, then exit."""
+
+
+# --- writer -> trainer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The writer has started and holds its share of this rank's lock (``storage/locks.py``).
+
+    From here on the lock stays held until the writer has finished, even if the trainer dies."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Released:
+    """The writer no longer reads buffer ``buffer_id``: the trainer may stage into it again."""
+
+    buffer_id: int
+    step: int
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How job ``job`` ended: exactly one outcome is sent per job, and the trainer forgets it."""
+
+    job: int
+
+
+@dataclass(frozen=True)
+class Committed(JobOutcome):
+    """In the manifest; ``figures`` are its timings and sizes (see ``stats()``)."""
+
+    figures: dict
+
+
+@dataclass(frozen=True)
+class Abandoned(JobOutcome):
+    """Given up because some rank never finished its shard: not an error of this rank, so it is
+    logged and counted, not raised."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed(JobOutcome):
+    """Writing or committing it failed; the trainer raises ``error`` at its next call.
+
+    The error object itself crosses (a ``CheckpointError`` pickles with its class and message),
+    so the trainer raises the class the writer saw, subclasses included."""
+
+    error: CheckpointError
+
+
+TrainerMessage = Union[Attach, Detach, SnapshotJob, Close]
+WriterEvent = Union[Ready, Released, Committed, Abandoned, Failed]
