@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file
 
 from async_ckpt import CheckpointEngine, load
-
 from async_ckpt.tools import cli
 from async_ckpt.tools.cli import main
 from async_ckpt.errors import NoSnapshotError

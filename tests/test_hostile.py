@@ -15,10 +15,8 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from async_ckpt import CheckpointEngine, load
-
 from async_ckpt.tools import cli
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
                                ManifestError, NoSnapshotError, StateMismatchError)
