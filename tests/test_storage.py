@@ -15,7 +15,6 @@ from async_ckpt.format.manifest import (Manifest, ShardRecord, leftovers, read_m
 from async_ckpt.format.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.read.snapshot import read_snapshot
-from async_ckpt.storage import local
 from async_ckpt.storage.base import ShardSink, ShardSource, Storage
 from async_ckpt.storage.local import LocalStorage, as_storage
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
@@ -27,20 +26,6 @@ SHARD = shard_file_name(0)
 @pytest.fixture
 def storage(tmp_path):
     return LocalStorage(tmp_path / "ckpt")
-
-
-@pytest.fixture
-def fsynced(monkeypatch):
-    """The directories fsync_dir is called on (it still fsyncs them)."""
-    calls = []
-    real = local.fsync_dir
-
-    def recording(path):
-        calls.append(path)
-        real(path)
-
-    monkeypatch.setattr(local, "fsync_dir", recording)
-    return calls
 
 
 def made(storage, data=b"shard bytes", snapshot=SNAP, file=SHARD) -> None:
