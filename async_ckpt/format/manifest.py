@@ -2,8 +2,9 @@
 
 A snapshot is restorable if and only if the manifest names it. The manifest is replaced atomically
 (``Storage.publish``; locally: temporary file, fsync, ``os.replace``, fsync of the directory), so a
-crash at any instant leaves either the old or the new list. Snapshot directories are deleted only after a manifest that no longer
-names them is durable; directories that no manifest names are leftovers of interrupted writes.
+crash at any instant leaves either the old or the new list. Snapshot directories are deleted only
+after a manifest that no longer names them is durable; directories that no manifest names are
+leftovers of interrupted writes.
 
 Order is commit order (``seq``), not step order: after a user rewinds to an older step and trains on,
 the snapshot committed last is the one to resume from, and retention must never drop it.
@@ -272,7 +273,7 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
     """
     storage = as_storage(root)
     if storage.exists(MANIFEST_NAME):
-        if storage.version(MANIFEST_NAME) is None:  # a dangling link: not "no manifest"
+        if storage.version(MANIFEST_NAME) is None:  # there, yet unreadable: a dangling link
             raise ManifestError(f"{storage.location(MANIFEST_NAME)} is a link to nothing; replace "
                                 "it with the real manifest (committed snapshot directories are "
                                 "untouched)")

@@ -114,6 +114,7 @@ class ShardWriter:
     def _write(self, buffers: list) -> None:
         self._sink.write(buffers)
         self._offset += sum(len(b) for b in buffers)
+
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
