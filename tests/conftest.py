@@ -66,3 +66,19 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """The directories ``storage.local.fsync_dir`` is called on (it still fsyncs them)."""
+    from async_ckpt.storage import local
+
+    calls = []
+    real = local.fsync_dir
+
+    def recording(path):
+        calls.append(path)
+        real(path)
+
+    monkeypatch.setattr(local, "fsync_dir", recording)
+    return calls

@@ -158,20 +158,6 @@ def test_snapshot_directory_and_new_root_are_durable_before_use(tmp_path):
     assert synced.end < manifest.start, show(mine)
 
 
-@pytest.fixture
-def fsynced(monkeypatch):
-    """The directories fsync_dir is called on (it still fsyncs them)."""
-    calls = []
-    real = fsutil.fsync_dir
-
-    def recording(path):
-        calls.append(path)
-        real(path)
-
-    monkeypatch.setattr(fsutil, "fsync_dir", recording)
-    return calls
-
-
 def test_make_dirs_fsyncs_the_parent_of_each_directory_it_creates(tmp_path, fsynced):
     base = str(tmp_path)
     target = os.path.join(base, "a", "b", "c")

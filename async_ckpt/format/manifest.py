@@ -1,9 +1,10 @@
 """The root manifest: the single source of truth for which snapshots are committed.
 
 A snapshot is restorable if and only if the manifest names it. The manifest is replaced atomically
-(temporary file, fsync, ``os.replace``, fsync of the directory), so a crash at any instant leaves
-either the old or the new list. Snapshot directories are deleted only after a manifest that no longer
-names them is durable; directories that no manifest names are leftovers of interrupted writes.
+(``Storage.publish``; locally: temporary file, fsync, ``os.replace``, fsync of the directory), so a
+crash at any instant leaves either the old or the new list. Snapshot directories are deleted only
+after a manifest that no longer names them is durable; directories that no manifest names are
+leftovers of interrupted writes.
 
 Order is commit order (``seq``), not step order: after a user rewinds to an older step and trains on,
 the snapshot committed last is the one to resume from, and retention must never drop it.
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ..errors import CheckpointError, ManifestError, UnsupportedFormatError
-from ..storage.local import atomic_write, read_regular
+from ..storage.base import Storage
+from ..storage.local import as_storage
 from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
 
 log = logging.getLogger(__name__)
@@ -137,15 +139,17 @@ def manifest_path(root: str) -> str:
     return os.path.join(root, MANIFEST_NAME)
 
 
-def read_manifest(root: str) -> Manifest:
-    """The committed snapshots under ``root``; an empty manifest when none was ever committed.
+def read_manifest(root: str | Storage) -> Manifest:
+    """The committed snapshots under ``root`` (a directory or a Storage); an empty manifest when
+    none was ever committed.
 
     The file is untrusted: every field is checked (types, ranges, names against docs/FORMAT.md
     section 1) before a record is built, so nothing later turns a damaged manifest into a path
     outside ``root`` or an untyped exception."""
-    path = manifest_path(root)
+    storage = as_storage(root)
+    path = storage.location(MANIFEST_NAME)
     try:
-        raw = read_regular(path, MAX_MANIFEST_BYTES, ManifestError)
+        raw = storage.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError)
     except FileNotFoundError:
         return Manifest()
     try:
@@ -253,12 +257,12 @@ def _short(v) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def write_manifest(root: str, manifest: Manifest) -> None:
+def write_manifest(root: str | Storage, manifest: Manifest) -> None:
     """Durably replace the manifest: after this returns, the new list survives a power cut."""
-    atomic_write(manifest_path(root), manifest.to_bytes())
+    as_storage(root).publish(MANIFEST_NAME, manifest.to_bytes())
 
 
-def recover_manifest(root: str, write: bool = True) -> Manifest:
+def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
     """The manifest, or, when ``manifest.json`` is missing although complete snapshots exist (it
     was deleted or lost), one rebuilt from them (and written durably if ``write``).
 
@@ -267,14 +271,16 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
     and index (chunk checksums are checked when it is restored). Call only while holding the
     directory's writer locks.
     """
-    if os.path.lexists(manifest_path(root)):
-        if not os.path.exists(manifest_path(root)):  # a dangling link: not "no manifest"
-            raise ManifestError(f"{manifest_path(root)} is a link to nothing; replace it with the "
-                                "real manifest (committed snapshot directories are untouched)")
-        return read_manifest(root)
+    storage = as_storage(root)
+    if storage.exists(MANIFEST_NAME):
+        if storage.version(MANIFEST_NAME) is None:  # there, yet unreadable: a dangling link
+            raise ManifestError(f"{storage.location(MANIFEST_NAME)} is a link to nothing; replace "
+                                "it with the real manifest (committed snapshot directories are "
+                                "untouched)")
+        return read_manifest(storage)
     found: dict[int, SnapshotRecord] = {}
-    for name in os.listdir(root):
-        record = _complete_snapshot(root, name) if SNAPSHOT_DIR.fullmatch(name) else None
+    for name in storage.list_root():
+        record = _complete_snapshot(storage, name) if SNAPSHOT_DIR.fullmatch(name) else None
         if record is not None and (record.step not in found
                                    or found[record.step].committed_at < record.committed_at):
             found[record.step] = record
@@ -284,29 +290,27 @@ def recover_manifest(root: str, write: bool = True) -> Manifest:
     manifest = Manifest(tuple(SnapshotRecord(**{**r.__dict__, "seq": i}) for i, r in enumerate(ordered)),
                         next_seq=len(ordered))
     if write:
-        write_manifest(root, manifest)
+        write_manifest(storage, manifest)
     log.warning("%s was missing; rebuilt it from %d complete snapshot(s): steps %s",
-                manifest_path(root), len(ordered), manifest.steps())
+                storage.location(MANIFEST_NAME), len(ordered), manifest.steps())
     return manifest
 
 
-def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
-    """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None."""
+def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
+    """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None
+    (also when ``name`` is not a directory, or a link to one)."""
     from .shard import ShardReader  # the shard format is needed only for this repair
 
-    directory = os.path.join(root, name)
-    if os.path.islink(directory) or not os.path.isdir(directory):
-        return None
     shards, indexes = {}, []
-    for file in sorted(os.listdir(directory)):
+    for file, _ in storage.list_snapshot(name):
         if not SHARD_FILE.fullmatch(file):  # e.g. a shard still being written (*.partial)
             continue
         try:
-            with ShardReader(os.path.join(directory, file)) as reader:
+            with ShardReader(storage.open_shard(name, file)) as reader:
                 index = reader.index
                 record = ShardRecord(int(SHARD_FILE.fullmatch(file).group(1)), file, reader.size,
                                      reader.index_xxh3)
-        except (CheckpointError, FileNotFoundError):
+        except CheckpointError:
             continue
         if index.get("rank") != record.rank:
             return None
@@ -325,9 +329,10 @@ def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()))
 
 
-def leftovers(root: str, manifest: Manifest) -> list[str]:
+def leftovers(root: str | Storage, manifest: Manifest) -> list[str]:
     """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
-    delete (with ``paths.remove_entries``) while no writer is active on ``root``."""
+    delete (``Storage.remove``, ``storage.local.remove_entries``) while no writer is active on
+    ``root``."""
     referenced = {s.dir for s in manifest.snapshots}
-    return [name for name in sorted(os.listdir(root))
+    return [name for name in as_storage(root).list_root()
             if (SNAPSHOT_DIR.fullmatch(name) and name not in referenced) or MANIFEST_TMP.fullmatch(name)]

@@ -16,14 +16,15 @@ import json
 import os
 import struct
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 import xxhash
 import zstandard
 
 from . import filters
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from ..storage.local import open_regular, write_all
+from ..storage.base import ShardSink, ShardSource
+from ..storage.local import new_shard_file, open_shard_file
 
 READABLE_VERSIONS = (1, 2)
 MAGIC = b"ACKPT\x00\r\n"
@@ -93,25 +94,29 @@ class ChunkEncoder:
 
 
 class ShardWriter:
-    """Writes one shard file: ``add_storage`` for each region in order, then ``finish``."""
+    """Writes one shard file: ``add_storage`` for each region in order, then ``finish`` (or
+    ``abort``). It writes into a ``ShardSink`` (from ``Storage.create_shard``), which it owns; a
+    path makes a plain local file there (tests, tools)."""
 
-    def __init__(self, path: str, encoder: ChunkEncoder, chunk_bytes: int = CHUNK_BYTES,
-                 version: int = 1):
+    def __init__(self, sink: Union[ShardSink, str, os.PathLike], encoder: ChunkEncoder,
+                 chunk_bytes: int = CHUNK_BYTES, version: int = 1):
         if version not in READABLE_VERSIONS:
             raise ValueError(f"cannot write shard format version {version}")
-        self.path = path
         self.version = version
         self._encoder = encoder
         self._chunk_bytes = chunk_bytes
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._sink = sink if isinstance(sink, ShardSink) else new_shard_file(os.fspath(sink))
         self._storages: list[dict] = []
         self._offset = 0
-        self._write([_HEADER.pack(MAGIC, version, 0)])
+        try:
+            self._write([_HEADER.pack(MAGIC, version, 0)])
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, buffers: list) -> None:
-        for b in buffers:
-            write_all(self._fd, b)
-            self._offset += len(b)
+        self._sink.write(buffers)
+        self._offset += sum(len(b) for b in buffers)
 
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
@@ -132,7 +137,8 @@ class ShardWriter:
         return sum(s["nbytes"] for s in self._storages)
 
     def finish(self, meta: dict) -> tuple[int, str]:
-        """Write the index (``meta`` plus the storage table) and trailer, fsync, close.
+        """Write the index (``meta`` plus the storage table) and trailer; on return the file is
+        durable under its final name (``ShardSink.finish``).
 
         Returns the file size and the index checksum, which the manifest records.
         """
@@ -141,31 +147,30 @@ class ShardWriter:
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
         digest = xxhash.xxh3_64_intdigest(blob)
         self._write([blob, _TRAILER.pack(self._offset, len(blob), digest, TRAILER_MAGIC)])
-        os.fsync(self._fd)
-        self.close()
+        self._sink.finish()
         return self._offset, f"{digest:016x}"
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+    def abort(self) -> None:
+        """Discard the file (nothing of it stays); harmless after ``finish``."""
+        self._sink.abort()
 
 
 class ShardReader:
-    """Reads and verifies one shard file. Construction validates the header, trailer and index."""
+    """Reads and verifies one shard file. Construction validates the header, trailer and index.
 
-    def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 expected_index_xxh3: Optional[str] = None):
-        self.path = path
+    It reads from a ``ShardSource`` (from ``Storage.open_shard``), which it owns and closes; a path
+    opens that local file (the CLI, tests)."""
+
+    def __init__(self, source: Union[ShardSource, str, os.PathLike],
+                 expected_bytes: Optional[int] = None, expected_index_xxh3: Optional[str] = None):
+        self._source = (source if isinstance(source, ShardSource)
+                        else open_shard_file(os.fspath(source)))
+        self.path = self._source.name
         try:
-            self._fd = open_regular(path, CorruptSnapshotError)
-        except FileNotFoundError as e:
-            raise CorruptSnapshotError(f"{path} is missing; the snapshot is incomplete") from e
-        try:
-            self.size = os.fstat(self._fd).st_size
+            self.size = self._source.size
             if expected_bytes is not None and self.size != expected_bytes:
                 raise CorruptSnapshotError(
-                    f"{path} has {self.size} bytes, the manifest recorded {expected_bytes}: "
+                    f"{self.path} has {self.size} bytes, the manifest recorded {expected_bytes}: "
                     "the file was truncated or replaced")
             self.index = self._read_index(expected_index_xxh3)
         except BaseException:
@@ -179,16 +184,15 @@ class ShardReader:
         self.close()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._source.close()
 
-    def _pread(self, n: int, offset: int) -> bytes:
+    def _pread(self, n: int, offset: int) -> bytearray:
+        data = bytearray(n)
         try:
-            data = os.pread(self._fd, n, offset)
+            got = self._source.read_into(data, offset)
         except OSError as e:  # EIO from a failing device
             raise CorruptSnapshotError(f"{self.path}: cannot read at offset {offset}: {e.strerror}") from e
-        if len(data) != n:
+        if got != n:
             raise CorruptSnapshotError(f"{self.path}: short read at offset {offset} (truncated?)")
         return data
 
@@ -240,7 +244,7 @@ class ShardReader:
         if chunk["codec"] == "raw":
             stored = target
             try:
-                got = os.preadv(self._fd, [stored], chunk["offset"])
+                got = self._source.read_into(stored, chunk["offset"])
             except OSError as e:
                 raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
             if got != chunk["stored"]:

@@ -26,6 +26,8 @@ from ..format import values
 from ..format.manifest import SnapshotRecord, read_manifest
 from ..format.names import RNG_KEY
 from ..format.shard import ShardReader
+from ..storage.base import Storage
+from ..storage.local import as_storage
 from ..train.capture import DTYPES
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,11 @@ class Entry:
         return self.value
 
 
-def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
+def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
                   allow_pickle: bool = False) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
     replicated storages it refers to in other ranks' shards."""
+    storage = as_storage(root)
     readers: dict[int, ShardReader] = {}
 
     def shard(r: int) -> ShardReader:
@@ -60,7 +63,7 @@ def read_snapshot(root: str, record: SnapshotRecord, rank: int = 0,
             s = next((s for s in record.shards if s.rank == r), None)
             if s is None:
                 raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
-            readers[r] = ShardReader(os.path.join(root, record.dir, s.file), s.bytes, s.index_xxh3)
+            readers[r] = ShardReader(storage.open_shard(record.dir, s.file), s.bytes, s.index_xxh3)
             if readers[r].index.get("step") != record.step:
                 raise CorruptSnapshotError(f"{readers[r].path} holds step "
                                            f"{readers[r].index.get('step')!r}, the manifest says {record.step}")

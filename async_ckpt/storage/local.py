@@ -1,5 +1,9 @@
 """The local POSIX directory: the only ways the library opens, writes, replaces and deletes files.
 
+``LocalStorage(root)`` is the ``storage.base.Storage`` of a local directory; the module functions
+below are its building blocks, also used directly for the files outside the seam (session and
+heartbeat files, the lock files, a shard opened by path).
+
 Durability: a rename is only durable once the directory that holds it is fsynced; a file's
 contents only once the file is. Every commit path goes through these helpers so that the order
 (write, fsync file, rename, fsync directory) is written down once.
@@ -17,10 +21,12 @@ import logging
 import os
 import shutil
 import stat
-from typing import Iterable, Type
+from typing import Iterable, Optional, Type, Union
 
-from ..errors import CheckpointDirError, CheckpointError, DiskFullError, SnapshotWriteError
-from ..format.names import is_ours
+from .base import ShardSink, ShardSource, Storage
+from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
+                      SnapshotWriteError)
+from ..format.names import PARTIAL_SUFFIX, is_ours
 
 log = logging.getLogger(__name__)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -202,3 +208,148 @@ def remove_entries(root: str, names: Iterable[str]) -> None:
             pass
         except OSError as e:
             log.warning("could not delete %s: %s", path, e.strerror)
+
+
+class LocalShardSink(ShardSink):
+    """A new file written at ``path`` and renamed to ``final`` once durable (``final`` may be
+    ``path`` itself: renaming a file onto itself does nothing)."""
+
+    def __init__(self, path: str, final: str):
+        self._path, self._final = path, final
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._renamed = False
+
+    def write(self, buffers: Iterable) -> None:
+        for b in buffers:
+            write_all(self._fd, b)
+
+    def finish(self) -> None:
+        os.fsync(self._fd)
+        self._close()
+        os.rename(self._path, self._final)  # the final name says: these bytes are durable
+        self._renamed = True
+        fsync_dir(os.path.dirname(self._final))
+
+    def abort(self) -> None:
+        self._close()
+        if not self._renamed:
+            remove_entries(os.path.dirname(self._path), [os.path.basename(self._path)])
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LocalShardSource(ShardSource):
+    """An open regular file (see ``open_shard_file``)."""
+
+    def __init__(self, fd: int, path: str):
+        self._fd, self.name = fd, path
+        self.size = os.fstat(fd).st_size
+
+    def read_into(self, buffer, offset: int) -> int:
+        return os.preadv(self._fd, [buffer], offset)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def new_shard_file(path: str) -> LocalShardSink:
+    """A sink writing the new file ``path`` directly (no temporary name): for files outside a
+    snapshot directory's protocol, e.g. tests and tools. FileExistsError when it is there."""
+    return LocalShardSink(path, path)
+
+
+def open_shard_file(path: str) -> LocalShardSource:
+    """The shard file ``path`` for reading; missing or not a regular file is CorruptSnapshotError
+    (a shard that a manifest or a listing names must be there)."""
+    try:
+        fd = open_regular(path, CorruptSnapshotError)
+    except FileNotFoundError as e:
+        raise CorruptSnapshotError(f"{path} is missing; the snapshot is incomplete") from e
+    try:
+        return LocalShardSource(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class LocalStorage(Storage):
+    """The checkpoint root ``root``, a local directory, with the semantics documented above."""
+
+    def __init__(self, root: Union[str, os.PathLike]):
+        self.root = os.fspath(root)
+
+    def location(self, *names: str) -> str:
+        return os.path.join(self.root, *names)
+
+    def make_snapshot_dir(self, dir: str) -> None:
+        # make_dirs fsyncs the root when it creates the directory; when another rank already had,
+        # fsync it anyway: that rank may not have yet. One fsync of the root per snapshot.
+        if not make_dirs(self.location(dir)):
+            fsync_dir(self.root)
+
+    def create_shard(self, dir: str, file: str) -> LocalShardSink:
+        final = self.location(dir, file)
+        return LocalShardSink(final + PARTIAL_SUFFIX, final)
+
+    def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
+        """Empty also when ``dir`` is not a directory (a link is not followed); an entry that
+        vanishes while listed (a rename) is left out, and links inside are not followed."""
+        path = self.location(dir)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return ()
+            with os.scandir(path) as entries:
+                found = [(e.name, _size_of(e)) for e in entries]
+        except FileNotFoundError:
+            return ()
+        return tuple(sorted((name, size) for name, size in found if size is not None))
+
+    def sync_snapshot(self, dir: str) -> None:
+        fsync_dir(self.location(dir))
+
+    def open_shard(self, dir: str, file: str) -> LocalShardSource:
+        return open_shard_file(self.location(dir, file))
+
+    def read_file(self, name: str, limit: int, error: Type[CheckpointError]) -> bytes:
+        return read_regular(self.location(name), limit, error)
+
+    def publish(self, name: str, data: bytes) -> None:
+        atomic_write(self.location(name), data)
+
+    def version(self, name: str) -> Optional[tuple]:
+        """(inode, size, mtime): a replacement always brings a new inode."""
+        try:
+            st = os.stat(self.location(name))
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def exists(self, name: str) -> bool:
+        return os.path.lexists(self.location(name))
+
+    def list_root(self) -> list[str]:
+        return sorted(os.listdir(self.root))
+
+    def remove(self, names: Iterable[str]) -> None:
+        remove_entries(self.root, names)
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.root).free
+
+
+def _size_of(entry: os.DirEntry) -> Optional[int]:
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
+
+
+def as_storage(root: Union[str, os.PathLike, Storage]) -> Storage:
+    """``root`` itself when it is a Storage, else the local directory it names: lets the
+    functions that callers give a path also run against any storage."""
+    return root if isinstance(root, Storage) else LocalStorage(root)

@@ -19,18 +19,16 @@ so the writer loop drives either without knowing its rank.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Hashable, Optional, Protocol
 
 from ..errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
+from ..format.manifest import DroppedRecord, ShardRecord, SnapshotRecord, read_manifest, write_manifest
+from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.shard import ShardReader
-from ..storage.local import as_checkpoint_error, fsync_dir, remove_entries
-from ..format.manifest import (DroppedRecord, ShardRecord, SnapshotRecord, manifest_path, read_manifest,
-                       write_manifest)
-from ..format.names import SHARD_FILE, shard_file_name
+from ..storage.base import Storage
+from ..storage.local import as_checkpoint_error, as_storage
 from .protocol import Abandoned, Committed, Failed, WriterEvent
 
 log = logging.getLogger(__name__)
@@ -72,10 +70,11 @@ class CommitStage(Protocol):
 class Committer:
     """Rank 0's writer's list of attempts not yet committed or abandoned."""
 
-    def __init__(self, root: str, world_size: int, keep_last: int, keep_every: Optional[int],
-                 commit_timeout: float, send: Callable[[WriterEvent], None],
+    def __init__(self, root: str | Storage, world_size: int, keep_last: int,
+                 keep_every: Optional[int], commit_timeout: float,
+                 send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic):
-        self.root, self.world_size = root, world_size
+        self.storage, self.world_size = as_storage(root), world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout = commit_timeout
         self.send = send
@@ -106,11 +105,7 @@ class Committer:
 
     def _scan(self, attempt: Attempt, now: float) -> bool:
         """Whether every rank's shard is in place; notes any change as progress."""
-        try:
-            with os.scandir(os.path.join(self.root, attempt.dir)) as entries:
-                seen = tuple(sorted((e.name, e.stat().st_size) for e in entries))
-        except FileNotFoundError:
-            seen = ()
+        seen = self.storage.list_snapshot(attempt.dir)
         if seen != attempt.seen:
             attempt.seen, attempt.last_change = seen, now
         return len(self._ranks_present(attempt)) == self.world_size
@@ -123,44 +118,43 @@ class Committer:
         message = (f"step {attempt.step} was not committed: rank(s) {missing} never finished their "
                    f"shard ({why}). The previous committed snapshot stays the newest")
         log.warning("%s", message)
-        remove_entries(self.root, [attempt.dir])
+        self.storage.remove([attempt.dir])
         self.send(Abandoned(attempt.job, message))
 
     def _commit(self, attempt: Attempt) -> None:
         complete_at = self.clock()
         try:
             record = self._record(attempt)
-            manifest, dropped = read_manifest(self.root).commit(record, self.keep_last,
-                                                                 self.keep_every)
-            write_manifest(self.root, manifest)  # the commit point
+            manifest, dropped = read_manifest(self.storage).commit(record, self.keep_last,
+                                                                    self.keep_every)
+            write_manifest(self.storage, manifest)  # the commit point
         except Exception as e:  # this attempt fails; the writer and older commits are unaffected
             error = as_checkpoint_error(e, f"step {attempt.step}")
             log.error("committing step %d failed: %s", attempt.step, error)
-            remove_entries(self.root, [attempt.dir])
+            self.storage.remove([attempt.dir])
             self.send(Failed(attempt.job, error))
             return
         committed_at = self.clock()
-        remove_entries(self.root, [d.dir for d in dropped])
+        self.storage.remove([d.dir for d in dropped])
         self.send(Committed(attempt.job, {
             **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
             "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,
-            "stored_bytes": record.stored_bytes, "disk_free_bytes": shutil.disk_usage(self.root).free,
+            "stored_bytes": record.stored_bytes, "disk_free_bytes": self.storage.free_bytes(),
             "dropped_steps": [d.step for d in dropped if d.step != attempt.step]}))
 
     def _record(self, attempt: Attempt) -> SnapshotRecord:
         """The manifest record of a complete attempt, after checking every other rank's shard."""
-        path = os.path.join(self.root, attempt.dir)
-        if self.world_size > 1:
-            fsync_dir(path)  # the other ranks' renames are durable before the manifest names them
+        if self.world_size > 1:  # the other ranks' renames are durable before the manifest names them
+            self.storage.sync_snapshot(attempt.dir)
         shards, raw = [attempt.shard], attempt.raw_bytes
         for rank in range(1, self.world_size):
-            with ShardReader(os.path.join(path, shard_file_name(rank))) as reader:
+            with ShardReader(self.storage.open_shard(attempt.dir, shard_file_name(rank))) as reader:
                 index = reader.index
                 if (index.get("step"), index.get("rank"), index.get("world_size")) != (
                         attempt.step, rank, self.world_size):
                     raise CorruptSnapshotError(
                         f"{reader.path} is not rank {rank}'s shard of step {attempt.step} with "
-                        f"{self.world_size} ranks; do several jobs share {self.root}?")
+                        f"{self.world_size} ranks; do several jobs share {self.storage.location()}?")
                 _check_replicas(attempt, rank, index.get("replicas", []))
                 shards.append(ShardRecord(rank, shard_file_name(rank), reader.size,
                                           reader.index_xxh3))
@@ -176,12 +170,13 @@ class CommitWatcher:
     gone), so that ``wait()`` means "committed" on every rank. Should rank 0's writer itself be
     gone, an attempt is given up after twice ``commit_timeout`` without a new manifest."""
 
-    def __init__(self, root: str, commit_timeout: float, send: Callable[[WriterEvent], None],
+    def __init__(self, root: str | Storage, commit_timeout: float,
+                 send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic):
-        self.root, self.send, self.clock = root, send, clock
+        self.storage, self.send, self.clock = as_storage(root), send, clock
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
-        self._manifest_id: Optional[tuple] = None
+        self._manifest_id: Optional[Hashable] = None
         self._committed: dict[str, SnapshotRecord | DroppedRecord] = {}  # by directory
         self._manifest_changed = clock()
 
@@ -199,7 +194,7 @@ class CommitWatcher:
         now = self.clock()
         still = []
         for attempt in self.pending:
-            gone = not os.path.exists(os.path.join(self.root, attempt.dir))
+            gone = not self.storage.exists(attempt.dir)
             if gone and attempt.dir not in self._committed and not self._reread_manifest():
                 still.append(attempt)  # rank 0 deletes a directory only once a manifest that
                 continue               # says why is durable: read that one before concluding
@@ -208,7 +203,7 @@ class CommitWatcher:
                 self.send(Committed(attempt.job, {
                     **attempt.figures, "committed_at": now, "commit_s": now - attempt.durable_at,
                     "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
-                    "disk_free_bytes": shutil.disk_usage(self.root).free}))
+                    "disk_free_bytes": self.storage.free_bytes()}))
             elif gone:
                 self.send(Abandoned(attempt.job,
                                     f"step {attempt.step} was not committed: rank 0 gave it up "
@@ -222,17 +217,13 @@ class CommitWatcher:
         self.pending = still
 
     def _reread_manifest(self) -> bool:
-        """Read the manifest again when it was replaced (a new inode, size or time); False when it
-        could not be read (replaced while read, or damaged: look again at the next poll)."""
-        try:
-            st = os.stat(manifest_path(self.root))
-            manifest_id = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except FileNotFoundError:
-            manifest_id = None
+        """Read the manifest again when it was replaced (its storage version changed); False when
+        it could not be read (replaced while read, or damaged: look again at the next poll)."""
+        manifest_id = self.storage.version(MANIFEST_NAME)
         if manifest_id == self._manifest_id:
             return True
         try:
-            manifest = read_manifest(self.root)
+            manifest = read_manifest(self.storage)
         except CheckpointError:
             return False
         self._committed = {s.dir: s for s in (*manifest.snapshots, *manifest.dropped)}

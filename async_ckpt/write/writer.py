@@ -24,7 +24,6 @@ import argparse
 import logging
 import mmap
 import os
-import shutil
 import signal
 import sys
 import time
@@ -39,10 +38,10 @@ from .protocol import (Attach, Close, Detach, Failed, Ready, Released, SnapshotJ
                        WriterEvent)
 from ..errors import DiskFullError
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, version_needed
-from ..storage.local import as_checkpoint_error, fsync_dir, make_dirs, remove_entries
+from ..storage.local import LocalStorage, as_checkpoint_error
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord
-from ..format.names import PARTIAL_SUFFIX, shard_file_name
+from ..format.names import shard_file_name
 from ..format.layout import Plan, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
@@ -55,6 +54,7 @@ class SnapshotWriter:
     def __init__(self, conn: Connection, config: WriterConfig):
         self.conn = conn
         self.root = config.root
+        self.storage = LocalStorage(self.root)
         self.rank = config.rank
         self.world_size = config.world_size
         self.spread_replicated = config.spread_replicated
@@ -65,9 +65,9 @@ class SnapshotWriter:
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
         self.commit: CommitStage = (
-            Committer(self.root, self.world_size, config.keep_last, config.keep_every,
+            Committer(self.storage, self.world_size, config.keep_last, config.keep_every,
                       config.commit_timeout, self.send) if self.rank == 0
-            else CommitWatcher(self.root, config.commit_timeout, self.send))
+            else CommitWatcher(self.storage, config.commit_timeout, self.send))
 
     def serve(self) -> None:
         """Handle the trainer's messages; between them, let the commit stage poll. Once the
@@ -143,16 +143,10 @@ class SnapshotWriter:
         regions = [plan.regions[i] for i in layout.written]
         raw_bytes = sum(r.nbytes for r in regions)
         self.check_space(raw_bytes)
-        path = os.path.join(self.root, job.dir)
-        # The directory's entry in the root must be durable before our shard's final name says the
-        # shard is (rank 0 commits once it sees every final name). make_dirs fsyncs the root when it
-        # creates the directory; when another rank already had, fsync it anyway: that rank may not
-        # have yet. One fsync of the root per snapshot.
-        if not make_dirs(path):
-            fsync_dir(self.root)
-        final = os.path.join(path, shard_file_name(self.rank))
-        partial = final + PARTIAL_SUFFIX
-        shard = ShardWriter(partial, self.encoder, version=version_needed(layout.uses_references))
+        # The directory must be durable before our shard's final name is: rank 0 commits on names.
+        self.storage.make_snapshot_dir(job.dir)
+        shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
+                            self.encoder, version=version_needed(layout.uses_references))
         try:
             for region, fields in zip(regions, layout.replica_fields):
                 shard.add_storage(buf[region.offset:region.offset + region.nbytes],
@@ -167,13 +161,10 @@ class SnapshotWriter:
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": replicas} if replicas else {})})
-            os.rename(partial, final)  # the final name says: these bytes are durable
-            fsync_dir(path)
         except BaseException:
-            shard.close()
-            remove_entries(path, [os.path.basename(partial)])
+            shard.abort()
             if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans
-                remove_entries(self.root, [job.dir])
+                self.storage.remove([job.dir])
             raise
         t_durable = time.monotonic()
         self.stored_ratio = size / max(raw_bytes, 1)
@@ -187,7 +178,7 @@ class SnapshotWriter:
     def check_space(self, raw_bytes: int) -> None:
         """Refuse a snapshot that cannot fit before writing a byte of it."""
         need = int(raw_bytes * self.stored_ratio * 1.05) + self.reserve_bytes
-        free = shutil.disk_usage(self.root).free
+        free = self.storage.free_bytes()
         if free < need:
             raise DiskFullError(
                 f"not enough space for a snapshot in {self.root}: about {need / 1e6:.0f} MB needed "

@@ -1,0 +1,131 @@
+"""The storage seam: every byte the writer, the committer, the watcher and the reader move goes
+through a ``Storage``, so that a new backend (an object store) is one more implementation.
+
+A storage is one checkpoint root. Names are relative to it: a snapshot directory ``dir`` (or the
+manifest) at the top, a file inside one as ``(dir, file)``. Every name is a single path component
+that the caller has already checked against ``format.names`` (names read from files pass
+``checked_name`` first); implementations never interpret separators.
+
+Call order of one snapshot, and what each step guarantees when it returns:
+
+1. writer of every rank: ``make_snapshot_dir(dir)``: the directory exists, and keeps existing after
+   a power cut.
+2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed; then
+   ``finish()``: the bytes are durable under ``file``, which no reader could see before (a rank's
+   final name is its promise to the committer). ``abort()`` instead leaves no trace of the file.
+3. rank 0's committer: ``list_snapshot(dir)`` until every rank's final name is there;
+   ``sync_snapshot(dir)`` (what the other ranks' ``finish`` made visible is durable here too);
+   ``open_shard`` to check each index; ``publish(MANIFEST, bytes)``: the commit point, atomic (a
+   crash leaves the old or the new manifest, whole) and durable; only then ``remove`` of what the
+   new manifest no longer names.
+4. the other ranks' watchers: ``version(MANIFEST)`` to notice a new manifest cheaply,
+   ``read_file`` to read it, ``exists(dir)`` to notice a directory rank 0 gave up.
+5. readers: ``read_file(MANIFEST)``, then ``open_shard`` -> ``ShardSource`` for byte ranges.
+
+Errors: a missing file raises FileNotFoundError where a method says so; other I/O failures raise
+OSError (the caller turns it into the library's typed error, e.g. ENOSPC into DiskFullError).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Hashable, Iterable, Optional, Type
+
+from ..errors import CheckpointError
+
+
+class ShardSink(ABC):
+    """A file being written as a stream. Not visible under its final name until ``finish``."""
+
+    @abstractmethod
+    def write(self, buffers: Iterable) -> None:
+        """Append every byte of each buffer, in order."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Make the bytes durable and only then visible under the final name; closes the sink."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close and discard what was written; harmless after ``finish`` or a previous ``abort``."""
+
+
+class ShardSource(ABC):
+    """A file opened for random reads. ``name`` says where it is, for messages; ``size`` is its
+    size when opened."""
+
+    name: str
+    size: int
+
+    @abstractmethod
+    def read_into(self, buffer, offset: int) -> int:
+        """Fill ``buffer`` (writable) from ``offset`` on, like ``preadv``: returns the bytes read,
+        fewer than asked only at the end of the file."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the file; harmless when already closed."""
+
+
+class Storage(ABC):
+    """One checkpoint root. See the module docstring for the call order and the guarantees."""
+
+    @abstractmethod
+    def location(self, *names: str) -> str:
+        """Where the root (no names), an entry of it or a file in one is, as a user should read it
+        in a message."""
+
+    @abstractmethod
+    def make_snapshot_dir(self, dir: str) -> None:
+        """Create snapshot directory ``dir`` durably. Several ranks race to create the same one;
+        each returns only once the directory's existence is durable, whoever created it."""
+
+    @abstractmethod
+    def create_shard(self, dir: str, file: str) -> ShardSink:
+        """A sink for a new file ``file`` in ``dir``; never overwrites or exposes a file there."""
+
+    @abstractmethod
+    def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
+        """The (name, size) of every entry in ``dir``, sorted; empty when ``dir`` is gone. Sizes
+        only need to change when an entry does (the committer notes progress by them)."""
+
+    @abstractmethod
+    def sync_snapshot(self, dir: str) -> None:
+        """Make durable the entries that other processes' ``finish`` created in ``dir``."""
+
+    @abstractmethod
+    def open_shard(self, dir: str, file: str) -> ShardSource:
+        """``file`` in ``dir`` for reading. A shard that is missing or is not a regular file is
+        damage: CorruptSnapshotError."""
+
+    @abstractmethod
+    def read_file(self, name: str, limit: int, error: Type[CheckpointError]) -> bytes:
+        """The whole file ``name``, refused with ``error`` when larger than ``limit`` bytes (before
+        reading it) or not a regular file. FileNotFoundError when it is missing."""
+
+    @abstractmethod
+    def publish(self, name: str, data: bytes) -> None:
+        """Replace file ``name`` with ``data`` atomically and durably: readers and a crash see
+        the old content or the new, whole, never neither."""
+
+    @abstractmethod
+    def version(self, name: str) -> Optional[Hashable]:
+        """A token that changes whenever ``name`` is replaced (None when it is missing): lets a
+        poller skip re-reading an unchanged file."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether an entry ``name`` is there, whatever it is."""
+
+    @abstractmethod
+    def list_root(self) -> list[str]:
+        """The names of the root's entries, sorted."""
+
+    @abstractmethod
+    def remove(self, names: Iterable[str]) -> None:
+        """Delete the named root entries (a directory with what it holds); missing ones are fine.
+        Only names of ours (``format.names.is_ours``) are deleted; others are logged and kept."""
+
+    @abstractmethod
+    def free_bytes(self) -> int:
+        """Bytes a new snapshot can still use."""

@@ -1,0 +1,354 @@
+"""The storage seam (storage/base.py): LocalStorage's spec, operation by operation, and an in-memory
+Storage that the committer, the watcher, the manifest functions and the reader run against
+unchanged, which shows that every byte they move goes through the seam."""
+
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from async_ckpt.errors import CorruptSnapshotError, ManifestError
+from async_ckpt.format.manifest import (Manifest, ShardRecord, leftovers, read_manifest,
+                                        recover_manifest, write_manifest)
+from async_ckpt.format.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
+from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
+from async_ckpt.read.snapshot import read_snapshot
+from async_ckpt.storage.base import ShardSink, ShardSource, Storage
+from async_ckpt.storage.local import LocalStorage, as_storage
+from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
+from async_ckpt.write.protocol import Committed
+
+SNAP = "step-00000000000000000007.0000abcd"
+SHARD = shard_file_name(0)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return LocalStorage(tmp_path / "ckpt")
+
+
+def made(storage, data=b"shard bytes", snapshot=SNAP, file=SHARD) -> None:
+    storage.make_snapshot_dir(snapshot)
+    sink = storage.create_shard(snapshot, file)
+    sink.write([data])
+    sink.finish()
+
+
+# --- LocalStorage ---------------------------------------------------------------------------------
+
+
+def test_location_joins_names_under_the_root(storage):
+    assert storage.location() == storage.root
+    assert storage.location(SNAP, SHARD) == os.path.join(storage.root, SNAP, SHARD)
+
+
+def test_as_storage_wraps_a_path_and_keeps_a_storage(tmp_path, storage):
+    assert as_storage(storage) is storage
+    assert isinstance(as_storage(tmp_path), LocalStorage) and as_storage(tmp_path).root == str(tmp_path)
+
+
+def test_a_snapshot_directory_is_made_durably_and_the_root_synced_when_it_was_there(storage, fsynced):
+    storage.make_snapshot_dir(SNAP)
+    assert os.path.isdir(storage.location(SNAP))
+    assert fsynced[-1] == storage.root  # its parent, after creating it (and the missing root)
+    fsynced.clear()
+    storage.make_snapshot_dir(SNAP)  # another rank made it: it may not have fsynced the root yet
+    assert fsynced == [storage.root]
+
+
+def test_a_shard_is_invisible_under_its_final_name_until_finished(storage, fsynced):
+    storage.make_snapshot_dir(SNAP)
+    sink = storage.create_shard(SNAP, SHARD)
+    assert isinstance(sink, ShardSink)
+    sink.write([b"abc", memoryview(b"defg"), bytearray(b"h")])
+    assert storage.list_snapshot(SNAP) == ((SHARD + PARTIAL_SUFFIX, 8),)
+    fsynced.clear()
+    sink.finish()
+    assert storage.list_snapshot(SNAP) == ((SHARD, 8),)
+    assert fsynced == [storage.location(SNAP)]  # the rename is durable
+    with open(storage.location(SNAP, SHARD), "rb") as f:
+        assert f.read() == b"abcdefgh"
+    sink.abort()  # after finish: harmless
+    assert storage.list_snapshot(SNAP) == ((SHARD, 8),)
+
+
+def test_an_aborted_shard_leaves_nothing(storage):
+    storage.make_snapshot_dir(SNAP)
+    sink = storage.create_shard(SNAP, SHARD)
+    sink.write([b"half"])
+    sink.abort()
+    sink.abort()
+    assert storage.list_snapshot(SNAP) == ()
+
+
+def test_a_shard_is_never_written_over_a_file_already_there(storage):
+    storage.make_snapshot_dir(SNAP)
+    storage.create_shard(SNAP, SHARD).abort()
+    with open(storage.location(SNAP, SHARD + PARTIAL_SUFFIX), "wb") as f:
+        f.write(b"someone else's")
+    with pytest.raises(FileExistsError):
+        storage.create_shard(SNAP, SHARD)
+
+
+def test_listing_is_sorted_and_empty_for_what_is_not_a_directory(storage, tmp_path):
+    made(storage, b"12345", file=shard_file_name(1))
+    made(storage, b"1", file=shard_file_name(0))
+    os.symlink(tmp_path / "nowhere", storage.location(SNAP, "dangling"))  # does not break it
+    listed = storage.list_snapshot(SNAP)
+    assert [name for name, _ in listed] == ["dangling", shard_file_name(0), shard_file_name(1)]
+    assert listed[1:] == ((shard_file_name(0), 1), (shard_file_name(1), 5))
+    assert storage.list_snapshot("step-00000000000000000008.0000abcd") == ()  # gone
+    os.symlink(storage.location(SNAP), storage.location("step-00000000000000000009.0000abcd"))
+    assert storage.list_snapshot("step-00000000000000000009.0000abcd") == ()  # a link
+    storage.publish(MANIFEST_NAME, b"{}")
+    assert storage.list_snapshot(MANIFEST_NAME) == ()  # a file
+
+
+def test_sync_snapshot_fsyncs_the_directory(storage, fsynced):
+    storage.make_snapshot_dir(SNAP)
+    fsynced.clear()
+    storage.sync_snapshot(SNAP)
+    assert fsynced == [storage.location(SNAP)]
+
+
+def test_an_opened_shard_reads_byte_ranges_like_preadv(storage):
+    made(storage, b"0123456789")
+    source = storage.open_shard(SNAP, SHARD)
+    assert isinstance(source, ShardSource)
+    assert source.size == 10 and source.name == storage.location(SNAP, SHARD)
+    buf = bytearray(4)
+    assert source.read_into(buf, 3) == 4 and buf == b"3456"
+    assert source.read_into(buf, 8) == 2 and buf[:2] == b"89"  # short only at the end
+    assert source.read_into(buf, 10) == 0
+    source.close()
+    source.close()
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "fifo", "symlink-to-dir"])
+def test_a_shard_that_is_not_a_regular_file_is_damage(storage, tmp_path, kind):
+    storage.make_snapshot_dir(SNAP)
+    path = storage.location(SNAP, SHARD)
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would block forever without O_NONBLOCK
+    elif kind == "symlink-to-dir":
+        os.symlink(tmp_path, path)
+    with pytest.raises(CorruptSnapshotError, match=re.escape(path)):
+        storage.open_shard(SNAP, SHARD)
+
+
+def test_a_small_file_is_read_whole_within_its_limit(storage):
+    with pytest.raises(FileNotFoundError):
+        storage.read_file(MANIFEST_NAME, 100, ManifestError)
+    storage.make_snapshot_dir(SNAP)  # creates the root
+    storage.publish(MANIFEST_NAME, b"x" * 100)
+    assert storage.read_file(MANIFEST_NAME, 100, ManifestError) == b"x" * 100
+    with pytest.raises(ManifestError, match="more than the 99"):
+        storage.read_file(MANIFEST_NAME, 99, ManifestError)
+    os.unlink(storage.location(MANIFEST_NAME))
+    os.mkfifo(storage.location(MANIFEST_NAME))
+    with pytest.raises(ManifestError):
+        storage.read_file(MANIFEST_NAME, 100, ManifestError)
+
+
+def test_publish_replaces_and_changes_the_version(storage, fsynced):
+    storage.make_snapshot_dir(SNAP)
+    assert storage.version(MANIFEST_NAME) is None
+    storage.publish(MANIFEST_NAME, b"old")
+    first = storage.version(MANIFEST_NAME)
+    assert first is not None and storage.version(MANIFEST_NAME) == first  # stable while unchanged
+    fsynced.clear()
+    storage.publish(MANIFEST_NAME, b"new")
+    assert storage.version(MANIFEST_NAME) != first
+    assert storage.read_file(MANIFEST_NAME, 10, ManifestError) == b"new"
+    assert fsynced == [storage.root]  # the replacement is durable
+    assert storage.list_root() == [MANIFEST_NAME, SNAP]  # no temporary file left
+
+
+def test_publish_is_atomic_a_failed_replace_leaves_the_old_file(storage, monkeypatch):
+    storage.make_snapshot_dir(SNAP)
+    storage.publish(MANIFEST_NAME, b"old")
+
+    def crash(src, dst):  # as if the power went between the durable write and the replace
+        raise OSError(5, "simulated crash")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        storage.publish(MANIFEST_NAME, b"new")
+    assert storage.read_file(MANIFEST_NAME, 10, ManifestError) == b"old"
+    assert storage.list_root() == [MANIFEST_NAME, SNAP]
+
+
+def test_exists_counts_any_entry_even_a_dangling_link(storage, tmp_path):
+    storage.make_snapshot_dir(SNAP)
+    assert storage.exists(SNAP) and not storage.exists(MANIFEST_NAME)
+    os.symlink(tmp_path / "nowhere", storage.location(MANIFEST_NAME))
+    assert storage.exists(MANIFEST_NAME) and storage.version(MANIFEST_NAME) is None
+
+
+def test_remove_deletes_only_our_names_and_never_follows_links(storage, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"x")
+    made(storage)
+    os.symlink(outside, storage.location("step-00000000000000000008.0000abcd"))
+    with open(storage.location("notes.txt"), "w") as f:
+        f.write("keep")
+    storage.remove([SNAP, "step-00000000000000000008.0000abcd", "notes.txt", "..",
+                    "step-00000000000000000009.0000abcd"])  # the last one is not there: fine
+    assert storage.list_root() == ["notes.txt"]
+    assert (outside / "precious").read_bytes() == b"x"
+
+
+def test_free_bytes_is_the_file_systems(storage):
+    storage.make_snapshot_dir(SNAP)
+    assert abs(storage.free_bytes() - shutil.disk_usage(storage.root).free) < 1 << 30
+
+
+# --- an in-memory Storage: the seam is real ---------------------------------------------------------
+
+
+class MemorySink(ShardSink):
+    def __init__(self, files: dict, file: str):
+        self.files, self.file, self.data = files, file, bytearray()
+
+    def write(self, buffers) -> None:
+        for b in buffers:
+            self.data += b
+
+    def finish(self) -> None:
+        self.files[self.file] = bytes(self.data)
+
+    def abort(self) -> None:
+        self.data = bytearray()
+
+
+class MemorySource(ShardSource):
+    def __init__(self, name: str, data: bytes):
+        self.name, self.size, self.data = name, len(data), data
+
+    def read_into(self, buffer, offset: int) -> int:
+        view = memoryview(buffer).cast("B")
+        got = self.data[offset:offset + len(view)]
+        view[:len(got)] = got
+        return len(got)
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryStorage(Storage):
+    """Snapshot directories and root files in dicts; a version is a publication count."""
+
+    def __init__(self):
+        self.dirs: dict[str, dict[str, bytes]] = {}
+        self.files: dict[str, bytes] = {}
+        self.published = 0
+
+    def location(self, *names):
+        return "memory:/" + "/".join(names)
+
+    def make_snapshot_dir(self, dir):
+        self.dirs.setdefault(dir, {})
+
+    def create_shard(self, dir, file):
+        return MemorySink(self.dirs[dir], file)
+
+    def list_snapshot(self, dir):
+        return tuple(sorted((name, len(data)) for name, data in self.dirs.get(dir, {}).items()))
+
+    def sync_snapshot(self, dir):
+        pass
+
+    def open_shard(self, dir, file):
+        if file not in self.dirs.get(dir, {}):
+            raise CorruptSnapshotError(f"{self.location(dir, file)} is missing")
+        return MemorySource(self.location(dir, file), self.dirs[dir][file])
+
+    def read_file(self, name, limit, error):
+        if name not in self.files:
+            raise FileNotFoundError(name)
+        if len(self.files[name]) > limit:
+            raise error(f"{name} is too large")
+        return self.files[name]
+
+    def publish(self, name, data):
+        self.files[name] = bytes(data)
+        self.published += 1
+
+    def version(self, name):
+        return self.published if name in self.files else None
+
+    def exists(self, name):
+        return name in self.files or name in self.dirs
+
+    def list_root(self):
+        return sorted([*self.files, *self.dirs])
+
+    def remove(self, names):
+        for name in filter(is_ours, names):
+            self.dirs.pop(name, None)
+            self.files.pop(name, None)
+
+    def free_bytes(self):
+        return 1 << 40
+
+
+TREE = {"kind": "dict", "entries": {"answer": {"kind": "value", "state": 42}}}
+
+
+def write_memory_shard(storage: Storage, snapshot: str, rank: int, step: int) -> ShardRecord:
+    storage.make_snapshot_dir(snapshot)
+    writer = ShardWriter(storage.create_shard(snapshot, shard_file_name(rank)), ChunkEncoder("zstd"))
+    writer.add_storage(memoryview(bytes([rank]) * 4096), 1, False)
+    size, digest = writer.finish({"step": step, "rank": rank, "world_size": 2,
+                                  "created": time.time(), "tensors": [], "tree": TREE})
+    return ShardRecord(rank, shard_file_name(rank), size, digest)
+
+
+def test_the_commit_stage_and_the_reader_run_on_any_storage():
+    storage = MemoryStorage()
+    rank0_events, rank1_events = [], []
+    committer = Committer(storage, 2, keep_last=1, keep_every=None, commit_timeout=60,
+                          send=rank0_events.append)
+    watcher = CommitWatcher(storage, commit_timeout=60, send=rank1_events.append)
+    steps = {7: "step-00000000000000000007.0000abcd", 8: "step-00000000000000000008.0000abcd"}
+    for job, (step, snapshot) in enumerate(steps.items()):
+        ours = write_memory_shard(storage, snapshot, 0, step)
+        committer.add(Attempt(job=job, step=step, dir=snapshot, shard=ours, replicas=[],
+                              raw_bytes=4096, figures={}))
+        assert rank0_events[job:] == [] and read_manifest(storage).find(step) is None
+        theirs = write_memory_shard(storage, snapshot, 1, step)
+        watcher.add(Attempt(job=job, step=step, dir=snapshot, shard=theirs, replicas=[],
+                            raw_bytes=4096, figures={}))
+        committer.poll(orphaned=False)
+        watcher.poll()
+        assert [type(e) for e in rank0_events[job:]] == [Committed]
+        assert [type(e) for e in rank1_events[job:]] == [Committed] and watcher.pending == []
+    manifest = read_manifest(storage)
+    assert manifest.steps() == [8] and storage.list_root() == [MANIFEST_NAME, steps[8]]  # kept 1
+    record = manifest.find(8)
+    for rank in (0, 1):
+        assert read_snapshot(storage, record, rank).plain() == {"answer": 42}
+        with ShardReader(storage.open_shard(record.dir, shard_file_name(rank))) as reader:
+            assert reader.verify() == [] and reader.path == storage.location(record.dir,
+                                                                             shard_file_name(rank))
+
+
+def test_the_manifest_functions_run_on_any_storage():
+    storage = MemoryStorage()
+    assert read_manifest(storage) == Manifest() and recover_manifest(storage) == Manifest()
+    for rank in (0, 1):
+        write_memory_shard(storage, SNAP, rank, 7)
+    storage.make_snapshot_dir("step-00000000000000000009.0000abcd")  # interrupted: no shards
+    recovered = recover_manifest(storage)  # no manifest, a complete snapshot: rebuilt, written
+    assert recovered.steps() == [7] and read_manifest(storage) == recovered
+    assert leftovers(storage, recovered) == ["step-00000000000000000009.0000abcd"]
+    write_manifest(storage, Manifest())
+    assert read_manifest(storage) == Manifest()
+    storage.files[MANIFEST_NAME] = b"not json"
+    with pytest.raises(ManifestError, match=re.escape(storage.location(MANIFEST_NAME))):
+        read_manifest(storage)
