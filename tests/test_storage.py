@@ -324,8 +324,8 @@ def test_the_commit_stage_and_the_reader_run_on_any_storage():
         theirs = write_memory_shard(storage, snapshot, 1, step)
         watcher.add(Attempt(job=job, step=step, dir=snapshot, shard=theirs, replicas=[],
                             raw_bytes=4096, figures={}))
-        committer.poll(orphaned=False)
-        watcher.poll()
+        committer.poll(trainer_gone=False)
+        watcher.poll(trainer_gone=False)
         assert [type(e) for e in rank0_events[job:]] == [Committed]
         assert [type(e) for e in rank1_events[job:]] == [Committed] and watcher.pending == []
     manifest = read_manifest(storage)
