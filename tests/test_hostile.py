@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from async_ckpt import CheckpointEngine, load
 
