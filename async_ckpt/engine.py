@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import threading
@@ -31,18 +29,18 @@ import psutil
 from . import errors
 from .data import inexact_loader_warnings
 from .distributed import Coordinator, resolve_ranks
-from .errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
-                     DistributedSetupError, EngineClosedError, Preempted, StateMismatchError,
-                     WorldSizeMismatchError, WriterDiedError)
-from .format.manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
+from .errors import (CheckpointError, CorruptSnapshotError, EngineClosedError, Preempted,
+                     StateMismatchError, WorldSizeMismatchError, WriterDiedError)
+from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
-from .storage.local import atomic_write, ensure_writable_dir, read_regular, remove_entries
-from .storage.locks import lock_path, take_rank_lock
+from .storage.local import ensure_writable_dir
+from .storage.locks import lock_path
 from .train.capture import capture, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.rng import GlobalRNG
+from .train.session import start_session
 from .train.staging import StagingPool
 from .write.writer import WriterClient
 
@@ -51,7 +49,6 @@ _STATS_HISTORY = 1000
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
 _WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
-SESSION_FILE = "session.json"  # names the engines' current session; proves the directory is shared
 
 
 class CheckpointEngine:
@@ -157,12 +154,13 @@ class CheckpointEngine:
             raise ValueError("preemption handlers can only be installed from the main thread; "
                              "create the engine there or pass preemption=False")
         self._coordinator = Coordinator(rank, world_size)
-        self._lock_fd = self._pool = None
+        session = self._pool = None
         try:
-            self._lock_fd, self._session = self._start_session(lock_timeout, {
+            session = start_session(self.directory, self._coordinator, {
                 "every": every, "keep_last": keep_last, "keep_every": keep_every,
                 "replicated": sorted(replicated), "spread_replicated": spread_replicated,
-                "rng": rng, "mode": mode})
+                "rng": rng, "mode": mode}, lock_timeout)
+            self._session = session.token
             self._pool = StagingPool(slots)
             self._writer = WriterClient({
                 "root": self.directory, "rank": rank, "world_size": world_size,
@@ -175,66 +173,16 @@ class CheckpointEngine:
         except BaseException:
             if self._pool is not None:
                 self._pool.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+            if session is not None:
+                os.close(session.lock_fd)
             raise
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         self._lock_fd)
+                                         session.lock_fd)
         self._old_handlers = self._install_preemption_handlers(preemption)
 
     # --- set-up -----------------------------------------------------------------------------
-
-    def _start_session(self, lock_timeout: float, settings: dict) -> tuple[int, str]:
-        """Take this rank's directory lock and agree with the other ranks on this run; returns the
-        lock's file descriptor and the session token that names this run's snapshot directories.
-
-        In order: every rank checks that all were created with the same settings (this first
-        exchange also connects the ranks, while they arrive together); each takes its lock, waiting
-        for its previous writer (perhaps of a killed process) to finish; then rank 0, now sure that
-        no writer of an earlier run is active, starts the session (``_new_session``) and the others
-        check that they see its ``session.json``: proof that they share the directory.
-        """
-        everyone = self._coordinator.gather(settings)
-        differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
-        if differ:
-            raise DistributedSetupError(
-                "the ranks created their engines with different settings: " + "; ".join(
-                    f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})" for r, other in enumerate(everyone))
-                    for k in differ) + ". Create every rank's engine with the same arguments")
-        fd, problem = None, None
-        try:
-            fd = take_rank_lock(self.directory, self.rank, lock_timeout)
-        except CheckpointDirError as e:
-            problem = str(e)
-        try:
-            self._coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
-            session = self._coordinator.from_rank0(self._new_session)
-            seen = session if self.world_size == 1 else _session_token(self.directory)
-            self._coordinator.raise_if_any(
-                None if seen == session else f"{self.directory} does not hold rank 0's "
-                f"{SESSION_FILE} (found {seen!r})", CheckpointDirError,
-                "every rank must write to the same shared directory (see docs/distributed.md)")
-            return fd, session
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-
-    def _new_session(self) -> str:
-        """Rank 0, while no writer of any rank is active: remove what interrupted snapshots left,
-        and draw the new session's token (written to ``session.json`` when several ranks share the
-        directory)."""
-        stale = leftovers(self.directory, recover_manifest(self.directory))
-        if stale:
-            log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-            remove_entries(self.directory, stale)
-        token = secrets.token_hex(8)
-        if self.world_size > 1:
-            atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
-                {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
-        return token
 
     def _install_preemption_handlers(self, preemption) -> dict:
         if preemption is False or preemption is None:
@@ -558,14 +506,6 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) ->
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
-
-
-def _session_token(directory: str) -> Optional[str]:
-    try:
-        doc = json.loads(read_regular(os.path.join(directory, SESSION_FILE), 4096, CheckpointDirError))
-    except (OSError, ValueError, RecursionError, CheckpointDirError):
-        return None
-    return doc.get("token") if isinstance(doc, dict) else None
 
 
 def _require(condition: bool, message: str) -> None:
