@@ -35,6 +35,7 @@ from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
+from .stats import EngineCounts, SnapshotFigures
 from .storage.local import ensure_writable_dir
 from .storage.locks import lock_path
 from .train.capture import capture, plan_layout
@@ -72,13 +73,13 @@ class CheckpointEngine:
         self._rng = GlobalRNG() if o.rng else None
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
-        self._pending: dict[int, dict] = {}  # job number -> its figures so far, in submission order
+        self._pending: dict[int, SnapshotFigures] = {}  # job number -> figures, in submission order
         self._jobs = itertools.count()
         self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
         self._last_step_taken: Optional[int] = None
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
-        self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
-        self._counts = collections.Counter()
+        self._history: collections.deque[SnapshotFigures] = collections.deque(maxlen=_STATS_HISTORY)
+        self._counts = EngineCounts()
         self._writer_plan = None
         self._heartbeat = (Heartbeat(self.directory, self.rank, o.heartbeat_interval)
                            if o.heartbeat_interval is not None else None)
@@ -148,10 +149,10 @@ class CheckpointEngine:
         called_at, t0 = time.monotonic(), time.perf_counter()
         slot = self._acquire_slot(may_skip=not preempting)
         if slot is None:
-            self._counts["skipped"] += 1
+            self._counts.skipped += 1
             log.warning("skipped the snapshot of step %d: every staging slot is still being written "
                         "(%d skipped so far; add slots or snapshot less often)", step,
-                        self._counts["skipped"])
+                        self._counts.skipped)
             return False
         t_slot = time.perf_counter()
         captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
@@ -177,16 +178,16 @@ class CheckpointEngine:
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
-        record = {"step": step, "called_at": called_at, "blocking_s": time.perf_counter() - t0,
-                  "wait_slot_s": t_slot - t0, "capture_s": t_captured - t_slot,
-                  "staging_s": t_staged - t_captured, "staged_bytes": plan.raw_bytes}
+        record = SnapshotFigures(step, called_at, blocking_s=time.perf_counter() - t0,
+                                 wait_slot_s=t_slot - t0, capture_s=t_captured - t_slot,
+                                 staging_s=t_staged - t_captured, staged_bytes=plan.raw_bytes)
         self._pending[job] = record
         if self.options.mode == "sync" or self._preempted_by is not None:
             self.wait()
-            record["blocking_s"] = time.perf_counter() - t0  # the caller waited for the commit
+            record.blocking_s = time.perf_counter() - t0  # the caller waited for the commit
         if self._preempted_by is not None:  # also when the signal came during this call
             log.warning("preempted by signal %d: step %d is %s; exiting with code %d",
-                        self._preempted_by, step, "committed" if record.get("committed") else
+                        self._preempted_by, step, "committed" if record.committed else
                         "NOT committed (see the warning above)", Preempted(step, 0).code)
             raise Preempted(step, self._preempted_by)
         return True
@@ -279,23 +280,25 @@ class CheckpointEngine:
     def stats(self) -> dict:
         """Figures per committed snapshot (newest last) and of the engine as a whole.
 
-        ``snapshots[i]``: ``step``; ``blocking_s`` (what ``snapshot()`` cost training),
-        ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's ``queue_s``, ``write_s``,
-        ``fsync_s`` and, for rank 0, ``wait_ranks_s``; ``commit_s`` (durable to committed);
-        ``to_commit_s`` (``snapshot()`` called to committed); ``committed_at`` (Unix time, as
-        in the manifest); ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``;
-        ``staging_gbps``, ``durable_gbps``. Durations are seconds."""
+        ``snapshots[i]`` (``stats.SnapshotFigures``): ``step``; ``blocking_s`` (what
+        ``snapshot()`` cost training), ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's
+        ``queue_s``, ``write_s``, ``fsync_s`` and, for rank 0, ``wait_ranks_s`` and
+        ``dropped_steps`` (retention); ``commit_s`` (durable to committed); ``to_commit_s``
+        (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
+        ``committed``; ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``,
+        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
+
+        The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
+        ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
+        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
+        ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer's ``writer_rss`` and
+        ``writer_shared``."""
         if not self._closed and self._broken is None:
             self._drain(block=False, raise_failures=False)
         return {
-            "snapshots": [dict(s) for s in self._history],
+            "snapshots": [s.as_dict() for s in self._history],
             "in_flight": len(self._pending),
-            "committed": self._counts["committed"],
-            "failed": self._counts["failed"],
-            "skipped": self._counts["skipped"],
-            "abandoned": self._counts["abandoned"],
-            "writer_behind": self._counts["writer_behind"],
-            "consecutive_failures": self._counts["consecutive_failures"],
+            **self._counts.as_dict(),
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
             "disk_free_bytes": shutil.disk_usage(self.directory).free,
@@ -357,7 +360,7 @@ class CheckpointEngine:
                 self._heartbeat.beat()
         except WriterDiedError as e:
             self._broken = e
-            self._counts["failed"] += len(self._pending)
+            self._counts.failed += len(self._pending)
             self._pending.clear()
             raise
 
@@ -371,7 +374,7 @@ class CheckpointEngine:
             self._handle(self._writer_event(None))
         waited = time.monotonic() - started
         if waited > self.options.slow_writer_s:
-            self._counts["writer_behind"] += 1
+            self._counts.writer_behind += 1
             log.warning("the writer is falling behind: waited %.1f s for a free staging slot "
                         "(snapshot less often, add slots, or use a faster disk)", waited)
         return slot
@@ -398,30 +401,22 @@ class CheckpointEngine:
         elif kind == "committed":
             record = self._pending.pop(event[1])
             figures = event[2]
-            record.update(figures, committed=True)
-            record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
-            # the writer reports a monotonic time; stats() gives Unix time, as the manifest does
-            record["committed_at"] = time.time() - (time.monotonic() - figures["committed_at"])
-            record["staging_gbps"] = record["staged_bytes"] / max(record["staging_s"], 1e-9) / 1e9
-            record["durable_gbps"] = figures["shard_bytes"] / max(
-                figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9
-            self._counts["committed"] += 1
-            self._counts["consecutive_failures"] = 0
+            record.record_commit(figures)
+            self._counts.record_commit()
             self._history.append(record)
-            log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
-                     record["blocking_s"], figures["stored_bytes"] / 1e6)
+            log.info("committed step %d: blocked %.3f s, %.1f MB", record.step,
+                     record.blocking_s, figures["stored_bytes"] / 1e6)
             if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
                             "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
                             figures["stored_bytes"] / 1e6)
         elif kind == "abandoned":  # another rank never wrote its part: not an error of this rank
             self._pending.pop(event[1])
-            self._counts["abandoned"] += 1
+            self._counts.abandoned += 1
             log.warning("%s", event[2])
         elif kind == "failed":
             self._pending.pop(event[1])
-            self._counts["failed"] += 1
-            self._counts["consecutive_failures"] += 1
+            self._counts.record_failure()
             error_type = getattr(errors, event[2], errors.SnapshotWriteError)
             if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
                 error_type = errors.SnapshotWriteError
