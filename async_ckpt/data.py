@@ -1,124 +1,11 @@
-"""Data position for exact resume: samplers whose position is saved with the checkpoint.
+"""Data position for exact resume: samplers (and a loader) whose position is saved with the
+checkpoint.
 
-A ``DataLoader`` has no state of its own, and its sampler cannot tell what training consumed: the
-loader draws indices ahead of the training loop (``prefetch_factor`` batches per worker), so by the
-time the loop finishes batch *k* the sampler may already have handed out batch *k + 8*. Here the
-**training loop** advances the position, one call per batch it consumed, and the sampler only
-reads that position when an epoch's iteration starts::
-
-    from torch.utils.data import DataLoader
-    from async_ckpt import CheckpointEngine
-    from async_ckpt.data import ResumableSampler
-
-    sampler = ResumableSampler(len(dataset), shuffle=True, seed=0, batch_size=32)
-    loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=4,
-                        generator=torch.Generator())            # see "The loader's own draw"
-    engine = CheckpointEngine("ckpt", {"model": model, "optimizer": opt, "sampler": sampler})
-    step = engine.restore()                                      # also restores the position
-    step = 0 if step is None else step + 1
-    for epoch in sampler.epochs(num_epochs):     # from the restored epoch on
-        for batch in loader:                     # from the first batch not yet consumed
-            train_step(batch)
-            sampler.advance()                    # after the step, before the snapshot
-            engine.snapshot(step)
-            step += 1
-
-Without :meth:`ResumableSampler.epochs`, drive it like ``DistributedSampler``::
-
-    for epoch in range(sampler.epoch, num_epochs):   # start from the restored epoch
-        sampler.set_epoch(epoch)                     # same epoch: keeps the restored position
-        for batch in loader: ...; sampler.advance(); engine.snapshot(step)
-
-Position
---------
-The position is ``(epoch, consumed)``: the epoch being trained and how many of its batches the
-loop has consumed, i.e. the *next* batch to train. ``advance()`` after an epoch's last batch moves
-it to ``(epoch + 1, 0)`` at once, so a snapshot taken right after the last batch (inside the inner
-loop, or after it) resumes at the first batch of the next epoch, in that epoch's order: no epoch
-is dropped, repeated, or reshuffled. A snapshot after the last batch of the last epoch resumes
-with ``epoch == num_epochs``, and ``epochs(num_epochs)`` then yields nothing. Nothing depends on
-when the loader's iterator is exhausted. (The stock ``RandomSampler`` with a generator draws one
-more ``randperm`` when its iterator runs dry, which happens after the loop body of the last batch
-or, with workers, long before it; a generator state saved inside the loop is one the uninterrupted
-run never continues from, and a resumed run shuffles the next epoch differently.)
-
-The epoch's indices are computed when its iteration starts (``iter(loader)``), from the position at
-that moment; ``advance()`` during the epoch never changes what the running iterator yields. Restore
-before starting an epoch's iteration. An iteration that starts the next epoch early (a wrapper that
-prefetches across epoch boundaries) is not supported.
-
-``advance()`` raises if the loader yields more batches than the sampler expects (a ``batch_size``
-or ``drop_last`` that differs from the loader's); ``epochs()`` warns when an epoch ends with fewer
-batches advanced than it holds. A loop that ends an epoch early on purpose calls
-``sampler.set_epoch(epoch + 1)`` before that epoch's last snapshot, so the snapshot says so.
-
-Order
------
-The order of an epoch is a pure function of ``(seed, epoch)`` (and the dataset length): the pair is
-hashed with BLAKE2b (so ``(seed, epoch + 1)`` and ``(seed + 1, epoch)`` are unrelated orders, unlike
-``DistributedSampler``'s ``seed + epoch``) and seeds NumPy's legacy ``RandomState`` (MT19937), whose
-stream NumPy keeps frozen across versions (NEP 19). The order therefore does not depend on torch's
-``randperm`` implementation, on any global RNG, or on worker processes, and is the same after a
-restart with another torch version. ``shuffle=False`` yields ``0, 1, 2, ...`` every epoch.
-
-Per-sample randomness
----------------------
-Random augmentation that draws from a worker's global RNG depends on which worker loads a sample
-and on how many samples that worker loaded before, so it changes with ``num_workers`` and after a
-resume. Instead, draw from :func:`sample_generator`, a generator seeded from ``(seed, epoch,
-index)`` alone. ``Dataset.__getitem__`` receives only the index, so build the sampler with
-``with_epoch=True``: it then yields :class:`EpochIndex` values, ints that carry the epoch they were
-drawn for. They travel with the index to whichever worker loads it, so this is right with any
-``num_workers``, with ``persistent_workers=True`` (where a dataset attribute set from the training
-process would be stale in the workers), and after a resume::
-
-    class Augmented(torch.utils.data.Dataset):
-        def __init__(self, images, seed):
-            self.images, self.seed = images, seed
-        def __len__(self):
-            return len(self.images)
-        def __getitem__(self, i):               # i: an EpochIndex
-            g = sample_generator(self.seed, i.epoch, i)
-            x = self.images[i]
-            if torch.rand((), generator=g) < 0.5:
-                x = x.flip(-1)
-            return x + 0.1 * torch.randn(x.shape, generator=g)
-
-    sampler = ResumableSampler(len(ds), seed=0, batch_size=32, with_epoch=True)
-
-An ``EpochIndex`` is an ``int`` everywhere else (indexing, arithmetic, comparisons, hashing,
-collation); it also unpacks as ``epoch, index = i`` for datasets written for pairs. For
-NumPy, use ``np.random.default_rng(sample_seed(seed, epoch, i))``. A padded duplicate of an index in
-the distributed sampler gets the same draws as the original.
-
-Distributed
------------
-:class:`DistributedResumableSampler` shards like ``torch.utils.data.DistributedSampler``: the same
-epoch order on every rank, padded by repeating its head (``drop_last=False``) or cut to a multiple
-of ``num_replicas`` (``drop_last=True``), rank *r* taking positions ``r, r + R, r + 2R, ...``. Given
-the same order, every rank gets exactly the indices ``DistributedSampler`` would give it, and with
-``shuffle=False`` the assignment is identical; with ``shuffle=True`` the order itself differs (see
-Order). Every rank has the same number of batches per epoch, so in data-parallel training all ranks
-are at the same position; a snapshot may therefore be restored on a rank with another number
-(the position is kept, this sampler's shard is used). Restoring with another ``num_replicas`` is
-refused: re-sharding mid-epoch is out of scope.
-
-The loader's own draw
----------------------
-``DataLoader`` draws a worker base seed from ``loader.generator`` (the global torch RNG when none
-is given) every time an iteration starts, with or without workers. A resumed run starts one
-iteration mid-epoch that the uninterrupted run did not, so the global torch RNG restored by the
-engine is one draw off from the next step on. Give the loader its own ``generator=torch.Generator()``:
-nothing here depends on the worker seeds it produces.
-
-:class:`ResumableLoader` does all of the above for you: it is a ``DataLoader`` that owns the
-sampler, its own generator, and per-sample seeds of the global RNGs, so augmentation written the
-natural way (``torch.rand`` in ``__getitem__``) resumes exactly with any ``num_workers``.
-
-A torchdata ``StatefulDataLoader`` is registered as an ordinary state entry and restores its
-position, but async_ckpt does not make it exact: at a resume its workers are seeded afresh (their
-RNG positions are not saved), and without ``generator=`` it draws from the global torch RNG. The
-engine warns when it sees either; prefer :class:`ResumableLoader`.
+A ``DataLoader`` draws indices ahead of the training loop, so its sampler cannot tell what
+training consumed; here the training loop advances the position (``advance()``, once per batch it
+consumed) and the sampler reads it only when an epoch's iteration starts. The order of an epoch is
+a pure function of ``(seed, epoch)``; per-sample randomness comes from ``sample_generator``.
+How to use them, and why each rule is there: docs/data.md.
 """
 
 from __future__ import annotations
@@ -177,7 +64,7 @@ def sample_generator(seed: int, epoch: int, index: int,
     """A fresh ``torch.Generator`` seeded with :func:`sample_seed` ``(seed, epoch, index)``.
 
     Use it for a sample's random augmentation inside ``Dataset.__getitem__``: the draws are then
-    the same with any ``num_workers`` and after a resume (see the module docstring).
+    the same with any ``num_workers`` and after a resume (docs/data.md, "Per-sample randomness").
     """
     generator = torch.Generator(device=device)
     generator.manual_seed(sample_seed(seed, epoch, index))
@@ -268,7 +155,6 @@ class ResumableSampler(Sampler[int]):
         _int_bytes(self.seed, "seed")
         self.batch_size = _check_int(batch_size, "batch_size", 1)
         self.with_epoch = bool(with_epoch)
-        self._drop_last_batch = bool(drop_last_batch)
         length = self.epoch_len
         self.batches_per_epoch = (length // self.batch_size if drop_last_batch
                                   else -(-length // self.batch_size))
@@ -330,7 +216,7 @@ class ResumableSampler(Sampler[int]):
     def epochs(self, num_epochs: Optional[int] = None) -> Iterator[int]:
         """Yield the epochs to train, from the current (restored) one up to ``num_epochs - 1``
         (forever if None). An epoch whose batches were not all advanced when the loop comes back
-        for the next one is ended with a warning (see the module docstring)."""
+        for the next one is ended with a warning (see docs/data.md, "Position")."""
         if num_epochs is not None:
             num_epochs = _check_int(num_epochs, "num_epochs", 0)
         while num_epochs is None or self._epoch < num_epochs:
@@ -430,9 +316,9 @@ class ResumableSampler(Sampler[int]):
 class DistributedResumableSampler(ResumableSampler):
     """The shard of each epoch that one rank trains, from a saved position.
 
-    Shards like ``torch.utils.data.DistributedSampler`` (see the module docstring: identical index
-    assignment for the same epoch order; identical outright with ``shuffle=False``). ``consumed``
-    counts this rank's batches.
+    Shards like ``torch.utils.data.DistributedSampler`` (docs/data.md, "Distributed": identical
+    index assignment for the same epoch order; identical outright with ``shuffle=False``).
+    ``consumed`` counts this rank's batches.
 
     Args:
         dataset_len: the dataset's length, or the dataset itself.
@@ -443,7 +329,7 @@ class DistributedResumableSampler(ResumableSampler):
         drop_last_batch: the loader's ``drop_last`` (drop a rank's incomplete last batch).
 
     The state adds ``num_replicas``, ``rank`` and ``drop_last_batch``. Loading a state of another
-    ``num_replicas`` raises StateMismatchError; another ``rank`` is accepted (module docstring).
+    ``num_replicas`` raises StateMismatchError; another ``rank`` is accepted (docs/data.md).
     """
 
     _KIND = "DistributedResumableSampler"

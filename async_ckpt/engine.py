@@ -14,35 +14,34 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import os
-import secrets
 import shutil
 import signal
-import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterable, MutableMapping, Optional, Union
+from typing import Any, MutableMapping, Optional
 
 import psutil
 
 from . import errors
 from .data import inexact_loader_warnings
-from .distributed import Coordinator, resolve_ranks
-from .errors import (CheckpointDirError, CorruptSnapshotError,
-                     DistributedSetupError, EngineClosedError, Preempted, StateMismatchError,
+from .distributed import Coordinator
+from .errors import (CorruptSnapshotError, EngineClosedError, Preempted, StateMismatchError,
                      WorldSizeMismatchError, WriterDiedError)
-from .format.manifest import SnapshotRecord, leftovers, read_manifest, recover_manifest
+from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
+from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
-from .storage.local import atomic_write, ensure_writable_dir, read_regular, remove_entries
-from .storage.locks import lock_path, take_rank_lock
+from .stats import EngineCounts, SnapshotFigures
+from .storage.local import ensure_writable_dir
+from .storage.locks import lock_path
 from .train.capture import capture, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.rng import GlobalRNG
+from .train.session import start_session
 from .train.staging import StagingPool
 from .write.client import WriterClient
 from .write.protocol import (Abandoned, Committed, Failed, Released, SnapshotJob, WriterConfig,
@@ -50,10 +49,8 @@ from .write.protocol import (Abandoned, Committed, Failed, Released, SnapshotJob
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
-DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CLOSE_TIMEOUT_S = 600.0
 _WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
-SESSION_FILE = "session.json"  # names the engines' current session; proves the directory is shared
 
 
 class CheckpointEngine:
@@ -63,186 +60,62 @@ class CheckpointEngine:
         directory: where snapshots and the manifest live; created if missing.
         state: name -> object with ``state_dict()``/``load_state_dict()``, a tensor, or a plain dict
             of those (a dict may also hold plain values such as counters).
-        mode: "async" (``snapshot`` returns once the state is staged in CPU memory) or "sync"
-            (returns once the snapshot is committed: the periodic blocking baseline).
-        every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``).
-        keep_last: committed snapshots kept (newest by commit order); at least 1.
-        keep_every: also keep every snapshot whose step is a multiple of this.
-        slots: staging buffers, each the size of the state; more slots absorb slower disks.
-        when_busy: "wait" for a slot when all are being written, or "skip" the step (counted and
-            logged; one rank only).
-        compression: None (store raw) or "zstd" (sign/exponent byte planes of floats, all of other
-            data); ``level`` is the zstd level.
-        allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
-            values to be loaded. Off by default: loading then never runs code from the file.
-        rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
-            restore them with it, so a resumed run draws the same random numbers.
-        rank, world_size: this process's shard of a snapshot (one file per rank); by default those
-            of the initialised ``torch.distributed`` process group (else 0 and 1). With several
-            ranks, create the engine, and call ``restore()`` and ``snapshot()``, on every rank.
-        replicated: names of top-level entries that every rank holds identically (a DDP model and
-            its optimizer): written once instead of once per rank, and checked (by checksum) to
-            really be identical before a snapshot is committed.
-        spread_replicated: share the writing of replicated tensors among the ranks (balanced by
-            bytes) instead of leaving it all to rank 0.
-        commit_timeout: rank 0's writer gives a snapshot up (it is never committed) when no rank
-            has written any of it for this many seconds while some rank's shard is missing.
-        writer_nice: niceness added to the writer process (default: 10 in async mode, so training
-            keeps the CPU; 0 in sync mode, where training waits for the writer anyway);
-            ``writer_low_io`` lowers its I/O priority.
-        reserve_bytes: refuse to start a snapshot that would leave less free disk than this.
-        lock_timeout: seconds to wait for a previous writer on the same directory to finish.
-        preemption: True (SIGTERM and SIGUSR1) or a list of signals to handle as a preemption
-            notice: the handler only sets a flag; the next ``snapshot()`` call takes a snapshot
-            whatever ``every`` says, waits for its commit and raises ``Preempted`` (a SystemExit
-            with code 75). Installed from the main thread only; the old handlers come back at
-            ``close()``.
-        heartbeat_interval: seconds between heartbeat files written from ``snapshot()`` calls,
-            and while the engine waits for its writer (``wait()``, ``close()``, a busy slot)
-            (``DIR/heartbeat.rankNNNNN.json``); None turns them off.
-        slow_writer_s: a snapshot that waits this long for a free slot is logged and counted as
-            the writer falling behind (``stats()["writer_behind"]``).
+        **options: keyword arguments of ``async_ckpt.options.EngineOptions`` (``mode``, ``every``,
+            ``keep_last``, ...), documented and validated there; ``self.options`` holds them.
     """
 
-    def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
-                 mode: str = "async", every: int = 1, keep_last: int = 3,
-                 keep_every: Optional[int] = None, slots: int = 2, when_busy: str = "wait",
-                 compression: Optional[str] = None, level: int = 1, allow_pickle: bool = False,
-                 rng: bool = True, rank: Optional[int] = None, world_size: Optional[int] = None,
-                 replicated: Iterable[str] = (), spread_replicated: bool = False,
-                 commit_timeout: float = 120.0, writer_nice: Optional[int] = None,
-                 writer_low_io: bool = True, reserve_bytes: int = 0, lock_timeout: float = 60.0,
-                 preemption: Union[bool, Iterable[int]] = False,
-                 heartbeat_interval: Optional[float] = 10.0, slow_writer_s: float = 30.0):
-        _require(mode in ("async", "sync"), f"mode must be 'async' or 'sync', not {mode!r}")
-        _require(when_busy in ("wait", "skip"), f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
-        _require(compression in (None, "zstd"), f"compression must be None or 'zstd', not {compression!r}")
-        _require(isinstance(every, int) and every >= 1, "every must be an int >= 1")
-        _require(isinstance(keep_last, int) and keep_last >= 1, "keep_last must be an int >= 1")
-        _require(keep_every is None or (isinstance(keep_every, int) and keep_every >= 1),
-                 "keep_every must be None or an int >= 1")
-        rank, world_size = resolve_ranks(rank, world_size)
-        _require(0 <= rank < world_size, "rank must be in [0, world_size)")
-        _require(commit_timeout > 0, "commit_timeout must be positive")
-        _require(world_size == 1 or when_busy == "wait", "when_busy='skip' needs one rank: ranks "
-                 "would skip different steps, which then never commit; use when_busy='wait'")
-        if not isinstance(state, MutableMapping):
-            raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
-        _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
-        replicated = frozenset([replicated] if isinstance(replicated, str) else replicated)
-        _require(replicated <= state.keys(), "replicated names entries that are not in state: "
-                 f"{sorted(replicated - state.keys())}")
+    def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], **options):
+        self.options = o = EngineOptions(**options)
+        o.check_state(state)
         for message in inexact_loader_warnings(state):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.directory = ensure_writable_dir(directory)
         self.state = state
-        self.mode, self.every, self.when_busy = mode, every, when_busy
-        self.allow_pickle, self.rank, self.world_size = allow_pickle, rank, world_size
-        self.replicated = replicated
-        self._rng = GlobalRNG() if rng else None
+        self.rank, self.world_size = o.rank, o.world_size  # as resolved from torch.distributed
+        self._rng = GlobalRNG() if o.rng else None
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
-        self._pending: dict[int, dict] = {}  # job number -> its figures so far, in submission order
+        self._pending: dict[int, SnapshotFigures] = {}  # job number -> figures, in submission order
         self._jobs = itertools.count()
         self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
         self._last_step_taken: Optional[int] = None
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
-        self._history: collections.deque[dict] = collections.deque(maxlen=_STATS_HISTORY)
-        self._counts = collections.Counter()
+        self._history: collections.deque[SnapshotFigures] = collections.deque(maxlen=_STATS_HISTORY)
+        self._counts = EngineCounts()
         self._writer_plan = None
-        self._slow_writer_s = slow_writer_s
-        self._heartbeat = (Heartbeat(self.directory, rank, heartbeat_interval)
-                           if heartbeat_interval is not None else None)
+        self._heartbeat = (Heartbeat(self.directory, self.rank, o.heartbeat_interval)
+                           if o.heartbeat_interval is not None else None)
         self._preempted_by: Optional[int] = None
         self._old_handlers: dict = {}
-        if preemption and threading.current_thread() is not threading.main_thread():
-            raise ValueError("preemption handlers can only be installed from the main thread; "
-                             "create the engine there or pass preemption=False")
-        self._coordinator = Coordinator(rank, world_size)
-        self._lock_fd = self._pool = None
+        self._coordinator = Coordinator(self.rank, self.world_size)
+        session = self._pool = None
         try:
-            self._lock_fd, self._session = self._start_session(lock_timeout, {
-                "every": every, "keep_last": keep_last, "keep_every": keep_every,
-                "replicated": sorted(replicated), "spread_replicated": spread_replicated,
-                "rng": rng, "mode": mode})
-            self._pool = StagingPool(slots)
+            session = start_session(self.directory, self._coordinator, o.shared_settings(),
+                                    o.lock_timeout)
+            self._session = session.token
+            self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
-                root=self.directory, rank=rank, world_size=world_size,
-                spread_replicated=spread_replicated, commit_timeout=commit_timeout,
-                keep_last=keep_last, keep_every=keep_every, compression=compression,
-                level=level, reserve_bytes=reserve_bytes,
-                nice=writer_nice if writer_nice is not None else (10 if mode == "async" else 0),
-                low_io_priority=writer_low_io, lock=lock_path(self.directory, rank),
+                root=self.directory, rank=o.rank, world_size=o.world_size,
+                spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
+                keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
+                level=o.level, reserve_bytes=o.reserve_bytes, nice=o.writer_nice,
+                low_io_priority=o.writer_low_io, lock=lock_path(self.directory, o.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel()))
         except BaseException:
             if self._pool is not None:
                 self._pool.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+            if session is not None:
+                os.close(session.lock_fd)
             raise
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         self._lock_fd)
-        self._old_handlers = self._install_preemption_handlers(preemption)
+                                         session.lock_fd)
+        self._old_handlers = self._install_preemption_handlers(o.preemption)
 
     # --- set-up -----------------------------------------------------------------------------
 
-    def _start_session(self, lock_timeout: float, settings: dict) -> tuple[int, str]:
-        """Take this rank's directory lock and agree with the other ranks on this run; returns the
-        lock's file descriptor and the session token that names this run's snapshot directories.
-
-        In order: every rank checks that all were created with the same settings (this first
-        exchange also connects the ranks, while they arrive together); each takes its lock, waiting
-        for its previous writer (perhaps of a killed process) to finish; then rank 0, now sure that
-        no writer of an earlier run is active, starts the session (``_new_session``) and the others
-        check that they see its ``session.json``: proof that they share the directory.
-        """
-        everyone = self._coordinator.gather(settings)
-        differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
-        if differ:
-            raise DistributedSetupError(
-                "the ranks created their engines with different settings: " + "; ".join(
-                    f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})" for r, other in enumerate(everyone))
-                    for k in differ) + ". Create every rank's engine with the same arguments")
-        fd, problem = None, None
-        try:
-            fd = take_rank_lock(self.directory, self.rank, lock_timeout)
-        except CheckpointDirError as e:
-            problem = str(e)
-        try:
-            self._coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
-            session = self._coordinator.from_rank0(self._new_session)
-            seen = session if self.world_size == 1 else _session_token(self.directory)
-            self._coordinator.raise_if_any(
-                None if seen == session else f"{self.directory} does not hold rank 0's "
-                f"{SESSION_FILE} (found {seen!r})", CheckpointDirError,
-                "every rank must write to the same shared directory (see docs/distributed.md)")
-            return fd, session
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-
-    def _new_session(self) -> str:
-        """Rank 0, while no writer of any rank is active: remove what interrupted snapshots left,
-        and draw the new session's token (written to ``session.json`` when several ranks share the
-        directory)."""
-        stale = leftovers(self.directory, recover_manifest(self.directory))
-        if stale:
-            log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-            remove_entries(self.directory, stale)
-        token = secrets.token_hex(8)
-        if self.world_size > 1:
-            atomic_write(os.path.join(self.directory, SESSION_FILE), json.dumps(
-                {"token": token, "world_size": self.world_size, "started": time.time()}).encode())
-        return token
-
-    def _install_preemption_handlers(self, preemption) -> dict:
-        if preemption is False or preemption is None:
-            return {}
-        signals = DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption)
-
+    def _install_preemption_handlers(self, signals: tuple[int, ...]) -> dict:
         def on_signal(signum, frame):  # a flag only: the training loop acts at its next snapshot()
             self._preempted_by = signum
 
@@ -272,21 +145,21 @@ class CheckpointEngine:
         if self._old_handlers and self.world_size > 1:  # every rank stops at the same step
             self._preempted_by = self._coordinator.max(self._preempted_by or 0) or None
         preempting = self._preempted_by is not None
-        if not (force or preempting) and step % self.every:
+        if not (force or preempting) and step % self.options.every:
             return False
         called_at, t0 = time.monotonic(), time.perf_counter()
         slot = self._acquire_slot(may_skip=not preempting)
         if slot is None:
-            self._counts["skipped"] += 1
+            self._counts.skipped += 1
             log.warning("skipped the snapshot of step %d: every staging slot is still being written "
                         "(%d skipped so far; add slots or snapshot less often)", step,
-                        self._counts["skipped"])
+                        self._counts.skipped)
             return False
         t_slot = time.perf_counter()
         captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
-                           self.allow_pickle)
+                           self.options.allow_pickle)
         plan, sources = plan_layout(captured.tensors, [
-            key if key in self.replicated else None for key in captured.entry_of])
+            key if key in self.options.replicated else None for key in captured.entry_of])
         old_buffer = slot.buffer_id
         if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
             if old_buffer >= 0:
@@ -305,16 +178,16 @@ class CheckpointEngine:
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
-        record = {"step": step, "called_at": called_at, "blocking_s": time.perf_counter() - t0,
-                  "wait_slot_s": t_slot - t0, "capture_s": t_captured - t_slot,
-                  "staging_s": t_staged - t_captured, "staged_bytes": plan.raw_bytes}
+        record = SnapshotFigures(step, called_at, blocking_s=time.perf_counter() - t0,
+                                 wait_slot_s=t_slot - t0, capture_s=t_captured - t_slot,
+                                 staging_s=t_staged - t_captured, staged_bytes=plan.raw_bytes)
         self._pending[job] = record
-        if self.mode == "sync" or self._preempted_by is not None:
+        if self.options.mode == "sync" or self._preempted_by is not None:
             self.wait()
-            record["blocking_s"] = time.perf_counter() - t0  # the caller waited for the commit
+            record.blocking_s = time.perf_counter() - t0  # the caller waited for the commit
         if self._preempted_by is not None:  # also when the signal came during this call
             log.warning("preempted by signal %d: step %d is %s; exiting with code %d",
-                        self._preempted_by, step, "committed" if record.get("committed") else
+                        self._preempted_by, step, "committed" if record.committed else
                         "NOT committed (see the warning above)", Preempted(step, 0).code)
             raise Preempted(step, self._preempted_by)
         return True
@@ -342,13 +215,14 @@ class CheckpointEngine:
         """
         self._check_usable()
         self.wait()
-        record, loaded = read_committed(self.directory, step, self.rank, self.allow_pickle,
-                                        self._coordinator, lambda r: self._shard_to_read(r, reshard),
-                                        self._check_loaded)
+        record, loaded = read_committed(
+            self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
+            lambda r: self._shard_to_read(r, reshard), self._check_loaded)
         if loaded is None:
             return None
         resharding = record.world_size != self.world_size
-        return self._load(record.step, set(self.replicated) if resharding else None, loaded, strict)
+        keys = set(self.options.replicated) if resharding else None
+        return self._load(record.step, keys, loaded, strict)
 
     def _check_loaded(self, loaded: Entry) -> None:
         """Damage that shows only against what is registered: the RNG states this engine would
@@ -373,15 +247,15 @@ class CheckpointEngine:
                 "optimizer shards) cannot be split or merged safely: restart with "
                 f"{record.world_size} rank(s), or pass reshard=True to load only the replicated "
                 "entries (see docs/distributed.md)")
-        if not self.replicated:
+        if not self.options.replicated:
             raise WorldSizeMismatchError(
                 f"step {record.step} was written by {record.world_size} rank(s), this job has "
                 f"{self.world_size}, and no entry is declared replicated, so nothing can be "
                 "re-sharded; pass replicated= to the engine")
-        skipped = sorted(set(self.state) - self.replicated)
+        skipped = sorted(set(self.state) - self.options.replicated)
         log.warning("re-sharding step %d from %d to %d ranks: loading only the replicated entries "
                     "%s; per-rank entries %s and the RNG keep their current state", record.step,
-                    record.world_size, self.world_size, sorted(self.replicated), skipped)
+                    record.world_size, self.world_size, sorted(self.options.replicated), skipped)
         return min(self.rank, record.world_size - 1)
 
     def _load(self, step: int, keys: Optional[set], loaded: Entry, strict: bool) -> int:
@@ -406,23 +280,25 @@ class CheckpointEngine:
     def stats(self) -> dict:
         """Figures per committed snapshot (newest last) and of the engine as a whole.
 
-        ``snapshots[i]``: ``step``; ``blocking_s`` (what ``snapshot()`` cost training),
-        ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's ``queue_s``, ``write_s``,
-        ``fsync_s`` and, for rank 0, ``wait_ranks_s``; ``commit_s`` (durable to committed);
-        ``to_commit_s`` (``snapshot()`` called to committed); ``committed_at`` (Unix time, as
-        in the manifest); ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``;
-        ``staging_gbps``, ``durable_gbps``. Durations are seconds."""
+        ``snapshots[i]`` (``stats.SnapshotFigures``): ``step``; ``blocking_s`` (what
+        ``snapshot()`` cost training), ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's
+        ``queue_s``, ``write_s``, ``fsync_s`` and, for rank 0, ``wait_ranks_s`` and
+        ``dropped_steps`` (retention); ``commit_s`` (durable to committed); ``to_commit_s``
+        (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
+        ``committed``; ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``,
+        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
+
+        The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
+        ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
+        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
+        ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer's ``writer_rss`` and
+        ``writer_shared``."""
         if not self._closed and self._broken is None:
             self._drain(block=False, raise_failures=False)
         return {
-            "snapshots": [dict(s) for s in self._history],
+            "snapshots": [s.as_dict() for s in self._history],
             "in_flight": len(self._pending),
-            "committed": self._counts["committed"],
-            "failed": self._counts["failed"],
-            "skipped": self._counts["skipped"],
-            "abandoned": self._counts["abandoned"],
-            "writer_behind": self._counts["writer_behind"],
-            "consecutive_failures": self._counts["consecutive_failures"],
+            **self._counts.as_dict(),
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
             "disk_free_bytes": shutil.disk_usage(self.directory).free,
@@ -484,7 +360,7 @@ class CheckpointEngine:
                 self._heartbeat.beat()
         except WriterDiedError as e:
             self._broken = e
-            self._counts["failed"] += len(self._pending)
+            self._counts.failed += len(self._pending)
             self._pending.clear()
             raise
 
@@ -493,12 +369,12 @@ class CheckpointEngine:
         started = time.monotonic()
         while True:
             slot = self._pool.free_slot()
-            if slot is not None or (may_skip and self.when_busy == "skip"):
+            if slot is not None or (may_skip and self.options.when_busy == "skip"):
                 break
             self._handle(self._writer_event(None))
         waited = time.monotonic() - started
-        if waited > self._slow_writer_s:
-            self._counts["writer_behind"] += 1
+        if waited > self.options.slow_writer_s:
+            self._counts.writer_behind += 1
             log.warning("the writer is falling behind: waited %.1f s for a free staging slot "
                         "(snapshot less often, add slots, or use a faster disk)", waited)
         return slot
@@ -524,30 +400,22 @@ class CheckpointEngine:
         elif isinstance(event, Committed):
             record = self._pending.pop(event.job)
             figures = event.figures
-            record.update(figures, committed=True)
-            record["to_commit_s"] = figures["committed_at"] - record.pop("called_at")
-            # the writer reports a monotonic time; stats() gives Unix time, as the manifest does
-            record["committed_at"] = time.time() - (time.monotonic() - figures["committed_at"])
-            record["staging_gbps"] = record["staged_bytes"] / max(record["staging_s"], 1e-9) / 1e9
-            record["durable_gbps"] = figures["shard_bytes"] / max(
-                figures["write_s"] + figures["fsync_s"], 1e-9) / 1e9
-            self._counts["committed"] += 1
-            self._counts["consecutive_failures"] = 0
+            record.record_commit(figures)
+            self._counts.record_commit()
             self._history.append(record)
-            log.info("committed step %d: blocked %.3f s, %.1f MB", record["step"],
-                     record["blocking_s"], figures["stored_bytes"] / 1e6)
+            log.info("committed step %d: blocked %.3f s, %.1f MB", record.step,
+                     record.blocking_s, figures["stored_bytes"] / 1e6)
             if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
                             "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
                             figures["stored_bytes"] / 1e6)
         elif isinstance(event, Abandoned):  # another rank never wrote its part: not this rank's error
             self._pending.pop(event.job)
-            self._counts["abandoned"] += 1
+            self._counts.abandoned += 1
             log.warning("%s", event.message)
         elif isinstance(event, Failed):
             self._pending.pop(event.job)
-            self._counts["failed"] += 1
-            self._counts["consecutive_failures"] += 1
+            self._counts.record_failure()
             self._failures.append(event.error)  # the writer's error object, of its own class
 
 
@@ -555,16 +423,3 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) ->
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
-
-
-def _session_token(directory: str) -> Optional[str]:
-    try:
-        doc = json.loads(read_regular(os.path.join(directory, SESSION_FILE), 4096, CheckpointDirError))
-    except (OSError, ValueError, RecursionError, CheckpointDirError):
-        return None
-    return doc.get("token") if isinstance(doc, dict) else None
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -3,7 +3,7 @@
 A float's bytes differ in how well they compress: the plane holding the sign and exponent of
 fp32 or bf16 weights compresses ~2.7x, while the mantissa planes are noise (ratio 1.00). Storing
 byte p of every item together (plane p) lets the compressor find the redundancy, and lets the
-writer store incompressible planes raw (measurements in DESIGN.md).
+writer store incompressible planes raw.
 
 ``shuffle(src, itemsize, dst)`` writes ``dst[p*m + i] = src[i*itemsize + p]`` for ``m`` items;
 ``unshuffle`` is its inverse. Both take any contiguous buffers (bytes, bytearray, memoryview,

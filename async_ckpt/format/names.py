@@ -24,6 +24,8 @@ PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name 
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
 LOCK_PREFIX = ".lock-rank"
 LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"\d{5}")
+SESSION_NAME = "session.json"  # the current run's session token, with several ranks
+HEARTBEAT_FILE = re.compile(r"heartbeat\.rank\d{5}\.json")  # liveness, not part of any snapshot
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
 _DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)
@@ -55,6 +57,10 @@ def shard_file_name(rank: int) -> str:
 
 def lock_file_name(rank: int) -> str:
     return f"{LOCK_PREFIX}{rank:05d}"
+
+
+def heartbeat_file_name(rank: int) -> str:
+    return f"heartbeat.rank{rank:05d}.json"
 
 
 def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointError]) -> str:

@@ -58,7 +58,7 @@ class ChunkEncoder:
 
     Float data is byte-shuffled and only the most significant plane (sign and exponent) is
     compressed: the mantissa planes of trained weights are noise, and compressing them costs 3-4x
-    the CPU for no gain (measured, see DESIGN.md). Other data is compressed whole. A chunk that
+    the CPU for no gain. Other data is compressed whole. A chunk that
     does not shrink is stored raw, so decoding it is a plain read.
     """
 

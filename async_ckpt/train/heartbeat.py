@@ -15,14 +15,14 @@ import time
 from typing import Optional
 
 from ..errors import CheckpointDirError
+from ..format.names import HEARTBEAT_FILE, heartbeat_file_name
 from ..storage.local import read_regular
 
-HEARTBEAT_PREFIX = "heartbeat.rank"
 _MAX_HEARTBEAT_BYTES = 4096
 
 
 def heartbeat_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank:05d}.json")
+    return os.path.join(directory, heartbeat_file_name(rank))
 
 
 class Heartbeat:
@@ -68,7 +68,7 @@ def read_heartbeats(directory: str) -> list[dict]:
     except FileNotFoundError:
         return beats
     for name in sorted(names):
-        if name.startswith(HEARTBEAT_PREFIX) and name.endswith(".json"):
+        if HEARTBEAT_FILE.fullmatch(name):
             try:
                 beats.append(json.loads(read_regular(os.path.join(directory, name),
                                                      _MAX_HEARTBEAT_BYTES, CheckpointDirError)))

@@ -1,0 +1,146 @@
+"""The engine's settings: every ``CheckpointEngine`` keyword argument, its default, what it means,
+and its validation, in one place.
+
+``CheckpointEngine(directory, state, **options)`` builds ``EngineOptions(**options)``, so an
+invalid or unknown setting is refused before the engine touches the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+from typing import Any, Iterable, MutableMapping, Optional, Union
+
+from .distributed import resolve_ranks
+from .format.names import RNG_KEY
+
+DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The settings of a ``CheckpointEngine`` (all keyword arguments of the engine).
+
+    Settings given as None or True that stand for a choice made at construction hold that choice
+    afterwards: ``rank`` and ``world_size`` are ints, ``writer_nice`` an int, ``replicated`` a
+    frozenset, ``preemption`` the tuple of signals handled (empty: none).
+
+    Attributes:
+        mode: "async" (``snapshot`` returns once the state is staged in CPU memory) or "sync"
+            (returns once the snapshot is committed: the periodic blocking baseline).
+        every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``).
+        keep_last: committed snapshots kept (newest by commit order); at least 1.
+        keep_every: also keep every snapshot whose step is a multiple of this.
+        slots: staging buffers, each the size of the state; more slots absorb slower disks.
+        when_busy: "wait" for a slot when all are being written, or "skip" the step (counted and
+            logged; one rank only).
+        compression: None (store raw) or "zstd" (sign/exponent byte planes of floats, all of other
+            data); ``level`` is the zstd level.
+        allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
+            values to be loaded. Off by default: loading then never runs code from the file.
+        rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
+            restore them with it, so a resumed run draws the same random numbers.
+        rank, world_size: this process's shard of a snapshot (one file per rank); by default those
+            of the initialised ``torch.distributed`` process group (else 0 and 1). With several
+            ranks, create the engine, and call ``restore()`` and ``snapshot()``, on every rank.
+        replicated: names of top-level entries that every rank holds identically (a DDP model and
+            its optimizer): written once instead of once per rank, and checked (by checksum) to
+            really be identical before a snapshot is committed.
+        spread_replicated: share the writing of replicated tensors among the ranks (balanced by
+            bytes) instead of leaving it all to rank 0.
+        commit_timeout: rank 0's writer gives a snapshot up (it is never committed) when no rank
+            has written any of it for this many seconds while some rank's shard is missing.
+        writer_nice: niceness added to the writer process (default: 10 in async mode, so training
+            keeps the CPU; 0 in sync mode, where training waits for the writer anyway);
+            ``writer_low_io`` lowers its I/O priority.
+        reserve_bytes: refuse to start a snapshot that would leave less free disk than this.
+        lock_timeout: seconds to wait for a previous writer on the same directory to finish.
+        preemption: True (SIGTERM and SIGUSR1) or a list of signals to handle as a preemption
+            notice: the handler only sets a flag; the next ``snapshot()`` call takes a snapshot
+            whatever ``every`` says, waits for its commit and raises ``Preempted`` (a SystemExit
+            with code 75). Installed from the main thread only; the old handlers come back at
+            ``close()``.
+        heartbeat_interval: seconds between heartbeat files written from ``snapshot()`` calls,
+            and while the engine waits for its writer (``wait()``, ``close()``, a busy slot)
+            (``DIR/heartbeat.rankNNNNN.json``); None turns them off.
+        slow_writer_s: a snapshot that waits this long for a free slot is logged and counted as
+            the writer falling behind (``stats()["writer_behind"]``).
+    """
+
+    mode: str = "async"
+    every: int = 1
+    keep_last: int = 3
+    keep_every: Optional[int] = None
+    slots: int = 2
+    when_busy: str = "wait"
+    compression: Optional[str] = None
+    level: int = 1
+    allow_pickle: bool = False
+    rng: bool = True
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    replicated: Union[str, Iterable[str]] = frozenset()
+    spread_replicated: bool = False
+    commit_timeout: float = 120.0
+    writer_nice: Optional[int] = None
+    writer_low_io: bool = True
+    reserve_bytes: int = 0
+    lock_timeout: float = 60.0
+    preemption: Union[bool, Iterable[int]] = False
+    heartbeat_interval: Optional[float] = 10.0
+    slow_writer_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("async", "sync"),
+                 f"mode must be 'async' or 'sync', not {self.mode!r}")
+        _require(self.when_busy in ("wait", "skip"),
+                 f"when_busy must be 'wait' or 'skip', not {self.when_busy!r}")
+        _require(self.compression in (None, "zstd"),
+                 f"compression must be None or 'zstd', not {self.compression!r}")
+        _require(isinstance(self.every, int) and self.every >= 1, "every must be an int >= 1")
+        _require(isinstance(self.keep_last, int) and self.keep_last >= 1,
+                 "keep_last must be an int >= 1")
+        _require(self.keep_every is None
+                 or (isinstance(self.keep_every, int) and self.keep_every >= 1),
+                 "keep_every must be None or an int >= 1")
+        rank, world_size = resolve_ranks(self.rank, self.world_size)
+        _require(0 <= rank < world_size, "rank must be in [0, world_size)")
+        _require(self.commit_timeout > 0, "commit_timeout must be positive")
+        _require(world_size == 1 or self.when_busy == "wait", "when_busy='skip' needs one rank: "
+                 "ranks would skip different steps, which then never commit; use when_busy='wait'")
+        preemption = self.preemption
+        signals = (() if preemption is False or preemption is None else
+                   DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption))
+        if signals and threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption handlers can only be installed from the main thread; "
+                             "create the engine there or pass preemption=False")
+        replicated = self.replicated
+        resolved = {
+            "rank": rank, "world_size": world_size, "preemption": signals,
+            "replicated": frozenset([replicated] if isinstance(replicated, str) else replicated),
+            "writer_nice": self.writer_nice if self.writer_nice is not None else
+            (10 if self.mode == "async" else 0)}
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    def check_state(self, state: Any) -> None:
+        """Refuse a ``state`` these options cannot snapshot: not a dict, holding the engine's own
+        RNG entry, or missing an entry declared ``replicated``."""
+        if not isinstance(state, MutableMapping):
+            raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
+        _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
+        _require(self.replicated <= state.keys(), "replicated names entries that are not in "
+                 f"state: {sorted(self.replicated - state.keys())}")
+
+    def shared_settings(self) -> dict:
+        """The settings every rank's engine must be created with alike (checked at start-up): the
+        ranks of one job write and commit the same snapshots."""
+        return {"every": self.every, "keep_last": self.keep_last, "keep_every": self.keep_every,
+                "replicated": sorted(self.replicated), "spread_replicated": self.spread_replicated,
+                "rng": self.rng, "mode": self.mode}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,100 @@
+"""A rank's session on a checkpoint directory: its lock held, and the token of this run.
+
+The token names the run's snapshot directories (``format.names.snapshot_dir_name``), so that a
+restarted job never writes into a directory an earlier run left. Rank 0 draws it once no writer of
+an earlier run can be active, and with several ranks publishes it in ``session.json``: every other
+rank reading the same token is the proof that all of them share one directory. The lock protocol
+itself is ``storage.locks``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import time
+from typing import Optional
+
+from ..distributed import Coordinator
+from ..errors import CheckpointDirError, DistributedSetupError
+from ..format.manifest import leftovers, recover_manifest
+from ..format.names import SESSION_NAME
+from ..storage.local import atomic_write, read_regular, remove_entries
+from ..storage.locks import take_rank_lock
+
+log = logging.getLogger(__name__)
+_MAX_SESSION_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """What a started session holds: the lock's file descriptor (closing it releases the lock)
+    and the run's token."""
+
+    lock_fd: int
+    token: str
+
+
+def start_session(directory: str, coordinator: Coordinator, settings: dict,
+                  lock_timeout: float) -> Session:
+    """Take this rank's directory lock and agree with the other ranks on this run.
+
+    In order: every rank checks that all were created with the same ``settings`` (this first
+    exchange also connects the ranks, while they arrive together); each takes its lock, waiting
+    up to ``lock_timeout`` seconds for its previous writer (perhaps of a killed process) to
+    finish; then rank 0, now sure that no writer of an earlier run is active, starts the session
+    and the others check that they see its ``session.json``.
+    """
+    everyone = coordinator.gather(settings)
+    differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
+    if differ:
+        raise DistributedSetupError(
+            "the ranks created their engines with different settings: " + "; ".join(
+                f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})"
+                                      for r, other in enumerate(everyone))
+                for k in differ) + ". Create every rank's engine with the same arguments")
+    fd, problem = None, None
+    try:
+        fd = take_rank_lock(directory, coordinator.rank, lock_timeout)
+    except CheckpointDirError as e:
+        problem = str(e)
+    try:
+        coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
+        token = coordinator.from_rank0(lambda: _new_token(directory, coordinator.world_size))
+        seen = token if coordinator.world_size == 1 else _published_token(directory)
+        coordinator.raise_if_any(
+            None if seen == token else f"{directory} does not hold rank 0's {SESSION_NAME} "
+            f"(found {seen!r})", CheckpointDirError,
+            "every rank must write to the same shared directory (see docs/distributed.md)")
+        return Session(fd, token)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+
+
+def _new_token(directory: str, world_size: int) -> str:
+    """Rank 0, while no writer of any rank is active: remove what interrupted snapshots left, and
+    draw the new session's token (published when several ranks share the directory)."""
+    stale = leftovers(directory, recover_manifest(directory))
+    if stale:
+        log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
+        remove_entries(directory, stale)
+    token = secrets.token_hex(8)
+    if world_size > 1:
+        atomic_write(os.path.join(directory, SESSION_NAME), json.dumps(
+            {"token": token, "world_size": world_size, "started": time.time()}).encode())
+    return token
+
+
+def _published_token(directory: str) -> Optional[str]:
+    """The token in ``session.json``, or None when it is missing or unreadable (then this rank
+    does not share rank 0's directory)."""
+    try:
+        doc = json.loads(read_regular(os.path.join(directory, SESSION_NAME), _MAX_SESSION_BYTES,
+                                      CheckpointDirError))
+    except (OSError, ValueError, RecursionError, CheckpointDirError):
+        return None
+    return doc.get("token") if isinstance(doc, dict) else None
