@@ -41,6 +41,7 @@ from .. import __version__
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError,
                       EncodingError,
                      NoSnapshotError, ManifestError, UnsupportedFormatError)
+from ..format import values
 from ..format.shard import ShardReader
 from ..format.manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
                        write_manifest)
@@ -496,21 +497,17 @@ class _TreeWalk:
             raise ValueError(f"unknown node kind {kind!r}")
 
     def _value(self, v: Any, path: str) -> None:
-        tag = _tag(v)
-        if tag == "$tensor":
+        kind = values.kind_of(v)
+        if kind == "$tensor":
             self._tensor(v["$tensor"], path)
-        elif tag is None and isinstance(v, dict):
-            if not v:
+        elif kind in ("dict", "$dict"):
+            items = values.children(v)
+            if not items:
                 self._leaf(path, "{}")
-            for key, child in v.items():
-                self._value(child, f"{path}.{key[1:] if key.startswith('$$') else key}")
-        elif tag == "$dict":
-            if not v["$dict"]:
-                self._leaf(path, "{}")
-            for key, child in v["$dict"]:
-                self._value(child, f"{path}.{_render(key) or _summary(key)}")
-        elif (isinstance(v, list) or tag == "$tuple") and _worth_expanding(v):
-            for i, child in enumerate(v if isinstance(v, list) else v["$tuple"]):
+            for key, child in items:
+                self._value(child, f"{path}.{key if kind == 'dict' else _render(key) or _summary(key)}")
+        elif kind in ("list", "$tuple") and _worth_expanding(v):
+            for i, child in values.children(v):
                 self._value(child, f"{path}.{i}")
         else:
             self._leaf(path, _render(v) or _summary(v))
@@ -546,38 +543,12 @@ class _TreeWalk:
         self.lines.append(("row", path, dtype, shape_text, _size(nbytes), codec))
 
 
-def _tag(v: Any) -> Optional[str]:
-    """The tag of a tagged node of a value tree (docs/FORMAT.md section 6), or None."""
-    if isinstance(v, dict) and len(v) == 1:
-        (key,) = v
-        if isinstance(key, str) and key.startswith("$") and not key.startswith("$$"):
-            return key
-    return None
-
-
-_CONTAINER_TAGS = ("$tuple", "$dict", "$set", "$frozenset")
-
-
-def _contains(v: Any, wanted: Callable[[Any], bool]) -> bool:
-    """Whether ``wanted`` holds for ``v`` or a value inside it (not looking inside the payload of
-    leaf tags such as ``$ndarray``)."""
-    if wanted(v):
-        return True
-    tag = _tag(v)
-    if tag in _CONTAINER_TAGS:
-        return _contains(v[tag], wanted)
-    if isinstance(v, list):
-        return any(_contains(x, wanted) for x in v)
-    if isinstance(v, dict) and tag is None:
-        return any(_contains(x, wanted) for x in v.values())
-    return False
+_EXPANDED = ("$tensor", "$dict", "dict")
 
 
 def _worth_expanding(v: Any) -> bool:
     """Expand a list or tuple into one line per element when it holds tensors or mappings."""
-    items = v if isinstance(v, list) else v["$tuple"]
-    return any(_contains(x, lambda n: _tag(n) in ("$tensor", "$dict")
-                         or (isinstance(n, dict) and _tag(n) is None)) for x in items)
+    return any(kind in _EXPANDED for _, kind, _ in values.walk(v))
 
 
 class _TooLong(Exception):
@@ -606,33 +577,30 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
         put(close)
 
     def go(x: Any) -> None:
-        tag = _tag(x)
-        if tag is None:
-            if isinstance(x, list):
-                seq(x, "[", "]")
-            elif isinstance(x, dict):
-                put("{")
-                for i, (k, val) in enumerate(x.items()):
-                    put(", " if i else "")
-                    put(repr(k[1:] if k.startswith("$$") else k) + ": ")
-                    go(val)
-                put("}")
-            else:
-                put(repr(x) if isinstance(x, (bool, str, float)) or x is None else str(x))
-            return
-        p = x[tag]
-        if tag == "$tuple":
-            seq(p, "(", ")")
-        elif tag == "$int":
-            put(str(int(p, 16)))
-        elif tag == "$float":
-            put(f"float({p!r})")
-        elif tag == "$dtype":
-            put(f"torch.{p}")
-        elif tag == "$size":
-            put(f"torch.Size({p})")
-        elif tag == "$device":
-            put(f"device({p!r})")
+        kind = values.kind_of(x)
+        if kind == "list":
+            seq([child for _, child in values.children(x)], "[", "]")
+        elif kind == "$tuple":
+            seq([child for _, child in values.children(x)], "(", ")")
+        elif kind == "dict":
+            put("{")
+            for i, (key, child) in enumerate(values.children(x)):
+                put(", " if i else "")
+                put(repr(key) + ": ")
+                go(child)
+            put("}")
+        elif kind == "value":
+            put(repr(x) if isinstance(x, (bool, str, float)) or x is None else str(x))
+        elif kind == "$int":
+            put(str(values.decode(x)))
+        elif kind == "$float":
+            put(f"float({str(values.decode(x))!r})")
+        elif kind == "$dtype":
+            put(f"torch.{x[kind]}")
+        elif kind == "$size":
+            put(f"torch.Size({x[kind]})")
+        elif kind == "$device":
+            put(f"device({x[kind]!r})")
         else:
             put(_summary(x))
 
@@ -645,32 +613,29 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
 
 def _summary(v: Any) -> str:
     """A short description of an encoded value by type and length."""
-    tag = _tag(v)
-    if tag is None:
-        if isinstance(v, list):
-            return f"list[{len(v)}]"
-        if isinstance(v, dict):
-            return f"dict[{len(v)}]"
+    kind = values.kind_of(v)
+    if kind in ("list", "dict"):
+        return f"{kind}[{len(v)}]"
+    if kind == "value":
         if isinstance(v, str):
             return f"str[{len(v)}] {v[:_PREVIEW_CHARS - 12]!r}..."
         return type(v).__name__
-    p = v[tag]
-    b64_bytes = lambda s: len(s) * 3 // 4 - s.count("=") if isinstance(s, str) else 0  # noqa: E731
-    if tag in ("$tuple", "$set", "$frozenset", "$dict"):
-        return f"{tag[1:]}[{len(p)}]"
-    if tag in ("$bytes", "$bytearray"):
-        return f"{tag[1:]}[{b64_bytes(p)}]"
-    if tag == "$str":
-        return f"str (not valid UTF-8, {b64_bytes(p)} bytes)"
-    if tag == "$ndarray":
+    p = v[kind]
+    if kind in ("$tuple", "$set", "$frozenset", "$dict"):
+        return f"{kind[1:]}[{len(p)}]"
+    if kind in ("$bytes", "$bytearray"):
+        return f"{kind[1:]}[{values.payload_nbytes(v)}]"
+    if kind == "$str":
+        return f"str (not valid UTF-8, {values.payload_nbytes(v)} bytes)"
+    if kind == "$ndarray":
         return f"ndarray {p.get('dtype')} {p.get('shape')}"
-    if tag == "$npscalar":
+    if kind == "$npscalar":
         return f"numpy scalar {p.get('dtype')}"
-    if tag == "$pickle":
-        return f"pickled object ({_size(b64_bytes(p))}, not decoded)"
-    if tag == "$int":
+    if kind == "$pickle":
+        return f"pickled object ({_size(values.payload_nbytes(v))}, not decoded)"
+    if kind == "$int":
         return f"int ({len(p)} hex digits)"
-    return f"{tag} node"
+    return f"{kind} node"
 
 
 def _itemsize(dtype: str) -> Optional[int]:
