@@ -41,6 +41,7 @@ from .. import __version__
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError,
                       EncodingError,
                      NoSnapshotError, ManifestError, UnsupportedFormatError)
+from .argtypes import int_arg, is_number
 from ..format import values
 from ..format.shard import ShardReader
 from ..format.manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
@@ -285,20 +286,6 @@ def _progress(total: int, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
                 file=sys.stderr, leave=False, disable=not _is_tty(sys.stderr))
-
-
-def int_arg(minimum: int, maximum: Optional[int] = None):
-    """An argparse type: a whole number in [minimum, maximum]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            bounds = f"in {minimum}..{maximum}" if maximum is not None else f"at least {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, not {value}")
-        return value
-    return parse
 
 
 _step_arg = int_arg(0)
@@ -1087,15 +1074,11 @@ def _loss_record(line: str, path: str, lineno: int) -> dict:
     step, loss = record.get("step"), record.get("loss")
     if type(step) is not int or step < 0:
         raise UsageError(f"{where}: \"step\" must be a non-negative integer, got {step!r}; {fix}")
-    if not _is_number(loss):
+    if not is_number(loss):
         raise UsageError(f"{where}: \"loss\" must be a number, got {loss!r}; {fix}")
-    if "lr" in record and not _is_number(record["lr"]):
+    if "lr" in record and not is_number(record["lr"]):
         raise UsageError(f"{where}: \"lr\" must be a number, got {record['lr']!r}; {fix}")
     return record
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _same_number(x, y) -> bool:
