@@ -325,6 +325,11 @@ def _complete_snapshot(root: str, name: str) -> Optional[SnapshotRecord]:
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()))
 
 
+def snapshot_dirs(root: str) -> list[str]:
+    """Every snapshot directory name under ``root``, committed or not, sorted."""
+    return [name for name in sorted(os.listdir(root)) if SNAPSHOT_DIR.fullmatch(name)]
+
+
 def leftovers(root: str, manifest: Manifest) -> list[str]:
     """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
     delete (with ``paths.remove_entries``) while no writer is active on ``root``."""

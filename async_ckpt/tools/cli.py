@@ -44,9 +44,9 @@ from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
 from .argtypes import int_arg, is_number
 from ..format import values
 from ..format.shard import ShardReader
-from ..format.manifest import (Manifest, SnapshotRecord, leftovers, read_manifest, recover_manifest,
-                       write_manifest)
-from ..format.names import LOCK_PREFIX, MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
+from ..format.manifest import (Manifest, SnapshotRecord, leftovers, manifest_path, read_manifest,
+                               recover_manifest, snapshot_dirs, write_manifest)
+from ..format.names import MANIFEST_NAME, SHARD_FILE, is_lock_file, snapshot_dir_step
 from ..storage.local import remove_entries
 from ..storage.locks import every_rank_exclusively
 
@@ -171,17 +171,10 @@ def _checkpoint_dir(path: str) -> str:
     if not os.path.isdir(path):
         raise UsageError(f"{path} is not a directory; {hint}")
     names = os.listdir(path)
-    if (MANIFEST_NAME in names or _snapshot_dirs(path)
-            or any(n.startswith(LOCK_PREFIX) for n in names)):
+    if MANIFEST_NAME in names or snapshot_dirs(path) or any(map(is_lock_file, names)):
         return path
     raise UsageError(f"{path} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, no "
                      f"step-* snapshot directories); {hint}")
-
-
-def _snapshot_dirs(root: str) -> list[str]:
-    """Every snapshot directory under ``root``, committed or not (what ``leftovers`` would call
-    leftovers if nothing were committed)."""
-    return [n for n in leftovers(root, Manifest()) if n.startswith("step-")]
 
 
 def _disk_bytes(path: str) -> int:
@@ -308,7 +301,7 @@ def _add_ls(commands) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     root = _checkpoint_dir(args.dir)
     manifest = read_manifest(root)
-    has_manifest = os.path.exists(os.path.join(root, MANIFEST_NAME))
+    has_manifest = os.path.exists(manifest_path(root))
     snapshots = []
     for record in manifest.snapshots:
         snapshots.append({
@@ -732,7 +725,7 @@ def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] 
 def _verify_unreferenced(root: str) -> None:
     """With the manifest unreadable, check the snapshot directories on disk, so the operator
     knows what survived (their commit status is unknown)."""
-    names = _snapshot_dirs(root)
+    names = snapshot_dirs(root)
     print(f"{root}: {MANIFEST_NAME} is unreadable, so no snapshot counts as committed and "
           "restore() loads nothing.")
     if not names:
