@@ -11,8 +11,10 @@ from typing import Any, Callable, Optional
 
 __all__ = ["DURATION_FORMS", "duration_arg", "int_arg", "is_number", "parse_duration"]
 
-# What every duration option accepts; said once, in each such option's --help and in docs/cli.md.
-DURATION_FORMS = "a number with a unit: 350ms, 2.5s, 10min (or 10m), 24h, 7d; a plain number is seconds"
+# What every DURATION option accepts, said once: in the --help of each command that has one (advise,
+# supervise) and in docs/cli.md.
+DURATION_FORMS = ("a number with a unit: 350ms, 2.5s, 10min (or 10m), 24h, 7d; a plain number is "
+                  "seconds")
 
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0,
           "h": 3600.0, "d": 86400.0}
@@ -37,7 +39,7 @@ def parse_duration(text: str) -> float:
 
 
 def duration_arg(positive: bool = False) -> Callable[[str], float]:
-    """An argparse type: a duration in seconds (:func:`parse_duration`), more than 0 if ``positive``."""
+    """An argparse type: a duration in seconds (:func:`parse_duration`), above 0 if ``positive``."""
     def parse(text: str) -> float:
         try:
             seconds = parse_duration(text)
