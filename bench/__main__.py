@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from async_ckpt.tools.advise import parse_duration
+from async_ckpt.tools.argtypes import parse_duration
 
 from . import article, dcp, figures, interval, plots, ranks, report
 from .measure import log, machine, med_p95, vmstat

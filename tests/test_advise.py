@@ -8,7 +8,8 @@ import math
 import pytest
 
 from async_ckpt.tools.advise import (add_arguments, advise, advise_from_args, expected_loss,
-                               format_advice, parse_duration, render)
+                               format_advice, render)
+from async_ckpt.tools.argtypes import parse_duration
 
 HOUR, DAY = 3600.0, 86400.0
 

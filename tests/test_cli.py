@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.tools import cli
+from async_ckpt.tools import gc as gc_command
 from async_ckpt.tools.cli import main
 from async_ckpt.errors import NoSnapshotError
 from async_ckpt.format.manifest import read_manifest
@@ -487,8 +487,8 @@ def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys,
         removed_after_commit.extend(names)
         return cli_remove_entries(directory, names)
 
-    cli_remove_entries = cli.remove_entries
-    monkeypatch.setattr(cli, "remove_entries", remove_after_commit)
+    cli_remove_entries = gc_command.remove_entries
+    monkeypatch.setattr(gc_command, "remove_entries", remove_after_commit)
     code, out, _ = run(capsys, "gc", root, "--keep-last", "2")
     assert code == 0 and "keeping 2 committed snapshots (steps 60, 40)" in out
     assert removed_after_commit == dropped_dirs

@@ -446,6 +446,25 @@ def test_leftovers_of_an_empty_manifest_include_every_snapshot_dir(tmp_path):
     assert leftovers(str(tmp_path), Manifest()) == sorted(names)
 
 
+def test_snapshot_dirs_lists_every_snapshot_dir_committed_or_not(tmp_path):
+    from async_ckpt.format.manifest import snapshot_dirs
+
+    committed, uncommitted = new_dir(2), new_dir(1)
+    write_manifest(str(tmp_path), Manifest((record(2, dir=committed),), next_seq=1))
+    for name in (committed, uncommitted, "step-5", "step-00000000000000000005.XYZW0123"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "manifest.json.tmp-1").write_bytes(b"")
+    assert snapshot_dirs(str(tmp_path)) == sorted([committed, uncommitted])
+
+
+def test_lock_files_are_recognised_by_their_exact_name():
+    from async_ckpt.format.names import is_lock_file, lock_file_name
+
+    assert is_lock_file(lock_file_name(0)) and is_lock_file(lock_file_name(12345))
+    for name in (".lock-rank", ".lock-rank1", ".lock-rank00000.tmp", "x.lock-rank00000", None, 3):
+        assert not is_lock_file(name)
+
+
 def test_remove_entries_removes_dirs_and_files_and_tolerates_missing_ones(tmp_path):
     tree = tmp_path / new_dir(3)
     (tree / "sub").mkdir(parents=True)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from async_ckpt.errors import CorruptSnapshotError, EncodingError
+from async_ckpt.format import values as tree_walk
 from async_ckpt.format.values import decode, encode
 
 # ------------------------------------------------------------------------------------- helpers
@@ -615,6 +616,156 @@ def test_fuzz_mutated_encodings(value, junk, rnd):
     parent, key = rnd.choice(slots)
     parent[key] = junk
     _decode_or_corrupt(tree)
+
+
+# ---------------------------------------------------------------------------------------- walker
+
+
+def canonical(node):
+    return json.dumps(node, sort_keys=True, ensure_ascii=False)
+
+
+def expected_nodes(v, path=()):
+    """What walk(encode(v)) must find, from the spec: containers by kind, leaves by their
+    encoding; keys of dicts with a non-str key as their encoding, set elements unordered ("*")."""
+    t = type(v)
+    if t in (list, tuple):
+        yield path, "list" if t is list else "$tuple"
+        for i, x in enumerate(v):
+            yield from expected_nodes(x, path + (i,))
+    elif t in (set, frozenset):
+        yield path, "$" + t.__name__
+        for x in v:
+            yield from expected_nodes(x, path + ("*",))
+    elif t is dict and all(type(k) is str and canonical_ok(k) for k in v):
+        yield path, "dict"
+        for k, x in v.items():
+            yield from expected_nodes(x, path + (k,))
+    elif t is dict:
+        yield path, "$dict"
+        for k, x in v.items():
+            yield from expected_nodes(x, path + (canonical(through_json(encode(k))),))
+    else:
+        yield path, "leaf", canonical(through_json(encode(v)))
+
+
+def canonical_ok(key):
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def walked_nodes(tree):
+    kinds = {}  # by repr(path): a $dict key in a path is an encoded node, maybe a dict
+    for path, kind, node in tree_walk.walk(tree):
+        kinds[repr(path)] = kind
+        parents = [kinds[repr(path[:i])] for i in range(len(path))]
+        shown = tuple("*" if parent in ("$set", "$frozenset")
+                      else canonical(key) if parent == "$dict" else key
+                      for parent, key in zip(parents, path))
+        yield (shown, kind) if kind in tree_walk.CONTAINER_KINDS else (shown, "leaf", canonical(node))
+
+
+@settings(deadline=None)
+@given(values)
+def test_walk_finds_every_container_and_leaf_of_the_value_at_its_path(value):
+    tree = through_json(encode(value))
+    assert sorted(map(repr, walked_nodes(tree))) == sorted(map(repr, expected_nodes(value)))
+
+
+def test_walk_goes_parents_first_in_stored_order_and_stops_early():
+    tree = encode({"a": [1, (2, 3)], "b": {4: "x"}})
+    assert [(path, kind) for path, kind, _ in tree_walk.walk(tree)] == [
+        ((), "dict"), (("a",), "list"), (("a", 0), "value"), (("a", 1), "$tuple"),
+        (("a", 1, 0), "value"), (("a", 1, 1), "value"), (("b",), "$dict"), (("b", 4), "value")]
+    damaged_later = [1, {"$tuple": "not a list"}]
+    assert next(tree_walk.walk(damaged_later))[1] == "list"
+    with pytest.raises(CorruptSnapshotError, match=r"at \[1\]: \$tuple payload must be a list"):
+        list(tree_walk.walk(damaged_later))
+
+
+def test_walk_unescapes_dollar_keys():
+    value = {"$x": 1, "$$y": 2, "$": 3, "$tuple": {"$int": 4}, "a$": 5}
+    tree = encode(value)
+    assert list(tree) == ["$$x", "$$$y", "$$", "$$tuple", "a$"]
+    assert [key for key, _ in tree_walk.children(tree)] == list(value)
+    assert tree_walk.kind_of(tree["$$tuple"]) == "dict"  # a user's dict, not an $int node
+    assert [tree_walk.unescape_key(k) for k in ("$$x", "$$$y", "$$", "x", "a$$")] == [
+        "$x", "$$y", "$", "x", "a$$"]
+    assert decode(tree) == value
+
+
+def test_walk_reports_every_tag_and_passes_caller_tags_through():
+    value = {"big": 2**70, "nan": float("nan"), "bad": "\udc80", "b": b"ab", "ba": bytearray(b"c"),
+             "t": (1,), "s": {1}, "fs": frozenset({2}), "d": {1: 2}, "arr": np.zeros(2, "<f4"),
+             "np": np.float32(1), "pickled": fractions.Fraction(1, 3), "tensor": "TENSOR"}
+    tree = encode(value, allow_pickle=True,
+                  leaf=lambda v, path: {"$tensor": 0} if path == "tensor" else NotImplemented)
+    kinds = {path: kind for path, kind, _ in tree_walk.walk(tree)}
+    assert {kinds[(k,)] for k in value} == {
+        "$int", "$float", "$str", "$bytes", "$bytearray", "$tuple", "$set", "$frozenset", "$dict",
+        "$ndarray", "$npscalar", "$pickle", "$tensor"}
+    assert tree_walk.tag_of(tree["tensor"]) == "$tensor" and tree_walk.children(tree["tensor"]) == []
+    assert not any(path[:1] == ("arr",) and len(path) > 1 for path in kinds)  # payloads are leaves
+    assert tree_walk.tag_of(tree) is None and tree_walk.tag_of([1]) is None
+
+
+def test_payload_nbytes_counts_base64_payloads_without_decoding():
+    hostile = {"$pickle": b64(b"cos\nsystem\n(S'echo pwned'\ntR.")}  # os.system if unpickled
+    assert [kind for _, kind, _ in tree_walk.walk(hostile)] == ["$pickle"]
+    assert tree_walk.payload_nbytes(hostile) == len(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    for data in (b"", b"a", b"ab", b"abc", b"abcd"):
+        assert tree_walk.payload_nbytes(encode(data)) == len(data)
+        assert tree_walk.payload_nbytes(encode(bytearray(data))) == len(data)
+    assert tree_walk.payload_nbytes(encode("\udc80x")) == 4
+    assert tree_walk.payload_nbytes(encode((1,))) is None and tree_walk.payload_nbytes(3) is None
+    with pytest.raises(CorruptSnapshotError):
+        tree_walk.payload_nbytes({"$bytes": 3})
+
+
+@pytest.mark.parametrize("tree", [
+    {"$tuple": [], "x": 1}, {"a": {"$x": 1, "$y": 2}}, {"$tuple": 5}, {"$set": {}},
+    {"$dict": [[1]]}, {"$dict": [{"k": 1}]}, {"$dict": 3}, [(1, 2)], {"a": b"x"}, [float("nan")],
+    {1: 2},
+], ids=short_id)
+def test_walk_rejects_malformed_trees(tree):
+    with pytest.raises(CorruptSnapshotError):
+        list(tree_walk.walk(tree))
+
+
+def test_walk_refuses_nesting_deeper_than_the_decoder():
+    tree = 1
+    for _ in range(102):  # the innermost list is at depth 101
+        tree = [tree]
+    with pytest.raises(CorruptSnapshotError, match="nested deeper"):
+        decode(tree)
+    with pytest.raises(CorruptSnapshotError, match="nested deeper"):
+        list(tree_walk.walk(tree))
+    decode(tree[0])
+    assert len(list(tree_walk.walk(tree[0]))) == 102
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_trees)
+def test_walk_takes_every_tree_the_decoder_takes(tree):
+    """The walker checks the structure (tags, containers, depth), not leaf payloads: every tree
+    that decodes (unknown tags left to the caller) walks."""
+    try:
+        decode(tree, leaf=lambda node: None)
+        decoded = True
+    except CorruptSnapshotError:
+        decoded = False
+    except EncodingError:
+        return
+    try:
+        list(tree_walk.walk(tree))
+        walked = True
+    except CorruptSnapshotError:
+        walked = False
+    if decoded:
+        assert walked
 
 
 # ------------------------------------------------------------------------------------ isolation

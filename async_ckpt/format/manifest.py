@@ -329,6 +329,11 @@ def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()))
 
 
+def snapshot_dirs(root: str | Storage) -> list[str]:
+    """Every snapshot directory name under ``root``, committed or not, sorted."""
+    return [name for name in as_storage(root).list_root() if SNAPSHOT_DIR.fullmatch(name)]
+
+
 def leftovers(root: str | Storage, manifest: Manifest) -> list[str]:
     """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
     delete (``Storage.remove``, ``storage.local.remove_entries``) while no writer is active on

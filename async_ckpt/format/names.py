@@ -51,6 +51,11 @@ def snapshot_dir_step(name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def is_lock_file(name) -> bool:
+    """Whether ``name`` is a rank's lock file (an engine has used the directory)."""
+    return type(name) is str and LOCK_FILE.fullmatch(name) is not None
+
+
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.ackpt"
 

@@ -66,13 +66,14 @@ import math
 import pickle
 import re
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from ..errors import CorruptSnapshotError, EncodingError
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
+           "unescape_key", "payload_nbytes"]
 
 _MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -182,7 +183,7 @@ class _Encoder:
                 items.sort(key=_canonical)
                 return {"$set" if t is set else "$frozenset": items}
             if all(type(k) is str and _is_utf8(k) for k in v):
-                return {("$" + k if k[:1] == "$" else k): self(x, _child(path, k), d) for k, x in v.items()}
+                return {_escape_key(k): self(x, _child(path, k), d) for k, x in v.items()}
             return {
                 "$dict": [
                     [self(k, _child(path, k) + " (dict key)", d), self(x, _child(path, k), d)]
@@ -253,7 +254,7 @@ class _Decoder:
         if tag is None:  # a plain str-keyed dict; "$$x" keys are escaped "$x"
             out = {}
             for k, x in node.items():
-                key = k[1:] if k[:1] == "$" else k
+                key = unescape_key(k)
                 out[key] = self(x, (path, key), depth + 1)
             return out
         decode_tag = _TAGS.get(tag)
@@ -272,7 +273,7 @@ def _tag_of(node: dict, path: _Path) -> Optional[str]:
     for k in node:
         if type(k) is not str:
             raise _corrupt(path, f"a dict key of type {type(k).__name__!r} (JSON keys are strings)")
-        if k[:1] == "$" and k[1:2] != "$":
+        if _is_tag(k):
             tag = k
     if tag is not None and len(node) != 1:
         raise _corrupt(path, f"tagged node {_show(tag)} has other keys beside its tag")
@@ -319,18 +320,29 @@ def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: in
 
 
 def _dec_items(dec: _Decoder, p: Any, path: _Path, depth: int, tag: str) -> list:
+    return [dec(x, (path, i), depth) for i, x in enumerate(_items(p, path, tag))]
+
+
+def _items(p: Any, path: _Path, tag: str) -> list:
+    """The elements of a $tuple, $set or $frozenset payload."""
     if type(p) is not list:
         raise _corrupt(path, f"{tag} payload must be a list, got {_show(p)}")
-    return [dec(x, (path, i), depth) for i, x in enumerate(p)]
+    return p
 
 
-def _dec_dict(dec: _Decoder, p: Any, path: _Path, depth: int) -> dict:
+def _pairs(p: Any, path: _Path) -> list:
+    """The [key, value] pairs of a $dict payload."""
     if type(p) is not list:
         raise _corrupt(path, f"$dict payload must be a list of [key, value] pairs, got {_show(p)}")
-    out: dict = {}
     for n, pair in enumerate(p):
         if type(pair) is not list or len(pair) != 2:
             raise _corrupt(path, f"$dict entry #{n} is not a [key, value] pair")
+    return p
+
+
+def _dec_dict(dec: _Decoder, p: Any, path: _Path, depth: int) -> dict:
+    out: dict = {}
+    for n, pair in enumerate(_pairs(p, path)):
         key = dec(pair[0], (path, _KeyNumber(n)), depth)
         try:
             seen = key in out
@@ -411,6 +423,105 @@ _TAGS: dict = {
     "$npscalar": _dec_npscalar,
     "$pickle": _dec_pickle,
 }
+
+
+# ---------------------------------------------------------------------------------------- walker
+# Reading an encoded tree without decoding it, for tools that show what a snapshot holds: nothing
+# here builds a value from a payload, so nothing can run code from the file.
+
+# The kinds of node that hold other nodes (see kind_of).
+CONTAINER_KINDS = frozenset({"list", "dict", "$tuple", "$set", "$frozenset", "$dict"})
+_BASE64_TAGS = ("$str", "$bytes", "$bytearray", "$pickle")
+
+
+def tag_of(node: Any) -> Optional[str]:
+    """The tag of a tagged node ``{tag: payload}`` (one of ours, or a caller's such as
+    ``$tensor``), or None for any other node. Raises CorruptSnapshotError for an object that mixes
+    a tag with other keys."""
+    return _tag_of(node, "") if type(node) is dict else None
+
+
+def kind_of(node: Any) -> str:
+    """What an encoded node is: ``"list"``, ``"dict"`` (a str-keyed dict), its tag for a tagged node
+    (``"$tuple"``, ``"$int"``, ``"$tensor"``, ...), or ``"value"`` for None, bool, int, float, str.
+    Raises CorruptSnapshotError for anything JSON cannot hold and for mixed objects."""
+    return _kind_of(node, "")
+
+
+def children(node: Any) -> list[tuple[Any, Any]]:
+    """The ``(key, child)`` pairs of a node, in stored order; none for a leaf (a kind outside
+    :data:`CONTAINER_KINDS`, including every caller-owned tag). Keys are list positions for
+    ``list``, ``$tuple``, ``$set`` and ``$frozenset``; the user's key (unescaped) for ``dict``; and
+    for ``$dict`` the key as an *encoded* node, since a key may be any value."""
+    return _children(node, _kind_of(node, ""), "")
+
+
+def walk(tree: Any) -> Iterator[tuple[tuple, str, Any]]:
+    """Every node of an encoded tree, each parent before its children: ``(path, kind, node)``,
+    where ``path`` is the tuple of :func:`children` keys from ``tree`` down to ``node`` and
+    ``kind`` is :func:`kind_of`'s. Lazy, so a search can stop early; raises CorruptSnapshotError
+    for a malformed node when it gets there, and for nesting deeper than the decoder accepts."""
+    todo = [((), "", tree)]  # (path, the same path as messages want it, node)
+    while todo:
+        path, where, node = todo.pop()
+        kind = _kind_of(node, where)
+        if kind != "value" and len(path) > _MAX_DEPTH:
+            raise _corrupt(where, f"containers are nested deeper than {_MAX_DEPTH} levels")
+        yield path, kind, node
+        todo.extend((path + (key,), (where, key), child)
+                    for key, child in reversed(_children(node, kind, where)))
+
+
+def _kind_of(node: Any, path: _Path) -> str:
+    t = type(node)
+    if t is list:
+        return "list"
+    if t is dict:
+        return _tag_of(node, path) or "dict"
+    if t is float and not math.isfinite(node):
+        raise _corrupt(path, "a bare non-finite float (these are written as $float nodes)")
+    if node is None or t is bool or t is int or t is float or t is str:
+        return "value"
+    raise _corrupt(path, f"a value of type {t.__name__!r}, which JSON cannot hold")
+
+
+def _children(node: Any, kind: str, path: _Path) -> list[tuple[Any, Any]]:
+    if kind == "list":
+        return list(enumerate(node))
+    if kind == "dict":
+        return [(unescape_key(k), x) for k, x in node.items()]
+    if kind == "$dict":
+        return [(k, x) for k, x in _pairs(node[kind], path)]
+    if kind in CONTAINER_KINDS:
+        return list(enumerate(_items(node[kind], path, kind)))
+    return []
+
+
+def unescape_key(key: str) -> str:
+    """The user's key for a key as written in a str-keyed dict: ``"$$x"`` -> ``"$x"``."""
+    return key[1:] if key[:2] == "$$" else key
+
+
+def payload_nbytes(node: Any) -> Optional[int]:
+    """How many bytes the base64 payload of a ``$str``, ``$bytes``, ``$bytearray`` or ``$pickle``
+    node holds, from its length alone (nothing is decoded); None for any other node."""
+    tag = tag_of(node)
+    if tag not in _BASE64_TAGS:
+        return None
+    p = node[tag]
+    if type(p) is not str:
+        raise _corrupt("", f"{tag} data must be a base64 string, got {_show(p)}")
+    return len(p) * 3 // 4 - p.count("=")
+
+
+def _escape_key(key: str) -> str:
+    """How a key of a str-keyed dict is written: a key starting with ``$`` gets one more, so that
+    no user key looks like a tag."""
+    return "$" + key if key[:1] == "$" else key
+
+
+def _is_tag(key: str) -> bool:
+    return key[:1] == "$" and key[1:2] != "$"
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -40,13 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from typing import Optional
 
-from .cli import int_arg
+from .argtypes import DURATION_FORMS, duration_arg, int_arg, is_number
 
-__all__ = ["advise", "expected_loss", "format_advice", "parse_duration", "add_arguments",
-           "advise_from_args", "render", "CLI_HELP", "CLI_DESCRIPTION"]
+__all__ = ["advise", "expected_loss", "format_advice", "add_arguments", "advise_from_args",
+           "render", "CLI_HELP", "CLI_DESCRIPTION"]
 
 RULE_OF_THUMB_FRACTIONS = (0.01, 0.05)  # the article: the interval is 1-5% of the training time
 CLUSTER_RULE_STEPS = (1000, 2000)  # the article: "every 1000-2000 steps" on a GPU cluster
@@ -130,7 +129,7 @@ def expected_loss(step_time_s: float, snapshot_cost_s: float, mtbf_s: float, int
 def _check(step_time_s, snapshot_cost_s, mtbf_s, blocking, total_steps, restart_s) -> None:
     for name, value in (("step_time_s", step_time_s), ("snapshot_cost_s", snapshot_cost_s),
                         ("mtbf_s", mtbf_s), ("blocking_s", blocking), ("restart_s", restart_s)):
-        if not _is_number(value) or not math.isfinite(value):
+        if not is_number(value) or not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
         if value < 0:
             raise ValueError(f"{name} must not be negative, not {value!r}")
@@ -146,10 +145,6 @@ def _check(step_time_s, snapshot_cost_s, mtbf_s, blocking, total_steps, restart_
                          "snapshot commits; make snapshots cheaper or the job more reliable")
     if total_steps is not None and not _is_positive_int(total_steps):
         raise ValueError(f"total_steps must be a positive int, not {total_steps!r}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_positive_int(value) -> bool:
@@ -264,20 +259,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1000:.3g} ms"
 
 
-_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0,
-          "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from ``"0.35"``, ``"350ms"``, ``"2.5s"``, ``"10min"`` (or ``"10m"``), ``"24h"``,
-    ``"7d"``; ValueError otherwise."""
-    match = _DURATION.match(text.lower())
-    if match is None or match.group(2) not in _UNITS:
-        raise ValueError(f"not a duration: {text!r}; write e.g. 0.35, 350ms, 2.5s, 10min, 24h, 7d")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
 # --- command line -----------------------------------------------------------------------------
 
 CLI_HELP = "recommend a snapshot interval from step time, snapshot cost and MTBF"
@@ -287,25 +268,25 @@ CLI_DESCRIPTION = (
     "time lost to snapshots and to recomputation after failures, next to the article's rule of "
     "thumb (an interval of 1-5% of the training time). For asynchronous snapshots give both "
     "--blocking (stats() blocking_s) and --snapshot-cost (stats() to_commit_s): only the blocking "
-    "time slows training; the rest adds to the rework after a failure. Durations take a unit: "
-    "350ms, 2.5s, 10min, 24h, 7d (plain numbers are seconds).")
+    "time slows training; the rest adds to the rework after a failure. A DURATION is "
+    f"{DURATION_FORMS}.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the ``advise`` options on ``parser``."""
-    parser.add_argument("--step-time", required=True, type=_duration_arg, metavar="DURATION",
+    parser.add_argument("--step-time", required=True, type=duration_arg(), metavar="DURATION",
                         help="time of one training step without snapshots")
-    parser.add_argument("--mtbf", required=True, type=_duration_arg, metavar="DURATION",
+    parser.add_argument("--mtbf", required=True, type=duration_arg(), metavar="DURATION",
                         help="mean time between failures of the whole job")
-    parser.add_argument("--snapshot-cost", required=True, type=_duration_arg, metavar="DURATION",
+    parser.add_argument("--snapshot-cost", required=True, type=duration_arg(), metavar="DURATION",
                         help="time from snapshot() to the durable commit (stats() to_commit_s; "
                              "for a blocking save, its duration)")
-    parser.add_argument("--blocking", type=_duration_arg, metavar="DURATION", default=None,
+    parser.add_argument("--blocking", type=duration_arg(), metavar="DURATION", default=None,
                         help="time snapshot() stops training (stats() blocking_s); default: the "
                              "snapshot cost, as for a blocking save")
     parser.add_argument("--total-steps", type=int_arg(1), metavar="N", default=None,
                         help="steps of the whole run (for the article's 1-5%% rule and totals)")
-    parser.add_argument("--restart-time", type=_duration_arg, metavar="DURATION", default=0.0,
+    parser.add_argument("--restart-time", type=duration_arg(), metavar="DURATION", default=0.0,
                         help="time from a failure to training again (default 0)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
@@ -320,9 +301,3 @@ def render(args: argparse.Namespace, result: dict) -> str:
     """What the command prints: text, or JSON with ``--json``."""
     return json.dumps(result, indent=1) if args.json else format_advice(result)
 
-
-def _duration_arg(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

@@ -54,7 +54,7 @@ from typing import Optional, Sequence
 
 import psutil
 
-from .cli import int_arg
+from .argtypes import DURATION_FORMS, duration_arg, int_arg, is_number
 from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
 from ..train.heartbeat import read_heartbeats
 from ..format.manifest import SnapshotRecord, read_manifest
@@ -79,7 +79,7 @@ def _fresh_beats(directory: str, since: float) -> dict[int, dict]:
     beats = {}
     for beat in read_heartbeats(directory):
         if (isinstance(beat, dict) and _is_int(beat.get("rank")) and _is_int(beat.get("step"))
-                and _is_number(beat.get("time")) and math.isfinite(beat["time"])
+                and is_number(beat.get("time")) and math.isfinite(beat["time"])
                 and beat["time"] >= since):
             beats[beat["rank"]] = beat
     return beats
@@ -87,10 +87,6 @@ def _fresh_beats(directory: str, since: float) -> dict[int, dict]:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # --- the job's processes -----------------------------------------------------------------------
@@ -346,7 +342,7 @@ class _Supervisor:
             return None
         rank, beat = min(beats.items(), key=lambda item: item[1]["time"])
         interval = beat.get("interval")
-        if (not self._warned_interval and _is_number(interval)
+        if (not self._warned_interval and is_number(interval)
                 and interval >= self.heartbeat_timeout):
             self._warned_interval = True
             _log(f"warning: the job writes a heartbeat only every {interval:g} s, so "
@@ -506,11 +502,11 @@ def supervise(cmd: Sequence[str], *, max_restarts: int = 3,
 DESCRIPTION = (
     "Run CMD in a process group of its own and restart it when it exits non-zero or, with "
     "--ckpt-dir and --heartbeat-timeout, when its heartbeat goes stale (SIGTERM to the group, "
-    "SIGKILL after --grace seconds), waiting --backoff seconds, doubled after each failure that "
+    "SIGKILL after --grace), waiting --backoff, doubled after each failure that "
     "committed no newer snapshot. Stops when CMD exits 0, when it exits with the preemption code, "
     "or after --max-restarts restarts. SIGTERM, SIGINT and SIGHUP are forwarded to CMD, which is "
     "then not restarted. Works around `torchrun ...` as well as `python train.py ...`: every "
-    "process CMD starts is stopped with it.")
+    f"process CMD starts is stopped with it. A DURATION is {DURATION_FORMS}.")
 
 EXIT_CODES_HELP = """\
 exit codes:
@@ -524,36 +520,24 @@ exit codes:
 """
 
 
-def _seconds_arg(positive: bool):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, not {text}")
-        return value
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``supervise`` on ``parser`` (a subcommand's parser)."""
     parser.add_argument("--max-restarts", type=int_arg(0), default=3, metavar="N",
                         help="give up after N restarts (default 3; 0: run once)")
-    parser.add_argument("--heartbeat-timeout", type=_seconds_arg(True), metavar="S",
-                        help="restart CMD when a rank's newest heartbeat is more than S seconds "
-                        "old (needs --ckpt-dir; default: no heartbeat checking)")
-    parser.add_argument("--grace", type=_seconds_arg(False), default=30.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL when stopping CMD (default 30)")
+    parser.add_argument("--heartbeat-timeout", type=duration_arg(positive=True), metavar="DURATION",
+                        help="restart CMD when a rank's newest heartbeat is older than DURATION "
+                        "(needs --ckpt-dir; default: no heartbeat checking)")
+    parser.add_argument("--grace", type=duration_arg(), default=30.0, metavar="DURATION",
+                        help="time between SIGTERM and SIGKILL when stopping CMD (default 30s)")
     parser.add_argument("--ckpt-dir", metavar="DIR",
                         help="the engine's checkpoint directory: heartbeats are read and the step "
                         "CMD resumes from is logged")
-    parser.add_argument("--startup-timeout", type=_seconds_arg(True), default=300.0, metavar="S",
-                        help="seconds a (re)started CMD may take to write its first heartbeat "
-                        "(default 300)")
-    parser.add_argument("--backoff", type=_seconds_arg(False), default=1.0, metavar="S",
+    parser.add_argument("--startup-timeout", type=duration_arg(positive=True), default=300.0,
+                        metavar="DURATION", help="time a (re)started CMD may take to write its "
+                        "first heartbeat (default 300s)")
+    parser.add_argument("--backoff", type=duration_arg(), default=1.0, metavar="DURATION",
                         help="delay before the first restart, doubled after each failure that "
-                        f"committed no newer snapshot, at most {MAX_BACKOFF_S:g} s (default 1)")
+                        f"committed no newer snapshot, at most {MAX_BACKOFF_S:g} s (default 1s)")
     parser.add_argument("--preemption-exit-code", type=int_arg(1, 255), default=PREEMPTED_EXIT_CODE,
                         metavar="N", help="CMD exits with N when preempted: stop and exit N "
                         f"(default {PREEMPTED_EXIT_CODE})")

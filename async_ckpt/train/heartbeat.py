@@ -75,9 +75,3 @@ def read_heartbeats(directory: str) -> list[dict]:
             except (OSError, ValueError, RecursionError, CheckpointDirError):
                 continue
     return beats
-
-
-def newest_beat_time(directory: str) -> Optional[float]:
-    beats = [b.get("time") for b in read_heartbeats(directory)]
-    times = [t for t in beats if isinstance(t, (int, float))]
-    return max(times) if times else None

@@ -1,0 +1,167 @@
+"""What the command line's commands share: exit codes, the two expected failures, and the
+helpers that find a checkpoint directory, pick a committed record and print sizes and times, so
+that every command says these things the same way."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+import textwrap
+import time
+from typing import Callable, Optional
+
+from .argtypes import int_arg
+from ..errors import NoSnapshotError
+from ..format.manifest import Manifest, SnapshotRecord, snapshot_dirs
+from ..format.names import MANIFEST_NAME, is_lock_file
+
+PROG = "async-ckpt"
+EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  fine: everything named is intact, the logs are identical, gc finished
+  1  damage found, or not done: a damaged, truncated or missing snapshot
+     file, a damaged manifest, a format version this release cannot read,
+     no committed snapshot, loss logs that differ, gc refused (an engine is
+     writing to the directory, or a kept snapshot is damaged)
+  2  usage error: bad arguments, a missing directory or file, a directory
+     that is not a checkpoint directory, a step that is not committed, an
+     unknown entry
+
+Errors are one line on stderr: "async-ckpt: error: <cause>; <what to do>".
+"""
+
+
+class UsageError(Exception):
+    """The command line asked for something that does not exist or makes no sense: exit 2."""
+
+
+class NotDone(Exception):
+    """An expected outcome that is not damage but is not fine either (gc refused): exit 1."""
+
+
+def add_command(commands, name: str, run: Callable[[argparse.Namespace], int], help: str,
+                description: str) -> argparse.ArgumentParser:
+    """A command's sub-parser, which runs ``run(args)`` and shows the exit codes in its --help;
+    ``description`` is reflowed, so it may be written as a block of text."""
+    sub = commands.add_parser(name, help=help,
+                              description=textwrap.fill(" ".join(description.split()), 79),
+                              epilog=EXIT_CODES_HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.set_defaults(run=run)
+    return sub
+
+
+def add_dir_command(commands, name: str, run: Callable[[argparse.Namespace], int], help: str,
+                    description: str) -> argparse.ArgumentParser:
+    """:func:`add_command` for a command on a checkpoint directory: its first argument is DIR."""
+    sub = add_command(commands, name, run, help, description)
+    sub.add_argument("dir", metavar="DIR", help="checkpoint directory")
+    return sub
+
+
+def add_rank_option(sub: argparse.ArgumentParser, verb: str) -> None:
+    """``--rank R``: which rank's shard the command reads (rank 0 unless told)."""
+    sub.add_argument("--rank", type=step_arg, default=0, metavar="R",
+                     help=f"which rank's shard to {verb} (default 0)")
+
+
+def fail(message: str, code: int) -> int:
+    """Print ``message`` as the one error line on stderr; returns ``code``."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+def checkpoint_dir(path: str) -> str:
+    """``path`` if it looks like a checkpoint directory, else a UsageError saying what to pass.
+
+    A checkpoint directory holds a manifest, snapshot directories, or an engine's lock files (an
+    engine that has not committed yet)."""
+    hint = "pass the directory given to CheckpointEngine (the one that holds manifest.json)"
+    if not os.path.exists(path):
+        raise UsageError(f"{path} does not exist; {hint}")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path} is not a directory; {hint}")
+    names = os.listdir(path)
+    if MANIFEST_NAME in names or snapshot_dirs(path) or any(map(is_lock_file, names)):
+        return path
+    raise UsageError(f"{path} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, no "
+                     f"step-* snapshot directories); {hint}")
+
+
+def disk_bytes(path: str) -> int:
+    """Bytes of the files at or under ``path`` (0 when it vanished)."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
+
+
+def size_text(n: Optional[int]) -> str:
+    """``n`` bytes for people: ``4.1 kB``, ``?`` when unknown."""
+    if n is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def when_text(ts: float) -> str:
+    """A Unix time as local time and age: ``2024-02-29 12:00:00 (3 h ago)``."""
+    stamp = datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    age = time.time() - ts
+    if age < -60:
+        return f"{stamp} (in the future: clock skew?)"
+    age = max(age, 0.0)
+    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
+        if age >= scale:
+            return f"{stamp} ({age / scale:.0f} {unit} ago)"
+    return f"{stamp} ({age:.0f} s ago)"
+
+
+def _committed_steps(manifest: Manifest) -> str:
+    return ", ".join(map(str, manifest.steps())) or "none"
+
+
+def pick_record(manifest: Manifest, step: Optional[int], root: str, what: str) -> SnapshotRecord:
+    """The record for ``step``, or the newest committed one (commit order) when ``step`` is None."""
+    if not manifest.snapshots:
+        raise NoSnapshotError(f"{root} holds no committed snapshot, nothing to {what}; `{PROG} ls "
+                              f"{root}` lists leftovers of snapshots that never committed")
+    if step is None:
+        return manifest.snapshots[-1]
+    record = manifest.find(step)
+    if record is None:
+        raise UsageError(f"step {step} is not committed in {root}; committed steps: "
+                         f"{_committed_steps(manifest)}")
+    return record
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress(total: int, desc: str):
+    """A byte progress bar on stderr; silent when stderr is not a terminal."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
+                file=sys.stderr, leave=False, disable=not _is_tty(sys.stderr))
+
+
+step_arg = int_arg(0)  # steps and ranks
+positive_arg = int_arg(1)

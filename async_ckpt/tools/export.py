@@ -1,0 +1,159 @@
+"""``async-ckpt export``: a committed snapshot, verified while read, as a .pt or .safetensors
+file."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+from typing import Any
+
+from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
+                     pick_record, size_text, step_arg)
+from ..errors import EncodingError
+from ..format.manifest import read_manifest
+
+
+HELP = "write a snapshot as .pt or .safetensors"
+DESCRIPTION = """\
+Write a committed snapshot (verified while read) to a plain torch.save file (FILE.pt:
+everything, as nested dicts of tensors and values) or a safetensors file (FILE.safetensors: the
+tensors only, keyed by their dotted key paths, e.g. model.0.weight; with --only model the keys
+are the model's state_dict keys).
+"""
+
+
+def add(commands) -> None:
+    sub = add_dir_command(commands, "export", cmd_export, HELP, DESCRIPTION)
+    sub.add_argument("--step", type=step_arg, metavar="N",
+                     help="the committed step to export (default: the newest)")
+    sub.add_argument("--to", required=True, metavar="FILE",
+                     help="output file, ending in .pt (or .pth) or .safetensors")
+    sub.add_argument("--only", metavar="ENTRY",
+                     help="export one top-level entry (model, optimizer, ...) instead of all")
+    add_rank_option(sub, "export")
+    sub.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    sub.add_argument("--allow-pickle", action="store_true",
+                     help="decode pickled values (runs code from the file: only for files you trust)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    root = checkpoint_dir(args.dir)
+    target = args.to
+    suffix = os.path.splitext(target)[1].lower()
+    if suffix not in (".pt", ".pth", ".safetensors"):
+        raise UsageError(f"{target}: the file name must end in .pt or .safetensors (it picks the format)")
+    if os.path.isdir(target):
+        raise UsageError(f"{target} is a directory; pass a file name")
+    if os.path.exists(target) and not args.force:
+        raise UsageError(f"{target} exists; pass --force to overwrite it, or choose another name")
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{parent} does not exist; create it first")
+    manifest = read_manifest(root)
+    wanted = pick_record(manifest, args.step, root, "export").step
+
+    from ..read.snapshot import load
+    try:
+        step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle)
+    except EncodingError as e:  # load() raises it only for a refused pickle
+        raise UsageError(f"step {wanted}: {str(e).split(';')[0]}, refused by default; pass "
+                         "--allow-pickle only if you trust where this checkpoint came from") from e
+    what = "all entries"
+    if args.only is not None:
+        if args.only not in state:
+            raise UsageError(f"step {step} has no entry {args.only!r}; its entries: "
+                             f"{', '.join(state) or 'none'}")
+        state, what = state[args.only], f"entry {args.only!r}"
+
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        if suffix == ".safetensors":
+            tensors, skipped = _flat_tensors(state)
+            if not tensors:
+                raise UsageError(f"{what} of step {step} holds no tensors; export it to a .pt file")
+            _save_safetensors(tensors, tmp, {"format": "pt", "async_ckpt.step": str(step),
+                                             "async_ckpt.entry": args.only or ""})
+            count, nbytes = len(tensors), sum(t.nbytes for t in tensors.values())
+        else:
+            import torch
+            torch.save(state, tmp)
+            (count, nbytes), skipped = _count_tensors(state), []
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    print(f"exported step {step} ({what}) to {target}: {count} tensors, {size_text(nbytes)} of tensor data")
+    if suffix == ".safetensors" and skipped:
+        shown = ", ".join(skipped[:8]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 8 else "")
+        print(f"not in the safetensors file (not tensors): {shown}; export to .pt to keep them")
+    return EXIT_OK
+
+
+def _flat_tensors(state: Any) -> tuple[dict, list[str]]:
+    """Tensors of ``state`` by dotted key path, and the paths of the other values."""
+    import torch
+    tensors: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+
+    def walk(v: Any, path: str) -> None:
+        if isinstance(v, torch.Tensor):
+            if path in tensors:
+                raise UsageError(f"two tensors map to the safetensors key {path!r} (a key holds a "
+                                 "dot); export to a .pt file instead")
+            tensors[path] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{path}.{k}" if path else str(k))
+        elif isinstance(v, (list, tuple)) and any(_holds_tensor(x) for x in v):
+            for i, x in enumerate(v):
+                walk(x, f"{path}.{i}" if path else str(i))
+        else:
+            skipped.append(path or "<value>")
+
+    walk(state, "")
+    return tensors, skipped
+
+
+def _holds_tensor(v: Any) -> bool:
+    import torch
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x) for x in v)
+    return False
+
+
+def _save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """safetensors wants contiguous tensors that share no memory: copy only those that must be."""
+    import torch
+    from safetensors.torch import save_file
+    users = collections.Counter(t.untyped_storage().data_ptr() for t in tensors.values() if t.numel())
+    ready = {}
+    for key, t in tensors.items():
+        if t.numel() and (users[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous()):
+            t = t.clone(memory_format=torch.contiguous_format)
+        ready[key] = t
+    try:
+        save_file(ready, path, metadata=metadata)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:  # e.g. a dtype safetensors lacks
+        raise UsageError(f"safetensors cannot hold this state ({' '.join(str(e).split())[:200]}); "
+                         "export to a .pt file instead") from e
+
+
+def _count_tensors(state: Any) -> tuple[int, int]:
+    import torch
+    count = nbytes = 0
+    stack = [state]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            count, nbytes = count + 1, nbytes + v.nbytes
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return count, nbytes

@@ -1,0 +1,282 @@
+"""``async-ckpt inspect``: what a committed snapshot holds, from its shard's index alone.
+
+The value trees are read with ``format.values``' walker, which owns the tag scheme; this module
+only decides how they are shown (which lists are expanded, how values are summarised)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+from typing import Any, Optional
+
+from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
+                     pick_record, size_text, step_arg, when_text)
+from ..errors import CorruptSnapshotError
+from ..format import values
+from ..format.manifest import read_manifest
+from ..format.shard import ShardReader
+
+_PREVIEW_CHARS = 60  # longer values are summarised by type and length
+
+
+HELP = "show what a snapshot holds"
+DESCRIPTION = """\
+Show the entries of a committed snapshot: every tensor (key path, dtype, shape, size, codec) and
+every other value (summarised), with totals per top-level entry. Reads only the shard's index,
+never tensor data.
+"""
+
+
+def add(commands) -> None:
+    sub = add_dir_command(commands, "inspect", cmd_inspect, HELP, DESCRIPTION)
+    sub.add_argument("--step", type=step_arg, metavar="N",
+                     help="the snapshot of step N (default: the newest committed)")
+    add_rank_option(sub, "show")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    root = checkpoint_dir(args.dir)
+    manifest = read_manifest(root)
+    record = pick_record(manifest, args.step, root, "inspect")
+    shard = next((s for s in record.shards if s.rank == args.rank), None)
+    if shard is None:
+        raise UsageError(f"step {record.step} has no shard of rank {args.rank}; its ranks: "
+                         f"{', '.join(str(s.rank) for s in record.shards) or 'none'}")
+    path = os.path.join(root, record.dir, shard.file)
+    with ShardReader(path, shard.bytes, shard.index_xxh3) as reader:
+        index = reader.index
+    if index.get("step") != record.step:
+        raise CorruptSnapshotError(
+            f"{path} holds step {str(index.get('step'))[:40]!r}, the manifest says {record.step}")
+    _check_tensor_table(index, path)
+    walk = _TreeWalk(index, path)
+    walk.run()
+    newest = " (newest)" if record is manifest.snapshots[-1] else ""
+    raw = sum(s["nbytes"] for s in index["storages"])
+    stored = sum(c["stored"] for s in index["storages"] for c in s["chunks"])
+    print(f"step {record.step}{newest} in {root}, rank {shard.rank} of {record.world_size}, "
+          f"committed {when_text(record.committed_at)}")
+    print(f"file {os.path.join(record.dir, shard.file)}: {size_text(shard.bytes)}; tensor data "
+          f"{size_text(raw)} raw, {size_text(stored)} stored")
+    width = min(max((len(line[1]) for line in walk.lines if line[0] == "row"), default=10), 56)
+    for kind, *fields in walk.lines:
+        if kind == "head":
+            name, entry_kind = fields
+            print(f"\n{name} ({entry_kind})")
+        elif len(fields) == 2:
+            print(f"  {fields[0]:<{width}}  {fields[1]}")
+        else:
+            key, dtype, shape, nbytes, codec = fields
+            print(f"  {key:<{width}}  {dtype:<10} {shape:<16} {nbytes:>9}  {codec}")
+    print("\ntotals per entry (bytes: tensor sizes; stored: their storages in the file)")
+    print(f"  {'entry':<24} {'kind':<7} {'tensors':>7}  {'bytes':>9}  {'stored':>9}  {'values':>6}")
+    all_totals = collections.Counter()
+    for name, t in walk.totals.items():
+        print(f"  {name:<24} {t['kind']:<7} {t['tensors']:>7}  {size_text(t['bytes']):>9}  "
+              f"{size_text(t['stored']):>9}  {t['values']:>6}")
+        all_totals.update({k: v for k, v in t.items() if k != "kind"})
+    print(f"  {'all':<24} {'':<7} {all_totals['tensors']:>7}  {size_text(all_totals['bytes']):>9}  "
+          f"{size_text(all_totals['stored']):>9}  {all_totals['values']:>6}")
+    return EXIT_OK
+
+
+def _check_tensor_table(index: dict, path: str) -> None:
+    """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
+    from ..read.snapshot import tensor_layout
+
+    tensors = index.get("tensors")
+    if not isinstance(tensors, list):
+        raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+    storages = len(index["storages"])
+    for i, t in enumerate(tensors):
+        tensor_layout(t, path, i)
+        if t.get("rank") is None and t.get("storage") is not None and not 0 <= t["storage"] < storages:
+            raise CorruptSnapshotError(f"{path}: tensor {i} refers to storage {t['storage']}, which "
+                                       "does not exist")
+
+
+class _TreeWalk:
+    """Turns a shard index's state tree (docs/FORMAT.md section 5) into display lines and totals,
+    without decoding anything that could run code or loading tensor data."""
+
+    def __init__(self, index: dict, path: str):
+        self.path = path
+        self.tree = index.get("tree")
+        self.tensors = index.get("tensors")
+        self.storages = index["storages"]
+        self.lines: list[tuple] = []
+        self.totals: dict[str, dict] = {}
+        self._storage_owner: dict[int, str] = {}
+        self._top = ""
+
+    def run(self) -> None:
+        try:
+            if not isinstance(self.tree, dict) or self.tree.get("kind") != "dict":
+                raise TypeError("the root is not a dict node")
+            for name, node in self.tree["entries"].items():
+                self._top = name
+                self.totals[name] = {"kind": node["kind"], "tensors": 0, "bytes": 0, "stored": 0,
+                                     "values": 0}
+                self.lines.append(("head", name, node["kind"]))
+                self._node(node, name)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError, RecursionError) as e:
+            raise CorruptSnapshotError(
+                f"{self.path}: malformed state tree near {self._top[:60]!r}: {str(e)[:200]}") from e
+
+    def _node(self, node: dict, path: str) -> None:
+        kind = node["kind"]
+        if kind == "dict":
+            for key, child in node["entries"].items():
+                self._node(child, f"{path}.{key}")
+        elif kind in ("object", "tensor", "value"):
+            self._value(node["state"], path)  # a module's "metadata" (versions) is not shown
+        else:
+            raise ValueError(f"unknown node kind {kind!r}")
+
+    def _value(self, v: Any, path: str) -> None:
+        kind = values.kind_of(v)
+        if kind == "$tensor":
+            self._tensor(v["$tensor"], path)
+        elif kind in ("dict", "$dict"):
+            items = values.children(v)
+            if not items:
+                self._leaf(path, "{}")
+            for key, child in items:
+                self._value(child, f"{path}.{key if kind == 'dict' else _render(key) or _summary(key)}")
+        elif kind in ("list", "$tuple") and _worth_expanding(v):
+            for i, child in values.children(v):
+                self._value(child, f"{path}.{i}")
+        else:
+            self._leaf(path, _render(v) or _summary(v))
+
+    def _leaf(self, path: str, text: str) -> None:
+        self.totals[self._top]["values"] += 1
+        self.lines.append(("row", path, text))
+
+    def _tensor(self, i: int, path: str) -> None:
+        if type(i) is not int or not 0 <= i < len(self.tensors):
+            raise IndexError(f"tensor {i!r} is not in the tensor table")
+        t = self.tensors[i]
+        dtype, shape, storage = t["dtype"], t["shape"], t["storage"]
+        itemsize = _itemsize(dtype)
+        nbytes = None if itemsize is None else math.prod(shape) * itemsize
+        total = self.totals[self._top]
+        total["tensors"] += 1
+        total["bytes"] += nbytes or 0
+        if storage is None:
+            codec = "-"
+        elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
+            codec = f"in rank {t['rank']}'s shard"
+        else:
+            chunks = self.storages[storage]["chunks"]
+            codec = "+".join(dict.fromkeys(c["codec"] for c in chunks)) or "-"
+            owner = self._storage_owner.get(storage)
+            if owner is None:
+                self._storage_owner[storage] = path
+                total["stored"] += sum(c["stored"] for c in chunks)
+            else:
+                codec += f"  (shares storage with {owner})"
+        shape_text = "[" + ", ".join(map(str, shape)) + "]"
+        self.lines.append(("row", path, dtype, shape_text, size_text(nbytes), codec))
+
+_EXPANDED = ("$tensor", "$dict", "dict")
+
+
+def _worth_expanding(v: Any) -> bool:
+    """Expand a list or tuple into one line per element when it holds tensors or mappings."""
+    return any(kind in _EXPANDED for _, kind, _ in values.walk(v))
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
+    """A Python-like text of an encoded value, or None if it is longer than ``limit``."""
+    parts: list[str] = []
+    budget = [limit]
+
+    def put(s: str) -> None:
+        budget[0] -= len(s)
+        if budget[0] < 0:
+            raise _TooLong
+        parts.append(s)
+
+    def seq(items, open_: str, close: str) -> None:
+        put(open_)
+        for i, x in enumerate(items):
+            if i:
+                put(", ")
+            go(x)
+        if open_ == "(" and len(items) == 1:
+            put(",")
+        put(close)
+
+    def go(x: Any) -> None:
+        kind = values.kind_of(x)
+        if kind == "list":
+            seq([child for _, child in values.children(x)], "[", "]")
+        elif kind == "$tuple":
+            seq([child for _, child in values.children(x)], "(", ")")
+        elif kind == "dict":
+            put("{")
+            for i, (key, child) in enumerate(values.children(x)):
+                put(", " if i else "")
+                put(repr(key) + ": ")
+                go(child)
+            put("}")
+        elif kind == "value":
+            put(repr(x) if isinstance(x, (bool, str, float)) or x is None else str(x))
+        elif kind == "$int":
+            put(str(values.decode(x)))
+        elif kind == "$float":
+            put(f"float({str(values.decode(x))!r})")
+        elif kind == "$dtype":
+            put(f"torch.{x[kind]}")
+        elif kind == "$size":
+            put(f"torch.Size({x[kind]})")
+        elif kind == "$device":
+            put(f"device({x[kind]!r})")
+        else:
+            put(_summary(x))
+
+    try:
+        go(v)
+    except _TooLong:
+        return None
+    return "".join(parts)
+
+
+def _summary(v: Any) -> str:
+    """A short description of an encoded value by type and length."""
+    kind = values.kind_of(v)
+    if kind in ("list", "dict"):
+        return f"{kind}[{len(v)}]"
+    if kind == "value":
+        if isinstance(v, str):
+            return f"str[{len(v)}] {v[:_PREVIEW_CHARS - 12]!r}..."
+        return type(v).__name__
+    p = v[kind]
+    if kind in ("$tuple", "$set", "$frozenset", "$dict"):
+        return f"{kind[1:]}[{len(p)}]"
+    if kind in ("$bytes", "$bytearray"):
+        return f"{kind[1:]}[{values.payload_nbytes(v)}]"
+    if kind == "$str":
+        return f"str (not valid UTF-8, {values.payload_nbytes(v)} bytes)"
+    if kind == "$ndarray":
+        return f"ndarray {p.get('dtype')} {p.get('shape')}"
+    if kind == "$npscalar":
+        return f"numpy scalar {p.get('dtype')}"
+    if kind == "$pickle":
+        return f"pickled object ({size_text(values.payload_nbytes(v))}, not decoded)"
+    if kind == "$int":
+        return f"int ({len(p)} hex digits)"
+    return f"{kind} node"
+
+
+def _itemsize(dtype: str) -> Optional[int]:
+    import torch
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    return value.itemsize if isinstance(value, torch.dtype) else None

@@ -1,0 +1,137 @@
+"""``async-ckpt verify``: read every chunk, check every checksum, and say what restore() would
+pick; also what ``gc`` runs before it drops committed snapshots."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, disk_bytes, fail,
+                     pick_record, progress, step_arg)
+from ..errors import CorruptSnapshotError, ManifestError, UnsupportedFormatError
+from ..format.manifest import SnapshotRecord, read_manifest, snapshot_dirs
+from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
+from ..format.shard import ShardReader
+
+
+HELP = "read every chunk and check every checksum"
+DESCRIPTION = """\
+Read every chunk of the named snapshots and check every checksum; report each damaged file and
+chunk, and say which step restore() would pick (the newest committed snapshot whose shards all
+verify). Exit 0 only when every named snapshot is intact.
+"""
+
+
+def add(commands) -> None:
+    sub = add_dir_command(commands, "verify", cmd_verify, HELP, DESCRIPTION)
+    which = sub.add_mutually_exclusive_group()
+    which.add_argument("--step", type=step_arg, metavar="N",
+                       help="verify the snapshot of step N (default: the newest committed)")
+    which.add_argument("--all", action="store_true", help="verify every committed snapshot")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = checkpoint_dir(args.dir)
+    try:
+        manifest = read_manifest(root)
+    except ManifestError as e:
+        fail(str(e), EXIT_DAMAGE)
+        _verify_unreferenced(root)
+        return EXIT_DAMAGE
+    if args.all:
+        if not manifest.snapshots:
+            pick_record(manifest, None, root, "verify")  # raises NoSnapshotError
+        named = list(manifest.snapshots)
+    else:
+        named = [pick_record(manifest, args.step, root, "verify")]
+    named_seqs = {r.seq for r in named}
+    results: list[tuple[SnapshotRecord, list[str], bool]] = []
+    pick: Optional[SnapshotRecord] = None
+    with progress(sum(s.bytes for r in named for s in r.shards), "verifying") as bar:
+        for record in manifest.newest_first():
+            asked = record.seq in named_seqs
+            if not asked and pick is not None:
+                continue
+            if not asked:  # checked only to find what restore() would pick
+                bar.total += sum(s.bytes for s in record.shards)
+                bar.refresh()
+            problems = verify_record(root, record, bar)
+            results.append((record, problems, asked))
+            if pick is None and not problems:
+                pick = record
+            if pick is not None and named_seqs <= {r.seq for r, _, _ in results}:
+                break
+    damaged = [r for r, problems, asked in results if asked and problems]
+    print(f"{root}: read every chunk of {len(results)} snapshot{'s' * (len(results) != 1)}, "
+          "newest first")
+    for record, problems, asked in results:
+        note = "" if asked else "   (not asked for; checked to find what restore() would pick)"
+        print(f"  step {record.step:<10} {'DAMAGED' if problems else 'ok'}{note}")
+        for problem in problems:
+            print(f"    {problem}")
+    if pick is None:
+        print("restore() would find no intact snapshot and raise NoSnapshotError (nothing loads)")
+    elif pick is manifest.snapshots[-1]:
+        print(f"restore() would pick step {pick.step}: the newest committed snapshot, intact")
+    else:
+        skipped = ", ".join(str(r.step) for r, p, _ in results if p and r.seq > pick.seq)
+        print(f"restore() would pick step {pick.step}: the newest committed snapshot that "
+              f"verifies (newer damaged: {skipped})")
+    if damaged:
+        print(f"result: DAMAGED: {len(damaged)} of {len(named)} snapshot"
+              f"{'s' * (len(named) != 1)} asked for; restore(step=N) of a damaged step fails")
+        return EXIT_DAMAGE
+    print(f"result: intact: {len(named)} of {len(named)} snapshot{'s' * (len(named) != 1)} asked for")
+    return EXIT_OK
+
+
+def verify_record(root: str, record: SnapshotRecord, bar) -> list[str]:
+    """One line per problem of a committed snapshot: missing or truncated files, damaged chunks."""
+    problems = []
+    if len(record.shards) != record.world_size:
+        problems.append(f"the manifest records {len(record.shards)} of {record.world_size} shards")
+    for shard in record.shards:
+        problems += _verify_shard(os.path.join(root, record.dir, shard.file), record.step,
+                                  shard.bytes, shard.index_xxh3)
+        bar.update(shard.bytes)
+    return problems
+
+
+def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] = None,
+                  expected_xxh3: Optional[str] = None) -> list[str]:
+    try:
+        with ShardReader(path, expected_bytes, expected_xxh3) as reader:
+            problems = []
+            if step is not None and reader.index.get("step") != step:
+                problems.append(f"{path} holds step {reader.index.get('step')!r}, the manifest "
+                                f"says {step}")
+            return problems + reader.verify()
+    except (CorruptSnapshotError, UnsupportedFormatError) as e:
+        return [str(e)]
+    except OSError as e:
+        return [f"{path}: {e.strerror or e}"]
+
+
+def _verify_unreferenced(root: str) -> None:
+    """With the manifest unreadable, check the snapshot directories on disk, so the operator
+    knows what survived (their commit status is unknown)."""
+    names = snapshot_dirs(root)
+    print(f"{root}: {MANIFEST_NAME} is unreadable, so no snapshot counts as committed and "
+          "restore() loads nothing.")
+    if not names:
+        print("no snapshot directories on disk")
+        return
+    print("snapshot directories on disk (commit status unknown), checked file by file:")
+    with progress(sum(disk_bytes(os.path.join(root, n)) for n in names), "verifying") as bar:
+        for name in sorted(names, key=lambda n: (snapshot_dir_step(n) or 0, n), reverse=True):
+            directory = os.path.join(root, name)
+            shards = sorted(n for n in os.listdir(directory) if SHARD_FILE.fullmatch(n))
+            problems = [] if shards else ["no shard file"]
+            for shard in shards:
+                problems += _verify_shard(os.path.join(directory, shard), snapshot_dir_step(name))
+                bar.update(disk_bytes(os.path.join(directory, shard)))
+            state = "DAMAGED" if problems else f"intact ({len(shards)} shard file{'s' * (len(shards) != 1)})"
+            print(f"  step {snapshot_dir_step(name)!s:<10} {name}  {state}")
+            for problem in problems:
+                print(f"    {problem}")
