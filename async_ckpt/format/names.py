@@ -17,7 +17,8 @@ from ..errors import CheckpointError
 
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME) + r"\.tmp-\d{1,10}")
+_REPLACEMENT = ".tmp-"  # a file's replacement being written: NAME.tmp-PID, renamed over NAME
+MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"\d{1,10}")
 SNAPSHOT_DIR = re.compile(r"step-(\d{20})\.([0-9a-f]{8})")
 SHARD_FILE = re.compile(r"rank-(\d{5})\.ackpt")
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
@@ -35,6 +36,12 @@ def is_ours(name) -> bool:
     """Whether ``name`` is an entry the library writes and may delete (snapshot directories,
     shard files finished or not, interrupted manifest replacements)."""
     return type(name) is str and any(p.fullmatch(name) for p in _DELETABLE)
+
+
+def replacement_name(name: str, pid: int) -> str:
+    """The temporary name under which process ``pid`` writes the next version of file ``name``
+    (for the manifest, what ``MANIFEST_TMP`` matches)."""
+    return f"{name}{_REPLACEMENT}{pid}"
 
 
 def snapshot_dir_name(step: int, session: str, attempt: int) -> str:

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Type, Union
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
-from ..format.names import PARTIAL_SUFFIX, is_ours
+from ..format.names import PARTIAL_SUFFIX, is_ours, replacement_name
 
 log = logging.getLogger(__name__)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -73,18 +73,22 @@ def write_all(fd: int, data) -> None:
         view = view[written:]
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file, whole.
+def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers, and a crash, see either the old or the new
+    file, whole.
 
-    The old file is never removed before the new one is durable (the mistake DCP made).
+    ``durable``: the new file survives a power cut once this returns; the old one is never removed
+    before the new one is durable (the mistake DCP made). Without it (liveness files such as
+    heartbeats) nothing is fsynced.
     """
     directory = os.path.dirname(path) or "."
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = os.path.join(directory, replacement_name(os.path.basename(path), os.getpid()))
     _unlink_quietly(tmp)  # a stale one (or a planted link): never written through
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         write_all(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         _unlink_quietly(tmp)
@@ -95,7 +99,8 @@ def atomic_write(path: str, data: bytes) -> None:
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def ensure_writable_dir(path: str) -> str:

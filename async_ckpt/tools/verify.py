@@ -9,7 +9,7 @@ from typing import Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, disk_bytes, fail,
                      pick_record, progress, step_arg)
-from ..errors import CorruptSnapshotError, ManifestError, UnsupportedFormatError
+from ..errors import CheckpointError, ManifestError
 from ..format.manifest import SnapshotRecord, read_manifest, snapshot_dirs
 from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.shard import ShardReader
@@ -107,7 +107,9 @@ def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] 
                 problems.append(f"{path} holds step {reader.index.get('step')!r}, the manifest "
                                 f"says {step}")
             return problems + reader.verify()
-    except (CorruptSnapshotError, UnsupportedFormatError) as e:
+    except CheckpointError as e:
+        if not e.is_damage:
+            raise
         return [str(e)]
     except OSError as e:
         return [f"{path}: {e.strerror or e}"]

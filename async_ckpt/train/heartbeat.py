@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..errors import CheckpointDirError
 from ..format.names import HEARTBEAT_FILE, heartbeat_file_name
-from ..storage.local import read_regular
+from ..storage.local import atomic_write, read_regular
 
 _MAX_HEARTBEAT_BYTES = 4096
 
@@ -48,15 +48,7 @@ class Heartbeat:
         self._last = now
         record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        try:
-            os.unlink(tmp)  # a stale one (or a planted link): never written through
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(record).encode(), durable=False)
 
 
 def read_heartbeats(directory: str) -> list[dict]:
