@@ -32,7 +32,7 @@ from .errors import (CorruptSnapshotError, EngineClosedError, Preempted, StateMi
                      WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
-from .options import EngineOptions
+from .options import EngineOptions, options_signature
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
@@ -418,6 +418,11 @@ class CheckpointEngine:
             self._counts.record_failure()
             self._failures.append(event.error)  # the writer's error object, of its own class
 
+
+
+# help(CheckpointEngine) and editors' signature hints list every option, taken from EngineOptions
+# (their one owner) rather than written out a second time in __init__'s parameter list.
+CheckpointEngine.__init__.__signature__ = options_signature(CheckpointEngine.__init__)
 
 def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) -> None:
     pool.close()

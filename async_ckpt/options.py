@@ -8,9 +8,10 @@ invalid or unknown setting is refused before the engine touches the directory.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import signal
 import threading
-from typing import Any, Iterable, MutableMapping, Optional, Union
+from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
 
 from .distributed import resolve_ranks
 from .format.names import RNG_KEY
@@ -140,6 +141,16 @@ class EngineOptions:
                 "replicated": sorted(self.replicated), "spread_replicated": self.spread_replicated,
                 "rng": self.rng, "mode": self.mode}
 
+
+
+def options_signature(function: Callable) -> inspect.Signature:
+    """``function``'s signature with its ``**options`` replaced by every EngineOptions field as a
+    keyword-only parameter with its default."""
+    signature = inspect.signature(function)
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                annotation=f.type) for f in dataclasses.fields(EngineOptions)]
+    kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    return signature.replace(parameters=kept + fields)
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

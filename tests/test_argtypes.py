@@ -43,7 +43,16 @@ def test_supervise_durations_take_the_same_forms(option, text, seconds):
     assert getattr(args, option[2:].replace("-", "_")) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["abc", "-1", "-1s", "10 years", "1e999", "inf", "nan", ""])
+@pytest.mark.parametrize("text, seconds", [("5.", 5.0), ("+5", 5.0), ("1_0", 10.0), ("1e3", 1000.0),
+                                           ("1e-3s", 0.001)])
+def test_every_number_float_reads_is_still_seconds(text, seconds):
+    # what `supervise` accepted before it shared advise's units
+    assert SUPERVISE.parse_args(["--grace", text, "--", "true"]).grace == pytest.approx(seconds)
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "-1s", "10 years", "1e999", "inf", "nan", "", "1e",
+                                  "5 m s"])
 def test_bad_durations_are_usage_errors(text, capsys):
     with pytest.raises(SystemExit) as exit:
         SUPERVISE.parse_args([f"--grace={text}", "--", "true"])

@@ -130,10 +130,12 @@ def test_a_commit_time_no_date_can_show_is_refused(root, capsys, when):
         assert run_cli(capsys, command, root)[0] == 1
 
 
-def test_a_dangling_manifest_link_is_an_error_not_a_directory_without_commits(root):
+@pytest.mark.parametrize("target", ["nowhere", "manifest.json"])  # dangling; a link to itself
+def test_a_dangling_manifest_link_is_an_error_not_a_directory_without_commits(root, target):
     """Taken for "no manifest", it made every committed snapshot a leftover to delete."""
     os.unlink(os.path.join(root, "manifest.json"))
-    os.symlink(os.path.join(os.path.dirname(root), "nowhere"), os.path.join(root, "manifest.json"))
+    os.symlink(os.path.join(root if target == "manifest.json" else os.path.dirname(root), target),
+               os.path.join(root, "manifest.json"))
     with pytest.raises(ManifestError):
         CheckpointEngine(root, make_state(0), heartbeat_interval=None)
     assert len([n for n in os.listdir(root) if n.startswith("step-")]) == 2
@@ -362,3 +364,14 @@ def test_every_snapshot_damaged_says_so(pristine, root):
     edit_index(pristine, root, "step1-shard", INDEX_EDITS["root-is-a-list"])
     with pytest.raises(NoSnapshotError):
         load(root)
+
+
+def test_inspect_says_which_file_and_entry_hold_a_value_the_walker_refuses(pristine, root, capsys):
+    def mixed_tag(index):  # a tag node with a second key: neither a tag nor a plain mapping
+        entry = next(iter(index["tree"]["entries"]))
+        index["tree"]["entries"][entry] = {"kind": "value", "state": {"$float": "nan", "x": 1}}
+
+    edit_index(pristine, root, STEP2, mixed_tag)
+    code, out, err = run_cli(capsys, "inspect", root, "--step", "2")
+    assert code == 1 and pristine.shards[STEP2].relpath.split("/")[-1] in err
+    assert "malformed state tree near" in err

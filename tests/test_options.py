@@ -93,3 +93,17 @@ def test_shared_settings_are_what_every_rank_must_agree_on():
     assert settings == {"every": 5, "keep_last": 3, "keep_every": None, "replicated": ["a", "b"],
                         "spread_replicated": False, "rng": True, "mode": "sync"}
     assert EngineOptions(lock_timeout=1, slots=4).shared_settings() == EngineOptions().shared_settings()
+
+
+def test_the_engine_signature_lists_every_option_with_its_default():
+    import dataclasses
+    import inspect
+
+    from async_ckpt import CheckpointEngine
+    from async_ckpt.options import EngineOptions
+
+    parameters = inspect.signature(CheckpointEngine).parameters
+    assert list(parameters)[:2] == ["directory", "state"]
+    for field in dataclasses.fields(EngineOptions):
+        assert parameters[field.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameters[field.name].default == field.default

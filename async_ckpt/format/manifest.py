@@ -273,7 +273,11 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
     """
     storage = as_storage(root)
     if storage.exists(MANIFEST_NAME):
-        if storage.version(MANIFEST_NAME) is None:  # there, yet unreadable: a dangling link
+        try:
+            version = storage.version(MANIFEST_NAME)
+        except OSError:  # a link loop, a name too long, no permission: unreadable all the same
+            version = None
+        if version is None:  # there, yet unreadable: a dangling link (or one of the above)
             raise ManifestError(f"{storage.location(MANIFEST_NAME)} is a link to nothing; replace "
                                 "it with the real manifest (committed snapshot directories are "
                                 "untouched)")

@@ -18,7 +18,7 @@ DURATION_FORMS = ("a number with a unit: 350ms, 2.5s, 10min (or 10m), 24h, 7d; a
 
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0,
           "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*$")
+_DURATION = re.compile(r"\s*(.*?)\s*([a-z]*)\s*")  # a number as float() reads it, then a unit
 
 
 def is_number(value: Any) -> bool:
@@ -29,10 +29,13 @@ def is_number(value: Any) -> bool:
 def parse_duration(text: str) -> float:
     """Seconds from ``"0.35"``, ``"350ms"``, ``"2.5s"``, ``"10min"`` (or ``"10m"``), ``"24h"``,
     ``"7d"``; ValueError otherwise (negative and non-finite durations included)."""
-    match = _DURATION.match(text.lower())
-    if match is None or match.group(2) not in _UNITS:
+    number, unit = _DURATION.fullmatch(text.lower()).groups()
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        seconds = math.nan
+    if not seconds >= 0:  # also NaN: no number, an unknown unit, or "nan" itself
         raise ValueError(f"not a duration: {text!r}; write e.g. 0.35, 350ms, 2.5s, 10min, 24h, 7d")
-    seconds = float(match.group(1)) * _UNITS[match.group(2)]
     if not math.isfinite(seconds):
         raise ValueError(f"not a duration: {text!r} is too long")
     return seconds

@@ -2,7 +2,7 @@
 
 Answers, without writing Python, which snapshots exist, which are intact, what is in them, and moves
 weights out: ``ls``, ``inspect``, ``verify``, ``export``, ``gc``, plus ``compare-loss`` for
-training logs. Everything is read through the library (``manifest``, ``format.ShardReader``,
+training logs. Everything is read through the library (``manifest``, ``format.shard.ShardReader``,
 ``read.snapshot.load``), so the command line and ``restore()`` never disagree about what a snapshot is.
 
 This module is the entry point: the parser, and the one place where expected failures become exit

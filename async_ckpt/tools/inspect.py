@@ -121,7 +121,8 @@ class _TreeWalk:
                                      "values": 0}
                 self.lines.append(("head", name, node["kind"]))
                 self._node(node, name)
-        except (KeyError, TypeError, IndexError, ValueError, AttributeError, RecursionError) as e:
+        except (CorruptSnapshotError, KeyError, TypeError, IndexError, ValueError, AttributeError,
+                RecursionError) as e:  # the walker's own refusals too: say where
             raise CorruptSnapshotError(
                 f"{self.path}: malformed state tree near {self._top[:60]!r}: {str(e)[:200]}") from e
 
