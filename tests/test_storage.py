@@ -2,6 +2,8 @@
 Storage that the committer, the watcher, the manifest functions and the reader run against
 unchanged, which shows that every byte they move goes through the seam."""
 
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -16,6 +18,7 @@ from async_ckpt.format.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shar
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.read.snapshot import read_snapshot
 from async_ckpt.storage.base import ShardSink, ShardSource, Storage
+from async_ckpt.storage import local
 from async_ckpt.storage.local import LocalStorage, as_storage
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
 from async_ckpt.write.protocol import Committed
@@ -90,6 +93,76 @@ def test_a_shard_is_never_written_over_a_file_already_there(storage):
         f.write(b"someone else's")
     with pytest.raises(FileExistsError):
         storage.create_shard(SNAP, SHARD)
+
+
+def test_a_shard_is_written_in_pieces_of_at_most_the_piece_size(storage, monkeypatch):
+    pieces = []
+    real = local.write_all
+    monkeypatch.setattr(local, "write_all", lambda fd, data: (pieces.append(len(data)), real(fd, data)))
+    data = os.urandom(local.WRITE_PIECE_BYTES * 2 + 5)
+    made(storage, data)
+    assert pieces == [local.WRITE_PIECE_BYTES, local.WRITE_PIECE_BYTES, 5]
+    with open(storage.location(SNAP, SHARD), "rb") as f:
+        assert f.read() == data
+
+
+class _RecordedSyncFileRange:
+    """A stand-in for libc's sync_file_range that records its calls and can fail."""
+
+    def __init__(self, fail_with=None):
+        self.calls, self.fail_with = [], fail_with
+
+    def __call__(self, fd, offset, length, flags):
+        self.calls.append((offset, length, flags))
+        if self.fail_with is not None:
+            ctypes.set_errno(self.fail_with)
+            return -1
+        return 0
+
+
+def test_write_back_starts_each_window_and_waits_for_the_one_before(monkeypatch, tmp_path):
+    recorded = _RecordedSyncFileRange()
+    monkeypatch.setattr(local, "_sync_file_range", recorded)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        write_back = local.WriteBack(fd, window=100)
+        for end in (60, 120, 150, 240, 330, 340):
+            write_back.wrote(end)
+    finally:
+        os.close(fd)
+    start, wait = 2, 1 | 2 | 4
+    assert recorded.calls == [(0, 120, start), (120, 120, start), (0, 120, wait),
+                              (240, 100, start), (120, 120, wait)]
+
+
+def test_write_back_stops_where_unsupported_and_raises_real_errors(monkeypatch, tmp_path):
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        unsupported = _RecordedSyncFileRange(errno.EINVAL)
+        monkeypatch.setattr(local, "_sync_file_range", unsupported)
+        write_back = local.WriteBack(fd, window=10)
+        write_back.wrote(10)
+        write_back.wrote(20)
+        assert len(unsupported.calls) == 1  # gave up after the first refusal: fsync does it all
+        monkeypatch.setattr(local, "_sync_file_range", _RecordedSyncFileRange(errno.EIO))
+        with pytest.raises(OSError) as failed:
+            local.WriteBack(fd, window=10).wrote(10)
+        assert failed.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+
+
+def test_the_real_sync_file_range_is_found_and_accepted_here(storage):
+    assert local._sync_file_range is not None  # Linux and glibc: the CI machine's
+    data = os.urandom(3 * 1000)
+    storage.make_snapshot_dir(SNAP)
+    sink = storage.create_shard(SNAP, SHARD)
+    sink._write_back = local.WriteBack(sink._fd, window=1000)
+    sink.write([data])
+    assert sink._write_back._enabled and sink._write_back._started == 3000
+    sink.finish()
+    with open(storage.location(SNAP, SHARD), "rb") as f:
+        assert f.read() == data
 
 
 def test_listing_is_sorted_and_empty_for_what_is_not_a_directory(storage, tmp_path):

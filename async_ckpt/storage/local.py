@@ -16,6 +16,7 @@ without following symlinks.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -215,18 +216,92 @@ def remove_entries(root: str, names: Iterable[str]) -> None:
             log.warning("could not delete %s: %s", path, e.strerror)
 
 
+WRITE_PIECE_BYTES = 1 << 20
+"""Bytes per ``write`` call of a shard. Buffered writes of 2 MiB and more cost 2-4x as much per
+byte as 1 MiB ones on the VMs measured (docs/performance.md), and smaller pieces gain nothing."""
+
+WRITE_BACK_WINDOW_BYTES = 64 << 20
+"""A shard's write-back window: once this many bytes are written, the kernel is told to start
+writing them to disk, and the writer waits for the window before them to be on disk. Dirty pages
+stay under two windows, so the kernel never throttles the writer for a burst of dirty memory,
+the disk is busy while the writer still copies, and the final fsync has at most two windows left.
+Pages stay cached (nothing is dropped), so a restore right after a snapshot reads from memory.
+Chosen by measurement (256 MB to 2 GB, 16-128 MiB windows; bench/ reports the result)."""
+
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux; not in the os module), or None where there is none. A
+    ctypes call releases the GIL while the kernel works."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class WriteBack:
+    """Drives the write-back window of one file written front to back (see
+    ``WRITE_BACK_WINDOW_BYTES``): ``wrote(end)`` after each write, with the file's size so far.
+
+    Where the file system cannot (EINVAL, ESPIPE, ENOSYS, no ``sync_file_range`` at all) it stops
+    and leaves everything to the final fsync; a real error (EIO, ENOSPC) raises OSError as a
+    failed write would."""
+
+    _UNSUPPORTED = {errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP}
+
+    def __init__(self, fd: int, window: int = WRITE_BACK_WINDOW_BYTES):
+        self._fd, self._window = fd, window
+        self._enabled = _sync_file_range is not None
+        self._started = 0  # write-back has been started for [0, _started)
+        self._previous: Optional[tuple[int, int]] = None  # the range started last
+
+    def wrote(self, end: int) -> None:
+        if not self._enabled or end - self._started < self._window:
+            return
+        current = (self._started, end - self._started)
+        if self._call(*current, _SYNC_FILE_RANGE_WRITE) and self._previous is not None:
+            self._call(*self._previous, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
+                       | _SYNC_FILE_RANGE_WAIT_AFTER)
+        self._started, self._previous = end, current
+
+    def _call(self, offset: int, length: int, flags: int) -> bool:
+        if _sync_file_range(self._fd, offset, length, flags) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code in self._UNSUPPORTED:
+            self._enabled = False
+            return False
+        raise OSError(code, os.strerror(code))
+
+
 class LocalShardSink(ShardSink):
     """A new file written at ``path`` and renamed to ``final`` once durable (``final`` may be
-    ``path`` itself: renaming a file onto itself does nothing)."""
+    ``path`` itself: renaming a file onto itself does nothing). Written in pieces of
+    ``WRITE_PIECE_BYTES`` under a ``WriteBack`` window: both measured to make the bytes durable
+    at the disk's speed."""
 
     def __init__(self, path: str, final: str):
         self._path, self._final = path, final
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._renamed = False
+        self._written = 0
+        self._write_back = WriteBack(self._fd)
 
     def write(self, buffers: Iterable) -> None:
         for b in buffers:
-            write_all(self._fd, b)
+            view = memoryview(b).cast("B")
+            for start in range(0, len(view), WRITE_PIECE_BYTES):
+                piece = view[start:start + WRITE_PIECE_BYTES]
+                write_all(self._fd, piece)
+                self._written += len(piece)
+                self._write_back.wrote(self._written)
 
     def finish(self) -> None:
         os.fsync(self._fd)
