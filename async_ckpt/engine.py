@@ -217,7 +217,7 @@ class CheckpointEngine:
         self.wait()
         record, loaded = read_committed(
             self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
-            lambda r: self._shard_to_read(r, reshard), self._check_loaded)
+            lambda r: self._shard_to_read(r, reshard), self._check_loaded, mapped=True)
         if loaded is None:
             return None
         resharding = record.world_size != self.world_size
@@ -263,7 +263,8 @@ class CheckpointEngine:
         rng = loaded.value.pop(RNG_KEY, None)
         state = self.state if keys is None else {k: self.state[k] for k in keys}
         if keys is not None:
-            loaded, rng = Entry("dict", {k: v for k, v in loaded.value.items() if k in keys}), None
+            loaded, rng = Entry("dict", {k: v for k, v in loaded.value.items() if k in keys},
+                                loaded.file_backed), None
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")

@@ -13,6 +13,8 @@ This module never imports torch: the writer process uses it, and so does the res
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import os
 import struct
 import sys
@@ -25,6 +27,8 @@ from . import filters
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.base import ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file
+
+log = logging.getLogger(__name__)
 
 READABLE_VERSIONS = (1, 2)
 MAGIC = b"ACKPT\x00\r\n"
@@ -166,6 +170,7 @@ class ShardReader:
         self._source = (source if isinstance(source, ShardSource)
                         else open_shard_file(os.fspath(source)))
         self.path = self._source.name
+        self._mapping: Union[mmap.mmap, bool, None] = None  # False: tried, cannot map
         try:
             self.size = self._source.size
             if expected_bytes is not None and self.size != expected_bytes:
@@ -240,6 +245,39 @@ class ShardReader:
             self._read_chunk(chunk, storage["itemsize"], target, f"storage {i} chunk {chunk_no}")
             position += chunk["raw"]
 
+    def mapped_storage(self, i: int, verify: bool = True) -> Optional[memoryview]:
+        """Storage ``i`` as a view of the file's private mapping, every chunk's checksum checked
+        over it (``verify=False`` skips that: inspecting a large snapshot without reading it), or
+        None when it cannot be mapped: the source does not map, a chunk is encoded, or the storage
+        does not start at a multiple of its element size (tensors over it would be misaligned).
+
+        A page-cache hit costs no copy here: the checksum reads the cached pages in place, and the
+        caller copies them once, into the tensors that hold the state."""
+        storage = self.index["storages"][i]
+        chunks = storage["chunks"]
+        if (not chunks or any(c["codec"] != "raw" for c in chunks)
+                or chunks[0]["offset"] % storage["itemsize"] or self._map() is None):
+            return None
+        start = chunks[0]["offset"]
+        view = memoryview(self._mapping)[start:start + storage["nbytes"]]
+        if verify:
+            _prefetch(self._mapping, start, storage["nbytes"])
+            for chunk_no, chunk in enumerate(chunks):
+                piece = view[chunk["offset"] - start:chunk["offset"] - start + chunk["stored"]]
+                if checksum(piece) != chunk["xxh3"]:
+                    raise ChecksumMismatchError(f"{self.path}: storage {i} chunk {chunk_no} fails "
+                                                "its checksum (bytes damaged on disk)")
+        return view
+
+    def _map(self) -> Optional[mmap.mmap]:
+        if self._mapping is None:
+            try:
+                self._mapping = self._source.map() or False
+            except (OSError, ValueError) as e:  # a file system that cannot map: read instead
+                log.debug("cannot map %s (%s); reading it", self.path, e)
+                self._mapping = False
+        return self._mapping or None
+
     def _read_chunk(self, chunk: dict, itemsize: int, target: memoryview, where: str) -> None:
         if chunk["codec"] == "raw":
             stored = target
@@ -281,6 +319,16 @@ class ShardReader:
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
         return problems
+
+
+def _prefetch(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Ask the kernel to read a mapped range ahead, all of it, as the checksums will: from a cold
+    cache the faults then find pages already read, in large sequential requests."""
+    aligned = start - start % mmap.PAGESIZE
+    try:
+        mapping.madvise(mmap.MADV_WILLNEED, aligned, length + start - aligned)
+    except (OSError, ValueError, AttributeError):  # advice only: where refused, faults read
+        pass
 
 
 def _unzstd(data, size: int, path: str, where: str) -> bytes:

@@ -7,6 +7,7 @@ user's objects; an object that still refuses its state puts every object back.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Mapping, MutableMapping, Optional
 
@@ -77,7 +78,7 @@ def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: boo
     if mismatch.skipped:
         log.warning("restore(strict=False) of step %d left these as they were: %s", step,
                     "; ".join(mismatch.skipped))
-    _load(state, loaded, strict, mismatch.skip_ids)
+    _load(state, loaded, strict, mismatch.skip_ids, loaded.file_backed)
 
 
 def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
@@ -169,21 +170,30 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
     return None
 
 
-def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset()) -> None:
+def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset(),
+          file_backed: frozenset = frozenset()) -> None:
     """Load into the registered objects, once every check passed, all or nothing as far as it can.
 
     Objects whose own ``load_state_dict`` may still refuse a value no check foresees (optimizers,
     schedulers, your classes; torch's optimizers half-apply a state they then refuse) go first,
     each one's attributes kept, so that a refusal puts every one of them back. Then modules and
-    tensors, whose shapes and dtypes were checked, are copied in place; plain values last."""
+    tensors, whose shapes and dtypes were checked, are copied in place; plain values last. Last,
+    optimizers move their loaded state into the tensors they held before (``_rehome``).
+
+    Tensors in ``file_backed`` storages (``Entry.file_backed``) are only ever copied from: what an
+    object or a plain value would keep is first copied into memory of its own."""
     objects, in_place, values = [], [], []
     _collect(current, saved, strict, skip_ids, objects, in_place, values)
-    kept = []
+    kept, optimizers = [], []
     try:
         for obj, state in objects:
             target = as_stateful(obj)
             kept.append((target, _keep(target)))
-            target.load_state_dict(state)
+            if isinstance(target, torch.optim.Optimizer):
+                optimizers.append((target, {p: dict(s) for p, s in target.state.items()}))
+                target.load_state_dict(state)
+            else:
+                target.load_state_dict(_own_memory(state, file_backed))
     except Exception as e:  # an object's load_state_dict refused a value no check could foresee
         for target, attributes in reversed(kept):
             _put_back(target, attributes)
@@ -203,7 +213,58 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
             f"{str(e)[:200]}); the objects were put back, but modules and tensors loaded before "
             "it keep the snapshot's values: restore again before training") from e
     for parent, key, value in values:
-        parent[key] = value
+        parent[key] = _own_memory(value, file_backed)
+    for optimizer, before in optimizers:
+        _rehome(optimizer, before, file_backed)
+
+
+def _rehome(optimizer: torch.optim.Optimizer, before: dict, file_backed: frozenset) -> None:
+    """Put ``optimizer``'s loaded state into the tensors it held ``before`` loading, where they
+    have the same layout: torch's ``load_state_dict`` adopts the tensors it is given, so without
+    this every restore would replace two thirds of a model's training state with new memory.
+    State without such a tensor (a fresh optimizer) gets memory of its own if it is file-backed."""
+    for param, entries in optimizer.state.items():
+        held = before.get(param, {})
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            home = held.get(key)
+            if (isinstance(home, torch.Tensor) and home is not value and _same_layout(home, value)
+                    and home.untyped_storage().data_ptr() not in file_backed):
+                with torch.no_grad():
+                    home.copy_(value)
+                entries[key] = home
+            else:
+                entries[key] = _own_memory(value, file_backed)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device and a.requires_grad == b.requires_grad)
+
+
+def _own_memory(value: Any, file_backed: frozenset, copies: Optional[dict] = None) -> Any:
+    """``value`` with every tensor of a ``file_backed`` storage replaced by one over a copy of that
+    storage (one copy per storage, so tensors that shared memory still share it)."""
+    if not file_backed:
+        return value
+    copies = {} if copies is None else copies
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        if storage.data_ptr() not in file_backed:
+            return value
+        if storage.data_ptr() not in copies:
+            copies[storage.data_ptr()] = storage.clone()
+        return torch.empty(0, dtype=value.dtype).set_(
+            copies[storage.data_ptr()], value.storage_offset(), value.shape, value.stride())
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)  # the same class and attributes (a state dict's _metadata)
+        for key, item in value.items():
+            rebuilt[key] = _own_memory(item, file_backed, copies)
+        return rebuilt
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_own_memory(v, file_backed, copies) for v in value)
+    return value
 
 
 def _collect(current: Any, saved: Entry, strict: bool, skip_ids: set[int], objects: list,

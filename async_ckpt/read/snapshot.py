@@ -40,10 +40,15 @@ _MAX_TREE_DEPTH = 100
 
 @dataclass
 class Entry:
-    """A restored entry, tagged with how it was captured (object, tensor, dict or value)."""
+    """A restored entry, tagged with how it was captured (object, tensor, dict or value).
+
+    ``file_backed`` (the root entry of a snapshot read with ``mapped=True``): the addresses of the
+    storages that view a shard file's mapping. Restore copies them into the registered objects'
+    own memory and must not hand them over: an object keeping one would keep the file mapped."""
 
     kind: str
     value: Any  # for "dict": dict[str, Entry]
+    file_backed: frozenset = frozenset()
 
     def plain(self) -> Any:
         if self.kind == "dict":
@@ -52,9 +57,13 @@ class Entry:
 
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: bool = False) -> Entry:
+                  allow_pickle: bool = False, mapped: bool = False, verify: bool = True) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
-    replicated storages it refers to in other ranks' shards."""
+    replicated storages it refers to in other ranks' shards.
+
+    ``mapped``: tensors of uncompressed storages view the files' private mappings (checksums
+    checked over them, unless not ``verify``) instead of memory of their own; see
+    ``Entry.file_backed``. Encoded storages are always read and decoded into new memory."""
     storage = as_storage(root)
     readers: dict[int, ShardReader] = {}
 
@@ -78,14 +87,25 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
-        _check_fits_in_memory(sources.values(), record.step)
+        views = {(r, i): shard(r).mapped_storage(i, verify) for r, i in sources
+                 if mapped and sources[r, i]["nbytes"]}
+        views = {key: view for key, view in views.items() if view is not None}
+        _check_fits_in_memory([s for key, s in sources.items() if key not in views], record.step)
         buffers = {}
         for (r, i), s in sources.items():
-            buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
-            shard(r).read_storage(i, buffers[r, i].numpy())
+            if (r, i) in views:
+                buffers[r, i] = torch.frombuffer(views[r, i], dtype=torch.uint8)
+            else:
+                buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
+                shard(r).read_storage(i, buffers[r, i].numpy())
         tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
                    for n, t in enumerate(records)]
-        return _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
+        root_entry = _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
+        tensors.clear()  # _rebuild's closures form a cycle: without this the tensors (and a file's
+        # mapping) would live on until the cycle collector runs, not as long as the entries do
+        root_entry.file_backed = frozenset(buffers[key].untyped_storage().data_ptr()
+                                           for key in views)
+        return root_entry
     finally:
         for reader in readers.values():
             reader.close()
@@ -233,12 +253,13 @@ def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: s
 def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
                    allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
-                   check: Optional[Callable[[Entry], None]] = None,
-                   ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
+                   check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
+                   verify: bool = True) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
     ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
-    validates what was read further, raising CorruptSnapshotError for damage. Damage (an error
+    validates what was read further, raising CorruptSnapshotError for damage; ``mapped`` and
+    ``verify`` are ``read_snapshot``'s. Damage (an error
     whose class says ``is_damage``) moves on to the previous snapshot; any other error is
     raised. With a ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank
     reads its part, and they fall back together when any rank cannot read its part of a snapshot.
@@ -258,7 +279,7 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         loaded, error = None, None
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle)
+                                   allow_pickle, mapped, verify)
             if check is not None:
                 check(loaded)
         except CheckpointError as e:
@@ -285,16 +306,27 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
 
 
 def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
-         allow_pickle: bool = False) -> tuple[int, dict]:
+         allow_pickle: bool = False, mmap: bool = False,
+         verify: Optional[bool] = None) -> tuple[int, dict]:
     """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
 
     Returns (step, state) where state mirrors what was registered: each object's state_dict, each
     tensor, each dict. Tensors that shared memory when saved share it again.
+
+    ``mmap=True`` (as ``torch.load(mmap=True)``): uncompressed tensors map the shard files instead
+    of being read, so a snapshot larger than memory can be inspected or exported; their pages are
+    read when touched and their checksums are NOT checked (``async-ckpt verify`` checks them)
+    unless ``verify=True``, which reads every page once (from the page cache when it holds them)
+    but still allocates no memory for them: how ``async-ckpt export`` reads a large snapshot.
+    Writes to such tensors stay in this process's memory. The files must not be truncated or
+    replaced in place while mapped (touching a page past a file's end kills the process with
+    SIGBUS); the engine never does either: it writes new files and deletes old ones.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
-    record, loaded = read_committed(directory, step, rank, allow_pickle)
+    record, loaded = read_committed(directory, step, rank, allow_pickle, mapped=mmap,
+                                    verify=not mmap if verify is None else verify)
     if loaded is None:
         raise NoSnapshotError(f"{directory} holds no committed snapshot")
     loaded.value.pop(RNG_KEY, None)

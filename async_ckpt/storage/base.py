@@ -28,6 +28,7 @@ OSError (the caller turns it into the library's typed error, e.g. ENOSPC into Di
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from typing import Hashable, Iterable, Optional, Type
 
@@ -62,9 +63,16 @@ class ShardSource(ABC):
         """Fill ``buffer`` (writable) from ``offset`` on, like ``preadv``: returns the bytes read,
         fewer than asked only at the end of the file."""
 
+    def map(self) -> Optional[mmap.mmap]:
+        """A private mapping of the whole file (writes to it never reach the file), or None where
+        this storage cannot map: readers then read into memory of their own. Mapping lets a
+        restore verify and copy a file the page cache holds without reading it into a second
+        buffer first. The file must not shrink while mapped (access past its end is SIGBUS)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
-        """Release the file; harmless when already closed."""
+        """Release the file; harmless when already closed. A mapping outlives it."""
 
 
 class Storage(ABC):

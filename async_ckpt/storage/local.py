@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -330,6 +331,10 @@ class LocalShardSource(ShardSource):
 
     def read_into(self, buffer, offset: int) -> int:
         return os.preadv(self._fd, [buffer], offset)
+
+    def map(self) -> mmap.mmap:
+        return mmap.mmap(self._fd, self.size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -17,10 +17,11 @@ from ..format.manifest import read_manifest
 
 HELP = "write a snapshot as .pt or .safetensors"
 DESCRIPTION = """\
-Write a committed snapshot (verified while read) to a plain torch.save file (FILE.pt:
-everything, as nested dicts of tensors and values) or a safetensors file (FILE.safetensors: the
-tensors only, keyed by their dotted key paths, e.g. model.0.weight; with --only model the keys
-are the model's state_dict keys).
+Write a committed snapshot to a plain torch.save file (FILE.pt: everything, as nested dicts of
+tensors and values) or a safetensors file (FILE.safetensors: the tensors only, keyed by their
+dotted key paths, e.g. model.0.weight; with --only model the keys are the model's state_dict
+keys). The snapshot is verified while read, and its uncompressed tensors are mapped rather than
+copied into memory, so a snapshot larger than memory can be exported.
 """
 
 
@@ -56,7 +57,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from ..read.snapshot import load
     try:
-        step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle)
+        step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle,
+                           mmap=True, verify=True)  # verified, in the page cache, not copied
     except EncodingError as e:  # load() raises it only for a refused pickle
         raise UsageError(f"step {wanted}: {str(e).split(';')[0]}, refused by default; pass "
                          "--allow-pickle only if you trust where this checkpoint came from") from e
