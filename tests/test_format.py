@@ -41,9 +41,10 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def write_shard(path, storages, compression="zstd", chunk_bytes=SMALL_CHUNK, meta=META):
+def write_shard(path, storages, compression="zstd", chunk_bytes=SMALL_CHUNK, meta=META, workers=0):
     """Write ``storages`` (a list of (data, itemsize, is_float)) and return finish()'s result."""
-    writer = ShardWriter(str(path), ChunkEncoder(compression), chunk_bytes=chunk_bytes)
+    writer = ShardWriter(str(path), ChunkEncoder(compression), chunk_bytes=chunk_bytes,
+                         workers=workers)
     for data, itemsize, is_float in storages:
         writer.add_storage(memoryview(as_bytes(data)), itemsize, is_float)
     return writer.finish(dict(meta))
@@ -707,3 +708,40 @@ def test_fuzz_file_reads_back_intact(fuzz_file):
     path, _, contents = fuzz_file
     assert contents[1] == (np.arange(200, dtype=np.int16) % 5).tobytes()
     assert read_storages(path) == contents
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_encoding_on_worker_threads_writes_the_same_bytes(tmp_path, compression, workers):
+    storages = [(normal_f32(5000, seed), 4, True) for seed in range(4)]
+    storages += [(random_bytes(3001), 1, False), (b"", 1, False), (bf16_like(7000), 2, True)]
+    one = write_shard(tmp_path / "one.ackpt", storages, compression)
+    many = write_shard(tmp_path / "many.ackpt", storages, compression, workers=workers)
+    assert one == many
+    assert (tmp_path / "one.ackpt").read_bytes() == (tmp_path / "many.ackpt").read_bytes()
+
+
+def test_flush_and_abort_return_only_once_no_worker_reads_the_source(tmp_path):
+    import threading
+    started, proceed, reads = threading.Event(), threading.Event(), []
+
+    class SlowEncoder(ChunkEncoder):
+        def encode(self, raw, itemsize, is_float):
+            started.set()
+            proceed.wait(5)
+            reads.append(bytes(raw))  # the source is read here, on the worker
+            return super().encode(raw, itemsize, is_float)
+
+        def twin(self):
+            return SlowEncoder(None)
+
+    writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), SlowEncoder(None), chunk_bytes=SMALL_CHUNK,
+                         workers=2)
+    source = bytearray(random_bytes(SMALL_CHUNK * 2))
+    writer.add_storage(memoryview(source), 1, False)  # returns while chunks are in flight
+    assert started.wait(5) and reads == []
+    threading.Timer(0.05, proceed.set).start()
+    writer.abort()
+    finished = len(reads)
+    source[:] = bytes(len(source))  # the caller may reuse the memory now: nobody reads it
+    assert len(reads) == finished and not (tmp_path / "rank-00000.ackpt").exists()

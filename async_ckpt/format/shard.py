@@ -12,12 +12,14 @@ This module never imports torch: the writer process uses it, and so does the res
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import mmap
 import os
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import xxhash
@@ -69,8 +71,13 @@ class ChunkEncoder:
     def __init__(self, compression: Optional[str], level: int = 1):
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+        self.compression, self.level = compression, level
         self._zstd = zstandard.ZstdCompressor(level=level) if compression else None
         self._scratch = bytearray()
+
+    def twin(self) -> "ChunkEncoder":
+        """An encoder with the same settings and its own scratch memory (one per thread)."""
+        return ChunkEncoder(self.compression, self.level)
 
     def encode(self, raw: memoryview, itemsize: int, is_float: bool) -> tuple[dict, list]:
         """Returns the chunk's codec fields and the buffers to write, in order."""
@@ -97,17 +104,33 @@ class ChunkEncoder:
         return {"codec": "planes", "planes": planes}, [low, packed_top]
 
 
+def _encoded(encoder: ChunkEncoder, raw: memoryview, itemsize: int,
+             is_float: bool) -> tuple[dict, list, str]:
+    fields, buffers = encoder.encode(raw, itemsize, is_float)
+    return fields, buffers, checksum(*buffers)
+
+
 class ShardWriter:
-    """Writes one shard file: ``add_storage`` for each region in order, then ``finish`` (or
-    ``abort``). It writes into a ``ShardSink`` (from ``Storage.create_shard``), which it owns; a
-    path makes a plain local file there (tests, tools)."""
+    """Writes one shard file: ``add_storage`` for each region in order, ``flush`` once the source
+    memory may change, then ``finish`` (or ``abort``). It writes into a ``ShardSink`` (from
+    ``Storage.create_shard``), which it owns; a path makes a plain local file there (tests, tools).
+
+    With ``workers``, chunks are encoded and checksummed on that many threads while the caller
+    writes the ones before them, in order (zstd, the byte shuffle and the write release the GIL):
+    at most ``workers`` chunks are in flight, each encoded by a ``ChunkEncoder`` of its own whose
+    scratch memory holds it until written. ``add_storage`` then returns before every chunk of the
+    storage is read: the memory it was given must stay unchanged until ``flush``, ``finish`` or
+    ``abort`` returns."""
 
     def __init__(self, sink: Union[ShardSink, str, os.PathLike], encoder: ChunkEncoder,
-                 chunk_bytes: int = CHUNK_BYTES, version: int = 1):
+                 chunk_bytes: int = CHUNK_BYTES, version: int = 1, workers: int = 0):
         if version not in READABLE_VERSIONS:
             raise ValueError(f"cannot write shard format version {version}")
         self.version = version
-        self._encoder = encoder
+        self._encoders = [encoder] + [encoder.twin() for _ in range(workers - 1)]
+        self._pool = ThreadPoolExecutor(workers, "shard-encode") if workers else None
+        self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size)
+        self._submitted = 0
         self._chunk_bytes = chunk_bytes
         self._sink = sink if isinstance(sink, ShardSink) else new_shard_file(os.fspath(sink))
         self._storages: list[dict] = []
@@ -125,16 +148,35 @@ class ShardWriter:
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
-        chunks = []
-        for start in range(0, len(data), step):
-            raw = data[start:start + step]
-            fields, buffers = self._encoder.encode(raw, itemsize, is_float)
-            stored = sum(len(b) for b in buffers)
-            chunks.append({"offset": self._offset, "stored": stored, "raw": len(raw),
-                           "xxh3": checksum(*buffers), **fields})
-            self._write(buffers)
+        chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
+        for start in range(0, len(data), step):
+            raw = data[start:start + step]
+            if self._pool is None:
+                self._append(chunks, len(raw), *_encoded(self._encoders[0], raw, itemsize, is_float))
+                continue
+            while len(self._pending) >= len(self._encoders):
+                self._write_oldest()
+            encoder = self._encoders[self._submitted % len(self._encoders)]  # free: its last
+            self._submitted += 1  # chunk was written by the loop above
+            self._pending.append((self._pool.submit(_encoded, encoder, raw, itemsize, is_float),
+                                  chunks, len(raw)))
+
+    def _write_oldest(self) -> None:
+        future, chunks, raw = self._pending.popleft()
+        self._append(chunks, raw, *future.result())
+
+    def _append(self, chunks: list, raw: int, fields: dict, buffers: list, digest: str) -> None:
+        chunks.append({"offset": self._offset, "stored": sum(len(b) for b in buffers), "raw": raw,
+                       "xxh3": digest, **fields})
+        self._write(buffers)
+
+    def flush(self) -> None:
+        """Write every chunk still being encoded: afterwards no memory given to ``add_storage``
+        is read again."""
+        while self._pending:
+            self._write_oldest()
 
     @property
     def raw_bytes(self) -> int:
@@ -146,17 +188,28 @@ class ShardWriter:
 
         Returns the file size and the index checksum, which the manifest records.
         """
+        self.flush()
         index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
         digest = xxhash.xxh3_64_intdigest(blob)
         self._write([blob, _TRAILER.pack(self._offset, len(blob), digest, TRAILER_MAGIC)])
         self._sink.finish()
+        self._stop_workers()
         return self._offset, f"{digest:016x}"
 
     def abort(self) -> None:
-        """Discard the file (nothing of it stays); harmless after ``finish``."""
+        """Discard the file (nothing of it stays); harmless after ``finish``. Returns once no
+        worker reads the memory given to ``add_storage`` any more."""
+        self._stop_workers()
         self._sink.abort()
+
+    def _stop_workers(self) -> None:
+        if self._pool is not None:
+            for future, _, _ in self._pending:
+                future.cancel()
+            self._pool.shutdown(wait=True)  # a chunk being encoded still reads its memory
+            self._pending.clear()
 
 
 class ShardReader:

@@ -46,6 +46,10 @@ from ..format.layout import Plan, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
 
+ENCODE_WORKERS = 2
+"""Threads that encode and checksum chunks while the writer writes earlier ones: with zstd the
+encoding overlaps the disk instead of taking turns with it (see format.shard.ShardWriter)."""
+
 
 class SnapshotWriter:
     """The writer process's state: attached buffers, the current plan and shard layout, and the
@@ -146,11 +150,13 @@ class SnapshotWriter:
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
         shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
-                            self.encoder, version=version_needed(layout.uses_references))
+                            self.encoder, version=version_needed(layout.uses_references),
+                            workers=ENCODE_WORKERS)
         try:
             for region, fields in zip(regions, layout.replica_fields):
                 shard.add_storage(buf[region.offset:region.offset + region.nbytes],
                                   region.itemsize, region.is_float, **fields)
+            shard.flush()  # every chunk is read: only then may the buffer be released
             replicas = [{"entry": entry, "owner": owner, "nbytes": plan.regions[i].nbytes,
                          "xxh3": checksum(buf[plan.regions[i].offset:
                                               plan.regions[i].offset + plan.regions[i].nbytes])}
