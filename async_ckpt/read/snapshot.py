@@ -23,8 +23,9 @@ from ..distributed import Coordinator
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
                       InsufficientMemoryError, NoSnapshotError)
 from ..format import values
-from ..format.manifest import SnapshotRecord, read_manifest
+from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.names import RNG_KEY
+from ..format.references import References
 from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.local import as_storage
@@ -52,43 +53,32 @@ class Entry:
 
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: bool = False) -> Entry:
+                  allow_pickle: bool = False, manifest: Optional[Manifest] = None) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
-    replicated storages it refers to in other ranks' shards."""
-    storage = as_storage(root)
-    readers: dict[int, ShardReader] = {}
-
-    def shard(r: int) -> ShardReader:
-        if r not in readers:
-            s = next((s for s in record.shards if s.rank == r), None)
-            if s is None:
-                raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
-            readers[r] = ShardReader(storage.open_shard(record.dir, s.file), s.bytes, s.index_xxh3)
-            if readers[r].index.get("step") != record.step:
-                raise CorruptSnapshotError(f"{readers[r].path} holds step "
-                                           f"{readers[r].index.get('step')!r}, the manifest says {record.step}")
-        return readers[r]
-
-    try:
-        index = shard(rank).index
+    replicated storages it refers to in other ranks' shards and, for an incremental snapshot,
+    the storages it refers to in earlier snapshots of ``manifest`` (read when not given)."""
+    with References(as_storage(root), [record]) as refs:
+        own = refs.open(record.dir, rank)
+        index, path = own.index, own.path
         records = index.get("tensors")
         if not isinstance(records, list):
-            raise CorruptSnapshotError(f"{shard(rank).path}: the index has no tensor table")
+            raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+        if manifest is None and any("ref" in s for s in index["storages"]):
+            manifest = read_manifest(refs.storage)
+        if manifest is not None:
+            refs.add(manifest.snapshots)
         wanted = [(rank, i) for i in range(len(index["storages"]))]
         wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
-        sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
-        _check_fits_in_memory(sources.values(), record.step)
+        sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
+        _check_fits_in_memory([reader.index["storages"][i] for reader, i in sources.values()],
+                              record.step)
         buffers = {}
-        for (r, i), s in sources.items():
-            buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
-            shard(r).read_storage(i, buffers[r, i].numpy())
-        tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
-                   for n, t in enumerate(records)]
-        return _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
-    finally:
-        for reader in readers.values():
-            reader.close()
+        for key, (reader, i) in sources.items():
+            buffers[key] = torch.empty(reader.index["storages"][i]["nbytes"], dtype=torch.uint8)
+            reader.read_storage(i, buffers[key].numpy())
+        tensors = [_tensor_from_record(t, buffers, rank, path, n) for n, t in enumerate(records)]
+        return _rebuild(index.get("tree"), tensors, allow_pickle, path)
 
 
 def _is_module_metadata(metadata: Any) -> bool:
@@ -105,12 +95,18 @@ def _is_reference(r: dict, record: SnapshotRecord) -> bool:
             and any(s.rank == r["rank"] for s in record.shards))
 
 
-def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
+def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
+                    must_be_replica: bool) -> tuple[ShardReader, int]:
+    """The shard and storage number holding storage ``i`` of ``rank``'s shard of ``record``:
+    there, or in the earlier snapshot it refers to."""
+    reader = refs.open(record.dir, rank)
     storages = reader.index["storages"]
     if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
         raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
                                    "rank's shard refers to")
-    return storages[i]
+    if "ref" not in storages[i]:
+        return reader, i
+    return refs.resolve(record, rank, storages[i], f"{reader.path}: storage {i}")
 
 
 def _check_fits_in_memory(storages, step: int) -> None:
@@ -258,7 +254,7 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         loaded, error = None, None
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle)
+                                   allow_pickle, manifest)
             if check is not None:
                 check(loaded)
         except CheckpointError as e:
