@@ -293,7 +293,8 @@ class CheckpointEngine:
         ``queue_s``, ``write_s``, ``fsync_s`` and, for rank 0, ``wait_ranks_s`` and
         ``dropped_steps`` (retention); ``commit_s`` (durable to committed); ``to_commit_s``
         (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
-        ``committed``; ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``,
+        ``committed``; ``staged_bytes``, ``shard_bytes``, ``referred_bytes`` (incremental: not
+        written, referred to in an earlier snapshot), ``raw_bytes``, ``stored_bytes``,
         ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
