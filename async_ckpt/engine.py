@@ -40,6 +40,7 @@ from .storage.local import ensure_writable_dir
 from .storage.locks import lock_path
 from .train.capture import capture, plan_layout
 from .train.heartbeat import Heartbeat
+from .train.incremental import ChangeTracker
 from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import StagingPool
@@ -83,6 +84,7 @@ class CheckpointEngine:
         self._history: collections.deque[SnapshotFigures] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = EngineCounts()
         self._writer_plan = None
+        self._tracker = ChangeTracker(o.full_every) if o.incremental else None
         self._heartbeat = (Heartbeat(self.directory, self.rank, o.heartbeat_interval)
                            if o.heartbeat_interval is not None else None)
         self._preempted_by: Optional[int] = None
@@ -166,21 +168,26 @@ class CheckpointEngine:
                 self._writer.detach(old_buffer)
             self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
         t_captured = time.perf_counter()
-        self._pool.stage(plan, sources, slot)
+        job, directory = next(self._jobs), snapshot_dir_name(step, self._session,
+                                                              self._attempts[step])
+        refer = ({} if self._tracker is None else
+                 self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory))
+        self._pool.stage(plan, sources, slot, skip=refer)
         del sources, captured.tensors
         t_staged = time.perf_counter()
         slot.busy = True
-        job = next(self._jobs)
         self._writer.submit(SnapshotJob(
-            job=job, step=step, buffer_id=slot.buffer_id,
-            dir=snapshot_dir_name(step, self._session, self._attempts[step]), tree=captured.tree,
-            plan=plan if plan != self._writer_plan else None, submitted=time.monotonic()))
+            job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
+            plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
+            refer=tuple(sorted(refer.items()))))
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
         record = SnapshotFigures(step, called_at, blocking_s=time.perf_counter() - t0,
                                  wait_slot_s=t_slot - t0, capture_s=t_captured - t_slot,
-                                 staging_s=t_staged - t_captured, staged_bytes=plan.raw_bytes)
+                                 staging_s=t_staged - t_captured,
+                                 staged_bytes=plan.raw_bytes - sum(plan.regions[k].nbytes
+                                                                   for k in refer))
         self._pending[job] = record
         if self.options.mode == "sync" or self._preempted_by is not None:
             self.wait()
@@ -215,6 +222,7 @@ class CheckpointEngine:
         """
         self._check_usable()
         self.wait()
+        self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
         record, loaded = read_committed(
             self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
             lambda r: self._shard_to_read(r, reshard), self._check_loaded, mapped=True)
@@ -286,7 +294,8 @@ class CheckpointEngine:
         ``queue_s``, ``write_s``, ``fsync_s`` and, for rank 0, ``wait_ranks_s`` and
         ``dropped_steps`` (retention); ``commit_s`` (durable to committed); ``to_commit_s``
         (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
-        ``committed``; ``staged_bytes``, ``shard_bytes``, ``raw_bytes``, ``stored_bytes``,
+        ``committed``; ``staged_bytes``, ``shard_bytes``, ``referred_bytes`` (incremental: not
+        written, referred to in an earlier snapshot), ``raw_bytes``, ``stored_bytes``,
         ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
@@ -403,6 +412,8 @@ class CheckpointEngine:
             figures = event.figures
             record.record_commit(figures)
             self._counts.record_commit()
+            if self._tracker is not None:
+                self._tracker.committed(event.job)
             self._history.append(record)
             log.info("committed step %d: blocked %.3f s, %.1f MB", record.step,
                      record.blocking_s, figures["stored_bytes"] / 1e6)
@@ -414,10 +425,17 @@ class CheckpointEngine:
             self._pending.pop(event.job)
             self._counts.abandoned += 1
             log.warning("%s", event.message)
+            self._next_snapshot_full()
         elif isinstance(event, Failed):
             self._pending.pop(event.job)
             self._counts.record_failure()
             self._failures.append(event.error)  # the writer's error object, of its own class
+            self._next_snapshot_full()  # what it held is gone; it may have failed on a reference
+
+    def _next_snapshot_full(self) -> None:
+        """Incremental snapshots: forget which snapshot holds which bytes."""
+        if self._tracker is not None:
+            self._tracker.reset()
 
 
 

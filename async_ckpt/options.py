@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
 
 from .distributed import resolve_ranks
+from .errors import DistributedSetupError
 from .format.names import RNG_KEY
 
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -67,6 +68,15 @@ class EngineOptions:
             (``DIR/heartbeat.rankNNNNN.json``); None turns them off.
         slow_writer_s: a snapshot that waits this long for a free slot is logged and counted as
             the writer falling behind (``stats()["writer_behind"]``).
+        incremental: storages unchanged since a committed snapshot stored them (frozen weights,
+            a base model under adapters) are neither staged nor written again: the new
+            snapshot refers to the stored bytes (see ``train/incremental.py`` for what counts as
+            a change, and what cannot be seen). One rank only (``DistributedSetupError``
+            otherwise). Retention keeps a referenced snapshot until nothing kept refers to it.
+        full_every: with ``incremental``, every ``full_every``-th snapshot is written whole (1:
+            all of them), which bounds how many snapshots a change invisible to torch's version
+            counters (a write through a NumPy view) can miss, and how long old snapshots stay
+            referenced.
     """
 
     mode: str = "async"
@@ -91,6 +101,8 @@ class EngineOptions:
     preemption: Union[bool, Iterable[int]] = False
     heartbeat_interval: Optional[float] = 10.0
     slow_writer_s: float = 30.0
+    incremental: bool = False
+    full_every: int = 10
 
     def __post_init__(self) -> None:
         _require(self.mode in ("async", "sync"),
@@ -110,6 +122,14 @@ class EngineOptions:
         _require(self.commit_timeout > 0, "commit_timeout must be positive")
         _require(world_size == 1 or self.when_busy == "wait", "when_busy='skip' needs one rank: "
                  "ranks would skip different steps, which then never commit; use when_busy='wait'")
+        _require(isinstance(self.incremental, bool), "incremental must be True or False")
+        _require(isinstance(self.full_every, int) and self.full_every >= 1,
+                 "full_every must be an int >= 1")
+        if self.incremental and world_size > 1:
+            raise DistributedSetupError(
+                f"incremental=True works with one rank; this job has {world_size}. Per-rank "
+                "references would need every rank to agree on the checksums of replicated state "
+                "it did not stage; create the engine with incremental=False")
         preemption = self.preemption
         signals = (() if preemption is False or preemption is None else
                    DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption))

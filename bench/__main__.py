@@ -1,8 +1,9 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/systems.py``), and two ranks under torchrun against DCP (``bench/ranks.py``),
-against the floors measured in the same run; then writes to
+every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``)
+and incremental snapshots of a LoRA-style state (``bench/incremental.py``), against the floors
+measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure with its ratios to its floor and to the best peer, the article's
@@ -28,7 +29,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import article, dcp, figures, interval, plots, ranks, report
+from . import article, dcp, figures, incremental, interval, plots, ranks, report
 from .measure import log, machine, med_p95, vmstat
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -130,11 +131,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dcp.shutdown()  # the two-rank run starts process groups of its own
         ranks_raw = ranks.run(root, args.quick)
         log(f"two ranks done after {time.perf_counter() - start:.0f} s")
+        incremental_raw = incremental.run(root, args.quick)
+        log(f"incremental done after {time.perf_counter() - start:.0f} s")
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, vmstat_start,
                        started, time.perf_counter() - start)
+    results["incremental"] = incremental_raw
     write_outputs(results, args.out)
     log(f"results in {args.out}")
     return 0

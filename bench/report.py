@@ -14,7 +14,7 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import article
+from . import article, incremental
 from .article import ASYNC, headline_case
 from .systems import NONE, SYSTEM_NAMES
 
@@ -26,7 +26,7 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     results = _compact(results)
     sections = [_header(results), _legend(), _floors(results), _headline(results, image_dir),
                 _training(results, image_dir), _memory(results), _ranks(results),
-                _consistency(results),
+                incremental.render(results), _consistency(results),
                 _article(results), _advice(results), _per_size(results), _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 

@@ -178,3 +178,16 @@ def test_a_quick_or_partial_run_never_writes_over_the_committed_report(argv):
     out = parse_args(argv).out
     assert os.path.abspath(out) != os.path.abspath(COMMITTED_RESULTS) and os.path.isdir(out)
     os.rmdir(out)
+
+
+def test_incremental_snapshots_are_measured_and_reported(quick_run):
+    out, results, _ = quick_run
+    block = results["incremental"]
+    assert set(block["runs"]) == {"incremental", "trainable only"}
+    for run in block["runs"].values():
+        assert len(run["blocking_s"]["samples"]) >= 3
+        assert run["blocking_s"]["min"] <= run["blocking_s"]["median"] <= run["blocking_s"]["max"]
+    # The frozen base is written once, by the first (full) snapshot, and then only referred to.
+    assert block["runs"]["incremental"]["first"]["written_bytes"] > block["base_bytes"]
+    assert block["runs"]["incremental"]["written_bytes"]["max"] < block["base_bytes"]
+    assert "## Incremental snapshots" in (out / "report.md").read_text()

@@ -257,9 +257,9 @@ def test_verify_reports_a_shard_of_an_unknown_format_version(capsys, ckpt):
     path = shard_path(ckpt, 30)
     with open(path, "r+b") as f:
         f.seek(8)
-        f.write(struct.pack("<I", 3))
+        f.write(struct.pack("<I", 4))
     code, out, _ = run(capsys, "verify", ckpt)
-    assert code == 1 and "format version 3" in out
+    assert code == 1 and "format version 4" in out
     assert "restore() would pick step 20" in out
 
 
@@ -300,12 +300,12 @@ def test_manifest_of_an_unknown_version(capsys, ckpt):
     path = os.path.join(ckpt, "manifest.json")
     with open(path) as f:
         doc = json.load(f)
-    doc["version"] = 2
+    doc["version"] = 3
     with open(path, "w") as f:
         json.dump(doc, f)
     for command in ("ls", "verify", "inspect", "gc"):
         code, _, err = run(capsys, command, ckpt)
-        assert code == 1 and "manifest version 2" in one_error_line(err)
+        assert code == 1 and "manifest version 3" in one_error_line(err)
 
 
 def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, ckpt):

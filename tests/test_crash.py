@@ -20,15 +20,16 @@ from conftest import assert_same
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
 sys.path.insert(0, PROGRAMS)
-from snapshot_loop import state_at  # noqa: E402
+from snapshot_loop import frozen_at, state_at  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MB = 24
 
 
-def start_loop(directory, compression=None):
+def start_loop(directory, compression=None, incremental=False):
     return subprocess.Popen([sys.executable, os.path.join(PROGRAMS, "snapshot_loop.py"), directory,
-                             str(MB)] + ([compression] if compression else []),
+                             str(MB)] + ([compression] if compression else [])
+                            + (["incremental"] if incremental else []),
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -73,6 +74,20 @@ def test_job_killed_at_random_moments_resumes_from_an_exact_snapshot(tmp_path, c
         assert steps, f"seed {seed}: nothing committed after round {round_no}"
         assert steps[-1] >= newest, f"seed {seed}: a committed snapshot went missing"
         newest = steps[-1]
+
+
+def test_killed_mid_incremental_snapshot_every_committed_one_restores(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    rng = random.Random()
+    for _ in range(3):
+        process = start_loop(directory, incremental=True)
+        wait_for_a_commit(process)
+        time.sleep(rng.uniform(0.0, 0.4))
+        kill_group(process)
+        steps = assert_every_committed_snapshot_exact(directory)
+        frozen = frozen_at(MB)
+        for step in steps:
+            assert_same(frozen, load(directory, step)[1]["frozen"])
 
 
 def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):

@@ -228,7 +228,7 @@ def test_json_of_another_format_is_a_manifest_error(tmp_path, doc):
         read_manifest(str(tmp_path))
 
 
-@pytest.mark.parametrize("version", [99, 2, 0])
+@pytest.mark.parametrize("version", [99, 3, 0])
 def test_other_manifest_version_is_unsupported(tmp_path, version):
     doc = valid_doc()
     doc["version"] = version

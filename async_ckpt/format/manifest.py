@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..errors import CheckpointError, ManifestError, UnsupportedFormatError
+from ..errors import CheckpointError, ManifestError, SnapshotWriteError, UnsupportedFormatError
 from ..storage.base import Storage
 from ..storage.local import as_storage
 from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
@@ -27,7 +27,8 @@ from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_D
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "async_ckpt.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # written only when some snapshot refers to others; else version 1
+READABLE_MANIFEST_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is refused unread
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
 _MAX_RANKS = 1 << 20
@@ -57,10 +58,15 @@ class SnapshotRecord:
     shards: tuple[ShardRecord, ...]
     raw_bytes: int
     stored_bytes: int
+    refers: tuple[str, ...] = ()  # earlier snapshots holding some of its bytes (incremental)
 
     def to_json(self) -> dict:
         d = self.__dict__.copy()
         d["shards"] = [s.__dict__ for s in self.shards]
+        if self.refers:
+            d["refers"] = list(self.refers)
+        else:
+            del d["refers"]
         return d
 
 
@@ -108,8 +114,12 @@ class Manifest:
         replaced = [s for s in self.snapshots if s.step == record.step]
         ordered = [s for s in self.snapshots if s.step != record.step] + [record]
         newest = {s.seq for s in ordered[-keep_last:]}
-        kept = [s for s in ordered
-                if s.seq in newest or (keep_every and s.step % keep_every == 0)]
+        kept = _restorable(_with_referenced(ordered, [
+            s for s in ordered if s.seq in newest or (keep_every and s.step % keep_every == 0)]))
+        if record not in kept:
+            raise SnapshotWriteError(
+                f"step {record.step} refers to {sorted(record.refers)}, which the manifest does "
+                "not all name (any more); it was not committed")
         dropped = replaced + [s for s in ordered if s not in kept]
         remembered = self.dropped + tuple(DroppedRecord(s.dir, s.step, s.raw_bytes, s.stored_bytes)
                                           for s in dropped)
@@ -117,22 +127,51 @@ class Manifest:
                         remembered[-_DROPPED_KEPT:]), dropped
 
     def without(self, steps: Iterable[int]) -> tuple["Manifest", list[SnapshotRecord]]:
-        """The manifest without the given steps, and the dropped records."""
+        """The manifest without the given steps, except those a kept snapshot refers to, and the
+        dropped records."""
         steps = set(steps)
-        kept = tuple(s for s in self.snapshots if s.step not in steps)
-        dropped = [s for s in self.snapshots if s.step in steps]
+        kept = tuple(_with_referenced(self.snapshots,
+                                      [s for s in self.snapshots if s.step not in steps]))
+        dropped = [s for s in self.snapshots if s not in kept]
         return Manifest(kept, self.next_seq, self.extra, self.dropped), dropped
 
     def to_bytes(self) -> bytes:
         doc = {
             "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
+            # The oldest version that expresses it: an engine that knows no references would let
+            # retention delete a snapshot that a kept one refers to, so it must refuse version 2.
+            "version": MANIFEST_VERSION if any(s.refers for s in self.snapshots) else 1,
             "next_seq": self.next_seq,
             "snapshots": [s.to_json() for s in self.snapshots],
             **({"extra": self.extra} if self.extra else {}),
             **({"dropped": [d.__dict__ for d in self.dropped]} if self.dropped else {}),
         }
         return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+
+def _with_referenced(ordered, kept: list) -> list:
+    """``kept`` and every snapshot of ``ordered`` that one of them refers to (and so on: a
+    referenced snapshot may refer to older ones), in the order of ``ordered``."""
+    by_dir = {s.dir: s for s in ordered}
+    dirs = {s.dir for s in kept}
+    todo = [d for s in kept for d in s.refers]
+    while todo:
+        d = todo.pop()
+        if d not in dirs and d in by_dir:
+            dirs.add(d)
+            todo += by_dir[d].refers
+    return [s for s in ordered if s.dir in dirs]
+
+
+def _restorable(kept: list) -> list:
+    """``kept`` without the snapshots that refer to one not kept: only a new snapshot of the same
+    step (after a rewind) replaces a referenced one, and what referred to it cannot restore."""
+    while True:
+        dirs = {s.dir for s in kept}
+        whole = [s for s in kept if dirs.issuperset(s.refers)]
+        if len(whole) == len(kept):
+            return kept
+        kept = whole
 
 
 def manifest_path(root: str) -> str:
@@ -160,13 +199,15 @@ def read_manifest(root: str | Storage) -> Manifest:
             "run `async-ckpt verify` on the directory, or restore a step explicitly") from e
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"{path} is not an async_ckpt manifest; point the engine at its own directory")
-    if type(doc.get("version")) is not int or doc["version"] != MANIFEST_VERSION:
+    if type(doc.get("version")) is not int or doc["version"] not in READABLE_MANIFEST_VERSIONS:
         raise UnsupportedFormatError(
             f"{path} has manifest version {_short(doc.get('version'))}; this async_ckpt reads "
-            f"version {MANIFEST_VERSION}. Upgrade async_ckpt to read it")
+            f"versions {', '.join(map(str, READABLE_MANIFEST_VERSIONS))}. Upgrade async_ckpt to "
+            "read it")
     try:
         _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False)
-        snapshots = tuple(_snapshot_record(s, f"snapshot {i}") for i, s in enumerate(doc["snapshots"]))
+        snapshots = tuple(_snapshot_record(s, f"snapshot {i}", doc["version"])
+                          for i, s in enumerate(doc["snapshots"]))
         _check_order(snapshots, doc["next_seq"])
         dropped = tuple(_dropped_record(d, f"dropped {i}") for i, d in enumerate(doc.get("dropped", [])))
         return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}), dropped)
@@ -186,18 +227,19 @@ def _of_type(kind):
 # Each field and the check its value must pass (bools are not ints).
 _MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict),
                     "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT}
-_OPTIONAL_FIELDS = ("extra", "dropped")
+_OPTIONAL_FIELDS = ("extra", "dropped", "refers")
 _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
                     "committed_at": lambda v: type(v) in (int, float) and 0 <= v <= _LATEST_TIME,
                     "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
-                    "raw_bytes": _int(0), "stored_bytes": _int(0)}
+                    "raw_bytes": _int(0), "stored_bytes": _int(0),
+                    "refers": lambda v: type(v) is list and 0 < len(v) == len(set(map(str, v)))}
 _SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes": _int(0),
                  "index_xxh3": lambda v: type(v) is str and _XXH3_HEX.fullmatch(v) is not None}
 
 
 def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
-    """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (``extra`` and
-    ``dropped`` may be absent) and, if ``closed``, has no other fields."""
+    """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (those of
+    ``_OPTIONAL_FIELDS`` may be absent) and, if ``closed``, has no other fields."""
     if type(doc) is not dict:
         raise ManifestError(f"{what} is not an object")
     if closed and doc.keys() - fields.keys():
@@ -211,11 +253,18 @@ def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
             raise ManifestError(f"{what}: field {name!r} has a wrong type or is out of range")
 
 
-def _snapshot_record(doc, what: str) -> SnapshotRecord:
+def _snapshot_record(doc, what: str, version: int) -> SnapshotRecord:
     _check_fields(doc, _SNAPSHOT_FIELDS, what)
     checked_name(doc["dir"], SNAPSHOT_DIR, f"{what}: directory", ManifestError)
     if snapshot_dir_step(doc["dir"]) != doc["step"]:
         raise ManifestError(f"{what}: directory {doc['dir']} does not belong to step {doc['step']}")
+    refers = doc.get("refers", [])
+    if refers and version < 2:
+        raise ManifestError(f"{what}: 'refers' needs manifest version 2")
+    for name in refers:
+        checked_name(name, SNAPSHOT_DIR, f"{what}: referenced directory", ManifestError)
+    if doc["dir"] in refers:
+        raise ManifestError(f"{what} refers to itself")
     if len(doc["shards"]) != doc["world_size"]:
         raise ManifestError(f"{what} lists {len(doc['shards'])} shards for {doc['world_size']} ranks")
     shards = []
@@ -228,7 +277,7 @@ def _snapshot_record(doc, what: str) -> SnapshotRecord:
     return SnapshotRecord(step=doc["step"], seq=doc["seq"], dir=doc["dir"],
                           committed_at=float(doc["committed_at"]), world_size=doc["world_size"],
                           shards=tuple(shards), raw_bytes=doc["raw_bytes"],
-                          stored_bytes=doc["stored_bytes"])
+                          stored_bytes=doc["stored_bytes"], refers=tuple(refers))
 
 
 _DROPPED_FIELDS = {"dir": _of_type(str), "step": _SNAPSHOT_FIELDS["step"],
@@ -303,7 +352,7 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
 def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
     """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None
     (also when ``name`` is not a directory, or a link to one)."""
-    from .shard import ShardReader  # the shard format is needed only for this repair
+    from .shard import ShardReader, referenced_dirs  # needed only for this repair
 
     shards, indexes = {}, []
     for file, _ in storage.list_snapshot(name):
@@ -330,7 +379,8 @@ def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
     raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
                           world_size=world_size, shards=tuple(shards[r] for r in range(world_size)),
-                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()))
+                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()),
+                          refers=tuple(sorted({d for i in indexes for d in referenced_dirs(i)})))
 
 
 def snapshot_dirs(root: str | Storage) -> list[str]:

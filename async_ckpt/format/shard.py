@@ -17,6 +17,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,13 +27,14 @@ import xxhash
 import zstandard
 
 from . import filters
+from .names import SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.base import ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file
 
 log = logging.getLogger(__name__)
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -45,11 +47,46 @@ MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
 
 
-def version_needed(uses_references: bool) -> int:
+def version_needed(uses_references: bool, refers_to_snapshots: bool = False) -> int:
     """The format version to write a shard in: the oldest that can express it. Version 2 adds
     references to storages in other ranks' shards (state replicated across ranks is stored once),
-    so a shard without them stays readable by readers of version 1."""
-    return 2 if uses_references else 1
+    version 3 storages that are stored in an earlier committed snapshot (incremental snapshots),
+    so a shard without them stays readable by older readers."""
+    return 3 if refers_to_snapshots else 2 if uses_references else 1
+
+
+def referenced_dirs(index: dict) -> list[str]:
+    """The earlier snapshot directories whose shards a (validated) index's storages refer to."""
+    return sorted({s["ref"]["dir"] for s in index["storages"] if "ref" in s})
+
+
+def reference_to(target: "ShardReader", directory: str, file: str, i: int) -> dict:
+    """The ``ref`` field of a storage stored as storage ``i`` of shard ``file`` of the earlier
+    snapshot ``directory`` (read through ``target``): enough to find it and to tell that the
+    target was replaced since."""
+    storage = target.index["storages"][i]
+    return {"dir": directory, "file": file, "storage": i, "index_xxh3": target.index_xxh3,
+            "chunks_xxh3": [c["xxh3"] for c in storage["chunks"]]}
+
+
+def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
+    """The storage number in ``target`` that reference ``entry`` (a storage with a ``ref``)
+    names, after checking that it is the very storage referred to when written: same index, a
+    storage that holds chunks (never another reference), same size, same chunk checksums."""
+    ref = entry["ref"]
+    storages = target.index["storages"]
+    i = ref["storage"]
+    if target.index_xxh3 != ref["index_xxh3"]:
+        raise CorruptSnapshotError(f"{where} refers to {target.path}, which was replaced since "
+                                   "(its index checksum differs)")
+    if not (i < len(storages) and "chunks" in storages[i]):
+        raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which does "
+                                   "not hold its bytes")
+    if (storages[i]["nbytes"] != entry["nbytes"]
+            or [c["xxh3"] for c in storages[i]["chunks"]] != ref["chunks_xxh3"]):
+        raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which holds "
+                                   "other bytes")
+    return i
 
 
 def checksum(*buffers) -> str:
@@ -144,6 +181,14 @@ class ShardWriter:
     def _write(self, buffers: list) -> None:
         self._sink.write(buffers)
         self._offset += sum(len(b) for b in buffers)
+
+    def add_reference(self, nbytes: int, itemsize: int, is_float: bool, ref: dict) -> None:
+        """Append a storage whose bytes are in an earlier committed snapshot (``reference_to``);
+        nothing is written for it. Version 3 only."""
+        if self.version < 3:
+            raise ValueError(f"shard format version {self.version} cannot refer to snapshots")
+        self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
+                               "ref": ref})
 
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
@@ -289,6 +334,8 @@ class ShardReader:
     def read_storage(self, i: int, out) -> None:
         """Fill ``out`` (a writable buffer of the storage's size) with storage ``i``, verified."""
         storage = self.index["storages"][i]
+        if "ref" in storage:  # the caller follows it (format/references.py)
+            raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
         view = memoryview(out).cast("B")
         if len(view) != storage["nbytes"]:
             raise ValueError(f"buffer has {len(view)} bytes, storage {i} has {storage['nbytes']}")
@@ -362,15 +409,19 @@ class ShardReader:
         filters.unshuffle(shuffled, itemsize, target)
 
     def verify(self) -> list[str]:
-        """Read every chunk and return one line per damaged chunk (empty when intact)."""
-        problems = []
-        for i, storage in enumerate(self.index["storages"]):
-            for j, chunk in enumerate(storage["chunks"]):
-                scratch = memoryview(bytearray(chunk["raw"]))
-                try:
-                    self._read_chunk(chunk, storage["itemsize"], scratch, f"storage {i} chunk {j}")
-                except CorruptSnapshotError as e:
-                    problems.append(str(e))
+        """Read every chunk stored here and return one line per damaged chunk (empty when
+        intact). References to earlier snapshots are not followed (see format/references.py)."""
+        return [p for i in range(len(self.index["storages"])) for p in self.verify_storage(i)]
+
+    def verify_storage(self, i: int) -> list[str]:
+        """One line per damaged chunk of storage ``i`` (none for a reference)."""
+        storage, problems = self.index["storages"][i], []
+        for j, chunk in enumerate(storage.get("chunks", ())):
+            scratch = memoryview(bytearray(chunk["raw"]))
+            try:
+                self._read_chunk(chunk, storage["itemsize"], scratch, f"storage {i} chunk {j}")
+            except CorruptSnapshotError as e:
+                problems.append(str(e))
         return problems
 
 
@@ -433,8 +484,12 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
     position = HEADER_SIZE
     for i, s in enumerate(storages):
         if not (isinstance(s, dict) and is_int(s.get("nbytes")) and is_int(s.get("itemsize"), 1, 16)
-                and isinstance(s.get("chunks"), list)
                 and ("replica" not in s or (version >= 2 and is_int(s["replica"])))):
+            raise bad(f"storage {i} is malformed")
+        if "ref" in s and version >= 3 and "chunks" not in s:
+            _validate_reference(s["ref"], bad, f"storage {i}")
+            continue
+        if not isinstance(s.get("chunks"), list):
             raise bad(f"storage {i} is malformed")
         total = 0
         for j, c in enumerate(s["chunks"]):
@@ -456,6 +511,22 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             raise bad(f"storage {i}: chunks hold {total} bytes, the storage {s['nbytes']}")
     if position != data_end:
         raise bad(f"{data_end - position} bytes between the last chunk and the index")
+
+
+_XXH3_HEX = re.compile(r"[0-9a-f]{16}")
+_REF_FIELDS = {"dir", "file", "storage", "index_xxh3", "chunks_xxh3"}
+
+
+def _validate_reference(ref, bad, where: str) -> None:
+    """A reference's fields: names that match docs/FORMAT.md section 1 before anything uses them
+    as paths, a storage number, checksums."""
+    if not (isinstance(ref, dict) and ref.keys() == _REF_FIELDS and type(ref["storage"]) is int
+            and ref["storage"] >= 0 and type(ref["index_xxh3"]) is str
+            and _XXH3_HEX.fullmatch(ref["index_xxh3"]) and type(ref["chunks_xxh3"]) is list
+            and all(type(x) is str and _XXH3_HEX.fullmatch(x) for x in ref["chunks_xxh3"])):
+        raise bad(f"{where}: malformed reference")
+    checked_name(ref["dir"], SNAPSHOT_DIR, f"{where}: referenced directory", CorruptSnapshotError)
+    checked_name(ref["file"], SHARD_FILE, f"{where}: referenced shard", CorruptSnapshotError)
 
 
 def _validate_planes(chunk: dict, itemsize: int, bad, where: str) -> None:

@@ -23,8 +23,9 @@ from ..distributed import Coordinator
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
                       InsufficientMemoryError, NoSnapshotError)
 from ..format import values
-from ..format.manifest import SnapshotRecord, read_manifest
+from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.names import RNG_KEY
+from ..format.references import References
 from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.local import as_storage
@@ -57,58 +58,48 @@ class Entry:
 
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: bool = False, mapped: bool = False, verify: bool = True) -> Entry:
+                  allow_pickle: bool = False, manifest: Optional[Manifest] = None,
+                  mapped: bool = False, verify: bool = True) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
-    replicated storages it refers to in other ranks' shards.
+    replicated storages it refers to in other ranks' shards and, for an incremental snapshot,
+    the storages it refers to in earlier snapshots of ``manifest`` (read when not given).
 
     ``mapped``: tensors of uncompressed storages view the files' private mappings (checksums
     checked over them, unless not ``verify``) instead of memory of their own; see
     ``Entry.file_backed``. Encoded storages are always read and decoded into new memory."""
-    storage = as_storage(root)
-    readers: dict[int, ShardReader] = {}
-
-    def shard(r: int) -> ShardReader:
-        if r not in readers:
-            s = next((s for s in record.shards if s.rank == r), None)
-            if s is None:
-                raise CorruptSnapshotError(f"step {record.step} has no shard for rank {r}")
-            readers[r] = ShardReader(storage.open_shard(record.dir, s.file), s.bytes, s.index_xxh3)
-            if readers[r].index.get("step") != record.step:
-                raise CorruptSnapshotError(f"{readers[r].path} holds step "
-                                           f"{readers[r].index.get('step')!r}, the manifest says {record.step}")
-        return readers[r]
-
-    try:
-        index = shard(rank).index
+    with References(as_storage(root), [record]) as refs:
+        own = refs.open(record.dir, rank)
+        index, path = own.index, own.path
         records = index.get("tensors")
         if not isinstance(records, list):
-            raise CorruptSnapshotError(f"{shard(rank).path}: the index has no tensor table")
+            raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+        if manifest is None and any("ref" in s for s in index["storages"]):
+            manifest = read_manifest(refs.storage)
+        if manifest is not None:
+            refs.add(manifest.snapshots)
         wanted = [(rank, i) for i in range(len(index["storages"]))]
         wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
-        sources = {(r, i): _storage_entry(shard(r), i, r != rank) for r, i in wanted}
-        views = {(r, i): shard(r).mapped_storage(i, verify) for r, i in sources
-                 if mapped and sources[r, i]["nbytes"]}
+        sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
+        views = {key: reader.mapped_storage(i, verify) for key, (reader, i) in sources.items()
+                 if mapped and reader.index["storages"][i]["nbytes"]}
         views = {key: view for key, view in views.items() if view is not None}
-        _check_fits_in_memory([s for key, s in sources.items() if key not in views], record.step)
+        _check_fits_in_memory([reader.index["storages"][i] for key, (reader, i) in sources.items()
+                               if key not in views], record.step)
         buffers = {}
-        for (r, i), s in sources.items():
-            if (r, i) in views:
-                buffers[r, i] = torch.frombuffer(views[r, i], dtype=torch.uint8)
+        for key, (reader, i) in sources.items():
+            if key in views:
+                buffers[key] = torch.frombuffer(views[key], dtype=torch.uint8)
             else:
-                buffers[r, i] = torch.empty(s["nbytes"], dtype=torch.uint8)
-                shard(r).read_storage(i, buffers[r, i].numpy())
-        tensors = [_tensor_from_record(t, buffers, rank, shard(rank).path, n)
-                   for n, t in enumerate(records)]
-        root_entry = _rebuild(index.get("tree"), tensors, allow_pickle, shard(rank).path)
+                buffers[key] = torch.empty(reader.index["storages"][i]["nbytes"], dtype=torch.uint8)
+                reader.read_storage(i, buffers[key].numpy())
+        tensors = [_tensor_from_record(t, buffers, rank, path, n) for n, t in enumerate(records)]
+        root_entry = _rebuild(index.get("tree"), tensors, allow_pickle, path)
         tensors.clear()  # _rebuild's closures form a cycle: without this the tensors (and a file's
         # mapping) would live on until the cycle collector runs, not as long as the entries do
         root_entry.file_backed = frozenset(buffers[key].untyped_storage().data_ptr()
                                            for key in views)
         return root_entry
-    finally:
-        for reader in readers.values():
-            reader.close()
 
 
 def _is_module_metadata(metadata: Any) -> bool:
@@ -125,12 +116,18 @@ def _is_reference(r: dict, record: SnapshotRecord) -> bool:
             and any(s.rank == r["rank"] for s in record.shards))
 
 
-def _storage_entry(reader: ShardReader, i: int, must_be_replica: bool) -> dict:
+def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
+                    must_be_replica: bool) -> tuple[ShardReader, int]:
+    """The shard and storage number holding storage ``i`` of ``rank``'s shard of ``record``:
+    there, or in the earlier snapshot it refers to."""
+    reader = refs.open(record.dir, rank)
     storages = reader.index["storages"]
     if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
         raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
                                    "rank's shard refers to")
-    return storages[i]
+    if "ref" not in storages[i]:
+        return reader, i
+    return refs.resolve(record, rank, storages[i], f"{reader.path}: storage {i}")
 
 
 def _check_fits_in_memory(storages, step: int) -> None:
@@ -279,7 +276,7 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         loaded, error = None, None
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle, mapped, verify)
+                                   allow_pickle, manifest, mapped, verify)
             if check is not None:
                 check(loaded)
         except CheckpointError as e:

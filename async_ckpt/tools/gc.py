@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
 
 from .common import (EXIT_OK, PROG, NotDone, add_dir_command, checkpoint_dir, disk_bytes,
                      positive_arg, progress, size_text)
 from .verify import verify_record
-from ..format.manifest import SnapshotRecord, leftovers, recover_manifest, write_manifest
+from ..format.manifest import Manifest, leftovers, recover_manifest, write_manifest
 from ..format.names import snapshot_dir_step
 from ..storage.local import remove_entries
 from ..storage.locks import every_rank_exclusively
@@ -19,7 +18,8 @@ from ..storage.locks import every_rank_exclusively
 HELP = "remove leftovers and snapshots beyond retention"
 DESCRIPTION = """\
 Remove leftovers of snapshots that never committed and, with --keep-last N, the committed
-snapshots older (in commit order) than the newest N. The newest committed snapshot is never
+snapshots older (in commit order) than the newest N, except those a kept incremental snapshot
+refers to (it holds some of its bytes there). The newest committed snapshot is never
 removed, and committed snapshots are dropped only when one of those kept verifies (its chunks
 are read, newest first, as restore() does). The new manifest is durable before any directory is
 deleted. Refuses (exit 1) while an engine holds the directory's lock.
@@ -40,15 +40,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         manifest = recover_manifest(root, write=not args.dry_run)
         stray = leftovers(root, manifest)
         if args.keep_last is not None and len(manifest.snapshots) > args.keep_last:
-            kept = manifest.snapshots[-args.keep_last:]
+            # Those the newest N refer to (incremental snapshots) are kept too.
             new_manifest, dropped = manifest.without(
                 [r.step for r in manifest.snapshots[:-args.keep_last]])
         else:
-            kept, new_manifest, dropped = manifest.snapshots, manifest, []
-        kept_dirs = {r.dir for r in new_manifest.snapshots}
+            new_manifest, dropped = manifest, []
+        kept = new_manifest.snapshots
+        kept_dirs = {r.dir for r in kept}
         assert not manifest.snapshots or manifest.snapshots[-1].dir in kept_dirs
         if dropped:
-            _check_something_kept_restores(root, kept, args.keep_last)
+            _check_something_kept_restores(root, new_manifest, args.keep_last)
         plan = [(r.dir, f"committed step {r.step}, beyond --keep-last {args.keep_last}")
                 for r in dropped if r.dir not in kept_dirs]
         plan += [(name, f"leftover of uncommitted step {snapshot_dir_step(name)}"
@@ -81,18 +82,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_something_kept_restores(root: str, kept: Sequence[SnapshotRecord], keep_last: int) -> None:
+def _check_something_kept_restores(root: str, kept: Manifest, keep_last: int) -> None:
     """Refuse to drop committed snapshots unless one that is kept verifies (read newest first,
-    as restore() does): the dropped ones might otherwise be all that still restores."""
+    as restore() does, with what it refers to): the dropped ones might otherwise be all that
+    still restores."""
     problems = []
-    with progress(sum(s.bytes for s in kept[-1].shards), "verifying kept snapshots") as bar:
-        for record in reversed(kept):
-            found = verify_record(root, record, bar)
+    with progress(sum(s.bytes for s in kept.snapshots[-1].shards), "verifying kept snapshots") as bar:
+        for record in kept.newest_first():
+            found = verify_record(root, record, bar, kept)
             if not found:
                 return
             problems.append(f"step {record.step}: {found[0]}")
             bar.total += sum(s.bytes for s in record.shards)
-    raise NotDone(f"refusing to drop committed snapshots: none of the {len(kept)} that --keep-last "
+    raise NotDone(f"refusing to drop committed snapshots: none of the {len(kept.snapshots)} that --keep-last "
                   f"{keep_last} keeps verifies ({'; '.join(problems)}), so the dropped ones may be "
                   f"all that restores. Run `{PROG} verify {root} --all`, then choose --keep-last "
                   "so that an intact snapshot stays")

@@ -10,9 +10,11 @@ from typing import Optional
 from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, disk_bytes, fail,
                      pick_record, progress, step_arg)
 from ..errors import CheckpointError, ManifestError
-from ..format.manifest import SnapshotRecord, read_manifest, snapshot_dirs
+from ..format.manifest import Manifest, SnapshotRecord, read_manifest, snapshot_dirs
 from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
+from ..format.references import References
 from ..format.shard import ShardReader
+from ..storage.local import as_storage
 
 
 HELP = "read every chunk and check every checksum"
@@ -56,7 +58,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if not asked:  # checked only to find what restore() would pick
                 bar.total += sum(s.bytes for s in record.shards)
                 bar.refresh()
-            problems = verify_record(root, record, bar)
+            problems = verify_record(root, record, bar, manifest)
             results.append((record, problems, asked))
             if pick is None and not problems:
                 pick = record
@@ -86,15 +88,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def verify_record(root: str, record: SnapshotRecord, bar) -> list[str]:
-    """One line per problem of a committed snapshot: missing or truncated files, damaged chunks."""
+def verify_record(root: str, record: SnapshotRecord, bar, manifest: Manifest) -> list[str]:
+    """One line per problem of a committed snapshot (of ``manifest``): missing or truncated
+    files, damaged chunks, here or in the earlier snapshots it refers to."""
     problems = []
     if len(record.shards) != record.world_size:
         problems.append(f"the manifest records {len(record.shards)} of {record.world_size} shards")
-    for shard in record.shards:
-        problems += _verify_shard(os.path.join(root, record.dir, shard.file), record.step,
+    with References(as_storage(root), manifest.snapshots) as refs:
+        for shard in record.shards:
+            found = _verify_shard(os.path.join(root, record.dir, shard.file), record.step,
                                   shard.bytes, shard.index_xxh3)
-        bar.update(shard.bytes)
+            problems += found or _verify_references(refs, record, shard.rank)
+            bar.update(shard.bytes)
+    return problems
+
+
+def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> list[str]:
+    """One line per reference of ``rank``'s (intact) shard whose target is missing, replaced or
+    damaged: damage of this snapshot, which restore() would skip."""
+    problems = []
+    reader = refs.open(record.dir, rank)
+    for i, entry in enumerate(reader.index["storages"]):
+        if "ref" in entry:
+            try:
+                target, j = refs.resolve(record, rank, entry, f"{reader.path}: storage {i}")
+                problems += target.verify_storage(j)
+            except CheckpointError as e:
+                if not e.is_damage:
+                    raise
+                problems.append(str(e))
     return problems
 
 

@@ -14,7 +14,7 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -98,15 +98,19 @@ class StagingPool:
             _pin(slot)
         return replaced
 
-    def stage(self, plan: Plan, sources: list[torch.Tensor], slot: Slot) -> None:
-        """Copy each region's bytes into the slot; returns once the slot holds them.
+    def stage(self, plan: Plan, sources: list[torch.Tensor], slot: Slot,
+              skip: Collection[int] = ()) -> None:
+        """Copy each region's bytes into the slot, except regions ``skip`` (an incremental
+        snapshot refers to them where they are stored already); returns once the slot holds them.
 
         CUDA regions are copied with non-blocking copies on a side stream that first waits for the
         work already queued on the current stream (the values the caller sees), and the call waits
         for those copies before returning, so the caller may modify its tensors as soon as it returns.
         """
         used_streams = []
-        for region, src in zip(plan.regions, sources):
+        for k, (region, src) in enumerate(zip(plan.regions, sources)):
+            if k in skip:
+                continue
             dst = slot.tensor[region.offset:region.offset + region.nbytes]
             if src.device.type != "cuda":
                 dst.copy_(src)

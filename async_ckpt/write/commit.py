@@ -26,7 +26,7 @@ from typing import Callable, Hashable, Optional, Protocol
 from ..errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
 from ..format.manifest import DroppedRecord, ShardRecord, SnapshotRecord, read_manifest, write_manifest
 from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
-from ..format.shard import ShardReader
+from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_checkpoint_error, as_storage
 from .protocol import Abandoned, Committed, Failed, WriterEvent
@@ -47,6 +47,7 @@ class Attempt:
     replicas: list  # rank 0's replica digests, which every rank's must equal
     raw_bytes: int
     figures: dict
+    refers: tuple[str, ...] = ()  # earlier snapshots rank 0's shard refers to (incremental)
     durable_at: float = field(default_factory=time.monotonic)
     last_change: float = field(default_factory=time.monotonic)
     seen: tuple = ()
@@ -146,7 +147,7 @@ class Committer:
         """The manifest record of a complete attempt, after checking every other rank's shard."""
         if self.world_size > 1:  # the other ranks' renames are durable before the manifest names them
             self.storage.sync_snapshot(attempt.dir)
-        shards, raw = [attempt.shard], attempt.raw_bytes
+        shards, raw, refers = [attempt.shard], attempt.raw_bytes, set(attempt.refers)
         for rank in range(1, self.world_size):
             with ShardReader(self.storage.open_shard(attempt.dir, shard_file_name(rank))) as reader:
                 index = reader.index
@@ -159,9 +160,10 @@ class Committer:
                 shards.append(ShardRecord(rank, shard_file_name(rank), reader.size,
                                           reader.index_xxh3))
                 raw += sum(s["nbytes"] for s in index["storages"])
+                refers.update(referenced_dirs(index))
         return SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
                               world_size=self.world_size, shards=tuple(shards), raw_bytes=raw,
-                              stored_bytes=sum(s.bytes for s in shards))
+                              stored_bytes=sum(s.bytes for s in shards), refers=tuple(sorted(refers)))
 
 
 class CommitWatcher:

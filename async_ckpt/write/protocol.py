@@ -80,6 +80,9 @@ class SnapshotJob:
     tree: dict  # the state tree (docs/FORMAT.md), stored in the shard's index
     plan: Optional[Plan]  # None: the same plan as the previous job's
     submitted: float  # time.monotonic() in the trainer: the writer's queue time starts here
+    # Incremental snapshots: (region, dir) for each region not staged because it is unchanged
+    # since committed snapshot ``dir`` stored it (same plan); the shard refers to it there.
+    refer: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ import psutil
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
 from .protocol import (Attach, Close, Detach, Failed, Ready, Released, SnapshotJob, WriterConfig,
                        WriterEvent)
-from ..errors import DiskFullError
-from ..format.shard import ChunkEncoder, ShardWriter, checksum, version_needed
+from ..errors import DiskFullError, SnapshotWriteError
+from ..format.references import References
+from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
 from ..storage.local import LocalStorage, as_checkpoint_error
 from ..storage.locks import join_rank_lock
-from ..format.manifest import ShardRecord
+from ..format.manifest import ShardRecord, read_manifest
 from ..format.names import shard_file_name
-from ..format.layout import Plan, shard_layout, ShardLayout
+from ..format.layout import Plan, Region, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +145,27 @@ class SnapshotWriter:
         ``release`` once the staging buffer is no longer read."""
         step, plan, layout = job.step, self.plan, self.layout
         t_start = time.monotonic()
+        refer = dict(job.refer)
         regions = [plan.regions[i] for i in layout.written]
         raw_bytes = sum(r.nbytes for r in regions)
-        self.check_space(raw_bytes)
+        referred_bytes = sum(plan.regions[i].nbytes for i in refer)
+        self.check_space(raw_bytes - referred_bytes)
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
         shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
-                            self.encoder, version=version_needed(layout.uses_references),
+                            self.encoder, version=version_needed(layout.uses_references, bool(refer)),
                             workers=ENCODE_WORKERS)
         try:
-            for region, fields in zip(regions, layout.replica_fields):
-                shard.add_storage(buf[region.offset:region.offset + region.nbytes],
-                                  region.itemsize, region.is_float, **fields)
+            with References(self.storage,
+                            read_manifest(self.storage).snapshots if refer else ()) as references:
+                for n, (region, fields) in enumerate(zip(regions, layout.replica_fields)):
+                    if layout.written[n] in refer:
+                        shard.add_reference(region.nbytes, region.itemsize, region.is_float,
+                                            self.reference(references, refer[layout.written[n]], n,
+                                                           region))
+                    else:
+                        shard.add_storage(buf[region.offset:region.offset + region.nbytes],
+                                          region.itemsize, region.is_float, **fields)
             shard.flush()  # every chunk is read: only then may the buffer be released
             replicas = [{"entry": entry, "owner": owner, "nbytes": plan.regions[i].nbytes,
                          "xxh3": checksum(buf[plan.regions[i].offset:
@@ -173,13 +183,29 @@ class SnapshotWriter:
                 self.storage.remove([job.dir])
             raise
         t_durable = time.monotonic()
-        self.stored_ratio = size / max(raw_bytes, 1)
+        if not refer:  # a shard with references says little about how well the state encodes
+            self.stored_ratio = size / max(raw_bytes, 1)
         return Attempt(job=job.job, step=step, dir=job.dir,
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
                        replicas=replicas, raw_bytes=raw_bytes, figures={
                            "queue_s": t_start - job.submitted, "write_s": t_written - t_start,
-                           "fsync_s": t_durable - t_written, "shard_bytes": size},
-                       durable_at=t_durable)
+                           "fsync_s": t_durable - t_written, "shard_bytes": size,
+                           "referred_bytes": referred_bytes},
+                       refers=tuple(sorted(set(refer.values()))), durable_at=t_durable)
+
+    def reference(self, references: References, holder: str, n: int, region: Region) -> dict:
+        """The reference to storage ``n`` of this rank's shard of committed snapshot ``holder``,
+        which the trainer says stored ``region`` unchanged with the same plan (so at the same
+        storage number); refused unless the manifest names it and the storage fits."""
+        file = shard_file_name(self.rank)
+        target = references.open(holder, self.rank)
+        storages = target.index["storages"]
+        if not (n < len(storages) and "chunks" in storages[n]
+                and (storages[n]["nbytes"], storages[n]["itemsize"]) == (region.nbytes,
+                                                                          region.itemsize)):
+            raise SnapshotWriteError(f"storage {n} of {target.path} is not the unchanged region "
+                                     "the trainer referred to; the snapshot was not written")
+        return reference_to(target, holder, file, n)
 
     def check_space(self, raw_bytes: int) -> None:
         """Refuse a snapshot that cannot fit before writing a byte of it."""

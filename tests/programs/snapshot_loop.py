@@ -1,5 +1,7 @@
 """A training process stand-in for crash tests: snapshots a state whose every byte is a function of
-the step, forever, printing each committed step. Usage: snapshot_loop.py DIR MB [compression]."""
+the step, forever, printing each committed step. Usage: snapshot_loop.py DIR MB [zstd]
+[incremental]; with ``incremental`` the state also holds a frozen tensor (``frozen_at``) that
+incremental snapshots refer to instead of writing."""
 
 import sys
 
@@ -15,11 +17,18 @@ def state_at(step: int, mb: int) -> dict:
             "meta": {"step": step, "name": f"step {step}"}}
 
 
+def frozen_at(mb: int) -> torch.Tensor:
+    return torch.randn(mb * (1 << 20) // 4, generator=torch.Generator().manual_seed(-1 % 2**32))
+
+
 def main() -> None:
-    directory, mb = sys.argv[1], int(sys.argv[2])
-    compression = sys.argv[3] if len(sys.argv) > 3 else None
+    directory, mb, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    compression = "zstd" if "zstd" in flags else None
     state = state_at(0, mb)
-    with CheckpointEngine(directory, state, keep_last=2, compression=compression) as engine:
+    if "incremental" in flags:
+        state["frozen"] = frozen_at(mb)
+    with CheckpointEngine(directory, state, keep_last=2, compression=compression,
+                          incremental="incremental" in flags, full_every=3) as engine:
         start = engine.restore()
         step = 0 if start is None else start + 1
         while True:

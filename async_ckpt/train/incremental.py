@@ -1,0 +1,92 @@
+"""Which storages changed since a committed snapshot stored them, so that an incremental snapshot
+(``incremental=True``) neither stages nor writes the others: its shard refers to the bytes where
+they already are.
+
+A storage counts as unchanged when it is the same storage (the same storage object, held through
+a weak reference so that a freed one is never taken for a new one at the same address; the same
+data pointer, size and used byte range) viewed by tensors with the same layout (the plan is equal)
+whose version counters did not move. The version counter sees every write made through torch:
+in-place ops, optimizer steps, ``copy_`` under ``no_grad``, ``load_state_dict``; ``.data = x``
+replaces the storage. It cannot see writes that bypass it: through a NumPy array or a DLPack
+capsule sharing the memory, in place through ``.data`` (a tensor with a counter of its own), through
+a raw ``data_ptr`` or a C extension. So every ``full_every``-th snapshot is written whole, which
+bounds how many snapshots such a change can miss.
+
+A reference goes only to the snapshot that physically stored the bytes, and only once that one is
+committed: an in-flight snapshot may still fail, and then its bytes are written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..format.layout import Plan
+
+
+@dataclass
+class _Holder:
+    """The snapshot that stored a region's bytes, and what the region looked like then."""
+
+    fingerprint: tuple
+    storage: StorageWeakRef  # expires when the storage is freed: then the region changed
+    dir: str
+    step: int
+    job: int
+    committed: bool = False
+
+
+class ChangeTracker:
+    """Per region of the current plan, the snapshot holding its bytes (see the module doc)."""
+
+    def __init__(self, full_every: int):
+        self.full_every = full_every
+        self._plan: Optional[Plan] = None
+        self._holders: dict[int, _Holder] = {}
+        self._incremental_in_a_row = 0
+
+    def reset(self) -> None:
+        """Forget everything: the next snapshot is full. After a restore (the restored bytes came
+        from a snapshot and must be compared afresh) and after a snapshot failed."""
+        self._plan, self._incremental_in_a_row = None, 0
+        self._holders.clear()
+
+    def unchanged(self, plan: Plan, sources: list[torch.Tensor], tensors: list[torch.Tensor],
+                  job: int, step: int, directory: str) -> dict[int, str]:
+        """The regions of snapshot ``job`` (of ``step``, into ``directory``) to refer to instead
+        of writing, each with the directory holding its bytes; this snapshot becomes the holder
+        of the regions it writes. ``sources`` and ``tensors`` are ``plan_layout``'s and
+        ``capture``'s."""
+        if plan != self._plan:  # another layout: region numbers mean other storages
+            self._plan = plan
+            self._holders.clear()
+        full = self._incremental_in_a_row + 1 >= self.full_every
+        versions: list[list[int]] = [[] for _ in plan.regions]
+        for record, t in zip(plan.tensors, tensors):
+            if record.region is not None:
+                versions[record.region].append(t._version)
+        refer = {}
+        for k, source in enumerate(sources):
+            storage = source.untyped_storage()
+            weak = StorageWeakRef(storage)
+            fingerprint = (weak.cdata, storage.data_ptr(), storage.nbytes(),
+                           source.storage_offset(), tuple(versions[k]))
+            holder = self._holders.get(k)
+            same = (holder is not None and holder.fingerprint == fingerprint
+                    and not holder.storage.expired() and holder.step != step)
+            if same and holder.committed and not full:
+                refer[k] = holder.dir
+            elif full or not same:
+                self._holders[k] = _Holder(fingerprint, weak, directory, step, job)
+            # else: unchanged, but its holder is still in flight: written again, holder kept
+        self._incremental_in_a_row = self._incremental_in_a_row + 1 if refer else 0
+        return refer
+
+    def committed(self, job: int) -> None:
+        """Snapshot ``job`` is committed: the regions it holds may be referred to."""
+        for holder in self._holders.values():
+            if holder.job == job:
+                holder.committed = True

@@ -1,0 +1,168 @@
+"""Incremental snapshots on a LoRA-style state: what a frozen base costs each snapshot.
+
+The state is a frozen base (``requires_grad=False`` Linear weights, 1 GB; tiny with ``--quick``)
+with a trainable low-rank adapter (about 20 MB) and its AdamW state. Two runs of async_ckpt:
+
+* ``incremental``: the whole state, ``incremental=True``: after the first (full) snapshot, the
+  base is neither staged nor written, only referred to;
+* ``trainable only``: a state holding only the adapter and its optimizer: the floor incremental
+  snapshots aim at.
+
+Each snapshot follows one optimizer step of the adapter (gradients are random: the benchmark
+measures checkpointing, not a forward pass through the base). Reported per snapshot: blocking
+time (what ``snapshot()`` costs the loop) and bytes written (the shard), median of the
+repetitions with min-max, and their ratios (target: at most 1.2x for both). The first snapshot of
+each run is a warm-up (for the incremental run, the full one, reported apart); every snapshot is
+committed (``wait()``) before the next, so each finds its predecessor committed, and the two runs
+take turns so that a noisy machine slows both alike.
+
+Self-contained on purpose (``run`` and ``render`` are its only entry points, from
+``bench/__main__.py`` and ``bench/report.py``). Run alone: ``python -m bench.incremental [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from async_ckpt import CheckpointEngine
+
+FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter
+QUICK = {"width": 256, "layers": 4, "rank": 4, "repetitions": 3}
+TARGET_RATIO = 1.2
+
+
+def lora_state(width: int, layers: int, rank: int, seed: int = 0) -> dict:
+    """Frozen ``layers`` x (width x width) fp32 weights, a rank-``rank`` adapter per layer, and
+    AdamW over the adapter (its state created by one step)."""
+    torch.manual_seed(seed)
+    base = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                 for _ in range(layers)]).requires_grad_(False)
+    adapter = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, rank, bias=False),
+                                                      torch.nn.Linear(rank, width, bias=False))
+                                  for _ in range(layers))
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-3)
+    state = {"base": base, "adapter": adapter, "optimizer": optimizer}
+    train_step(state)
+    return state
+
+
+def train_step(state: dict) -> None:
+    for p in state["adapter"].parameters():
+        p.grad = torch.randn_like(p)
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "samples": values}
+
+
+def measure(states: dict, root: str, repetitions: int) -> dict:
+    """Blocking time and shard bytes of ``repetitions`` snapshots after a warm-up one, for each
+    run of ``states`` (name -> (state, engine options)). The runs take turns, snapshot by
+    snapshot, so that a noisy machine slows them alike."""
+    engines = {name: CheckpointEngine(os.path.join(root, f"incremental-{name.replace(' ', '-')}"),
+                                      state, heartbeat_interval=None, **options)
+               for name, (state, options) in states.items()}
+    blocking = {name: [] for name in states}
+    try:
+        for step in range(repetitions + 1):
+            for name, engine in engines.items():
+                train_step(states[name][0])
+                start = time.perf_counter()
+                engine.snapshot(step)
+                took = time.perf_counter() - start
+                engine.wait()
+                if step:
+                    blocking[name].append(took)
+        figures = {name: engine.stats()["snapshots"] for name, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: {"blocking_s": _spread(blocking[name]),
+                   "written_bytes": _spread([float(f["shard_bytes"]) for f in snapshots[1:]]),
+                   "first": {"blocking_s": snapshots[0]["blocking_s"],
+                             "written_bytes": snapshots[0]["shard_bytes"]}}
+            for name, snapshots in figures.items()}
+
+
+def run(root: str, quick: bool) -> dict:
+    """Both runs in fresh directories under ``root``; the results block of results.json."""
+    config = QUICK if quick else FULL
+    state = lora_state(config["width"], config["layers"], config["rank"])
+    trainable = {"adapter": state["adapter"], "optimizer": state["optimizer"]}
+    nbytes = {"base": sum(t.nbytes for t in state["base"].state_dict().values()),
+              "trainable": sum(t.nbytes for t in _tensors([state["adapter"].state_dict(),
+                                                           state["optimizer"].state_dict()]))}
+    print(f"incremental: base {nbytes['base'] / 1e6:.1f} MB, adapter and AdamW state "
+          f"{nbytes['trainable'] / 1e6:.1f} MB", file=sys.stderr)
+    runs = measure({"incremental": (state, {"incremental": True}),
+                    "trainable only": (trainable, {})}, root, config["repetitions"])
+    ratios = {key: runs["incremental"][key]["median"] / runs["trainable only"][key]["median"]
+              for key in ("blocking_s", "written_bytes")}
+    return {"config": config, "base_bytes": nbytes["base"], "trainable_bytes": nbytes["trainable"],
+            "runs": runs, "ratios": ratios, "target_ratio": TARGET_RATIO}
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("incremental")
+    if not block:
+        return ""
+    rows = []
+    for name, r in block["runs"].items():
+        b, w = r["blocking_s"], r["written_bytes"]
+        rows.append(f"| {name} | {b['median'] * 1e3:.1f} ms ({b['min'] * 1e3:.1f}–"
+                    f"{b['max'] * 1e3:.1f}) | {w['median'] / 1e6:.2f} MB ({w['min'] / 1e6:.2f}–"
+                    f"{w['max'] / 1e6:.2f}) | {r['first']['blocking_s'] * 1e3:.1f} ms, "
+                    f"{r['first']['written_bytes'] / 1e6:.1f} MB |")
+    ratios = block["ratios"]
+    verdict = ("within" if max(ratios.values()) <= block["target_ratio"] else "OUTSIDE")
+    return "\n".join([
+        "## Incremental snapshots (LoRA-style state)", "",
+        f"Frozen base {block['base_bytes'] / 1e9:.3g} GB, adapter and its AdamW state "
+        f"{block['trainable_bytes'] / 1e6:.3g} MB; median of {len(block['runs']['incremental']['blocking_s']['samples'])} "
+        "snapshots (min–max), each after one optimizer step and committed before the next; the "
+        "first snapshot of each run (for the incremental run the full one) apart.", "",
+        "| run | blocking per snapshot | written per snapshot | first snapshot |",
+        "|---|---|---|---|", *rows, "",
+        f"Incremental / trainable only: blocking ×{ratios['blocking_s']:.2f}, written "
+        f"×{ratios['written_bytes']:.2f} ({verdict} the ×{block['target_ratio']} target)."])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.incremental",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir)
+    try:
+        print(render({"incremental": run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
