@@ -1,0 +1,52 @@
+"""Interleaved rounds: the one way every benchmark here repeats its systems.
+
+A round runs every system once, in an order rotated from round to round (``measure.rotated``), so
+that a drift of the machine's speed during the run hits every system alike and no system always
+runs first or right after the same neighbour. Each round also takes one floor sample next to its
+first system: after that system's measurements, before its cleanup (``FloorSlot``), so that the
+floor never runs right after a large deletion, and a figure of round ``i`` is paired with the
+floor of round ``i``. The machine's load is recorded at the start and end of every round.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from .measure import load_between, load_now, rotated
+
+FloorHook = Optional[Callable[[], dict]]
+
+
+class FloorSlot:
+    """One floor sample per round, taken once: by the system it runs next to (``take`` handed to
+    it as its hook), or right after that system when it could not call the hook (n/a, failed)."""
+
+    def __init__(self, measure: Callable[[], dict]):
+        self._measure, self.sample = measure, None
+
+    def take(self) -> dict:
+        if self.sample is None:
+            self.sample = self._measure()
+        return self.sample
+
+
+def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable[[], dict],
+               run_slot: Callable[[int, object, FloorHook], None],
+               active: Callable[[object], bool] = lambda item: True,
+               name: Callable[[object], str] = lambda item: item.name) -> dict:
+    """``rounds`` rounds of ``run_slot(round, item, hook)`` over the ``active`` items in rotating
+    order (the first one gets the round's floor hook). Returns ``{"order": [[name, ...]],
+    "floors": [sample per round], "loads": [load_between per round]}``."""
+    record: dict = {"order": [], "floors": [], "loads": []}
+    for index in range(rounds):
+        order = [item for item in rotated(items, shift + index) if active(item)]
+        start = load_now()
+        slot = FloorSlot(measure_floor)
+        for position, item in enumerate(order):
+            run_slot(index, item, slot.take if position == 0 else None)
+            slot.take()
+        slot.take()
+        record["order"].append([name(item) for item in order])
+        record["floors"].append(slot.sample)
+        record["loads"].append(load_between(start, load_now()))
+    return record
