@@ -118,6 +118,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             results = json.load(f)
+        if results.get("schema") != SCHEMA:
+            sys.exit(f"{args.render} has schema {results.get('schema')}; this version renders "
+                     f"schema {SCHEMA} only: measure again")
         os.makedirs(args.out, exist_ok=True)
         write_outputs(results, args.out, write_json=False)
         return 0

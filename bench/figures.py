@@ -177,7 +177,7 @@ def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rat
                       overhead_pct=overhead["median"], overhead_pct_spread=overhead,
                       drain_s=spread([lp["drain_s"] for lp in loops])["median"])
     return _entry([spread(lp["blocking_s"])["median"] for lp in loops],
-                  [floors[i]["copy_s"] for i in range(len(loops))],
+                  [floors[r["round"]]["copy_s"] for r in rounds],
                   snapshots=sum(len(lp["blocking_s"]) for lp in loops))
 
 

@@ -3,9 +3,10 @@ re-rendered from any saved results: ``python -m bench --render results.json``).
 
 Every cell that holds a measured figure is the median over the interleaved rounds with its min-max
 spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
-×best peer``. ``render`` returns the whole report; its header, "Targets" and "Saving and restoring"
-sections are what the README's "Performance" section quotes, pasted as they are (images are linked
-from ``image_dir``, the plots' directory relative to the repository root).
+×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
+opening paragraph and its "Targets", "Saving and restoring", "2 ranks" and "Periodic vs
+asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
+directory relative to the repository root).
 """
 
 from __future__ import annotations
@@ -186,16 +187,23 @@ def _headline(results: dict, image_dir: str) -> str:
     if case is None:
         return ""
     f = results["figures"]
+    blocks = results["raw"]["sweep"][case]["systems"]
+    names = [name for name in SYSTEM_NAMES if not blocks[name].get("skipped")]
+    skipped = [name for name in SYSTEM_NAMES if blocks[name].get("skipped")]
     save = [[name, _cell(f["blocking_s"]["values"][name][case]),
              _cell(f["to_durable_s"]["values"][name][case])]
-            for name in SYSTEM_NAMES]
+            for name in names]
     restore = [[name, _cell(f["restore_s"]["values"][name][case]),
                 _cell(f["restore_cold_s"]["values"][name][case]),
                 _cell(f["stored_bytes"]["values"][name][case], scale=1e6),
                 _cell(f["compression_ratio"]["values"][name][case])]
-               for name in SYSTEM_NAMES]
+               for name in names]
     nbytes = results["raw"]["sweep"][case]["bytes"]
+    rounds = results["raw"]["sweep"][case]["rounds"]
+    note = (f" Not run at this size: {', '.join(skipped)} ({blocks[skipped[0]]['reason']}; see "
+            "the notes).") if skipped else ""
     return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
+            f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
             + _table(["system", "blocking s (min–max) · ×copy · ×best peer",
                       "to durable s (min–max) · ×dd · ×best peer"], save)
             + "\n\n"

@@ -62,7 +62,7 @@ def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], step
             return
         if "consistency" in record:
             systems[spec.name]["consistency"] = record.pop("consistency")
-        systems[spec.name]["rounds"].append(record)
+        systems[spec.name]["rounds"].append({"round": index, **record})
 
     floors = Floors(root, workload.nbytes)
     start = load_now()

@@ -269,3 +269,20 @@ def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
     second = events[events.index(("run", 1, "b")):]
     assert second[:3] == [("run", 1, "b"), ("cleanup", 1, "b"), ("floor",)]  # right after
     assert events.count(("floor",)) == 3
+
+
+def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
+    from bench import sweep
+    from bench.systems import BIG_SYSTEMS, TORCH_SAVE, by_name
+
+    monkeypatch.setattr(sweep, "BIG_GB", 0.001)  # 2 MB counts as big
+    small = by_name("DCP async_save (default stager)")
+    assert TORCH_SAVE.name in BIG_SYSTEMS and small.name not in BIG_SYSTEMS
+    case = sweep.run_case([TORCH_SAVE, small], "fp32", 0.002, str(tmp_path), rounds=2, shift=0)
+    assert case["systems"][small.name] == {"available": False, "skipped": True,
+                                           "reason": sweep.SKIPPED}
+    assert case["order"] == [[TORCH_SAVE.name]] * 2 and len(case["floors"]) == 2
+    runs = case["systems"][TORCH_SAVE.name]["runs"]
+    assert [r["round"] for r in runs] == [0, 1]
+    assert all(r["restore_cold_s"] > 0 and r["restore_s"] > 0 for r in runs)
+    assert os.listdir(tmp_path) == []  # the dd file and the systems' directories are gone
