@@ -156,7 +156,7 @@ def _none_rates(training: dict) -> dict:
     """Steps/s without checkpointing per K: every no-checkpoint loop of the run (each system's
     loops are paired with their own; this is the row the report shows for reference)."""
     return {k: [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
-                if b.get("available") for r in b["rounds"]] for k in training["steps"]}
+                if b.get("available") for r in b["runs"]] for k in training["steps"]}
 
 
 def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rates: dict,
@@ -168,7 +168,7 @@ def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rat
     missing = _na(block)
     if missing:
         return missing
-    rounds = block["rounds"]
+    rounds = block["runs"]
     loops = [r["loops"][k] for r in rounds]
     if key == "throughput_steps_s":
         overhead = spread([(lp["loop_s"] / lp["baseline"]["loop_s"] - 1) * 100 for lp in loops])
@@ -185,7 +185,7 @@ def _memory_entry(key: str, block: Optional[dict], state_bytes: int):
     missing = _na(block)
     if missing:
         return missing
-    rounds = block["rounds"]
+    rounds = block["runs"]
     if key == "trainer_peak_extra_bytes":
         values = [r["trainer_peak_extra_bytes"] for r in rounds]
     elif key == "writer_peak_bytes":

@@ -91,18 +91,21 @@ def summarise(raw: dict) -> dict:
     """Medians with their min-max spread over the rounds, their ratios to the same round's floors
     (pairwise) and to the best peer (of medians)."""
     floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "dd_s")}
+    ours = {name for name, is_ours, _ in SYSTEMS if is_ours}
     systems = {}
     for name, block in raw["systems"].items():
         if not block["available"]:
             systems[name] = block
             continue
-        systems[name] = {"available": True, "ours": block["ours"],
-                         "stored_bytes": block["stored_bytes"],
-                         "bytes_per_rank": block["bytes_per_rank"]}
+        runs = block["runs"]
+        systems[name] = {"available": True, "ours": name in ours,
+                         "stored_bytes": runs[-1]["stored_bytes"],
+                         "bytes_per_rank": runs[-1]["bytes_per_rank"]}
         for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "dd_s")):
-            systems[name][key] = spread(block[key])
+            values = [r[key] for r in runs]
+            systems[name][key] = spread(values)
             systems[name][key.replace("_s", "_x_floor")] = ratio_spread(
-                block[key], [floors[floor_key][i] for i in block["rounds"]])["median"]
+                values, [floors[floor_key][r["round"]] for r in runs])["median"]
     for key in ("blocking_s", "to_commit_s"):
         peers = [s[key]["median"] for s in systems.values() if s["available"] and not s["ours"]]
         for s in systems.values():
@@ -129,31 +132,21 @@ def worker(directory: str, out: str, size_gb: float, rounds: int) -> None:
         dist.barrier()
         return sample
 
-    results = {name: {"available": True, "ours": ours, "rounds": [], "blocking_s": [],
-                      "to_commit_s": []} for name, ours, _ in SYSTEMS}
+    names = [name for name, _, _ in SYSTEMS]
 
-    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> None:
-        name, ours, open_ = system
-        slot = f"r{index}-s{[n for n, _, _ in SYSTEMS].index(name)}"  # one each: rank 0 removes it
+    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
+        name, _, open_ = system
+        slot = f"r{index}-s{names.index(name)}"  # one directory each: rank 0 removes it
         run = run_round(open_, state, os.path.join(directory, slot), floor_hook)
-        if not run["available"]:
-            results[name] = {"available": False, "reason": run["reason"]}
-            return
-        block = results[name]
-        block["rounds"].append(index)
-        for key in ("blocking_s", "to_commit_s"):
-            block[key].append(run[key])
-        block["stored_bytes"], block["bytes_per_rank"] = run["stored_bytes"], run["bytes_per_rank"]
-        log(f"  {name}: blocking {run['blocking_s']:.3f} s, to commit {run['to_commit_s']} s")
+        if run["available"]:
+            log(f"  {name}: blocking {run['blocking_s']:.3f} s, to commit {run['to_commit_s']} s")
+        return run
 
-    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot,
-                        active=lambda system: results[system[0]]["available"],
-                        name=lambda system: system[0])
+    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0])
     if rank == 0:
         floors.close()
         with open(out, "w", encoding="utf-8") as f:
-            json.dump({"state_bytes": nbytes, "rounds": rounds, "floors": record["floors"],
-                       "order": record["order"], "loads": record["loads"], "systems": results}, f)
+            json.dump({"state_bytes": nbytes, "rounds": rounds, **record}, f)
     gc.collect()  # objects that hold the group go while Python is alive, not at exit
     dist.destroy_process_group()
 

@@ -251,7 +251,7 @@ def _training(results: dict, image_dir: str) -> str:
 def _noise(training: dict) -> str:
     """How much the no-checkpoint loops alone varied: the yardstick for reading small overheads."""
     rates = [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
-             if b.get("available") for r in b["rounds"] for k in r["loops"]]
+             if b.get("available") for r in b["runs"] for k in r["loops"]]
     if len(rates) < 2:
         return ""
     return (f"The machine's speed drifted: loops without checkpointing ran at {min(rates):.3g} to "

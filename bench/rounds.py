@@ -31,22 +31,32 @@ class FloorSlot:
 
 
 def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable[[], dict],
-               run_slot: Callable[[int, object, FloorHook], None],
-               active: Callable[[object], bool] = lambda item: True,
+               run_slot: Callable[[int, object, FloorHook], dict],
                name: Callable[[object], str] = lambda item: item.name) -> dict:
-    """``rounds`` rounds of ``run_slot(round, item, hook)`` over the ``active`` items in rotating
-    order (the first one gets the round's floor hook). Returns ``{"order": [[name, ...]],
-    "floors": [sample per round], "loads": [load_between per round]}``."""
-    record: dict = {"order": [], "floors": [], "loads": []}
+    """``rounds`` rounds of ``run = run_slot(round, item, hook)`` over the items in rotating order
+    (the first of a round gets its floor hook). A run ``{"available": False, "reason": ...}``
+    makes its item n/a for the rest: it is skipped in later rounds and its earlier runs dropped,
+    so that every item that is available has one run per round. Returns ``{"systems": {name:
+    {"available": True, "runs": [{"round": i, **run}, ...]} or the n/a run}, "order": [[name,
+    ...] per round], "floors": [sample per round], "loads": [load_between per round], "load":
+    load_between over all rounds}``."""
+    blocks = {name(item): {"available": True, "runs": []} for item in items}
+    record: dict = {"systems": blocks, "order": [], "floors": [], "loads": []}
+    first = load_now()
     for index in range(rounds):
-        order = [item for item in rotated(items, shift + index) if active(item)]
+        order = [item for item in rotated(items, shift + index) if blocks[name(item)]["available"]]
         start = load_now()
         slot = FloorSlot(measure_floor)
         for position, item in enumerate(order):
-            run_slot(index, item, slot.take if position == 0 else None)
+            run = run_slot(index, item, slot.take if position == 0 else None)
+            if run.get("available", True):
+                blocks[name(item)]["runs"].append({"round": index, **run})
+            else:
+                blocks[name(item)] = {"available": False, "reason": run["reason"]}
             slot.take()
         slot.take()
         record["order"].append([name(item) for item in order])
         record["floors"].append(slot.sample)
         record["loads"].append(load_between(start, load_now()))
+    record["load"] = load_between(first, load_now())
     return record

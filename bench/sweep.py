@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from .floors import Floors
-from .measure import (RssSampler, evict, load_between, load_now, log, release_free_memory, rss,
-                      timed)
+from .measure import RssSampler, evict, log, release_free_memory, rss, timed
 from .rounds import FloorHook, run_rounds
 from .systems import BIG_SYSTEMS, System, SystemSpec, Unavailable, run_guarded
 from .workloads import build_state
@@ -62,28 +61,18 @@ def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str,
     running = [s for s in specs if runs_at(s, size_gb)]
     log(f"sweep {label}: {nbytes / 1e9:.3f} GB of tensors, {rounds} rounds of {len(running)} "
         "systems")
-    systems = {s.name: {"available": True, "runs": []} if runs_at(s, size_gb)
-               else {"available": False, "skipped": True, "reason": SKIPPED} for s in specs}
     case = {"dtype": dtype, "size_gb": size_gb, "bytes": nbytes,
-            "layers": len(state["model"]) // 2, "rounds": rounds, "systems": systems}
+            "layers": len(state["model"]) // 2, "rounds": rounds}
     directory = os.path.join(root, "sweep")
-
-    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> None:
-        run = run_round(spec, state, directory, floor_hook)
-        if run.get("available", True):
-            systems[spec.name]["runs"].append({"round": index, **run})
-        else:
-            systems[spec.name] = run
-
     floors = Floors(root, nbytes)
-    start = load_now()
     try:
-        case.update(run_rounds(running, rounds, shift, floors.measure, run_slot,
-                               active=lambda s: systems[s.name]["available"]))
+        case.update(run_rounds(running, rounds, shift, floors.measure,
+                               lambda index, spec, hook: run_round(spec, state, directory, hook)))
         case["floor_buffer_bytes"] = floors.buffer_bytes
     finally:
         floors.close()
-    case["load"] = load_between(start, load_now())
+    skipped = {"available": False, "skipped": True, "reason": SKIPPED}
+    case["systems"] = {s.name: case["systems"].get(s.name, skipped) for s in specs}
     return case
 
 

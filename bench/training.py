@@ -31,8 +31,7 @@ from typing import Sequence
 
 from . import consistency
 from .floors import Floors
-from .measure import (RssSampler, load_between, load_now, log, release_free_memory, rss, slope,
-                      timed)
+from .measure import RssSampler, log, release_free_memory, rss, slope, timed
 from .rounds import FloorHook, run_rounds
 from .systems import NoCheckpoint, SystemSpec, Unavailable, run_guarded
 from .workloads import TrainingWorkload
@@ -42,36 +41,29 @@ GROWTH_SKIP = 3
 
 def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], steps: dict,
                  workload_options: dict, rounds: int) -> dict:
-    """``systems[name]`` holds ``rounds`` (one record per round, in round order) and the first
-    round's ``consistency``; a system that fails in any round is n/a."""
+    """``systems[name]`` holds ``runs`` (one per round, ``rounds.run_rounds``) and the first
+    round's ``consistency``."""
     workload = TrainingWorkload(**workload_options)
     pristine = workload.clone_tensors()
     log(f"training: {workload.nbytes / 1e6:.0f} MB state; K {list(ks)}; steps {steps}; "
         f"{rounds} rounds")
-    systems = {spec.name: {"available": True, "rounds": []} for spec in specs}
     results = {"state_bytes": workload.nbytes, "workload": workload_options,
-               "steps": {str(k): steps[k] for k in ks}, "rounds": rounds, "systems": systems}
+               "steps": {str(k): steps[k] for k in ks}, "rounds": rounds}
     directory = os.path.join(root, "train")
 
-    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> None:
+    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> dict:
         workload.load_tensors(pristine)
-        record = run_system(spec, workload, directory, ks, steps, floor_hook,
-                            consistency_check=index == 0)
-        if not record["available"]:
-            systems[spec.name] = record
-            return
-        if "consistency" in record:
-            systems[spec.name]["consistency"] = record.pop("consistency")
-        systems[spec.name]["rounds"].append({"round": index, **record})
+        return run_system(spec, workload, directory, ks, steps, floor_hook,
+                          consistency_check=index == 0)
 
     floors = Floors(root, workload.nbytes)
-    start = load_now()
     try:
-        results.update(run_rounds(specs, rounds, 0, floors.measure, run_slot,
-                                  active=lambda s: systems[s.name]["available"]))
+        results.update(run_rounds(specs, rounds, 0, floors.measure, run_slot))
     finally:
         floors.close()
-    results["load"] = load_between(start, load_now())
+    for block in results["systems"].values():
+        if block["available"]:
+            block["consistency"] = block["runs"][0].pop("consistency")
     return results
 
 

@@ -126,7 +126,7 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
             entry = results["figures"]["restore_cold_s"]["values"][spec.name][case_label(
                 "fp32", QUICK["sizes"][0])]
             assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
-            assert len(results["raw"]["training"]["systems"][spec.name]["rounds"]) == rounds
+            assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
     assert len(results["ranks"]["raw"]["floors"]) == rounds
     assert set(results["loads"]) >= {"training loop", "two ranks"}
 
@@ -254,21 +254,27 @@ def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
 
     def run_slot(index, item, floor_hook):
         events.append(("run", index, item))
-        if floor_hook is not None and item != "b":  # "b" fails before it can call the hook
+        if item == "b" and index == 1:  # fails before it can call the hook: n/a from now on
+            events.append(("cleanup", index, item))
+            return {"available": False, "reason": "failed"}
+        if floor_hook is not None:
             floor_hook()
         events.append(("cleanup", index, item))
+        return {"value": index}
 
     def measure_floor():
         events.append(("floor",))
         return {"dd_s": len(events)}
 
     record = run_rounds(["a", "b", "c"], 3, 0, measure_floor, run_slot, name=str)
-    assert record["order"] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    assert len(record["floors"]) == len(record["loads"]) == 3
+    assert record["order"] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a"]]
+    assert len(record["floors"]) == len(record["loads"]) == 3 and "load" in record
     assert events[:3] == [("run", 0, "a"), ("floor",), ("cleanup", 0, "a")]  # before cleanup
     second = events[events.index(("run", 1, "b")):]
     assert second[:3] == [("run", 1, "b"), ("cleanup", 1, "b"), ("floor",)]  # right after
     assert events.count(("floor",)) == 3
+    assert record["systems"]["b"] == {"available": False, "reason": "failed"}
+    assert record["systems"]["a"]["runs"] == [{"round": i, "value": i} for i in range(3)]
 
 
 def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
