@@ -65,7 +65,7 @@ def paired_ratio(runs: Sequence[dict], key: str, floor_key: str) -> float:
 
 def rotated(items: Sequence, shift: int) -> list:
     """``items`` rotated left by ``shift``: the order of one interleaved round, so that over the
-    rounds no item always runs first (or always right after the same one)."""
+    rounds no item always runs first or last."""
     shift %= max(1, len(items))
     return list(items[shift:]) + list(items[:shift])
 

@@ -1,8 +1,10 @@
-"""Interleaved rounds: the one way every benchmark here repeats its systems.
+"""Interleaved rounds: how every part of ``python -m bench`` (the sweep, the training loop, the two
+ranks) repeats its systems. (``bench/stall.py``, the older focused benchmark, keeps its few systems
+open across its own rounds instead, with a floor sample around every run.)
 
 A round runs every system once, in an order rotated from round to round (``measure.rotated``), so
 that a drift of the machine's speed during the run hits every system alike and no system always
-runs first or right after the same neighbour. Each round also takes one floor sample next to its
+runs first (or last). Each round also takes one floor sample next to its
 first system: after that system's measurements, before its cleanup (``FloorSlot``), so that the
 floor never runs right after a large deletion, and a figure of round ``i`` is paired with the
 floor of round ``i``. The machine's load is recorded at the start and end of every round.
