@@ -6,8 +6,9 @@ and incremental snapshots of a LoRA-style state (``bench/incremental.py``), agai
 measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
 
-* ``results.json``: every figure with its ratios to its floor and to the best peer, the article's
-  comparison, the interval advice, and the raw samples;
+* ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
+  its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
+  the article's comparison, the interval advice, and the raw samples;
 * ``blocking_vs_size.png``, ``throughput_vs_k.png``;
 * ``report.md``: the tables, also printed on stdout (progress goes to stderr).
 
@@ -18,6 +19,7 @@ that keeps the benchmarks from rotting (``tests/test_bench.py``), not a measurem
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -29,25 +31,26 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import article, dcp, figures, incremental, interval, plots, ranks, report
-from .measure import log, machine, med_p95, vmstat
+from . import article, dcp, figures, incremental, interval, plots, ranks, report, targets
+from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
 from .training import run_training
 
-SCHEMA = 1
-FULL = {"sizes": (0.064, 0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "floor_every": 3,
+SCHEMA = 2  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets
+FULL = {"sizes": (0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "rounds": 3,
         "workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10, 100)}
-QUICK = {"sizes": (0.008,), "bf16_sizes": (0.008,), "floor_every": len(SYSTEMS),
+QUICK = {"sizes": (0.008,), "bf16_sizes": (), "rounds": 2,
          "workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 3)}
 KS = FULL["ks"]
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 
 
 def loop_steps(k: int, quick: bool) -> int:
-    """Steps of the loop at interval K: enough snapshots to see a pattern (12 at K=1, 6 at K=10,
-    3 at K=100; 4, 2, 2 with --quick) while the whole sweep of K stays within minutes."""
-    snapshots = max(2, round(4 / k ** 0.3)) if quick else max(3, round(12 / k ** 0.3))
+    """Steps of one round's loop at interval K: snapshots enough to see a pattern over the rounds
+    (8 at K=1, 3 at K=10, 1 at K=100; 4 and 3 at K=1, 3 with --quick) while every round of every
+    system stays within minutes in all."""
+    snapshots = max(2, round(4 / k ** 0.3)) if quick else max(1, round(8 / k ** 0.45))
     return k * snapshots
 
 
@@ -56,14 +59,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a tiny run (under a minute) that checks everything works")
     parser.add_argument("--sizes", type=_floats, default=None, metavar="GB,GB,...",
-                        help="fp32 state sizes of the sweep in GB (default 0.064,0.256,1,2; "
+                        help="fp32 state sizes of the sweep in GB (default 0.256,1,2; "
                              "--quick: 0.008)")
     parser.add_argument("--bf16-sizes", type=_floats, default=None, metavar="GB,...",
-                        help="bf16 state sizes of the sweep (default 0.256,1; --quick: 0.008; "
+                        help="bf16 state sizes of the sweep (default 0.256; --quick: none; "
                              "'' for none)")
     parser.add_argument("--ks", type=_ints, default=None, metavar="K,K,...",
                         help="snapshot intervals of the training loop (default 1,10,100; "
                              "--quick: 1,3)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of every part (default 3; --quick: 2)")
     parser.add_argument("--out", default=None,
                         help="where results.json, the PNGs and report.md go (default: "
                              f"{COMMITTED_RESULTS} for a full run with the default sizes and "
@@ -83,6 +88,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.sizes = preset["sizes"] if args.sizes is None else args.sizes
     args.bf16_sizes = preset["bf16_sizes"] if args.bf16_sizes is None else args.bf16_sizes
     args.ks = preset["ks"] if args.ks is None else args.ks
+    args.rounds = preset["rounds"] if args.rounds is None else args.rounds
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
         parser.error("--sizes needs at least one size, and every size must be positive")
     if not args.ks or any(k < 1 for k in args.ks):
@@ -90,11 +98,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.ks = tuple(sorted(set(args.ks)))
     if args.out is None:
         full = (not args.quick and args.sizes == FULL["sizes"] and args.ks == KS
-                and args.bf16_sizes == FULL["bf16_sizes"])
+                and args.bf16_sizes == FULL["bf16_sizes"] and args.rounds == FULL["rounds"])
         args.out = COMMITTED_RESULTS if full else tempfile.mkdtemp(prefix="bench-results-")
-    try:
-        import matplotlib  # noqa: F401  (the plots; checked before minutes of measuring)
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:  # the plots: checked before measuring
         parser.error("the benchmark's plots need matplotlib: pip install -e '.[bench]'")
     args.command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     return args
@@ -113,30 +119,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             results = json.load(f)
+        if results.get("schema") != SCHEMA:
+            sys.exit(f"{args.render} has schema {results.get('schema')}; this version renders "
+                     f"schema {SCHEMA} only: measure again")
         os.makedirs(args.out, exist_ok=True)
         write_outputs(results, args.out, write_json=False)
         return 0
     preset = QUICK if args.quick else FULL
     started, start = time.time(), time.perf_counter()
-    machine_info, vmstat_start = machine(), vmstat()
+    machine_info, load_start = machine(), load_now()
     cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
     steps = {k: loop_steps(k, args.quick) for k in args.ks}
     os.makedirs(args.out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "/tmp")
     try:
-        sweep_raw = run_sweep(SYSTEMS, cases, root, args.quick, preset["floor_every"])
+        sweep_raw = run_sweep(SYSTEMS, cases, root, args.rounds)
         log(f"sweep done after {time.perf_counter() - start:.0f} s")
-        training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"])
+        training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"], args.rounds)
         log(f"training done after {time.perf_counter() - start:.0f} s")
         dcp.shutdown()  # the two-rank run starts process groups of its own
-        ranks_raw = ranks.run(root, args.quick)
+        ranks_raw = ranks.run(root, args.quick, args.rounds)
         log(f"two ranks done after {time.perf_counter() - start:.0f} s")
         incremental_raw = incremental.run(root, args.quick)
         log(f"incremental done after {time.perf_counter() - start:.0f} s")
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-    results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, vmstat_start,
+    results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
                        started, time.perf_counter() - start)
     results["incremental"] = incremental_raw
     write_outputs(results, args.out)
@@ -145,17 +154,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine_info: dict,
-             vmstat_start: dict, started: float, runtime_s: float) -> dict:
+             load_start: dict, started: float, runtime_s: float) -> dict:
+    load = load_between(load_start, load_now())
     results = {
         "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
-        "machine": machine_info, "loadavg_end": os.getloadavg(),
-        "vmstat_delta": {k: v - vmstat_start[k] for k, v in vmstat().items()},
+        "machine": machine_info, "loadavg_end": load["loadavg_end"],
+        "vmstat_delta": load["vmstat_delta"],
         "config": {"command": args.command, "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
-                   "mtbf_s": args.mtbf, "run_length_s": args.run_length},
+                   "rounds": args.rounds, "mtbf_s": args.mtbf, "run_length_s": args.run_length},
         "systems": _availability(sweep_raw, training_raw),
         "floors": _floor_summary(sweep_raw, training_raw),
         "figures": figures.build(sweep_raw, training_raw),
+        "targets": targets.build(sweep_raw),
+        "loads": _loads(sweep_raw, training_raw, ranks_raw),
         "consistency": {name: block.get("consistency") if block.get("available")
                         else f"n/a ({block['reason']})"
                         for name, block in training_raw["systems"].items()},
@@ -167,10 +179,22 @@ def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine
     return results
 
 
+def _loads(sweep_raw: dict, training_raw: dict, ranks_raw: dict) -> dict:
+    """Per part of the run: loadavg at the start and end of each round, and the reclaim counters'
+    movement over the part (the two-rank part: per round only)."""
+    parts = {f"sweep {label}": case for label, case in sweep_raw.items()}
+    parts["training loop"] = training_raw
+    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"]}
+             for label, part in parts.items()}
+    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None}
+    return loads
+
+
 def _availability(sweep_raw: dict, training_raw: dict) -> list[dict]:
     rows = []
     for spec in SYSTEMS:
-        blocks = [c["systems"][spec.name] for c in sweep_raw.values()]
+        blocks = [c["systems"][spec.name] for c in sweep_raw.values()
+                  if not c["systems"][spec.name].get("skipped")]
         blocks.append(training_raw["systems"][spec.name])
         failed = [b for b in blocks if not b["available"]]
         rows.append({"name": spec.name, "ours": spec.ours, "blocking": spec.blocking,
@@ -188,9 +212,8 @@ def _floor_summary(sweep_raw: dict, training_raw: dict) -> dict:
     for label, (samples, nbytes) in groups.items():
         summary[label] = {}
         for key in samples[0]:
-            stats = med_p95([s[key] for s in samples])
-            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9,
-                                   "samples": len(samples)}
+            stats = spread([s[key] for s in samples])
+            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9}
     return summary
 
 

@@ -2,13 +2,15 @@
 the figure's floor and to the best peer, or "n/a (reason)".
 
 A figure is ``{"unit", "title", "floor", "lower_is_better", "cases", "best_peer", "values"}``
-where ``values[system][case]`` is an entry ``{"median", "p95", "floor", "x_floor", "x_best_peer",
-...}`` or a string ``"n/a (reason)"``. Cases are state sizes for the sweep's figures (``fp32 1 GB``),
+where ``values[system][case]`` is an entry ``{"median", "min", "max", "n", "floor", "x_floor",
+"x_best_peer", ...}`` (``measure.spread`` over the interleaved rounds: one value per round) or a
+string ``"n/a (reason)"``. Cases are state sizes for the sweep's figures (``fp32 1 GB``),
 intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory figures.
 
-* ``x_floor``: the value / its floor, measured in the same run (for times: the median of the
-  floor samples of that state, interleaved with the systems; for bytes: the state's tensor bytes;
-  for throughput: the no-checkpoint loop run just before the system's).
+* ``x_floor``: the median over rounds of the round's value / the round's floor, measured in the
+  same run (for times: the floor sample of that state taken in the same round; for bytes: the
+  state's tensor bytes; for throughput: the no-checkpoint loop run just before the system's);
+  ``floor`` is the median of those floors.
 * ``x_best_peer``: the value / the best peer's value for the same case, peers being every system
   but async_ckpt's. Below 1 is better for times and bytes, above 1 for throughput and compression.
 """
@@ -18,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .measure import med_p95
+from .measure import ratio_spread, spread
 from .systems import NONE, PEERS, SYSTEM_NAMES
+from .training import GROWTH_SKIP
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,10 @@ SWEEP_FIGURES = (
     Figure("blocking_s", "blocking time per snapshot", "s", "one copy_ of the state's bytes"),
     Figure("to_durable_s", "time from snapshot() to durable commit", "s",
            "dd conv=fsync of the state's bytes"),
-    Figure("restore_s", "restore time into the live model and optimizer", "s",
-           "read of the state's bytes from the page cache"),
+    Figure("restore_s", "warm restore time into the live model and optimizer (files in the page "
+           "cache)", "s", "read of the state's bytes from the page cache"),
+    Figure("restore_cold_s", "cold restore time into the live model and optimizer (files evicted "
+           "from the page cache)", "s", "cold sequential read of the state's bytes"),
     Figure("stored_bytes", "bytes written per snapshot", "B", "the state's tensor bytes"),
     Figure("compression_ratio", "compression ratio (tensor bytes / bytes written)", "x",
            "1 (stored raw)", lower_is_better=False),
@@ -63,6 +68,12 @@ FIGURES = SWEEP_FIGURES + TRAINING_FIGURES + MEMORY_FIGURES
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
+SWEEP_SOURCES = {  # figure: (the key of a sweep run, the floor key it is paired with)
+    "blocking_s": ("blocking_s", "copy_s"), "to_durable_s": ("to_commit_s", "dd_s"),
+    "restore_s": ("restore_s", "read_cache_s"), "restore_cold_s": ("restore_cold_s", "read_cold_s"),
+}
+
+
 def build(sweep: dict, training: dict) -> dict:
     figures = {}
     for figure in SWEEP_FIGURES:
@@ -70,13 +81,12 @@ def build(sweep: dict, training: dict) -> dict:
                                                       for name in SYSTEM_NAMES}
                                                for case, data in sweep.items()})
     none_rates = _none_rates(training)
-    train_floors = med_p95([s["copy_s"] for s in training["floors"]])["median"]
     ks = list(training["steps"])
     for figure in TRAINING_FIGURES:
         names = ((NONE.name,) if figure.key == "throughput_steps_s" else ()) + SYSTEM_NAMES
         figures[figure.key] = _figure(figure, {
             f"K={k}": {name: _training_entry(figure.key, name, training["systems"].get(name), k,
-                                             none_rates, train_floors)
+                                             none_rates, training["floors"])
                        for name in names}
             for k in ks})
     for figure in MEMORY_FIGURES:
@@ -109,10 +119,13 @@ def _figure(figure: Figure, by_case: dict) -> dict:
             "values": {name: {case: by_case[case][name] for case in by_case} for name in names}}
 
 
-def _entry(values: list, floor: Optional[float], **extra) -> dict:
-    stats = med_p95(values)
-    return {**stats, "floor": floor,
-            "x_floor": stats["median"] / floor if floor else None, **extra}
+def _entry(values: list, floors, **extra) -> dict:
+    """``spread(values)`` with the floor: ``floors`` one per value (the same round's: ``x_floor``
+    is the median of the pairwise ratios) or one for all (bytes)."""
+    floors = list(floors) if isinstance(floors, (list, tuple)) else [floors] * len(values)
+    paired = ratio_spread(values, floors)["median"] if all(floors) else None
+    return {**spread(values), "floor": spread(floors)["median"] if all(floors) else None,
+            "x_floor": paired, **extra}
 
 
 def _na(block: Optional[dict], default: str = "did not run") -> Optional[str]:
@@ -129,13 +142,10 @@ def _sweep_entry(key: str, case: dict, name: str):
     if missing:
         return missing
     runs, nbytes = block["runs"], case["bytes"]
-    floor = {k: med_p95([s[k] for s in case["floors"]])["median"] for k in case["floors"][0]}
-    if key == "blocking_s":
-        return _entry([r["blocking_s"] for r in runs], floor["copy_s"])
-    if key == "to_durable_s":
-        return _entry([r["to_commit_s"] for r in runs], floor["dd_s"])
-    if key == "restore_s":
-        return _entry(block["restore_s"], floor["read_cache_s"])
+    if key in SWEEP_SOURCES:
+        run_key, floor_key = SWEEP_SOURCES[key]
+        return _entry([r[run_key] for r in runs],
+                      [case["floors"][r["round"]][floor_key] for r in runs])
     stored = [r["stored_bytes"] for r in runs]
     if key == "stored_bytes":
         return _entry(stored, nbytes)
@@ -143,52 +153,49 @@ def _sweep_entry(key: str, case: dict, name: str):
 
 
 def _none_rates(training: dict) -> dict:
-    """Steps/s without checkpointing per K, over every no-checkpoint loop of the run (each system's
+    """Steps/s without checkpointing per K: every no-checkpoint loop of the run (each system's
     loops are paired with their own; this is the row the report shows for reference)."""
-    loops = {k: [b["loops"][k]["baseline"] for b in training["systems"].values()
-                 if b.get("available")] for k in training["steps"]}
-    return {k: sum(lp["steps"] for lp in v) / sum(lp["loop_s"] for lp in v) if v else None
-            for k, v in loops.items()}
+    return {k: [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
+                if b.get("available") for r in b["runs"]] for k in training["steps"]}
 
 
 def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rates: dict,
-                    copy_floor: float):
+                    floors: list):
     if name == NONE.name:
-        if key != "throughput_steps_s" or none_rates[k] is None:
+        if key != "throughput_steps_s" or not none_rates[k]:
             return "n/a (no snapshots)"
-        entry = _entry([none_rates[k]], none_rates[k], overhead_pct=0.0, drain_s=0.0)
-        entry["p95"] = None
-        return entry
+        return _entry(none_rates[k], none_rates[k], overhead_pct=0.0, drain_s=0.0)
     missing = _na(block)
     if missing:
         return missing
-    loop = block["loops"][k]
+    rounds = block["runs"]
+    loops = [r["loops"][k] for r in rounds]
     if key == "throughput_steps_s":
-        base = loop["baseline"]["steps_per_s"]
-        entry = _entry([loop["steps_per_s"]], base,
-                       overhead_pct=(loop["loop_s"] / loop["baseline"]["loop_s"] - 1) * 100,
-                       drain_s=loop["drain_s"])
-        entry["p95"] = None  # one loop per system: a rate, not a distribution
-        return entry
-    return _entry(loop["blocking_s"], copy_floor, snapshots=len(loop["blocking_s"]))
+        overhead = spread([(lp["loop_s"] / lp["baseline"]["loop_s"] - 1) * 100 for lp in loops])
+        return _entry([lp["steps_per_s"] for lp in loops],
+                      [lp["baseline"]["steps_per_s"] for lp in loops],
+                      overhead_pct=overhead["median"], overhead_pct_spread=overhead,
+                      drain_s=spread([lp["drain_s"] for lp in loops])["median"])
+    return _entry([spread(lp["blocking_s"])["median"] for lp in loops],
+                  [floors[r["round"]]["copy_s"] for r in rounds],
+                  snapshots=sum(len(lp["blocking_s"]) for lp in loops))
 
 
 def _memory_entry(key: str, block: Optional[dict], state_bytes: int):
     missing = _na(block)
     if missing:
         return missing
+    rounds = block["runs"]
     if key == "trainer_peak_extra_bytes":
-        value = block["trainer_peak_extra_bytes"]
+        values = [r["trainer_peak_extra_bytes"] for r in rounds]
     elif key == "writer_peak_bytes":
-        value = block["writer_peak_bytes"]
-        if not value:
+        values = [r["writer_peak_bytes"] for r in rounds]
+        if not any(values):
             return "n/a (writes in the training process: counted in the trainer's RSS)"
     else:
-        trainer, writer = (block["trainer_growth_per_snapshot_bytes"],
-                           block["writer_growth_per_snapshot_bytes"])
-        if trainer is None:
-            return "n/a (fewer than 3 snapshots after the first 3)"
-        value = round(trainer + (writer or 0.0))  # whole bytes: the fit's float noise is not growth
-    entry = _entry([value], state_bytes)
-    entry["p95"] = None
-    return entry
+        if any(r["trainer_growth_per_snapshot_bytes"] is None for r in rounds):
+            return f"n/a (fewer than 3 snapshots after the first {GROWTH_SKIP} of a round)"
+        # whole bytes: the fit's float noise is not growth
+        values = [round(r["trainer_growth_per_snapshot_bytes"]
+                        + (r["writer_growth_per_snapshot_bytes"] or 0.0)) for r in rounds]
+    return _entry(values, state_bytes)

@@ -8,6 +8,13 @@ systems so that every figure can be read as a multiple of what the hardware allo
   durable faster than the disk, so this bounds time-to-durable from below (compression off).
 * read (``read_cache_s``): reading the dd file straight back, from the page cache; the floor for a
   restore of a checkpoint that was just written (also read from the page cache).
+* cold read (``read_cold_s``): the dd file's pages evicted (``measure.evict``: fsync, then
+  ``POSIX_FADV_DONTNEED``), then read sequentially from the disk; the floor for a cold restore,
+  whose snapshot files are evicted the same way.
+
+Both reads go 1 MiB at a time into a preallocated, pre-faulted buffer. The dd file is removed with
+its directory fsynced (``measure.remove(settle=True)``), and the sweep takes its floor sample
+before the cleanup of the system it runs next to, never right after a large deletion.
 
 Informative extras, off unless asked for: a copy into a memfd-like shared-memory buffer as the
 engine's staging slots are (``copy_shm_s``), and ``dd oflag=direct bs=8M`` (``dd_direct_s``), the disk
@@ -23,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from .measure import med_p95, timed
+from .measure import evict, remove, spread, timed
 
-FLOOR_KEYS = ("copy_s", "dd_s", "read_cache_s")
+FLOOR_KEYS = ("copy_s", "dd_s", "read_cache_s", "read_cold_s")
+READ_CHUNK = 1 << 20
 
 
 class Floors:
@@ -54,9 +62,9 @@ class Floors:
         return sample
 
     def medians(self, samples: Optional[list[dict]] = None) -> dict:
-        """{floor key: {"median", "p95"}} over ``samples`` (default: all taken so far)."""
+        """{floor key: ``spread``} over ``samples`` (default: all taken so far)."""
         samples = self.samples if samples is None else samples
-        return {k: med_p95([s[k] for s in samples]) for k in samples[0]}
+        return {k: spread([s[k] for s in samples]) for k in samples[0]}
 
     def _dd_and_read(self) -> dict:
         path = os.path.join(self.directory, "dd.bin")
@@ -64,12 +72,13 @@ class Floors:
         try:
             figures["dd_s"] = timed(lambda: self._dd(path, "bs=1M"))
             figures["read_cache_s"] = timed(lambda: read_into(path, self.dst))
-            os.remove(path)
+            evict(path)
+            figures["read_cold_s"] = timed(lambda: read_into(path, self.dst))
+            remove(path, settle=True)
             if self.direct:
                 figures["dd_direct_s"] = timed(lambda: self._dd(path, "bs=8M", "oflag=direct"))
         finally:
-            if os.path.exists(path):
-                os.remove(path)
+            remove(path, settle=True)
         return figures
 
     def _dd(self, path: str, *flags: str) -> None:
@@ -85,11 +94,12 @@ class Floors:
 
 
 def read_into(path: str, dst: torch.Tensor) -> None:
+    """Read ``path`` sequentially, ``READ_CHUNK`` bytes a call, into ``dst`` (preallocated)."""
     view = memoryview(dst.numpy())
     with open(path, "rb", buffering=0) as f:
         done = 0
         while done < len(view):
-            n = f.readinto(view[done:])
+            n = f.readinto(view[done:done + READ_CHUNK])
             if not n:
                 raise EOFError(f"{path} is shorter than {len(view)} bytes")
             done += n

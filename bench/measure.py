@@ -1,9 +1,11 @@
 """Timing, statistics and memory sampling shared by every benchmark in ``bench/``.
 
 The machine these benchmarks run on is noisy (shared, 2 cores, a VM whose freed memory goes back to
-the host), so single numbers are never reported: a figure is a median with its p95, and a ratio to a
-floor is taken run by run against the floor samples measured just around that run ("paired"), which
-is less sensitive to the machine's speed drifting during the run than a ratio of medians.
+the host), so single numbers are never reported: a figure is the median of repetitions interleaved
+across systems (``rotated``: every system once per round, in rotating order, so a drift of the
+machine hits all alike) with its min-max spread (``spread``), and a ratio to a floor or a peer is
+taken round by round ("paired", ``ratio_spread``), which is less sensitive to the machine's speed
+drifting during the run than a ratio of medians.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -34,15 +37,50 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def med_p95(values: Sequence[float]) -> dict:
-    return {"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
+def spread(values: Sequence[float]) -> dict:
+    """The one summary of repeated measurements: ``{"median", "min", "max", "n"}``. Min-max rather
+    than a percentile because there are only a few (interleaved) repetitions per cell."""
+    values = [float(v) for v in values]
+    if not values:
+        raise ValueError("no values to summarise")
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def ratio_spread(values: Sequence[float], references: Sequence[float]) -> dict:
+    """``spread`` of the pairwise ratios ``values[i] / references[i]``: each repetition against the
+    floor or peer measured in the same round."""
+    if len(values) != len(references):
+        raise ValueError(f"{len(values)} values against {len(references)} references")
+    return spread([v / r for v, r in zip(values, references)])
 
 
 def paired_ratio(runs: Sequence[dict], key: str, floor_key: str) -> float:
     """Median over runs of each run's ``key`` / the mean of the two floor samples measured just
     before and just after it (``run["floor_before"]``, ``run["floor_after"]``)."""
-    return float(np.median([
-        r[key] * 2 / (r["floor_before"][floor_key] + r["floor_after"][floor_key]) for r in runs]))
+    return ratio_spread([r[key] for r in runs],
+                        [(r["floor_before"][floor_key] + r["floor_after"][floor_key]) / 2
+                         for r in runs])["median"]
+
+
+def rotated(items: Sequence, shift: int) -> list:
+    """``items`` rotated left by ``shift``: the order of one interleaved round, so that over the
+    rounds no item always runs first or last."""
+    shift %= max(1, len(items))
+    return list(items[shift:]) + list(items[:shift])
+
+
+def load_now() -> dict:
+    """The machine's load at a point of the run: loadavg and the reclaim counters (``vmstat``)."""
+    return {"loadavg": list(os.getloadavg()), "vmstat": vmstat()}
+
+
+def load_between(start: dict, end: dict) -> dict:
+    """What the report shows of a round or a case: loadavg at its start and end, and how far the
+    reclaim counters moved in between."""
+    return {"loadavg_start": start["loadavg"], "loadavg_end": end["loadavg"],
+            "vmstat_delta": {k: end["vmstat"][k] - start["vmstat"].get(k, 0)
+                             for k in end["vmstat"]}}
 
 
 def slope(values: Sequence[float]) -> Optional[float]:
@@ -110,13 +148,15 @@ class RssSampler:
             self.sample()
 
 
+RECLAIM_KEYS = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
+
+
 def vmstat() -> dict:
     """Kernel reclaim counters: when they move during the run, memory pressure slowed page-cache
     writes (the floors' and the systems' alike)."""
-    keys = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
     with open("/proc/vmstat") as f:
         counters = dict(line.split() for line in f)
-    return {k: int(counters.get(k, 0)) for k in keys}
+    return {k: int(counters.get(k, 0)) for k in RECLAIM_KEYS}
 
 
 def machine() -> dict:
@@ -141,10 +181,40 @@ def _cpu_model() -> str:
 
 def dir_bytes(path: str) -> int:
     """Bytes of the files at or under ``path``."""
+    return sum(os.path.getsize(name) for name in files_under(path))
+
+
+def files_under(path: str) -> list[str]:
+    """``path`` itself if it is a file, else every file under it."""
     if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(parent, name))
-               for parent, _, names in os.walk(path) for name in names)
+        return [path]
+    return [os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names]
+
+
+def evict(path: str) -> None:
+    """Drop the page-cache pages of every file at or under ``path`` (fsync first, so that they are
+    clean and ``POSIX_FADV_DONTNEED`` can drop them): the next read comes from the disk. What a
+    "cold" restore and the cold read floor start from."""
+    for name in files_under(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def remove(path: str, settle: bool = False) -> None:
+    """Remove a file or directory tree, if it is there. ``settle``: then fsync its parent, so that
+    the deletion is committed before whatever is timed next (on this VM a write right after a
+    large delete is slow)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if settle and os.path.isdir(parent):
+        fsync_dir(parent)
 
 
 def fsync_tree(path: str) -> None:

@@ -1,10 +1,12 @@
 """The benchmark report as markdown tables, rendered from results.json alone (so a report can be
 re-rendered from any saved results: ``python -m bench --render results.json``).
 
-Every cell that holds a measured figure also shows its ratio to the figure's floor and to the best
-peer: ``value · ×floor · ×best peer``. ``render`` returns the whole report, ready to paste into
-the README as its "Performance" section: images are linked from ``image_dir``, the plots'
-directory relative to the repository root.
+Every cell that holds a measured figure is the median over the interleaved rounds with its min-max
+spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
+×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
+opening paragraph and its "Targets", "Saving and restoring", "2 ranks" and "Periodic vs
+asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
+directory relative to the repository root).
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ from async_ckpt.tools.advise import format_advice
 
 from . import article, incremental
 from .article import ASYNC, headline_case
+from .measure import RECLAIM_KEYS
 from .systems import NONE, SYSTEM_NAMES
 
 FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
-                ("read_cache_s", "read (page cache)"))
+                ("read_cache_s", "read (page cache)"), ("read_cold_s", "read (cold, from disk)"))
 
 
 def render(results: dict, image_dir: str = "bench/results") -> str:
     results = _compact(results)
-    sections = [_header(results), _legend(), _floors(results), _headline(results, image_dir),
-                _training(results, image_dir), _memory(results), _ranks(results),
-                incremental.render(results), _consistency(results),
-                _article(results), _advice(results), _per_size(results), _notes(results)]
+    sections = [_header(results), _legend(results), _targets(results), _floors(results),
+                _headline(results, image_dir), _training(results, image_dir), _memory(results),
+                _ranks(results), incremental.render(results), _consistency(results),
+                _article(results), _advice(results), _per_size(results), _load(results),
+                _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -70,14 +74,21 @@ def _mb(x: Optional[float]) -> str:
     return "–" if x is None else _num(x / 1e6)
 
 
-def _cell(entry, scale: float = 1.0, p95: bool = False, extra: str = "") -> str:
-    """``median (p95 ..) · ×floor · ×best peer`` or the "n/a (reason)" string."""
+def _spread(entry: dict, scale: float = 1.0, fmt=_num) -> str:
+    """``median (min–max)`` of a ``measure.spread``; the range only where there are two values or
+    more and they differ."""
+    text = fmt(entry["median"] / scale)
+    if entry.get("n", 1) > 1 and entry["min"] != entry["max"]:
+        text += f" ({fmt(entry['min'] / scale)}–{fmt(entry['max'] / scale)})"
+    return text
+
+
+def _cell(entry, scale: float = 1.0, extra: str = "") -> str:
+    """``median (min–max) · ×floor · ×best peer`` or the "n/a (reason)" string."""
     if not isinstance(entry, dict):
         return str(entry)
-    text = _num(entry["median"] / scale)
-    if p95 and entry.get("p95") is not None:
-        text += f" (p95 {_num(entry['p95'] / scale)})"
-    return f"{text}{extra} · {_ratio(entry.get('x_floor'))} · {_ratio(entry.get('x_best_peer'))}"
+    return (f"{_spread(entry, scale)}{extra} · {_ratio(entry.get('x_floor'))} · "
+            f"{_ratio(entry.get('x_best_peer'))}")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -126,13 +137,38 @@ def _loads(loads) -> str:
     return " ".join(f"{x:.2f}" for x in loads)
 
 
-def _legend() -> str:
-    return ("Cells read `value · ×floor · ×best peer`: the floor is the physical limit of this "
-            "machine for the same bytes, measured in the same run (for times, the median of the "
-            "floor samples interleaved with the systems); the best peer is the best of the "
-            "systems other than async_ckpt for the same case. For times and bytes lower is "
-            "better, for throughput and compression higher. `–`: no meaningful ratio (a best "
-            "peer that uses no memory of its own).")
+def _legend(results: dict) -> str:
+    rounds = results["config"].get("rounds")
+    return (f"Cells read `median (min–max) · ×floor · ×best peer`: the median of {rounds} "
+            "interleaved rounds (every system once per round, in rotating order) and its range; "
+            "the floor is the physical limit of this machine for the same bytes, measured in the "
+            "same run, one sample per round, and ×floor is the median of each round's value over "
+            "that round's floor; the best peer is the best (by median) of the systems other than "
+            "async_ckpt for the same case. For times and bytes lower is better, for throughput "
+            "and compression higher. `–`: no meaningful ratio (a best peer that uses no memory "
+            "of its own).")
+
+
+def _targets(results: dict) -> str:
+    targets = results.get("targets")
+    if not targets or not targets["cases"]:
+        return ""
+    rows = []
+    for row in targets["rows"]:
+        cells = []
+        for case in targets["cases"]:
+            e = row["values"][case]
+            cells.append(str(e) if not isinstance(e, dict) else
+                         f"{_spread(e, fmt=_ratio)} {'meets' if e['meets'] else 'MISSES'}")
+        rows.append([row["title"], f"≤ {row['limit']:g}×", *cells])
+    met = sum(1 for row in targets["rows"] for e in row["values"].values()
+              if isinstance(e, dict) and e["meets"])
+    total = sum(1 for row in targets["rows"] for e in row["values"].values() if isinstance(e, dict))
+    return ("### Targets (\"At the storage floor\")\n\n"
+            "Each ratio is taken round by round (the system's value in round i over the floor's "
+            "or the peer's in round i), then the median (min–max) over the rounds; a target is "
+            f"met when the median is at or under it. Met: {met} of {total}.\n\n"
+            + _table(["ratio", "target", *targets["cases"]], rows))
 
 
 def _floors(results: dict) -> str:
@@ -140,10 +176,10 @@ def _floors(results: dict) -> str:
     for label, floors in results["floors"].items():
         row = [label]
         for key, _ in FLOOR_LABELS:
-            f = floors[key]
-            row.append(f"{_num(f['median'])} s ({f['gbps']:.2f} GB/s)")
+            f = floors.get(key)
+            row.append(f"{_spread(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
         rows.append(row)
-    return ("### Floors (median of the samples interleaved with the runs)\n\n"
+    return ("### Floors (median (min–max) of one sample per round, next to the systems)\n\n"
             + _table(["state", *(name for _, name in FLOOR_LABELS)], rows))
 
 
@@ -152,19 +188,28 @@ def _headline(results: dict, image_dir: str) -> str:
     if case is None:
         return ""
     f = results["figures"]
-    save = [[name, _cell(f["blocking_s"]["values"][name][case], p95=True),
-             _cell(f["to_durable_s"]["values"][name][case], p95=True)]
-            for name in SYSTEM_NAMES]
+    blocks = results["raw"]["sweep"][case]["systems"]
+    names = [name for name in SYSTEM_NAMES if not blocks[name].get("skipped")]
+    skipped = [name for name in SYSTEM_NAMES if blocks[name].get("skipped")]
+    save = [[name, _cell(f["blocking_s"]["values"][name][case]),
+             _cell(f["to_durable_s"]["values"][name][case])]
+            for name in names]
     restore = [[name, _cell(f["restore_s"]["values"][name][case]),
+                _cell(f["restore_cold_s"]["values"][name][case]),
                 _cell(f["stored_bytes"]["values"][name][case], scale=1e6),
                 _cell(f["compression_ratio"]["values"][name][case])]
-               for name in SYSTEM_NAMES]
+               for name in names]
     nbytes = results["raw"]["sweep"][case]["bytes"]
+    rounds = results["raw"]["sweep"][case]["rounds"]
+    note = (f" Not run at this size: {', '.join(skipped)} ({blocks[skipped[0]]['reason']}; see "
+            "the notes).") if skipped else ""
     return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
-            + _table(["system", "blocking s (p95) · ×copy · ×best peer",
-                      "to durable s (p95) · ×dd · ×best peer"], save)
+            f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
+            + _table(["system", "blocking s (min–max) · ×copy · ×best peer",
+                      "to durable s (min–max) · ×dd · ×best peer"], save)
             + "\n\n"
-            + _table(["system", "restore s · ×read · ×best peer",
+            + _table(["system", "warm restore s · ×read · ×best peer",
+                      "cold restore s · ×cold read · ×best peer",
                       "MB written · ×state · ×best peer",
                       "compression ratio · ×raw · ×best peer"], restore)
             + f"\n\n![blocking time and time to durable vs state size]({image_dir}/"
@@ -178,7 +223,7 @@ def _training(results: dict, image_dir: str) -> str:
     ks = throughput["cases"]
     none = throughput["values"][NONE.name]
     step_ms = 1000 / none[ks[-1]]["median"]
-    rows = [[NONE.name] + [f"{_num(none[k]['median'])}" for k in ks]]
+    rows = [[NONE.name] + [_spread(none[k]) for k in ks]]
     for name in SYSTEM_NAMES:
         row = [name]
         for k in ks:
@@ -186,26 +231,28 @@ def _training(results: dict, image_dir: str) -> str:
             row.append(_cell(e, extra=f" ({e['overhead_pct']:+.1f}%)") if isinstance(e, dict)
                        else str(e))
         rows.append(row)
-    blocking_rows = [[name] + [_cell(blocking["values"][name][k], p95=True) for k in ks]
+    blocking_rows = [[name] + [_cell(blocking["values"][name][k]) for k in ks]
                      for name in SYSTEM_NAMES]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
     return (f"### Training loop: {_num(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
             f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
-            f"Steps per loop: {steps}. Each system's loop is timed against a loop without "
-            "checkpointing run just before it (the overhead in parentheses); the first row is "
-            f"every such loop together. {_noise(training)}\n\n"
-            + _table(["system", *(f"{k} steps/s (time overhead) · ×no ckpt · ×best peer"
-                                  for k in ks)], rows)
+            f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's "
+            "loop is timed against a loop without checkpointing run just before it (the median "
+            "overhead in parentheses); the first row is every such loop together. "
+            f"{_noise(training)}\n\n"
+            + _table(["system", *(f"{k} steps/s (min–max) (time overhead) · ×no ckpt · "
+                                  "×best peer" for k in ks)], rows)
             + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
-            + "Blocking time per snapshot in the loop (s):\n\n"
-            + _table(["system", *(f"{k} (p95) · ×copy · ×best peer" for k in ks)],
+            + "Blocking time per snapshot in the loop (s; per round the median of its "
+            "snapshots):\n\n"
+            + _table(["system", *(f"{k} (min–max) · ×copy · ×best peer" for k in ks)],
                      blocking_rows))
 
 
 def _noise(training: dict) -> str:
     """How much the no-checkpoint loops alone varied: the yardstick for reading small overheads."""
-    rates = [b["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
-             if b.get("available") for k in b["loops"]]
+    rates = [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
+             if b.get("available") for r in b["runs"] for k in r["loops"]]
     if len(rates) < 2:
         return ""
     return (f"The machine's speed drifted: loops without checkpointing ran at {min(rates):.3g} to "
@@ -239,20 +286,22 @@ def _ranks(results: dict) -> str:
             continue
         rows.append([
             name,
-            f"{_num(s['blocking_s'])} · {_ratio(s['blocking_x_floor'])} · "
+            f"{_spread(s['blocking_s'])} · {_ratio(s['blocking_x_floor'])} · "
             f"{_ratio(s['blocking_x_best_peer'])}",
-            f"{_num(s['to_commit_s'])} · {_ratio(s['to_commit_x_floor'])} · "
+            f"{_spread(s['to_commit_s'])} · {_ratio(s['to_commit_x_floor'])} · "
             f"{_ratio(s['to_commit_x_best_peer'])}",
             f"{_mb(s['stored_bytes'])} ({' + '.join(_mb(b) for b in s['bytes_per_rank'])})"])
     return (f"### {ranks['ranks']} ranks under torchrun (gloo), "
             f"{ranks['state_bytes'] / 1e6:.3g} MB replicated state\n\n"
-            "The same model + Adam state on every rank, as DDP keeps it; medians of "
-            f"{ranks['repeats']} snapshots. Blocking is the slower rank's call (floor: one "
-            f"`copy_` of a rank's state, {_num(floors['copy_s'])} s); time to commit runs from "
-            "rank 0's call until rank 0 sees the snapshot committed, every rank's part durable "
-            f"(floor: `dd conv=fsync` of the state's bytes once, {_num(floors['dd_s'])} s).\n\n"
-            + _table(["system", "blocking s · ×floor · ×best peer",
-                      "time to commit s · ×floor · ×best peer", "MB written (per rank)"], rows))
+            "The same model + Adam state on every rank, as DDP keeps it; medians (min–max) of "
+            f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
+            "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
+            f"{_spread(floors['copy_s'])} s); time to commit runs from rank 0's call until rank 0 "
+            "sees the snapshot committed, every rank's part durable (floor: `dd conv=fsync` of "
+            f"the state's bytes once, {_spread(floors['dd_s'])} s).\n\n"
+            + _table(["system", "blocking s (min–max) · ×floor · ×best peer",
+                      "time to commit s (min–max) · ×floor · ×best peer",
+                      "MB written (per rank)"], rows))
 
 
 def _consistency(results: dict) -> str:
@@ -318,10 +367,9 @@ def _advice(results: dict) -> str:
 def _per_size(results: dict) -> str:
     f = results["figures"]
     parts = ["### Every state size"]
-    for key in ("blocking_s", "to_durable_s", "restore_s", "compression_ratio"):
+    for key in ("blocking_s", "to_durable_s", "restore_s", "restore_cold_s", "compression_ratio"):
         figure = f[key]
-        rows = [[name] + [_cell(figure["values"][name][c], p95=key != "compression_ratio")
-                          for c in figure["cases"]]
+        rows = [[name] + [_cell(figure["values"][name][c]) for c in figure["cases"]]
                 for name in SYSTEM_NAMES]
         floor = figure["floor"]
         parts.append(f"{figure['title'].capitalize()} ({figure['unit']}; ×floor: {floor}):\n\n"
@@ -335,27 +383,67 @@ def _write_spread(results: dict) -> str:
     block = results["raw"]["sweep"].get(case, {}).get("systems", {}).get(ASYNC) if case else None
     if not block or not block.get("available"):
         return ""
-    writes = [r["engine"]["write_s"] for r in block["runs"] + [block["warmup"]] if "engine" in r]
+    snapshots = [s for run in block["runs"] for s in (run, run["warmup"])]
+    writes = [s["engine"]["write_s"] for s in snapshots if "engine" in s]
     if len(writes) < 2:
         return ""
     return (f" (the engine's write phase for the {case} state took {min(writes):.2f} s to "
             f"{max(writes):.2f} s here)")
 
 
+def _load(results: dict) -> str:
+    """The machine's load while each part ran: the yardstick for how far to trust its spread."""
+    loads = results.get("loads")
+    if not loads:
+        return ""
+    rows = []
+    for part, load in loads.items():
+        rounds = ", ".join(f"{r['loadavg_start'][0]:.2f}→{r['loadavg_end'][0]:.2f}"
+                           for r in load["rounds"])
+        delta = load["vmstat_delta"]
+        rows.append([part, rounds, "–" if delta is None else
+                     " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS)])
+    total = results["vmstat_delta"]
+    return ("### Machine load\n\n"
+            "The 1-minute load average at the start → end of each round (the machine has "
+            f"{results['machine']['nproc']} CPUs and is shared), and how far the kernel's reclaim "
+            f"counters ({', '.join(RECLAIM_KEYS)}) moved during each part; over the whole run: "
+            + " / ".join(f"{total.get(k, 0):,}" for k in RECLAIM_KEYS)
+            + ". Moving counters mean memory pressure slowed page-cache writes, the floors' and "
+            "the systems' alike.\n\n"
+            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS)], rows))
+
+
+def _big_note(results: dict) -> str:
+    skipped = {name: block["reason"] for case in results["raw"]["sweep"].values()
+               for name, block in case["systems"].items() if block.get("skipped")}
+    if not skipped:
+        return ""
+    return (f" {', '.join(skipped)}: {next(iter(skipped.values()))} (they behave like the DCP "
+            "variants that do, and would add minutes of runtime and no information).")
+
+
 def _notes(results: dict) -> str:
     return "\n".join([
         "### How these were measured",
         "",
-        "- Sweep: per state, the systems run one at a time: a warm-up snapshot (excluded), then "
-        "measured snapshots each followed by a wait for durability, then restores; the order "
-        "rotates from state to state. Floors are sampled between systems.",
+        f"- Sweep: per state, {results['config'].get('rounds')} interleaved rounds; in each round "
+        "every system runs once, in an order rotated from round to round, one system open at a "
+        "time: open, a warm-up snapshot (excluded), one measured snapshot followed by a wait for "
+        "durability, a warm restore, a cold restore, close." + _big_note(results)
+        + " Each round takes one floor sample next to its first system, after its restores and "
+        "before its cleanup (never right after a large deletion), and every ratio to a floor or "
+        "a peer pairs values of the same round.",
         "- Blocking: wall time of the save call in the training thread. To durable: from that "
         "call until the snapshot is on disk and fsynced (async_ckpt: the manifest commit; DCP: "
         "the future; torchsnapshot never fsyncs, so its time includes an fsync of its files "
         "after it reports done).",
-        "- Restores read files just written, from the page cache, like the read floor.",
-        "- The dd floor writes a file and deletes it at once, so its page-cache pages are "
-        "recycled; the systems keep their newest three snapshots, so each write needs fresh "
+        "- Warm restores read the files just written, from the page cache, like the read floor. "
+        "Cold restores first evict the newest snapshot's files (fsync, then "
+        "`posix_fadvise(POSIX_FADV_DONTNEED)` on every file), like the cold read floor, which "
+        "evicts the dd file the same way and reads it back 1 MiB at a time.",
+        "- The dd floor writes a file and deletes it once it has been read back (directory "
+        "fsynced); the systems keep their newest three snapshots, so each write needs fresh "
         "pages, which on this VM (its freed memory goes back to the host) are slow to get and "
         "vary from one snapshot to the next" + _write_spread(results) + ".",
         "- DCP's and torchsnapshot's asynchronous saves keep one save in flight: the next save "

@@ -43,13 +43,11 @@ import sys
 import tempfile
 from typing import Optional
 
-import numpy as np
-
 if __package__ in (None, ""):  # run as a script, ``python bench/stall.py``: import bench.* too
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.floors import Floors  # noqa: E402
-from bench.measure import log, machine, med_p95, paired_ratio, rss, vmstat  # noqa: E402
+from bench.measure import log, machine, paired_ratio, rss, spread, vmstat  # noqa: E402
 from bench.sweep import measure_snapshot  # noqa: E402
 from bench.systems import OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, System  # noqa: E402
 from bench.workloads import WIDTH, build_state  # noqa: E402
@@ -121,17 +119,17 @@ def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     floor_samples = [r["floor_before"] for r in runs] + [runs[-1]["floor_after"]]
-    floor = {k: float(np.median([s[k] for s in floor_samples])) for k in floor_samples[0]}
-    blocking = med_p95([r["blocking_s"] for r in runs])
-    to_commit = med_p95([r["to_commit_s"] for r in runs])
+    floor = {k: spread([s[k] for s in floor_samples])["median"] for k in floor_samples[0]}
+    blocking = spread([r["blocking_s"] for r in runs])
+    to_commit = spread([r["to_commit_s"] for r in runs])
     summary = {"blocking_s": blocking, "to_commit_s": to_commit, "floors": floor,
                "blocking_x_copy": blocking["median"] / floor["copy_s"],
                "to_commit_x_dd": to_commit["median"] / floor["dd_s"],
                "blocking_x_copy_paired": paired_ratio(runs, "blocking_s", "copy_s"),
                "to_commit_x_dd_paired": paired_ratio(runs, "to_commit_s", "dd_s"),
-               "stored_bytes": float(np.median([r["stored_bytes"] for r in runs]))}
+               "stored_bytes": spread([r["stored_bytes"] for r in runs])["median"]}
     if "engine" in runs[0]:
-        summary["engine_median_s"] = {k: float(np.median([r["engine"][k] for r in runs]))
+        summary["engine_median_s"] = {k: spread([r["engine"][k] for r in runs])["median"]
                                       for k in ENGINE_FIGURES}
     return summary
 
@@ -162,21 +160,22 @@ def print_report(report: dict) -> None:
     print(f"floors, median of {report['floor_samples']} interleaved samples:")
     for key, label in (("copy_s", "copy_ into a pre-faulted buffer"), ("dd_s", "dd conv=fsync"),
                        ("read_cache_s", "read (page cache)"),
+                       ("read_cold_s", "read (cold, from disk)"),
                        ("dd_direct_s", "dd oflag=direct bs=8M conv=fsync (info)"),
                        ("copy_shm_s", "copy_ into shared memory (memfd-like, info)")):
-        print(f"  {label:<44} {floors[key]['median']:7.3f} s  (p95 {floors[key]['p95']:.3f} s, "
-              f"{gb / floors[key]['median']:5.2f} GB/s)")
+        print(f"  {label:<44} {floors[key]['median']:7.3f} s  ({floors[key]['min']:.3f}-"
+              f"{floors[key]['max']:.3f} s, {gb / floors[key]['median']:5.2f} GB/s)")
     print()
-    header = (f"{'system':<20} {'blocking s med':>14} {'p95':>6} {'x copy (paired)':>15} "
-              f"{'copy fl':>7} {'to-commit s med':>15} {'p95':>6} {'x dd (paired)':>13} "
+    header = (f"{'system':<20} {'blocking s med':>14} {'max':>6} {'x copy (paired)':>15} "
+              f"{'copy fl':>7} {'to-commit s med':>15} {'max':>6} {'x dd (paired)':>13} "
               f"{'dd fl':>6} {'stored MB':>9}")
     print(header)
     print("-" * len(header))
     for name, row in report["summary"].items():
         b, c = row["blocking_s"], row["to_commit_s"]
-        print(f"{name:<20} {b['median']:14.3f} {b['p95']:6.3f} "
+        print(f"{name:<20} {b['median']:14.3f} {b['max']:6.3f} "
               f"{row['blocking_x_copy']:7.2f} ({row['blocking_x_copy_paired']:5.2f}) "
-              f"{row['floors']['copy_s']:7.3f} {c['median']:15.3f} {c['p95']:6.3f} "
+              f"{row['floors']['copy_s']:7.3f} {c['median']:15.3f} {c['max']:6.3f} "
               f"{row['to_commit_x_dd']:5.2f} ({row['to_commit_x_dd_paired']:5.2f}) "
               f"{row['floors']['dd_s']:6.2f} {row['stored_bytes'] / 1e6:9.1f}")
     print("x copy, x dd: the system's median / the median of the floors measured just before its "

@@ -1,30 +1,36 @@
-"""State-size sweep: blocking time, time-to-durable, restore time and bytes of every system, for
-model + Adam states from tens of MB to GBs (fp32, and bf16), against the floors.
+"""State-size sweep: blocking time, time-to-durable, warm and cold restore time and bytes of every
+system, for model + Adam states from hundreds of MB to GBs (fp32, and bf16), against the floors.
 
-For each state ("case") the systems run one at a time, each in a block: open, one warm-up snapshot
-(excluded: it allocates staging buffers, spawns executor processes), ``repeats`` measured snapshots
-each followed by ``wait()`` (so writes never overlap each other or a floor), ``restore_repeats``
-restores of the newest snapshot, close. One system at a time keeps memory bounded (a 2 GB state,
-its staging copy and the floors' two buffers fit in 24 GiB with room for the page cache; all nine
-systems open at once would not). Floor samples are interleaved between blocks (every
-``floor_every`` blocks; each block records the samples taken just before and after it) and the
-figures compare every system with their median; the block order is rotated from case to case so
-that no system always runs first.
+For each state ("case") the systems run in interleaved rounds (``rounds.run_rounds``): every round
+runs each system once, in rotating order, as open, one warm-up snapshot (excluded: it allocates
+staging buffers, spawns executor processes), one measured snapshot followed by ``wait()`` (so
+writes never overlap each other or a floor), a warm restore of the newest snapshot (its files
+still in the page cache, as right after a write), a cold restore (the same files evicted first:
+``measure.evict``), close. One system open at a time keeps memory bounded (a 2 GB state, its
+staging copy and the floors' two buffers fit in 24 GiB with room for the page cache; all systems
+open at once would not). Each round takes one floor sample, next to its first system, and every
+figure of round ``i`` is paired with that round's floor and peers.
+
+At the big states (``BIG_GB`` and above) only ``BIG_SYSTEMS`` run: the other DCP variants
+behave like these there and cost minutes each, so they would add runtime and no information.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .floors import Floors
-from .measure import RssSampler, log, release_free_memory, rss, timed
-from .systems import System, SystemSpec, Unavailable, run_guarded
+from .measure import RssSampler, evict, log, release_free_memory, rss, timed
+from .rounds import FloorHook, run_rounds
+from .systems import BIG_SYSTEMS, System, SystemSpec, Unavailable, run_guarded
 from .workloads import build_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BIG_GB = 1.0
+SKIPPED = f"not run at {BIG_GB:g} GB and above"
 
 
 def size_label(size_gb: float) -> str:
@@ -36,56 +42,44 @@ def case_label(dtype: str, size_gb: float) -> str:
     return f"{dtype} {size_label(size_gb)}"
 
 
-def repeats_for(size_gb: float, quick: bool) -> int:
-    """Measured snapshots per system: fewer for big states, which are slower and vary less."""
-    if quick:
-        return 1
-    return 5 if size_gb < 0.2 else 3 if size_gb < 1.5 else 1
+def runs_at(spec: SystemSpec, size_gb: float) -> bool:
+    return size_gb < BIG_GB or spec.name in BIG_SYSTEMS
 
 
 def run_sweep(specs: Sequence[SystemSpec], cases: Sequence[tuple[str, float]], root: str,
-              quick: bool, floor_every: int) -> dict:
-    results = {}
-    for index, (dtype, size_gb) in enumerate(cases):
-        label = case_label(dtype, size_gb)
-        shift = index % len(specs)
-        order = list(specs[shift:]) + list(specs[:shift])
-        results[label] = run_case(order, dtype, size_gb, root, repeats_for(size_gb, quick),
-                                  1 if size_gb >= 1 or quick else 2, floor_every)
-    return results
+              rounds: int) -> dict:
+    return {case_label(dtype, size_gb): run_case(specs, dtype, size_gb, root, rounds, index)
+            for index, (dtype, size_gb) in enumerate(cases)}
 
 
-def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str, repeats: int,
-             restore_repeats: int, floor_every: int) -> dict:
+def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str, rounds: int,
+             shift: int) -> dict:
+    """``rounds`` interleaved rounds on one state; ``systems[name]["runs"][i]`` is round ``i``
+    (a system that fails in any round is n/a for the whole case)."""
     state, nbytes = build_state(size_gb, DTYPES[dtype])
     label = case_label(dtype, size_gb)
-    log(f"sweep {label}: {nbytes / 1e9:.3f} GB of tensors, {repeats} snapshots per system")
+    running = [s for s in specs if runs_at(s, size_gb)]
+    log(f"sweep {label}: {nbytes / 1e9:.3f} GB of tensors, {rounds} rounds of {len(running)} "
+        "systems")
     case = {"dtype": dtype, "size_gb": size_gb, "bytes": nbytes,
-            "layers": len(state["model"]) // 2, "repeats": repeats, "systems": {}}
+            "layers": len(state["model"]) // 2, "rounds": rounds}
+    directory = os.path.join(root, "sweep")
     floors = Floors(root, nbytes)
     try:
-        before, waiting = floors.measure(), []
-        for position, spec in enumerate(specs):
-            block = run_block(spec, state, os.path.join(root, "sweep"), repeats, restore_repeats)
-            block["floor_before"] = before
-            case["systems"][spec.name] = block
-            waiting.append(block)
-            if (position + 1) % floor_every == 0 or position == len(specs) - 1:
-                before = floors.measure()
-                for earlier in waiting:
-                    earlier["floor_after"] = before
-                waiting = []
-        case["floors"] = floors.samples
+        case.update(run_rounds(running, rounds, shift, floors.measure,
+                               lambda index, spec, hook: run_round(spec, state, directory, hook)))
         case["floor_buffer_bytes"] = floors.buffer_bytes
     finally:
         floors.close()
+    skipped = {"available": False, "skipped": True, "reason": SKIPPED}
+    case["systems"] = {s.name: case["systems"].get(s.name, skipped) for s in specs}
     return case
 
 
-def run_block(spec: SystemSpec, state: dict, directory: str, repeats: int,
-              restore_repeats: int) -> dict:
-    """One system on one state: warm-up, measured snapshots, restores. A peer that cannot open or
-    fails is reported with the reason; a failure of async_ckpt itself is raised."""
+def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHook) -> dict:
+    """One system on one state for one round: warm-up, a measured snapshot, warm and cold
+    restores; ``floor_hook`` (the round's floor sample) runs before the cleanup. A peer that cannot
+    open or fails is reported with the reason; a failure of async_ckpt itself is raised."""
     try:
         system = spec.open(state, directory)
     except Unavailable as e:
@@ -97,15 +91,19 @@ def run_block(spec: SystemSpec, state: dict, directory: str, repeats: int,
     def measure() -> dict:
         with RssSampler(system.writer_pids) as sampler:
             warmup = measure_snapshot(system, 0)
-            runs = [measure_snapshot(system, step) for step in range(1, repeats + 1)]
-            restores = [timed(system.restore) for _ in range(restore_repeats)]
+            run = measure_snapshot(system, 1)
+            run["restore_s"] = timed(system.restore)
+            evict(system.newest_path())
+            run["restore_cold_s"] = timed(system.restore)
             details = system.details()
-        log(f"  {spec.name}: blocking {[round(r['blocking_s'], 3) for r in runs]} s, to-commit "
-            f"{[round(r['to_commit_s'], 3) for r in runs]} s, "
-            f"restore {[round(r, 3) for r in restores]} s")
-        return {"available": True, "warmup": warmup, "runs": runs, "restore_s": restores,
+        log(f"  {spec.name}: blocking {run['blocking_s']:.3f} s, to-commit "
+            f"{run['to_commit_s']:.3f} s, restore {run['restore_s']:.3f} s warm, "
+            f"{run['restore_cold_s']:.3f} s cold")
+        if floor_hook is not None:
+            floor_hook()
+        return {**run, "warmup": warmup, "details": details,
                 "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
-                "writer_peak_bytes": sampler.writer_peak, "details": details}
+                "writer_peak_bytes": sampler.writer_peak}
 
     return run_guarded(spec, system, directory, measure)
 
@@ -116,7 +114,7 @@ def measure_snapshot(system: System, step: int) -> dict:
     system.wait()
     record = {"step": step, "blocking_s": blocking, "to_commit_s": system.to_commit_s(),
               "stored_bytes": system.stored_bytes()}
-    details = system.details().get("snapshot")
+    details: Optional[dict] = system.details().get("snapshot")
     if details:
         record["engine"] = details
     return record

@@ -22,14 +22,13 @@ constructor with the reason; the benchmarks report it as "n/a (reason)".
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from .measure import dir_bytes, fsync_dir, log, timed
+from .measure import dir_bytes, fsync_dir, log, remove, timed
 
 KEEP_LAST = 3
 
@@ -103,13 +102,6 @@ class System:
         while len(self._kept) > KEEP_LAST:
             _, old = self._kept.pop(0)
             remove(old)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
 
 
 class NoCheckpoint(System):
@@ -237,7 +229,7 @@ def run_guarded(spec: SystemSpec, system: System, directory: str, body: Callable
         try:
             system.close()
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            remove(directory, settle=True)
 
 
 def _engine(name: str, mode: str, compression: Optional[str]) -> SystemSpec:
@@ -262,15 +254,17 @@ TORCH_SAVE = SystemSpec(TorchSave.name, TorchSave, ours=False, blocking=True)
 OURS_SYNC = _engine("async_ckpt sync", "sync", None)
 OURS_ASYNC = _engine("async_ckpt async", "async", None)
 OURS_ASYNC_ZSTD = _engine("async_ckpt async zstd", "async", "zstd")
+DCP_SAVE = _dcp("DCP save")
+DCP_CACHED = _dcp("DCP async_save (cached shm stager)", executor="thread", stager="cached")
 
 SYSTEMS: tuple[SystemSpec, ...] = (
     TORCH_SAVE,
     OURS_SYNC,
     OURS_ASYNC,
     OURS_ASYNC_ZSTD,
-    _dcp("DCP save"),
+    DCP_SAVE,
     _dcp("DCP async_save (default stager)", executor="thread", stager="default"),
-    _dcp("DCP async_save (cached shm stager)", executor="thread", stager="cached"),
+    DCP_CACHED,
     _dcp("DCP async_save (cached shm stager, process executor)", executor="process",
          stager="cached"),
     SystemSpec("torchsnapshot async_take", _torchsnapshot, ours=False, blocking=False),
@@ -278,6 +272,10 @@ SYSTEMS: tuple[SystemSpec, ...] = (
 """Every checkpointing system, in report order."""
 
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
+BIG_SYSTEMS = tuple(s.name for s in (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_ASYNC_ZSTD, DCP_SAVE,
+                                      DCP_CACHED))
+"""The systems the sweep runs at its biggest states: the periodic save, ours, DCP's blocking save
+and its best asynchronous variant (``bench/sweep.py``)."""
 PEERS = tuple(s.name for s in SYSTEMS if not s.ours)
 
 

@@ -1,9 +1,11 @@
 """A real training loop with a snapshot every K steps: throughput against no checkpointing, blocking
 time per snapshot in the loop, memory, and whether a restore is bit-exact and damage is caught.
 
-Each system starts from the same model and optimizer values, opens, takes one untimed warm-up
-snapshot, then for each K runs ``steps[K]`` training steps without checkpointing and right after
-them the same number with the system, saving after step ``i`` when ``i % K == 0``. The overhead is
+The systems run in interleaved rounds (``rounds.run_rounds``: each once per round, in rotating
+order, one training-state floor sample per round). In each round each system starts from the same
+model and optimizer values, opens, takes one untimed warm-up snapshot, then for each K runs
+``steps[K]`` training steps without checkpointing and right after them the same number with the
+system, saving after step ``i`` when ``i % K == 0``; then closes. The overhead is
 each loop against the no-checkpoint loop just before it: on a shared machine whose speed drifts by
 tens of percent over minutes, only such pairs compare like with like. A loop's time ends with its
 last training step: the newest snapshot's write then still overlaps the K - 1 steps a longer run
@@ -16,8 +18,9 @@ RSS before the first snapshot, with the C heap's free memory handed back first),
 every snapshot; growth per snapshot is the slope of those readings after the first three (which
 allocate staging buffers).
 
-Then ``consistency.check`` on the open system: a snapshot, two more steps, restore, compare bit for
-bit; then one flipped byte in the snapshot's largest file and another restore.
+In the first round only, ``consistency.check`` on the open system: a snapshot, two more steps,
+restore, compare bit for bit; then one flipped byte in the snapshot's largest file and another
+restore.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Sequence
 from . import consistency
 from .floors import Floors
 from .measure import RssSampler, log, release_free_memory, rss, slope, timed
+from .rounds import FloorHook, run_rounds
 from .systems import NoCheckpoint, SystemSpec, Unavailable, run_guarded
 from .workloads import TrainingWorkload
 
@@ -36,28 +40,35 @@ GROWTH_SKIP = 3
 
 
 def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], steps: dict,
-                 workload_options: dict) -> dict:
+                 workload_options: dict, rounds: int) -> dict:
+    """``systems[name]`` holds ``runs`` (one per round, ``rounds.run_rounds``) and the first
+    round's ``consistency``."""
     workload = TrainingWorkload(**workload_options)
     pristine = workload.clone_tensors()
-    log(f"training: {workload.nbytes / 1e6:.0f} MB state; K {list(ks)}; steps {steps}")
-    floors = Floors(root, workload.nbytes)
+    log(f"training: {workload.nbytes / 1e6:.0f} MB state; K {list(ks)}; steps {steps}; "
+        f"{rounds} rounds")
     results = {"state_bytes": workload.nbytes, "workload": workload_options,
-               "steps": {str(k): steps[k] for k in ks}, "systems": {}}
+               "steps": {str(k): steps[k] for k in ks}, "rounds": rounds}
+    directory = os.path.join(root, "train")
+
+    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> dict:
+        workload.load_tensors(pristine)
+        return run_system(spec, workload, directory, ks, steps, floor_hook,
+                          consistency_check=index == 0)
+
+    floors = Floors(root, workload.nbytes)
     try:
-        floors.measure()
-        for spec in specs:
-            workload.load_tensors(pristine)
-            results["systems"][spec.name] = run_system(spec, workload, os.path.join(root, "train"),
-                                                       ks, steps)
-        floors.measure()
-        results["floors"] = floors.samples
+        results.update(run_rounds(specs, rounds, 0, floors.measure, run_slot))
     finally:
         floors.close()
+    for block in results["systems"].values():
+        if block["available"]:
+            block["consistency"] = block["runs"][0].pop("consistency")
     return results
 
 
 def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks: Sequence[int],
-               steps: dict) -> dict:
+               steps: dict, floor_hook: FloorHook, consistency_check: bool) -> dict:
     try:
         system = spec.open(workload.state, directory)
     except Unavailable as e:
@@ -78,18 +89,22 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
                 base, step = run_loop(baseline, workload, k, steps[k], step, [])
                 loops[str(k)], step = run_loop(system, workload, k, steps[k], step, after_snapshot)
                 loops[str(k)]["baseline"] = base
-        checks = consistency.check(system, workload, step + 1)  # restores: not in the loop's RSS
         trainer_after = [t for t, _ in after_snapshot[GROWTH_SKIP:]]
         writer_after = [w for _, w in after_snapshot[GROWTH_SKIP:]]
+        record = {"available": True, "loops": loops,
+                  "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
+                  "writer_peak_bytes": sampler.writer_peak,
+                  "trainer_growth_per_snapshot_bytes": slope(trainer_after),
+                  "writer_growth_per_snapshot_bytes": slope(writer_after),
+                  "rss_after_snapshot": after_snapshot}
+        if consistency_check:  # restores: not in the loop's RSS
+            record["consistency"] = consistency.check(system, workload, step + 1)
         log(f"  {spec.name}: " + ", ".join(
             f"K={k} {loop['steps_per_s']:.1f} steps/s ({loop['baseline']['steps_per_s']:.1f} without)"
             for k, loop in loops.items()))
-        return {"available": True, "loops": loops, "consistency": checks,
-                "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
-                "writer_peak_bytes": sampler.writer_peak,
-                "trainer_growth_per_snapshot_bytes": slope(trainer_after),
-                "writer_growth_per_snapshot_bytes": slope(writer_after),
-                "rss_after_snapshot": after_snapshot}
+        if floor_hook is not None:
+            floor_hook()
+        return record
 
     return run_guarded(spec, system, directory, measure)
 

@@ -1,9 +1,11 @@
 """The benchmarks keep running: ``python -m bench --quick`` finishes and writes complete output.
 
 This checks that every system and every figure is present (a peer that cannot run here is "n/a"
-with a reason), that the PNGs are valid images and that report.md has its tables, and that
-async_ckpt restores bit for bit and catches a damaged snapshot in the run. It checks no timing:
-``--quick`` is far too small and short to measure anything.
+with a reason), that the runs are interleaved rounds with a floor sample each, that the PNGs are
+valid images and that report.md has its tables (the targets, the min-max spreads, warm and cold
+restores, the machine's load), and that async_ckpt restores bit for bit and catches a damaged
+snapshot in the run. It checks no timing: ``--quick`` is far too small and short to measure
+anything.
 """
 
 import json
@@ -23,7 +25,11 @@ from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
 from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args  # noqa: E402
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
+from bench.floors import FLOOR_KEYS  # noqa: E402
+from bench.measure import ratio_spread, rotated, spread  # noqa: E402
 from bench.ranks import SYSTEMS as RANK_SYSTEMS  # noqa: E402
+from bench.rounds import run_rounds  # noqa: E402
+from bench.targets import TARGETS  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -96,7 +102,48 @@ def test_comparison_advice_and_floors(quick_run):
             assert advice[spec.name]["interval_steps"] >= 1
             assert advice[spec.name]["rule_of_thumb"] is not None
     for label, floors in results["floors"].items():
-        assert {"copy_s", "dd_s", "read_cache_s"} <= set(floors), label
+        assert set(FLOOR_KEYS) <= set(floors), label
+        for key in FLOOR_KEYS:
+            assert floors[key]["min"] <= floors[key]["median"] <= floors[key]["max"], (label, key)
+
+
+def test_rounds_are_interleaved_with_a_floor_each(quick_run):
+    _, results, _ = quick_run
+    rounds = QUICK["rounds"]
+    assert rounds >= 2 and results["config"]["rounds"] == rounds
+    for label, case in results["raw"]["sweep"].items():
+        assert len(case["order"]) == len(case["floors"]) == len(case["loads"]) == rounds, label
+        firsts = [order[0] for order in case["order"]]
+        assert len(set(firsts)) == rounds, (label, firsts)  # the order rotates
+        for spec in SYSTEMS:
+            block = case["systems"][spec.name]
+            if spec.ours:
+                assert [r["round"] for r in block["runs"]] == list(range(rounds)), spec.name
+                for run in block["runs"]:
+                    assert run["restore_s"] > 0 and run["restore_cold_s"] > 0, spec.name
+    for spec in SYSTEMS:
+        if spec.ours:
+            entry = results["figures"]["restore_cold_s"]["values"][spec.name][case_label(
+                "fp32", QUICK["sizes"][0])]
+            assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
+            assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
+    assert len(results["ranks"]["raw"]["floors"]) == rounds
+    assert set(results["loads"]) >= {"training loop", "two ranks"}
+
+
+def test_targets(quick_run):
+    _, results, _ = quick_run
+    targets = results["targets"]
+    assert targets["cases"] == [case_label("fp32", s) for s in QUICK["sizes"]]
+    assert [row["key"] for row in targets["rows"]] == [t.key for t in TARGETS]
+    for row in targets["rows"]:
+        for case, entry in row["values"].items():
+            if isinstance(entry, str):
+                assert entry.startswith("n/a (") and row["key"].startswith("zstd"), (row, case)
+                continue
+            assert entry["n"] == QUICK["rounds"], row["key"]
+            assert entry["min"] <= entry["median"] <= entry["max"], row["key"]
+            assert entry["meets"] == (entry["median"] <= row["limit"]), row["key"]
 
 
 def test_two_ranks_against_dcp(quick_run):
@@ -111,7 +158,8 @@ def test_two_ranks_against_dcp(quick_run):
             continue
         assert s["available"], name
         for key in ("blocking", "to_commit"):
-            assert s[f"{key}_s"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
+            assert s[f"{key}_s"]["median"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
+            assert s[f"{key}_s"]["n"] == QUICK["rounds"], (name, key)
         assert len(s["bytes_per_rank"]) == 2 and s["stored_bytes"] >= sum(s["bytes_per_rank"])
     ours = ranks["systems"]["async_ckpt async, replicated written by rank 0"]
     # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
@@ -134,11 +182,18 @@ def test_report_has_the_tables(quick_run):
     out, _, proc = quick_run
     with open(out / "report.md") as f:
         report = f.read()
-    for heading in ("### Floors", "### Saving and restoring", "### Training loop",
+    for heading in ("### Targets", "### Floors", "### Saving and restoring", "### Training loop",
                     "### Memory in the training loop", "### Recovery consistency",
                     "### Periodic vs asynchronous saves", "### Snapshot interval advice",
-                    "### Every state size", "### 2 ranks under torchrun"):
+                    "### Every state size", "### 2 ranks under torchrun", "### Machine load"):
         assert heading in report, heading
+    for target in TARGETS:
+        assert f"| {target.title} |" in report, target.key
+    for column in ("blocking s (min–max)", "to durable s (min–max)", "warm restore s",
+                   "cold restore s · ×cold read", "read (cold, from disk)",
+                   "Cold restore time into the live model"):
+        assert column in report, column
+    assert "(p95" not in report
     for name in SYSTEM_NAMES:
         assert f"| {name} |" in report, name
     for aspect in ARTICLE:
@@ -163,16 +218,20 @@ def test_render_from_saved_results(quick_run, tmp_path):
 def test_options():
     args = parse_args(["--quick", "--sizes", "0.01,0.02", "--bf16-sizes", "", "--ks", "10,1"])
     assert args.sizes == (0.01, 0.02) and args.bf16_sizes == () and args.ks == (1, 10)
-    assert parse_args([]).sizes == (0.064, 0.256, 1.0, 2.0)
+    assert parse_args([]).sizes == (0.256, 1.0, 2.0) and parse_args([]).rounds >= 3
+    assert parse_args(["--rounds", "5"]).rounds == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--sizes", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--ks", "0"])
-    assert [loop_steps(k, quick=False) for k in KS] == [12, 60, 300]
+    assert [loop_steps(k, quick=False) for k in KS] == [8, 30, 100]
     assert all(loop_steps(k, quick=True) // k >= 2 for k in KS)
 
 
-@pytest.mark.parametrize("argv", [["--quick"], ["--sizes", "0.064"], ["--ks", "10"]])
+@pytest.mark.parametrize("argv", [["--quick"], ["--sizes", "0.064"], ["--ks", "10"],
+                                  ["--rounds", "1"]])
 def test_a_quick_or_partial_run_never_writes_over_the_committed_report(argv):
     assert parse_args([]).out == COMMITTED_RESULTS
     out = parse_args(argv).out
@@ -191,3 +250,58 @@ def test_incremental_snapshots_are_measured_and_reported(quick_run):
     assert block["runs"]["incremental"]["first"]["written_bytes"] > block["base_bytes"]
     assert block["runs"]["incremental"]["written_bytes"]["max"] < block["base_bytes"]
     assert "## Incremental snapshots" in (out / "report.md").read_text()
+
+
+def test_spread_and_pairwise_ratios():
+    assert spread([3, 1, 2]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    # round by round: 2/1, 4/4, 9/3, not the ratio of the medians (4/3)
+    assert ratio_spread([2, 4, 9], [1, 4, 3]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    with pytest.raises(ValueError):
+        ratio_spread([1, 2], [1])
+    assert [rotated("abc", shift) for shift in range(4)] == [
+        list("abc"), list("bca"), list("cab"), list("abc")]
+
+
+def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
+    events = []
+
+    def run_slot(index, item, floor_hook):
+        events.append(("run", index, item))
+        if item == "b" and index == 1:  # fails before it can call the hook: n/a from now on
+            events.append(("cleanup", index, item))
+            return {"available": False, "reason": "failed"}
+        if floor_hook is not None:
+            floor_hook()
+        events.append(("cleanup", index, item))
+        return {"value": index}
+
+    def measure_floor():
+        events.append(("floor",))
+        return {"dd_s": len(events)}
+
+    record = run_rounds(["a", "b", "c"], 3, 0, measure_floor, run_slot, name=str)
+    assert record["order"] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a"]]
+    assert len(record["floors"]) == len(record["loads"]) == 3 and "load" in record
+    assert events[:3] == [("run", 0, "a"), ("floor",), ("cleanup", 0, "a")]  # before cleanup
+    second = events[events.index(("run", 1, "b")):]
+    assert second[:3] == [("run", 1, "b"), ("cleanup", 1, "b"), ("floor",)]  # right after
+    assert events.count(("floor",)) == 3
+    assert record["systems"]["b"] == {"available": False, "reason": "failed"}
+    assert record["systems"]["a"]["runs"] == [{"round": i, "value": i} for i in range(3)]
+
+
+def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
+    from bench import sweep
+    from bench.systems import BIG_SYSTEMS, TORCH_SAVE, by_name
+
+    monkeypatch.setattr(sweep, "BIG_GB", 0.001)  # 2 MB counts as big
+    small = by_name("DCP async_save (default stager)")
+    assert TORCH_SAVE.name in BIG_SYSTEMS and small.name not in BIG_SYSTEMS
+    case = sweep.run_case([TORCH_SAVE, small], "fp32", 0.002, str(tmp_path), rounds=2, shift=0)
+    assert case["systems"][small.name] == {"available": False, "skipped": True,
+                                           "reason": sweep.SKIPPED}
+    assert case["order"] == [[TORCH_SAVE.name]] * 2 and len(case["floors"]) == 2
+    runs = case["systems"][TORCH_SAVE.name]["runs"]
+    assert [r["round"] for r in runs] == [0, 1]
+    assert all(r["restore_cold_s"] > 0 and r["restore_s"] > 0 for r in runs)
+    assert os.listdir(tmp_path) == []  # the dd file and the systems' directories are gone

@@ -1,0 +1,87 @@
+"""The targets of the issue "At the storage floor": per fp32 state size, each ratio as the median
+(min-max) over the interleaved rounds, and whether it meets its target.
+
+Every ratio is paired by round: the system's value in round ``i`` over the floor's or the peer's
+value in round ``i`` (``measure.ratio_spread``), so a drift of the machine between rounds cancels.
+A target is met when the median meets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .measure import ratio_spread
+from .systems import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE
+
+MAX_ZSTD_STORED = 0.8  # the zstd target applies where zstd stores at most this fraction of raw
+
+
+@dataclass(frozen=True)
+class Target:
+    """``system``'s run key ``value`` over ``reference_value``: the run key of the ``reference``
+    system, or (``reference`` None) the floor key of the round's floor sample."""
+
+    key: str
+    title: str
+    system: str
+    value: str
+    reference: Optional[str]
+    reference_value: str
+    limit: float
+
+
+TARGETS = (
+    Target("async_durable_x_dd", "async_ckpt async time to durable / dd conv=fsync",
+           OURS_ASYNC.name, "to_commit_s", None, "dd_s", 1.1),
+    Target("async_durable_x_torch_save", "async_ckpt async time to durable / torch.save + fsync "
+           "time to durable", OURS_ASYNC.name, "to_commit_s", TORCH_SAVE.name, "to_commit_s", 0.8),
+    Target("zstd_durable_x_async", "async_ckpt async zstd time to durable / async_ckpt async time "
+           f"to durable (where zstd stores ≤ {MAX_ZSTD_STORED:g}× raw)", OURS_ASYNC_ZSTD.name,
+           "to_commit_s", OURS_ASYNC.name, "to_commit_s", 1.0),
+    Target("sync_blocking_x_torch_save", "async_ckpt sync blocking / torch.save + fsync blocking",
+           OURS_SYNC.name, "blocking_s", TORCH_SAVE.name, "blocking_s", 1.0),
+    Target("async_restore_x_dcp", "async_ckpt async warm restore / DCP save's restore (DCP load)",
+           OURS_ASYNC.name, "restore_s", DCP_SAVE.name, "restore_s", 0.5),
+    Target("async_restore_x_read", "async_ckpt async warm restore / page-cache read floor",
+           OURS_ASYNC.name, "restore_s", None, "read_cache_s", 1.5),
+    Target("async_cold_restore_x_cold_read", "async_ckpt async cold restore / cold sequential "
+           "read floor", OURS_ASYNC.name, "restore_cold_s", None, "read_cold_s", 1.1),
+)
+
+
+def build(sweep: dict) -> dict:
+    """``{"cases": [fp32 case, ...], "rows": [{"key", "title", "limit", "values": {case: entry or
+    "n/a (reason)"}}]}``; an entry is a ``spread`` of the ratio with ``"meets"``."""
+    cases = [label for label, case in sweep.items() if case["dtype"] == "fp32"]
+    rows = [{"key": t.key, "title": t.title, "limit": t.limit,
+             "values": {label: _ratio(t, sweep[label]) for label in cases}} for t in TARGETS]
+    return {"cases": cases, "rows": rows}
+
+
+def _runs(case: dict, name: str) -> Optional[dict]:
+    """``{round: run}`` of a system that ran in this case, else None."""
+    block = case["systems"].get(name)
+    if not block or not block.get("available"):
+        return None
+    return {run["round"]: run for run in block["runs"]}
+
+
+def _ratio(target: Target, case: dict):
+    runs = _runs(case, target.system)
+    if runs is None:
+        return f"n/a ({target.system} did not run)"
+    if target.reference is None:
+        references = dict(enumerate(case["floors"]))
+    else:
+        references = _runs(case, target.reference)
+        if references is None:
+            return f"n/a ({target.reference} did not run)"
+    if target.system == OURS_ASYNC_ZSTD.name:
+        stored = max(run["stored_bytes"] for run in runs.values()) / case["bytes"]
+        if stored > MAX_ZSTD_STORED:
+            return f"n/a (zstd stored {stored:.2f}× raw)"
+    rounds = sorted(set(runs) & set(references))
+    entry = ratio_spread([runs[i][target.value] for i in rounds],
+                         [references[i][target.reference_value] for i in rounds])
+    return {**entry, "meets": entry["median"] <= target.limit}
