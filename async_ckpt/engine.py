@@ -225,7 +225,8 @@ class CheckpointEngine:
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
         record, loaded = read_committed(
             self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
-            lambda r: self._shard_to_read(r, reshard), self._check_loaded, mapped=True)
+            lambda r: self._shard_to_read(r, reshard), self._check_loaded, mapped=True,
+            scratch=self._pool.scratch())
         if loaded is None:
             return None
         resharding = record.world_size != self.world_size
@@ -272,7 +273,7 @@ class CheckpointEngine:
         state = self.state if keys is None else {k: self.state[k] for k in keys}
         if keys is not None:
             loaded, rng = Entry("dict", {k: v for k, v in loaded.value.items() if k in keys},
-                                loaded.file_backed), None
+                                loaded.borrowed), None
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")

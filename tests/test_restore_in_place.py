@@ -171,3 +171,37 @@ def test_load_mmap_reads_compressed_storages(ckpt_dir):
     _, state = load(ckpt_dir, mmap=True)
     assert bit_equal(state["w"], weights)
     assert mapped_shards() == []  # compressed: decoded into memory of its own
+
+
+def slot_ranges(engine) -> list[range]:
+    return [range(s.tensor.data_ptr(), s.tensor.data_ptr() + s.nbytes)
+            for s in engine._pool.slots if s.tensor is not None]
+
+
+def test_compressed_storages_are_decoded_into_a_free_staging_slot_and_never_kept_there(ckpt_dir):
+    from async_ckpt.format.manifest import read_manifest
+    from async_ckpt.read.snapshot import read_snapshot
+
+    holder = Holder()
+    holder.table.copy_(torch.randn(64, 64))
+    saved = holder.table.clone()
+    with CheckpointEngine(ckpt_dir, {"holder": holder}, compression="zstd") as engine:
+        engine.snapshot(0, force=True)
+        engine.wait()
+        record = read_manifest(ckpt_dir).snapshots[-1]
+        scratch = engine._pool.scratch()
+        entry = read_snapshot(ckpt_dir, record, scratch=scratch)
+        table = entry.value["holder"].value["table"]
+        assert entry.borrowed and any(table.data_ptr() in r for r in slot_ranges(engine))
+        assert bit_equal(table, saved)
+        too_small = read_snapshot(ckpt_dir, record, scratch=scratch[:100])
+        assert not too_small.borrowed and bit_equal(too_small.value["holder"].value["table"], saved)
+        del entry, table, too_small, scratch
+
+        holder.table.zero_()
+        assert engine.restore() == 0
+        assert bit_equal(holder.table, saved)
+        assert not any(holder.table.data_ptr() in r for r in slot_ranges(engine))
+        engine.snapshot(1, force=True)  # overwrites a slot: the restored table must not change
+        engine.wait()
+        assert bit_equal(holder.table, saved)

@@ -13,6 +13,7 @@ This module never imports torch: the writer process uses it, and so does the res
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import mmap
@@ -21,7 +22,7 @@ import re
 import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import xxhash
 import zstandard
@@ -269,6 +270,7 @@ class ShardReader:
                         else open_shard_file(os.fspath(source)))
         self.path = self._source.name
         self._mapping: Union[mmap.mmap, bool, None] = None  # False: tried, cannot map
+        self._prefetched = False
         try:
             self.size = self._source.size
             if expected_bytes is not None and self.size != expected_bytes:
@@ -345,29 +347,39 @@ class ShardReader:
             self._read_chunk(chunk, storage["itemsize"], target, f"storage {i} chunk {chunk_no}")
             position += chunk["raw"]
 
-    def mapped_storage(self, i: int, verify: bool = True) -> Optional[memoryview]:
-        """Storage ``i`` as a view of the file's private mapping, every chunk's checksum checked
-        over it (``verify=False`` skips that: inspecting a large snapshot without reading it), or
-        None when it cannot be mapped: the source does not map, a chunk is encoded, or the storage
-        does not start at a multiple of its element size (tensors over it would be misaligned).
+    def mapped_storage(self, i: int) -> Optional[memoryview]:
+        """Storage ``i`` as a view of the file's private mapping, not yet verified (see
+        ``mapped_checks``), or None when it cannot be mapped: the source does not map, a chunk is
+        encoded, or the storage does not start at a multiple of its element size (tensors over it
+        would be misaligned).
 
-        A page-cache hit costs no copy here: the checksum reads the cached pages in place, and the
-        caller copies them once, into the tensors that hold the state."""
+        A page-cache hit costs no copy here: the checksums read the cached pages in place, and
+        the caller copies them once, into the tensors that hold the state."""
         storage = self.index["storages"][i]
         chunks = storage["chunks"]
         if (not chunks or any(c["codec"] != "raw" for c in chunks)
                 or chunks[0]["offset"] % storage["itemsize"] or self._map() is None):
             return None
         start = chunks[0]["offset"]
-        view = memoryview(self._mapping)[start:start + storage["nbytes"]]
-        if verify:
-            _prefetch(self._mapping, start, storage["nbytes"])
-            for chunk_no, chunk in enumerate(chunks):
-                piece = view[chunk["offset"] - start:chunk["offset"] - start + chunk["stored"]]
-                if checksum(piece) != chunk["xxh3"]:
-                    raise ChecksumMismatchError(f"{self.path}: storage {i} chunk {chunk_no} fails "
-                                                "its checksum (bytes damaged on disk)")
-        return view
+        return memoryview(self._mapping)[start:start + storage["nbytes"]]
+
+    def mapped_checks(self, i: int) -> list[Callable[[], None]]:
+        """One check per chunk of mapped storage ``i`` (``mapped_storage``), each raising
+        ChecksumMismatchError for a damaged chunk; independent, so callers may run them on
+        several threads (the first touch of mapped pages is what costs, and it parallelises).
+        The whole file is asked to be read ahead first, for a cold cache."""
+        if not self._prefetched:  # once, for the whole data area: one call costs as much as many
+            self._prefetched = True
+            _prefetch(self._mapping, HEADER_SIZE, self.size - TRAILER_SIZE - HEADER_SIZE)
+        chunks = self.index["storages"][i]["chunks"]
+        view = memoryview(self._mapping)
+
+        def check(chunk_no: int, chunk: dict) -> None:
+            if checksum(view[chunk["offset"]:chunk["offset"] + chunk["stored"]]) != chunk["xxh3"]:
+                raise ChecksumMismatchError(f"{self.path}: storage {i} chunk {chunk_no} fails its "
+                                            "checksum (bytes damaged on disk)")
+
+        return [functools.partial(check, n, c) for n, c in enumerate(chunks)]
 
     def _map(self) -> Optional[mmap.mmap]:
         if self._mapping is None:

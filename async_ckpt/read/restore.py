@@ -78,7 +78,7 @@ def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: boo
     if mismatch.skipped:
         log.warning("restore(strict=False) of step %d left these as they were: %s", step,
                     "; ".join(mismatch.skipped))
-    _load(state, loaded, strict, mismatch.skip_ids, loaded.file_backed)
+    _load(state, loaded, strict, mismatch.skip_ids, loaded.borrowed)
 
 
 def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
@@ -171,7 +171,7 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
 
 
 def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset(),
-          file_backed: frozenset = frozenset()) -> None:
+          borrowed: frozenset = frozenset()) -> None:
     """Load into the registered objects, once every check passed, all or nothing as far as it can.
 
     Objects whose own ``load_state_dict`` may still refuse a value no check foresees (optimizers,
@@ -180,7 +180,7 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
     tensors, whose shapes and dtypes were checked, are copied in place; plain values last. Last,
     optimizers move their loaded state into the tensors they held before (``_rehome``).
 
-    Tensors in ``file_backed`` storages (``Entry.file_backed``) are only ever copied from: what an
+    Tensors in ``borrowed`` storages (``Entry.borrowed``) are only ever copied from: what an
     object or a plain value would keep is first copied into memory of its own."""
     objects, in_place, values = [], [], []
     _collect(current, saved, strict, skip_ids, objects, in_place, values)
@@ -193,7 +193,7 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
                 optimizers.append((target, {p: dict(s) for p, s in target.state.items()}))
                 target.load_state_dict(state)
             else:
-                target.load_state_dict(_own_memory(state, file_backed))
+                target.load_state_dict(_own_memory(state, borrowed))
     except Exception as e:  # an object's load_state_dict refused a value no check could foresee
         for target, attributes in reversed(kept):
             _put_back(target, attributes)
@@ -213,16 +213,16 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
             f"{str(e)[:200]}); the objects were put back, but modules and tensors loaded before "
             "it keep the snapshot's values: restore again before training") from e
     for parent, key, value in values:
-        parent[key] = _own_memory(value, file_backed)
+        parent[key] = _own_memory(value, borrowed)
     for optimizer, before in optimizers:
-        _rehome(optimizer, before, file_backed)
+        _rehome(optimizer, before, borrowed)
 
 
-def _rehome(optimizer: torch.optim.Optimizer, before: dict, file_backed: frozenset) -> None:
+def _rehome(optimizer: torch.optim.Optimizer, before: dict, borrowed: frozenset) -> None:
     """Put ``optimizer``'s loaded state into the tensors it held ``before`` loading, where they
     have the same layout: torch's ``load_state_dict`` adopts the tensors it is given, so without
     this every restore would replace two thirds of a model's training state with new memory.
-    State without such a tensor (a fresh optimizer) gets memory of its own if it is file-backed."""
+    State without such a tensor (a fresh optimizer) gets memory of its own if it is borrowed."""
     for param, entries in optimizer.state.items():
         held = before.get(param, {})
         for key, value in entries.items():
@@ -230,12 +230,12 @@ def _rehome(optimizer: torch.optim.Optimizer, before: dict, file_backed: frozens
                 continue
             home = held.get(key)
             if (isinstance(home, torch.Tensor) and home is not value and _same_layout(home, value)
-                    and home.untyped_storage().data_ptr() not in file_backed):
+                    and home.untyped_storage().data_ptr() not in borrowed):
                 with torch.no_grad():
                     home.copy_(value)
                 entries[key] = home
             else:
-                entries[key] = _own_memory(value, file_backed)
+                entries[key] = _own_memory(value, borrowed)
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -243,15 +243,15 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and a.requires_grad == b.requires_grad)
 
 
-def _own_memory(value: Any, file_backed: frozenset, copies: Optional[dict] = None) -> Any:
-    """``value`` with every tensor of a ``file_backed`` storage replaced by one over a copy of that
+def _own_memory(value: Any, borrowed: frozenset, copies: Optional[dict] = None) -> Any:
+    """``value`` with every tensor of a ``borrowed`` storage replaced by one over a copy of that
     storage (one copy per storage, so tensors that shared memory still share it)."""
-    if not file_backed:
+    if not borrowed:
         return value
     copies = {} if copies is None else copies
     if isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
-        if storage.data_ptr() not in file_backed:
+        if storage.data_ptr() not in borrowed:
             return value
         if storage.data_ptr() not in copies:
             copies[storage.data_ptr()] = storage.clone()
@@ -260,10 +260,10 @@ def _own_memory(value: Any, file_backed: frozenset, copies: Optional[dict] = Non
     if isinstance(value, dict):
         rebuilt = copy.copy(value)  # the same class and attributes (a state dict's _metadata)
         for key, item in value.items():
-            rebuilt[key] = _own_memory(item, file_backed, copies)
+            rebuilt[key] = _own_memory(item, borrowed, copies)
         return rebuilt
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_own_memory(v, file_backed, copies) for v in value)
+        return type(value)(_own_memory(v, borrowed, copies) for v in value)
     return value
 
 

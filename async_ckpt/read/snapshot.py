@@ -13,6 +13,7 @@ import collections
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -24,6 +25,7 @@ from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
                       InsufficientMemoryError, NoSnapshotError)
 from ..format import values
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
+from ..format.layout import align_up
 from ..format.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import ShardReader
@@ -43,13 +45,14 @@ _MAX_TREE_DEPTH = 100
 class Entry:
     """A restored entry, tagged with how it was captured (object, tensor, dict or value).
 
-    ``file_backed`` (the root entry of a snapshot read with ``mapped=True``): the addresses of the
-    storages that view a shard file's mapping. Restore copies them into the registered objects'
-    own memory and must not hand them over: an object keeping one would keep the file mapped."""
+    ``borrowed`` (the root entry of a snapshot read with ``mapped=True`` or a ``scratch``): the
+    addresses of the storages over memory lent for the read (a shard file's mapping, a staging
+    slot). Restore copies them into the registered objects' own memory and must not hand them
+    over: an object keeping one would keep a file mapped, or see the next snapshot's bytes."""
 
     kind: str
     value: Any  # for "dict": dict[str, Entry]
-    file_backed: frozenset = frozenset()
+    borrowed: frozenset = frozenset()
 
     def plain(self) -> Any:
         if self.kind == "dict":
@@ -59,14 +62,17 @@ class Entry:
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
                   allow_pickle: bool = False, manifest: Optional[Manifest] = None,
-                  mapped: bool = False, verify: bool = True) -> Entry:
+                  mapped: bool = False, verify: bool = True,
+                  scratch: Optional[memoryview] = None) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
     replicated storages it refers to in other ranks' shards and, for an incremental snapshot,
     the storages it refers to in earlier snapshots of ``manifest`` (read when not given).
 
     ``mapped``: tensors of uncompressed storages view the files' private mappings (checksums
     checked over them, unless not ``verify``) instead of memory of their own; see
-    ``Entry.file_backed``. Encoded storages are always read and decoded into new memory."""
+    ``Entry.borrowed``. Other storages (encoded ones) are decoded into ``scratch`` while it has
+    room (memory already faulted in, such as a free staging slot: a restore then allocates no
+    memory for the state), else into new memory."""
     with References(as_storage(root), [record]) as refs:
         own = refs.open(record.dir, rank)
         index, path = own.index, own.path
@@ -81,25 +87,55 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
-        views = {key: reader.mapped_storage(i, verify) for key, (reader, i) in sources.items()
+        views = {key: reader.mapped_storage(i) for key, (reader, i) in sources.items()
                  if mapped and reader.index["storages"][i]["nbytes"]}
         views = {key: view for key, view in views.items() if view is not None}
+        if verify:
+            _run_checks([check for key in views for check in
+                         sources[key][0].mapped_checks(sources[key][1])])
         _check_fits_in_memory([reader.index["storages"][i] for key, (reader, i) in sources.items()
-                               if key not in views], record.step)
-        buffers = {}
+                               if key not in views], record.step,
+                              len(scratch) if scratch is not None else 0)
+        buffers, lent, used = {}, set(views), 0
         for key, (reader, i) in sources.items():
+            nbytes = reader.index["storages"][i]["nbytes"]
             if key in views:
                 buffers[key] = torch.frombuffer(views[key], dtype=torch.uint8)
+                continue
+            if scratch is not None and nbytes and used + nbytes <= len(scratch):
+                buffers[key] = torch.frombuffer(scratch[used:used + nbytes], dtype=torch.uint8)
+                used, lent = align_up(used + nbytes, _SCRATCH_ALIGNMENT), lent | {key}
             else:
-                buffers[key] = torch.empty(reader.index["storages"][i]["nbytes"], dtype=torch.uint8)
-                reader.read_storage(i, buffers[key].numpy())
+                buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+            reader.read_storage(i, buffers[key].numpy())
         tensors = [_tensor_from_record(t, buffers, rank, path, n) for n, t in enumerate(records)]
         root_entry = _rebuild(index.get("tree"), tensors, allow_pickle, path)
         tensors.clear()  # _rebuild's closures form a cycle: without this the tensors (and a file's
         # mapping) would live on until the cycle collector runs, not as long as the entries do
-        root_entry.file_backed = frozenset(buffers[key].untyped_storage().data_ptr()
-                                           for key in views)
+        root_entry.borrowed = frozenset(buffers[key].untyped_storage().data_ptr() for key in lent)
         return root_entry
+
+
+_SCRATCH_ALIGNMENT = 64  # storages decoded into scratch start on cache lines, as allocations do
+VERIFY_THREADS = 2
+"""Threads that checksum mapped chunks: a chunk's first read through a mapping costs its page
+faults more than its checksum, and faults on two cores take about 0.7x the time of one."""
+
+
+def _run_checks(checks: list[Callable[[], None]]) -> None:
+    """Run every check: in ``VERIFY_THREADS`` contiguous runs, each on a thread of its own (one
+    task per thread: a task per chunk costs more in hand-offs than it balances)."""
+    def run(group: list[Callable[[], None]]) -> None:
+        for check in group:
+            check()
+
+    size = max(1, -(-len(checks) // VERIFY_THREADS))
+    groups = [checks[start:start + size] for start in range(0, len(checks), size)]
+    if len(groups) < 2:
+        return run(checks)
+    with ThreadPoolExecutor(len(groups), "verify") as pool:
+        for _ in pool.map(run, groups):  # raises the first group's failure
+            pass
 
 
 def _is_module_metadata(metadata: Any) -> bool:
@@ -130,12 +166,13 @@ def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
     return refs.resolve(record, rank, storages[i], f"{reader.path}: storage {i}")
 
 
-def _check_fits_in_memory(storages, step: int) -> None:
-    """Refuse, before allocating, to read more than the memory available now: the storages, plus
-    scratch for decoding the largest chunk (twice its size for byte planes)."""
+def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
+    """Refuse, before allocating, to read more than the memory available now: the storages (less
+    the ``lent`` bytes of scratch memory they may go into), plus scratch for decoding the largest
+    chunk (twice its size for byte planes)."""
     storages = list(storages)
     largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
-    need = sum(s["nbytes"] for s in storages) + 2 * largest_chunk
+    need = max(0, sum(s["nbytes"] for s in storages) - lent) + 2 * largest_chunk
     available = psutil.virtual_memory().available
     if need > available:
         raise InsufficientMemoryError(
@@ -251,12 +288,13 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
                    allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
                    check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
-                   verify: bool = True) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
+                   verify: bool = True, scratch: Optional[memoryview] = None,
+                   ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
     ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
-    validates what was read further, raising CorruptSnapshotError for damage; ``mapped`` and
-    ``verify`` are ``read_snapshot``'s. Damage (an error
+    validates what was read further, raising CorruptSnapshotError for damage; ``mapped``,
+    ``verify`` and ``scratch`` are ``read_snapshot``'s. Damage (an error
     whose class says ``is_damage``) moves on to the previous snapshot; any other error is
     raised. With a ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank
     reads its part, and they fall back together when any rank cannot read its part of a snapshot.
@@ -276,7 +314,7 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         loaded, error = None, None
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle, manifest, mapped, verify)
+                                   allow_pickle, manifest, mapped, verify, scratch)
             if check is not None:
                 check(loaded)
         except CheckpointError as e:

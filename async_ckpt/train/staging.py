@@ -44,7 +44,10 @@ class Slot:
             self.pinned = False
         self.tensor = None
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a view of it still lives (see StagingPool.scratch): unmapped
+                pass  # when that view goes
             self._map = None
         if self.fd >= 0:
             os.close(self.fd)
@@ -69,6 +72,13 @@ class StagingPool:
 
     def free_slot(self) -> Optional[Slot]:
         return next((s for s in self.slots if not s.busy), None)
+
+    def scratch(self) -> Optional[memoryview]:
+        """The memory of the largest free slot, for a restore to decode into (``read_snapshot``'s
+        ``scratch``): faulted in already, and the next snapshot's to overwrite. None before any
+        slot is allocated."""
+        free = [s for s in self.slots if not s.busy and s._map is not None]
+        return memoryview(max(free, key=lambda s: s.nbytes)._map) if free else None
 
     def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
         """Make ``slot`` large enough for ``plan``; True when its memory was replaced.
