@@ -40,7 +40,7 @@ from .storage.local import ensure_writable_dir
 from .storage.locks import lock_path
 from .train.capture import capture, plan_layout
 from .train.heartbeat import Heartbeat
-from .train.incremental import ChangeTracker
+from .train.incremental import ChangeTracker, trainable_storages
 from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import StagingPool
@@ -171,7 +171,8 @@ class CheckpointEngine:
         job, directory = next(self._jobs), snapshot_dir_name(step, self._session,
                                                               self._attempts[step])
         refer = ({} if self._tracker is None else
-                 self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory))
+                 self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory,
+                                         trainable_storages(self.state)))
         self._pool.stage(plan, sources, slot, skip=refer)
         del sources, captured.tensors
         t_staged = time.perf_counter()

@@ -178,6 +178,35 @@ def test_a_write_the_version_counter_cannot_see_is_caught_by_the_next_full_snaps
         assert (loaded(ckpt_dir, step)["base"]["weight"] == 7.0).all()
 
 
+class AppState:
+    """A registered object that holds the model, as DCP users write it."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return {"model": self.model.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["module", "AppState"])
+def test_trainable_parameters_are_always_written_even_when_changed_through_data(ckpt_dir, wrapped):
+    state = lora_state()
+    registered = {**state, "adapter": AppState(state["adapter"])} if wrapped else state
+    with engine(ckpt_dir, registered, full_every=100) as e:
+        e.snapshot(0)
+        state["adapter"][0].weight.data.add_(1.0)  # an old-style optimizer or EMA update
+        state["base"].weight.data.add_(1.0)  # frozen: not seen until the next full snapshot
+        e.snapshot(1)
+    saved = loaded(ckpt_dir, 1)
+    adapter = saved["adapter"]["model"] if wrapped else saved["adapter"]
+    assert torch.equal(adapter["0.weight"], state["adapter"][0].weight)
+    assert not torch.equal(saved["base"]["weight"], state["base"].weight)  # as documented
+    assert references(ckpt_dir, 1)  # the frozen base is still referred to
+
+
 def test_the_snapshot_after_a_restore_is_full(ckpt_dir):
     state = lora_state()
     with engine(ckpt_dir, state) as e:

@@ -9,8 +9,10 @@ whose version counters did not move. The version counter sees every write made t
 in-place ops, optimizer steps, ``copy_`` under ``no_grad``, ``load_state_dict``; ``.data = x``
 replaces the storage. It cannot see writes that bypass it: through a NumPy array or a DLPack
 capsule sharing the memory, in place through ``.data`` (a tensor with a counter of its own), through
-a raw ``data_ptr`` or a C extension. So every ``full_every``-th snapshot is written whole, which
-bounds how many snapshots such a change can miss.
+a raw ``data_ptr`` or a C extension. Parameters that require grad are therefore never referred to
+(``trainable_storages``): they change every step anyway, and optimizers and EMA code of the older
+style write them through ``.data``. For the rest, every ``full_every``-th snapshot is written whole,
+which bounds how many snapshots such a change can miss.
 
 A reference goes only to the snapshot that physically stored the bytes, and only once that one is
 committed: an in-flight snapshot may still fail, and then its bytes are written again.
@@ -18,13 +20,36 @@ committed: an in-flight snapshot may still fail, and then its bytes are written 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..format.layout import Plan
+
+
+def trainable_storages(state: Any) -> set[int]:
+    """Storage addresses of the parameters that require grad of the modules in ``state``: found
+    registered directly, in dicts, or as attributes of a registered object (an ``AppState``
+    holding the model)."""
+    found: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.nn.Module):
+            found.update(p.untyped_storage().data_ptr() for p in value.parameters()
+                         if p.requires_grad)
+        elif isinstance(value, Mapping) and depth < 8:
+            for item in value.values():
+                visit(item, depth + 1)
+        elif hasattr(value, "state_dict") and hasattr(value, "__dict__"):  # e.g. an AppState
+            for item in vars(value).values():
+                if isinstance(item, torch.nn.Module):
+                    visit(item, depth + 1)
+
+    visit(state, 0)
+    return found
 
 
 @dataclass
@@ -55,11 +80,13 @@ class ChangeTracker:
         self._holders.clear()
 
     def unchanged(self, plan: Plan, sources: list[torch.Tensor], tensors: list[torch.Tensor],
-                  job: int, step: int, directory: str) -> dict[int, str]:
+                  job: int, step: int, directory: str,
+                  trainable: frozenset = frozenset()) -> dict[int, str]:
         """The regions of snapshot ``job`` (of ``step``, into ``directory``) to refer to instead
         of writing, each with the directory holding its bytes; this snapshot becomes the holder
         of the regions it writes. ``sources`` and ``tensors`` are ``plan_layout``'s and
-        ``capture``'s."""
+        ``capture``'s; regions over ``trainable`` storages (``trainable_storages``) are always
+        written."""
         if plan != self._plan:  # another layout: region numbers mean other storages
             self._plan = plan
             self._holders.clear()
@@ -76,7 +103,8 @@ class ChangeTracker:
                            source.storage_offset(), tuple(versions[k]))
             holder = self._holders.get(k)
             same = (holder is not None and holder.fingerprint == fingerprint
-                    and not holder.storage.expired() and holder.step != step)
+                    and not holder.storage.expired() and holder.step != step
+                    and storage.data_ptr() not in trainable)
             if same and holder.committed and not full:
                 refer[k] = holder.dir
             elif full or not same:
