@@ -61,6 +61,10 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 STEPS = (1, 2)
 COMPRESSION = {1: None, 2: "zstd"}  # step 1 stored raw, step 2 with the zstd and planes codecs
+PRISTINES = ("plain", "incremental")
+"""The pristine checkpoints fuzzed: ``plain`` (steps 1 raw and 2 zstd, by two engines) and
+``incremental`` (one zstd engine with ``incremental=True``: step 2 changes only part of the state,
+so its shard refers to step 1's chunks, shard format 3 and manifest ``refers``)."""
 
 
 def make_state(seed: int = 0) -> dict:
@@ -83,17 +87,20 @@ def make_state(seed: int = 0) -> dict:
     return state
 
 
-def train(state: dict) -> None:
-    """One training step that changes every entry (so the two snapshots differ everywhere)."""
+def train(state: dict, everything: bool = True) -> None:
+    """One training step that changes every entry (so the two snapshots differ everywhere), or
+    with ``everything=False`` every entry but the ``zeros`` and ``pattern`` tensors (which an
+    incremental snapshot then refers to)."""
     model, optimizer = state["model"], state["optimizer"]
     model(torch.randn(2, 4)).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
     state["scheduler"].step()
     state["extra"]["epoch"] += 1
-    with torch.no_grad():
-        state["extra"]["pattern"].add_(1)
-        state["extra"]["zeros"][0] += 1
+    if everything:
+        with torch.no_grad():
+            state["extra"]["pattern"].add_(1)
+            state["extra"]["zeros"][0] += 1
     torch.rand(1, generator=state["gen"])
     state["nprng"].random()
     random.random()
@@ -152,6 +159,16 @@ class Pristine:
                     f.write(data)
 
 
+def referring_storages(shard: Shard) -> list[int]:
+    """The storages of ``shard`` that refer to an earlier snapshot's chunks (shard format 3)."""
+    return [i for i, s in enumerate(shard.index["storages"]) if "ref" in s]
+
+
+def stored_storages(shard: Shard) -> list[int]:
+    """The storages of ``shard`` whose chunks it holds."""
+    return [i for i, s in enumerate(shard.index["storages"]) if "chunks" in s]
+
+
 def parse_shard(data: bytes) -> tuple[dict, int]:
     """The index of a well-formed shard and where it starts."""
     offset, length, digest, magic = TRAILER.unpack(data[-TRAILER.size:])
@@ -173,16 +190,25 @@ def read_tree(root: str) -> tuple[dict[str, bytes], list[str]]:
     return files, sorted(dirs)
 
 
-def build_pristine(root: str) -> Pristine:
-    """Two committed snapshots (steps 1 and 2, trained in between) written by real engines."""
+def build_pristine(root: str, variant: str = "plain") -> Pristine:
+    """Two committed snapshots (steps 1 and 2, trained in between) written by real engines, as
+    ``variant`` (one of ``PRISTINES``) says."""
     from async_ckpt import CheckpointEngine, load
 
     state = make_state(0)
-    for step in STEPS:
-        with CheckpointEngine(root, state, compression=COMPRESSION[step],
-                              heartbeat_interval=None) as engine:
-            engine.snapshot(step)
-        train(state)
+    if variant == "incremental":
+        with CheckpointEngine(root, state, compression="zstd", heartbeat_interval=None,
+                              incremental=True) as engine:
+            engine.snapshot(STEPS[0])
+            engine.wait()  # committed: only then may step 2 refer to it
+            train(state, everything=False)
+            engine.snapshot(STEPS[1])
+    else:
+        for step in STEPS:
+            with CheckpointEngine(root, state, compression=COMPRESSION[step],
+                                  heartbeat_interval=None) as engine:
+                engine.snapshot(step)
+            train(state)
     files, dirs = read_tree(root)
     manifest = json.loads(files[MANIFEST])
     assert [s["step"] for s in manifest["snapshots"]] == list(STEPS), manifest
@@ -197,11 +223,16 @@ def build_pristine(root: str) -> Pristine:
     refs = {step: load(root, step=step) for step in STEPS}
     assert diff(refs[1], refs[2]) is not None, "the two snapshots must differ"
     pristine = Pristine(files, dirs, manifest, shards, refs, aliases)
-    codecs = {c["codec"] for s in shards["step2-shard"].index["storages"] for c in s["chunks"]}
-    assert {"zstd", "planes"} <= codecs, f"step 2 must exercise zstd and planes, has {codecs}"
+    exercised = list(shards.values()) if variant == "incremental" else [shards["step2-shard"]]
+    codecs = {c["codec"] for shard in exercised for s in shard.index["storages"]
+              for c in s.get("chunks", ())}
+    assert {"zstd", "planes"} <= codecs, f"{variant} must exercise zstd and planes, has {codecs}"
+    if variant == "incremental":
+        assert referring_storages(shards["step2-shard"]), "step 2 must refer to step 1"
+        assert pristine.manifest["snapshots"][1].get("refers"), "the manifest must say so"
     for alias, shard in shards.items():
         for i, s in enumerate(shard.index["storages"]):
-            for j, c in enumerate(s["chunks"]):
+            for j, c in enumerate(s.get("chunks", ())):
                 stored = shard.data[c["offset"]:c["offset"] + c["stored"]]
                 raw = stored
                 if c["codec"] == "zstd":
@@ -853,7 +884,7 @@ def rebuild_shard(p: Pristine, alias: str, edits: dict) -> tuple[bytes, str]:
     index = copy.deepcopy(shard.index)
     body = bytearray(shard.data[:HEADER_SIZE])
     for i, s in enumerate(index["storages"]):
-        for j, c in enumerate(s["chunks"]):
+        for j, c in enumerate(s.get("chunks", ())):
             stored = shard.data[c["offset"]:c["offset"] + c["stored"]]
             if (i, j) in edits:
                 stored = edits[i, j](c, stored)
@@ -951,7 +982,9 @@ def _truncations(p):
 
 def _index_edits(p):
     def edits(alias):
-        return st.tuples(json_edit_strategy(p.shard_by_alias(alias).index, INDEX_HOTSPOTS),
+        shard = p.shard_by_alias(alias)
+        hotspots = INDEX_HOTSPOTS + tuple(("storages", i, "ref") for i in referring_storages(shard))
+        return st.tuples(json_edit_strategy(shard.index, hotspots),
                          st.booleans()).map(
             lambda e, a=alias: IndexEdit(a, e[0][0], e[0][1], e[0][2], e[0][3], e[1]))
     return st.one_of(*(edits(alias) for alias in sorted(p.shards)))
@@ -967,7 +1000,9 @@ def _manifest_edits(p):
         st.one_of(st.sampled_from(path_like), st.sampled_from(path_like), _text.map(_py)))
     orders = st.lists(st.integers(0, count - 1), max_size=5).map(
         lambda o: ManifestEdit(order=tuple(o)))
-    anything = st.tuples(json_edit_strategy(p.manifest, MANIFEST_HOTSPOTS, stop_weight=6),
+    refers = tuple(("snapshots", i, "refers") for i, s in enumerate(p.manifest["snapshots"])
+                   if "refers" in s)
+    anything = st.tuples(json_edit_strategy(p.manifest, MANIFEST_HOTSPOTS + refers, stop_weight=6),
                          st.booleans()).map(
         lambda e: ManifestEdit(e[0][0], e[0][1], e[0][2], e[0][3], e[1]))
     return st.one_of(anything, names, orders, names)
@@ -990,7 +1025,8 @@ def _rng_storages(shard: Shard) -> list[int]:
                  _RNG + ("torch", "$tensor")):
         if _has(shard.index, path):
             found.append(shard.index["tensors"][_node(shard.index, path)]["storage"])
-    return found or [0]
+    stored = stored_storages(shard)
+    return [i for i in found if i in stored] or stored[:1]
 
 
 def _chunk_data(p):
@@ -1000,7 +1036,7 @@ def _chunk_data(p):
     def tensor_bytes(alias):
         shard = p.shard_by_alias(alias)
         storages = st.one_of(st.sampled_from(_rng_storages(shard)),
-                             st.integers(0, len(shard.index["storages"]) - 1))
+                             st.sampled_from(stored_storages(shard)))
         return st.builds(lambda si, off, width, value, a=alias: TensorBytes(a, si, off, width, value),
                          storages, st.one_of(st.integers(0, 40), st.integers(0, 2**16)),
                          st.sampled_from([1, 2, 4, 8]),

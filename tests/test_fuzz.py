@@ -24,8 +24,10 @@ value or generator state) that no reader can tell from the real thing: for those
 everything else still holds. And the manifest has no checksum: when it was itself mutated (deleted,
 emptied), ``restore()`` may return None (nothing committed) if it changed nothing ("none").
 
-A module fixture writes the pristine checkpoint once (``fuzzing.build_pristine``: steps 1 raw and 2
-with zstd, exercising the raw, zstd and planes codecs) and keeps its bytes in memory; every case
+A module fixture writes each pristine checkpoint once (``fuzzing.build_pristine``: ``plain``, steps 1
+raw and 2 with zstd, exercising the raw, zstd and planes codecs; ``incremental``, step 2 an
+incremental snapshot whose shard refers to step 1's chunks, so that the references and the
+manifest's ``refers`` are fuzzed too) and keeps its bytes in memory; every case
 copies them into a fresh sandbox, applies ONE mutation (``fuzzing.MUTATION_KINDS``: byte flips,
 truncation, shard-index JSON edits with trailer and manifest fixed up, manifest JSON edits,
 files replaced by directories/FIFOs/symlinks or deleted, and chunk data rewritten with checksums
@@ -49,7 +51,8 @@ and Hypothesis reports distinct bugs separately.
 
 Environment:
 
-- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 13 test functions (default 300); setting it
+- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 13 test functions and both pristine
+  checkpoints (default 300); setting it
   also drops the fixed seed unless ``ASYNC_CKPT_FUZZ_SEED`` is set.
 - ``ASYNC_CKPT_FUZZ_KEEP_GOING=1``: do not stop at the first failing case of a test; record every
   failure and fail the test at its end with the distinct failures (no shrinking). Best for a long
@@ -96,7 +99,8 @@ REPORT = os.environ.get("ASYNC_CKPT_FUZZ_REPORT")
 BREADCRUMB = os.environ.get("ASYNC_CKPT_FUZZ_BREADCRUMB",
                             os.path.join(tempfile.gettempdir(), "async_ckpt_fuzz_current_case.txt"))
 RESTORE_KINDS = fz.MUTATION_KINDS + fz.RESTORE_ONLY_KINDS
-CASES_PER_TEST = max(1, TOTAL_CASES // (len(fz.MUTATION_KINDS) + len(RESTORE_KINDS)))
+CASES_PER_TEST = max(1, TOTAL_CASES // ((len(fz.MUTATION_KINDS) + len(RESTORE_KINDS))
+                                        * len(fz.PRISTINES)))
 
 # Command lines run on every mutated directory (DIR and OUT are filled in), in this order; the
 # real gc runs last, then load() once more on what it left. (`main()` builds its whole parser on
@@ -260,16 +264,19 @@ def log(request):
             json.dump(log.to_json(), f, indent=1, default=str)
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    p = fz.build_pristine(str(tmp_path_factory.mktemp("pristine") / "ckpt"))
+@pytest.fixture(scope="module", params=fz.PRISTINES)
+def pristine(tmp_path_factory, request):
+    p = fz.build_pristine(str(tmp_path_factory.mktemp("pristine") / "ckpt"), request.param)
     # Self-test of the rewriting helpers: each index rewritten unchanged, each zstd payload
     # recompressed to the same bytes, and each storage re-encoded unchanged (planes as raw), with
-    # every checksum fixed up, must still load exactly.
+    # every checksum fixed up, must still load exactly; a snapshot whose references point into
+    # a rewritten shard must refuse it instead (references pin the target's index checksum).
     root = str(tmp_path_factory.mktemp("selftest"))
+    referring = {shard.step: {shard.index["storages"][i]["ref"]["dir"]
+                              for i in fz.referring_storages(shard)} for shard in p.shards.values()}
     same_data = [fz.ChunkPayload(*where, "recompress_same") for where in sorted(p.decoded)]
     same_data += [fz.TensorBytes(alias, si, 0, 0, 0) for alias, shard in p.shards.items()
-                  for si in range(len(shard.index["storages"]))]
+                  for si in fz.stored_storages(shard)]
     for what in list(p.shards) + same_data:
         sandbox = fz.Sandbox(root)
         p.write(sandbox.ckpt)
@@ -281,7 +288,16 @@ def pristine(tmp_path_factory):
                       fz.manifest_bytes(fz.fix_manifest(p.manifest, shard.dir, len(data), digest)))
         else:
             what.apply(p, sandbox.ckpt, sandbox.ctx)
+        rewritten = p.shard_by_alias(what if what in p.shards else what.shard).dir
+        with open(os.path.join(sandbox.ckpt, fz.MANIFEST)) as f:
+            now = {r["dir"]: r["shards"][0]["index_xxh3"] for r in json.load(f)["snapshots"]}
+        index_changed = now[rewritten] != next(r["shards"][0]["index_xxh3"] for r in
+                                               p.manifest["snapshots"] if r["dir"] == rewritten)
         for step in fz.STEPS:
+            if rewritten in referring[step] and index_changed:
+                with pytest.raises(CheckpointError):
+                    async_ckpt.load(sandbox.ckpt, step=step)
+                continue
             got = async_ckpt.load(sandbox.ckpt, step=step)
             assert fz.diff(got, p.refs[step]) is None, f"harness self-test failed for {what!r}"
         sandbox.close()

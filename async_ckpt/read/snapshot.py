@@ -122,9 +122,16 @@ VERIFY_THREADS = 2
 faults more than its checksum, and faults on two cores take about 0.7x the time of one."""
 
 
+_verify_pool: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
+
+
 def _run_checks(checks: list[Callable[[], None]]) -> None:
     """Run every check: in ``VERIFY_THREADS`` contiguous runs, each on a thread of its own (one
-    task per thread: a task per chunk costs more in hand-offs than it balances)."""
+    task per thread: a task per chunk costs more in hand-offs than it balances). The threads are
+    kept between restores (starting two costs ~5 ms here, a fifth of a 256 MB restore), and made
+    anew in a forked child, which inherits the pool but not its threads."""
+    global _verify_pool
+
     def run(group: list[Callable[[], None]]) -> None:
         for check in group:
             check()
@@ -133,9 +140,10 @@ def _run_checks(checks: list[Callable[[], None]]) -> None:
     groups = [checks[start:start + size] for start in range(0, len(checks), size)]
     if len(groups) < 2:
         return run(checks)
-    with ThreadPoolExecutor(len(groups), "verify") as pool:
-        for _ in pool.map(run, groups):  # raises the first group's failure
-            pass
+    if _verify_pool is None or _verify_pool[0] != os.getpid():
+        _verify_pool = (os.getpid(), ThreadPoolExecutor(VERIFY_THREADS, "async_ckpt-verify"))
+    for _ in _verify_pool[1].map(run, groups):  # raises the first group's failure
+        pass
 
 
 def _is_module_metadata(metadata: Any) -> bool:
