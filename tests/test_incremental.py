@@ -403,6 +403,26 @@ def test_gc_keeps_what_kept_snapshots_refer_to(chain, ckpt_dir, capsys):
     assert load(ckpt_dir)[0] == 3
 
 
+def test_inspect_shows_where_referred_storages_are(chain, ckpt_dir, capsys):
+    assert cli(["inspect", ckpt_dir, "--step", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "referred to in earlier snapshots" in out
+    assert f"in {_dir(ckpt_dir, 0)}" in out  # the frozen base's rows name the holding snapshot
+
+
+def test_a_reference_that_also_holds_chunks_is_damage(chain, ckpt_dir):
+    path = shard_path(ckpt_dir, 1)
+    with ShardReader(path) as reader:
+        index = copy.deepcopy(reader.index)
+    next(s for s in index["storages"] if "ref" in s)["chunks"] = []
+    rewrite_index(path, path, index)
+    doc = _fixed_manifest(ckpt_dir, 1)
+    with open(os.path.join(ckpt_dir, "manifest.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(CorruptSnapshotError, match="holds no chunks"):
+        load(ckpt_dir, 1)
+
+
 def test_export_resolves_references(chain, ckpt_dir, tmp_path, capsys):
     target = str(tmp_path / "out.pt")
     assert cli(["export", ckpt_dir, "--step", "1", "--to", target]) == 0

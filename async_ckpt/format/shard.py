@@ -498,7 +498,9 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
         if not (isinstance(s, dict) and is_int(s.get("nbytes")) and is_int(s.get("itemsize"), 1, 16)
                 and ("replica" not in s or (version >= 2 and is_int(s["replica"])))):
             raise bad(f"storage {i} is malformed")
-        if "ref" in s and version >= 3 and "chunks" not in s:
+        if "ref" in s:
+            if version < 3 or "chunks" in s:
+                raise bad(f"storage {i}: a reference needs format version 3 and holds no chunks")
             _validate_reference(s["ref"], bad, f"storage {i}")
             continue
         if not isinstance(s.get("chunks"), list):

@@ -55,11 +55,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
     raw = sum(s["nbytes"] for s in index["storages"])
-    stored = sum(c["stored"] for s in index["storages"] for c in s["chunks"])
+    stored = sum(c["stored"] for s in index["storages"] for c in s.get("chunks", ()))
+    referred = sum(s["nbytes"] for s in index["storages"] if "ref" in s)
     print(f"step {record.step}{newest} in {root}, rank {shard.rank} of {record.world_size}, "
           f"committed {when_text(record.committed_at)}")
     print(f"file {os.path.join(record.dir, shard.file)}: {size_text(shard.bytes)}; tensor data "
-          f"{size_text(raw)} raw, {size_text(stored)} stored")
+          f"{size_text(raw)} raw, {size_text(stored)} stored"
+          + (f", {size_text(referred)} referred to in earlier snapshots" if referred else ""))
     width = min(max((len(line[1]) for line in walk.lines if line[0] == "row"), default=10), 56)
     for kind, *fields in walk.lines:
         if kind == "head":
@@ -170,6 +172,8 @@ class _TreeWalk:
             codec = "-"
         elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
             codec = f"in rank {t['rank']}'s shard"
+        elif "ref" in self.storages[storage]:  # incremental: stored by an earlier snapshot
+            codec = f"in {self.storages[storage]['ref']['dir']}"
         else:
             chunks = self.storages[storage]["chunks"]
             codec = "+".join(dict.fromkeys(c["codec"] for c in chunks)) or "-"
