@@ -34,6 +34,7 @@ import torch
 from async_ckpt import CheckpointEngine
 
 from .measure import ratio_spread, spread
+from .workloads import tensor_bytes
 
 FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter
 QUICK = {"width": 256, "layers": 4, "rank": 4, "repetitions": 3}
@@ -101,8 +102,8 @@ def run(root: str, quick: bool) -> dict:
     state = lora_state(config["width"], config["layers"], config["rank"])
     trainable = {"adapter": state["adapter"], "optimizer": state["optimizer"]}
     nbytes = {"base": sum(t.nbytes for t in state["base"].state_dict().values()),
-              "trainable": sum(t.nbytes for t in _tensors([state["adapter"].state_dict(),
-                                                           state["optimizer"].state_dict()]))}
+              "trainable": tensor_bytes({"model": state["adapter"],
+                                         "optimizer": state["optimizer"]})}
     print(f"incremental: base {nbytes['base'] / 1e6:.1f} MB, adapter and AdamW state "
           f"{nbytes['trainable'] / 1e6:.1f} MB", file=sys.stderr)
     runs = measure({"incremental": (state, {"incremental": True}),
@@ -112,17 +113,6 @@ def run(root: str, quick: bool) -> dict:
               for key in ("blocking_s", "written_bytes")}  # pairwise: the runs take turns
     return {"config": config, "base_bytes": nbytes["base"], "trainable_bytes": nbytes["trainable"],
             "runs": runs, "ratios": ratios, "target_ratio": TARGET_RATIO}
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 def render(results: dict) -> str:
