@@ -28,8 +28,8 @@ import psutil
 from . import errors
 from .data import inexact_loader_warnings
 from .distributed import Coordinator
-from .errors import (CorruptSnapshotError, EngineClosedError, Preempted, StateMismatchError,
-                     WorldSizeMismatchError, WriterDiedError)
+from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preempted,
+                     StateMismatchError, WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .options import EngineOptions, options_signature
@@ -160,8 +160,14 @@ class CheckpointEngine:
         t_slot = time.perf_counter()
         captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
                            self.options.allow_pickle)
-        plan, sources = plan_layout(captured.tensors, [
-            key if key in self.options.replicated else None for key in captured.entry_of])
+        replica_of = [key if key in self.options.replicated else None for key in captured.entry_of]
+        sharded = [d for d in captured.dtensors if d["tensor"] is not None
+                   and replica_of[d["tensor"]] is not None]
+        if sharded:
+            raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
+                              "replicated; its pieces differ between ranks: leave the entry out "
+                              "of replicated= (sharded tensors are written once per piece anyway)")
+        plan, sources = plan_layout(captured.tensors, replica_of)
         old_buffer = slot.buffer_id
         if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
             if old_buffer >= 0:
@@ -180,7 +186,7 @@ class CheckpointEngine:
         self._writer.submit(SnapshotJob(
             job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
             plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
-            refer=tuple(sorted(refer.items()))))
+            refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors)))
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
@@ -217,22 +223,25 @@ class CheckpointEngine:
         Raises StateMismatchError, loading nothing, when the snapshot does not fit the state.
 
         With several ranks, call it on every rank: they restore the same step, the newest that
-        every rank can read, each its own per-rank state. A snapshot written by a different number
-        of ranks raises WorldSizeMismatchError, unless ``reshard``: then only the ``replicated``
-        entries are loaded (they are the same on every rank) and per-rank state stays as it is.
+        every rank can read, each its own per-rank state. Sharded tensors (``DTensor``) come back
+        laid out as the registered ones are now, on any world size and mesh. A snapshot written
+        by another number of ranks follows the rules of docs/distributed.md ("Another world
+        size"): what every saved rank held alike loads as it was, rank ``r`` takes the global
+        RNG of saved rank ``r % old_world_size`` (ranks past the old world size derive their
+        own streams from it), and an entry the saved ranks held differently (a sampler position,
+        plain per-rank tensors) raises WorldSizeMismatchError, loading nothing, unless
+        ``reshard``: then those entries keep their current state.
         """
         self._check_usable()
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
         record, loaded = read_committed(
             self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
-            lambda r: self._shard_to_read(r, reshard), self._check_loaded, mapped=True,
-            scratch=self._pool.scratch())
+            lambda r: self.rank % r.world_size, self._check_loaded, mapped=True,
+            scratch=self._pool.scratch(), targets=self.state)
         if loaded is None:
             return None
-        resharding = record.world_size != self.world_size
-        keys = set(self.options.replicated) if resharding else None
-        return self._load(record.step, keys, loaded, strict)
+        return self._load(record, loaded, strict, reshard)
 
     def _check_loaded(self, loaded: Entry) -> None:
         """Damage that shows only against what is registered: the RNG states this engine would
@@ -245,42 +254,46 @@ class CheckpointEngine:
         check_generator_states(self.state, Entry("dict", {k: v for k, v in loaded.value.items()
                                                           if k != RNG_KEY}))
 
-    def _shard_to_read(self, record: SnapshotRecord, reshard: bool) -> int:
-        """The rank whose shard of ``record`` this rank reads; refuses another world size unless
-        re-sharding the replicated entries."""
-        if record.world_size == self.world_size:
-            return self.rank
-        if not reshard:
-            raise WorldSizeMismatchError(
-                f"step {record.step} in {self.directory} was written by {record.world_size} "
-                f"rank(s); this job has {self.world_size}. Per-rank state (RNG, data position, "
-                "optimizer shards) cannot be split or merged safely: restart with "
-                f"{record.world_size} rank(s), or pass reshard=True to load only the replicated "
-                "entries (see docs/distributed.md)")
-        if not self.options.replicated:
-            raise WorldSizeMismatchError(
-                f"step {record.step} was written by {record.world_size} rank(s), this job has "
-                f"{self.world_size}, and no entry is declared replicated, so nothing can be "
-                "re-sharded; pass replicated= to the engine")
-        skipped = sorted(set(self.state) - self.options.replicated)
-        log.warning("re-sharding step %d from %d to %d ranks: loading only the replicated entries "
-                    "%s; per-rank entries %s and the RNG keep their current state", record.step,
-                    record.world_size, self.world_size, sorted(self.options.replicated), skipped)
-        return min(self.rank, record.world_size - 1)
+    def _per_rank_entries(self, record: SnapshotRecord, loaded: Entry, reshard: bool) -> list:
+        """At another world size: the entries that held per-rank state, which cannot be split or
+        merged without knowing what they mean. Raises WorldSizeMismatchError on every rank,
+        unless ``reshard``, which leaves them as they are."""
+        per_rank = sorted((loaded.differing & self.state.keys()) - self.options.replicated)
+        problem = None
+        if per_rank and not reshard:
+            problem = (f"step {record.step} in {self.directory} was written by "
+                       f"{record.world_size} rank(s), this job has {self.world_size}, and "
+                       f"{', '.join(per_rank)} held different state on each saved rank (per-rank "
+                       "state such as a data position): it cannot be split or merged safely. "
+                       f"Restart with {record.world_size} rank(s), or pass reshard=True to keep "
+                       "those entries as they are now (see docs/distributed.md)")
+        self._coordinator.raise_if_any(problem, WorldSizeMismatchError,
+                                       f"step {record.step} cannot be restored on this world size")
+        log.warning("restoring step %d, written by %d rank(s), on %d: sharded tensors re-split, "
+                    "entries held alike by every saved rank loaded from saved rank %d; %s", record.step,
+                    record.world_size, self.world_size, self.rank % record.world_size,
+                    f"per-rank entries {per_rank} keep their current state" if per_rank
+                    else "no per-rank entries")
+        return per_rank
 
-    def _load(self, step: int, keys: Optional[set], loaded: Entry, strict: bool) -> int:
+    def _load(self, record: SnapshotRecord, loaded: Entry, strict: bool, reshard: bool) -> int:
         """Apply a snapshot read on every rank, after every rank has checked that it fits."""
+        step = record.step
         rng = loaded.value.pop(RNG_KEY, None)
-        state = self.state if keys is None else {k: self.state[k] for k in keys}
-        if keys is not None:
-            loaded, rng = Entry("dict", {k: v for k, v in loaded.value.items() if k in keys},
-                                loaded.borrowed), None
+        state = self.state
+        if record.world_size != self.world_size:
+            kept = self._per_rank_entries(record, loaded, reshard)
+            state = {k: v for k, v in self.state.items() if k not in kept}
+            loaded = Entry("dict", {k: v for k, v in loaded.value.items() if k not in kept},
+                           loaded.borrowed)
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")
         apply(state, loaded, step, strict)
         if self._rng is not None and rng is not None:
             self._rng.load_state_dict(rng.value)
+            if self.rank >= record.world_size:  # no saved stream of its own: derive one
+                self._rng.derive(rng.value, self.rank)
         log.info("restored step %d from %s", step, self.directory)
         return step
 

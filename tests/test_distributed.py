@@ -314,8 +314,8 @@ def test_distributed_behaviours(tmp_path):
     assert local == [{"restored": 3, "mine": 3.0}, {"restored": 3, "mine": 103.0}]
 
 
-def test_another_world_size_is_refused_unless_resharding_replicated_state(tmp_path,
-                                                                          tmp_path_factory):
+def test_another_world_size_loads_what_the_ranks_held_alike_and_refuses_per_rank_state(
+        tmp_path, tmp_path_factory):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(reference(tmp_path_factory, 2), "ckpt"), ckpt)
     spec = importlib.util.spec_from_file_location("train_ddp", TRAIN)
@@ -326,18 +326,17 @@ def test_another_world_size_is_refused_unless_resharding_replicated_state(tmp_pa
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     sampler = DistributedResumableSampler(240, num_replicas=1, rank=0, batch_size=8)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     sampler_before = sampler.state_dict()
-    with CheckpointEngine(ckpt, state, replicated=REPLICATED) as engine:
-        with pytest.raises(WorldSizeMismatchError, match="written by 2 rank"):
-            engine.restore()
-        assert_same(model.state_dict(), before)  # nothing was loaded
-        assert engine.restore(reshard=True) == STEPS - 1
-    saved = load(ckpt, rank=1)[1]
-    assert_same(dict(model.state_dict()), dict(saved["model"]))
-    assert_same(optimizer.state_dict()["state"], saved["optimizer"]["state"])
-    assert scheduler.state_dict()["last_epoch"] == saved["scheduler"]["last_epoch"]
-    assert sampler.state_dict() == sampler_before  # per-rank state is not re-sharded
-    with CheckpointEngine(ckpt, state) as engine:
-        with pytest.raises(WorldSizeMismatchError, match="no entry is declared replicated"):
-            engine.restore(reshard=True)
+    for replicated in (REPLICATED, ()):  # declared or not: what DDP kept identical loads
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with CheckpointEngine(ckpt, state, replicated=replicated) as engine:
+            with pytest.raises(WorldSizeMismatchError, match="written by 2 rank.*sampler held "
+                               "different state on each saved rank"):
+                engine.restore()
+            assert_same(model.state_dict(), before)  # nothing was loaded
+            assert engine.restore(reshard=True) == STEPS - 1
+        saved = load(ckpt, rank=1)[1]
+        assert_same(dict(model.state_dict()), dict(saved["model"]))
+        assert_same(optimizer.state_dict()["state"], saved["optimizer"]["state"])
+        assert scheduler.state_dict()["last_epoch"] == saved["scheduler"]["last_epoch"]
+        assert sampler.state_dict() == sampler_before  # per-rank state keeps its current state

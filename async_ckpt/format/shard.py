@@ -35,7 +35,7 @@ from ..storage.local import new_shard_file, open_shard_file
 
 log = logging.getLogger(__name__)
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -48,12 +48,14 @@ MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
 
 
-def version_needed(uses_references: bool, refers_to_snapshots: bool = False) -> int:
+def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
+                   sharded: bool = False) -> int:
     """The format version to write a shard in: the oldest that can express it. Version 2 adds
     references to storages in other ranks' shards (state replicated across ranks is stored once),
     version 3 storages that are stored in an earlier committed snapshot (incremental snapshots),
-    so a shard without them stays readable by older readers."""
-    return 3 if refers_to_snapshots else 2 if uses_references else 1
+    version 4 sharded tensors (``dtensors``, pieces of one tensor in several ranks' shards), so a
+    shard without them stays readable by older readers."""
+    return 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1
 
 
 def referenced_dirs(index: dict) -> list[str]:
@@ -347,6 +349,41 @@ class ShardReader:
             self._read_chunk(chunk, storage["itemsize"], target, f"storage {i} chunk {chunk_no}")
             position += chunk["raw"]
 
+    def read_range(self, i: int, start: int, stop: int, out,
+                   cache: Optional["ChunkCache"] = None) -> None:
+        """Fill ``out`` (``stop - start`` writable bytes) with bytes ``[start, stop)`` of storage
+        ``i``, reading only the chunks that hold some of them, each verified whole (a checksum
+        covers a chunk). A chunk needed only in part is decoded into ``cache``, where the next
+        call finds it: reads of consecutive ranges decode each chunk once."""
+        storage = self.index["storages"][i]
+        if "ref" in storage:  # the caller follows it (format/references.py)
+            raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
+        view = memoryview(out).cast("B")
+        if not (0 <= start <= stop <= storage["nbytes"] and len(view) == stop - start):
+            raise ValueError(f"bytes [{start}, {stop}) of storage {i} do not fit a buffer of "
+                             f"{len(view)} bytes")
+        position = 0
+        for chunk_no, chunk in enumerate(storage["chunks"]):
+            lo, hi = position, position + chunk["raw"]
+            position = hi
+            if hi <= start:
+                continue
+            if lo >= stop:
+                break
+            where = f"storage {i} chunk {chunk_no}"
+            if start <= lo and hi <= stop:
+                self._read_chunk(chunk, storage["itemsize"], view[lo - start:hi - start], where)
+                continue
+            key = (id(self), i, chunk_no)
+            data = cache.get(key) if cache is not None else None
+            if data is None:
+                data = memoryview(bytearray(chunk["raw"]))
+                self._read_chunk(chunk, storage["itemsize"], data, where)
+                if cache is not None:
+                    cache.put(key, data)
+            a, b = max(lo, start), min(hi, stop)
+            view[a - start:b - start] = data[a - lo:b - lo]
+
     def mapped_storage(self, i: int) -> Optional[memoryview]:
         """Storage ``i`` as a view of the file's private mapping, not yet verified (see
         ``mapped_checks``), or None when it cannot be mapped: the source does not map, a chunk is
@@ -437,6 +474,20 @@ class ShardReader:
         return problems
 
 
+class ChunkCache:
+    """The last chunk decoded for a partial read (``ShardReader.read_range``): one chunk, so its
+    memory stays bounded by the largest chunk."""
+
+    def __init__(self):
+        self._key, self._data = None, None
+
+    def get(self, key) -> Optional[memoryview]:
+        return self._data if key == self._key else None
+
+    def put(self, key, data: memoryview) -> None:
+        self._key, self._data = key, data
+
+
 def _prefetch(mapping: mmap.mmap, start: int, length: int) -> None:
     """Ask the kernel to read a mapped range ahead, all of it, as the checksums will: from a cold
     cache the faults then find pages already read, in large sequential requests."""
@@ -490,6 +541,10 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             isinstance(r, dict) and isinstance(r.get("entry"), str) and is_int(r.get("owner"))
             and is_int(r.get("nbytes")) and isinstance(r.get("xxh3"), str) for r in replicas)):
         raise bad("'replicas' is malformed")
+    if "dtensors" in index:
+        if version < 4:
+            raise bad("'dtensors' needs format version 4")
+        _validate_dtensors(index["dtensors"], bad)
     storages = index.get("storages")
     if not isinstance(storages, list):
         raise bad("'storages' is not a list")
@@ -525,6 +580,37 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             raise bad(f"storage {i}: chunks hold {total} bytes, the storage {s['nbytes']}")
     if position != data_end:
         raise bad(f"{data_end - position} bytes between the last chunk and the index")
+
+
+_DTENSOR_FIELDS = {"key", "dtype", "global_shape", "offset", "tensor"}
+MAX_KEY_CHARS = 1 << 16
+MAX_DIMS = 64  # torch's limit on tensor dimensions
+MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
+
+
+def _validate_dtensors(dtensors, bad) -> None:
+    """The sharded-tensor table (docs/FORMAT.md 3.6): each record's fields and ranges, keys and
+    tensor numbers distinct. Whether the pieces tile their tensors is the reader's to check, with
+    every rank's table in hand."""
+    if not isinstance(dtensors, list):
+        raise bad("'dtensors' is not a list")
+    keys, tensors = set(), set()
+    for k, d in enumerate(dtensors):
+        if not (isinstance(d, dict) and d.keys() == _DTENSOR_FIELDS
+                and type(d["key"]) is str and 0 < len(d["key"]) <= MAX_KEY_CHARS
+                and type(d["dtype"]) is str and len(d["dtype"]) <= 40
+                and type(d["global_shape"]) is list and type(d["offset"]) is list
+                and len(d["global_shape"]) == len(d["offset"]) <= MAX_DIMS
+                and all(type(n) is int and 0 <= n <= MAX_EXTENT for n in d["global_shape"])
+                and all(type(o) is int and 0 <= o <= n for o, n in zip(d["offset"],
+                                                                      d["global_shape"]))
+                and (d["tensor"] is None or (type(d["tensor"]) is int and d["tensor"] >= 0))):
+            raise bad(f"sharded tensor {k} is malformed")
+        if d["key"] in keys or (d["tensor"] is not None and d["tensor"] in tensors):
+            raise bad(f"sharded tensor {k} repeats a key or a tensor of another")
+        keys.add(d["key"])
+        if d["tensor"] is not None:
+            tensors.add(d["tensor"])
 
 
 _XXH3_HEX = re.compile(r"[0-9a-f]{16}")

@@ -15,7 +15,7 @@ import torch
 
 from ..data import ResumableLoader, ResumableSampler
 from ..errors import CheckpointError, StateMismatchError
-from ..train.capture import as_stateful
+from ..train.capture import as_stateful, is_dtensor
 from ..train.rng import NumpyGenerator, TorchGenerator
 from .snapshot import Entry
 
@@ -230,12 +230,17 @@ def _rehome(optimizer: torch.optim.Optimizer, before: dict, borrowed: frozenset)
                 continue
             home = held.get(key)
             if (isinstance(home, torch.Tensor) and home is not value and _same_layout(home, value)
-                    and home.untyped_storage().data_ptr() not in borrowed):
+                    and _storage_address(home) not in borrowed):
                 with torch.no_grad():
                     home.copy_(value)
                 entries[key] = home
             else:
                 entries[key] = _own_memory(value, borrowed)
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """Where the memory of ``t`` (of its local shard, for a DTensor) starts."""
+    return (t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr()
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -249,6 +254,8 @@ def _own_memory(value: Any, borrowed: frozenset, copies: Optional[dict] = None) 
     if not borrowed:
         return value
     copies = {} if copies is None else copies
+    if is_dtensor(value):  # read from pieces into memory of its own (reshard.py)
+        return value
     if isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
         if storage.data_ptr() not in borrowed:

@@ -15,7 +15,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import psutil
 import torch
@@ -28,7 +28,9 @@ from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..format.names import RNG_KEY
 from ..format.references import References
-from ..format.shard import ShardReader
+from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
+from .records import tensor_layout
+from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
 from ..train.capture import DTYPES
@@ -36,8 +38,6 @@ from ..train.capture import DTYPES
 log = logging.getLogger(__name__)
 
 
-_MAX_DIMS = 64  # torch's limit on tensor dimensions
-_MAX_EXTENT = 2**62  # sizes, strides and element counts stay clear of int64 overflow
 _MAX_TREE_DEPTH = 100
 
 
@@ -53,6 +53,7 @@ class Entry:
     kind: str
     value: Any  # for "dict": dict[str, Entry]
     borrowed: frozenset = frozenset()
+    differing: frozenset = frozenset()  # read with compare_ranks: entries the ranks held unalike
 
     def plain(self) -> Any:
         if self.kind == "dict":
@@ -63,7 +64,8 @@ class Entry:
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
                   allow_pickle: bool = False, manifest: Optional[Manifest] = None,
                   mapped: bool = False, verify: bool = True,
-                  scratch: Optional[memoryview] = None) -> Entry:
+                  scratch: Optional[memoryview] = None, targets: Optional[Mapping] = None,
+                  compare_ranks: bool = False) -> Entry:
     """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
     replicated storages it refers to in other ranks' shards and, for an incremental snapshot,
     the storages it refers to in earlier snapshots of ``manifest`` (read when not given).
@@ -72,7 +74,12 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
     checked over them, unless not ``verify``) instead of memory of their own; see
     ``Entry.borrowed``. Other storages (encoded ones) are decoded into ``scratch`` while it has
     room (memory already faulted in, such as a free staging slot: a restore then allocates no
-    memory for the state), else into new memory."""
+    memory for the state), else into new memory.
+
+    Sharded tensors (``$dtensor``, docs/FORMAT.md 3.6) are read from every rank's pieces that
+    overlap what is needed: the local shard of the DTensor that ``targets`` (the registered
+    state) holds at the same place, else the whole tensor (``reshard.py``). ``compare_ranks``
+    sets the root entry's ``differing``: the top-level entries the saved ranks held unalike."""
     with References(as_storage(root), [record]) as refs:
         own = refs.open(record.dir, rank)
         index, path = own.index, own.path
@@ -83,8 +90,13 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
             manifest = read_manifest(refs.storage)
         if manifest is not None:
             refs.add(manifest.snapshots)
-        wanted = [(rank, i) for i in range(len(index["storages"]))]
-        wanted += sorted({(r["rank"], r["storage"]) for r in records if isinstance(r, dict)
+        dtensors = index.get("dtensors", [])
+        pieces = {d["tensor"] for d in dtensors if d["tensor"] is not None}
+        plain = [r for n, r in enumerate(records) if n not in pieces]
+        only_pieces = (_storages_viewed([r for n, r in enumerate(records) if n in pieces])
+                       - _storages_viewed(plain)) if pieces else set()
+        wanted = [(rank, i) for i in range(len(index["storages"])) if i not in only_pieces]
+        wanted += sorted({(r["rank"], r["storage"]) for r in plain if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
         views = {key: reader.mapped_storage(i) for key, (reader, i) in sources.items()
@@ -108,12 +120,25 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
             else:
                 buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
             reader.read_storage(i, buffers[key].numpy())
-        tensors = [_tensor_from_record(t, buffers, rank, path, n) for n, t in enumerate(records)]
-        root_entry = _rebuild(index.get("tree"), tensors, allow_pickle, path)
+        tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
+                   for n, t in enumerate(records)]
+        root_entry = _rebuild(index.get("tree"), tensors, dtensors, allow_pickle, path)
+        if dtensors or targets is not None:
+            _read_sharded(root_entry, targets, Resolver(lambda: PieceIndex(
+                refs, record, lambda refs, record, r, i: _storage_source(refs, record, r, i, False)),
+                path))
+        if compare_ranks:
+            root_entry.differing = frozenset(differing_entries(refs, record))
         tensors.clear()  # _rebuild's closures form a cycle: without this the tensors (and a file's
         # mapping) would live on until the cycle collector runs, not as long as the entries do
         root_entry.borrowed = frozenset(buffers[key].untyped_storage().data_ptr() for key in lent)
         return root_entry
+
+
+def _storages_viewed(records: list) -> set[int]:
+    """The storage numbers that (not yet validated) tensor records of this shard view."""
+    return {r["storage"] for r in records if isinstance(r, dict) and type(r.get("storage")) is int
+            and "rank" not in r}
 
 
 _SCRATCH_ALIGNMENT = 64  # storages decoded into scratch start on cache lines, as allocations do
@@ -189,30 +214,6 @@ def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
             "not checked for damage, and nothing was loaded")
 
 
-def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:
-    """The dtype, shape and stride of tensor record ``i`` (docs/FORMAT.md 3.5), checked: a known
-    dtype, at most 64 dimensions, sizes and strides in [0, 2^62], at most 2^62 elements, and a
-    storage reference of the right types."""
-    def bad(why: str) -> CorruptSnapshotError:
-        return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
-
-    if not isinstance(r, dict):
-        raise bad("not an object")
-    dtype = DTYPES.get(r["dtype"]) if type(r.get("dtype")) is str else None
-    shape, stride = r.get("shape"), r.get("stride")
-    if dtype is None:
-        raise bad(f"unknown dtype {str(r.get('dtype'))[:40]!r}")
-    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride) <= _MAX_DIMS
-            and all(type(n) is int and 0 <= n <= _MAX_EXTENT for n in shape + stride)):
-        raise bad("malformed shape or stride")
-    if math.prod(shape) > _MAX_EXTENT:
-        raise bad("more elements than any storage can hold")
-    if not ((r.get("storage") is None or type(r["storage"]) is int) and type(r.get("rank", 0)) is int
-            and type(r.get("offset", 0)) is int):
-        raise bad("bad storage reference")
-    return dtype, shape, stride
-
-
 def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
                         i: int) -> torch.Tensor:
     def bad(why: str) -> CorruptSnapshotError:
@@ -236,7 +237,7 @@ def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], ra
 
 
 def _size(v: Any) -> torch.Size:
-    if type(v) is not list or len(v) > _MAX_DIMS or not all(type(n) is int and 0 <= n <= _MAX_EXTENT
+    if type(v) is not list or len(v) > MAX_DIMS or not all(type(n) is int and 0 <= n <= MAX_EXTENT
                                                              for n in v):
         raise ValueError("not a list of sizes")
     return torch.Size(v)
@@ -252,15 +253,38 @@ _TORCH_TAGS = {"$dtype": lambda v: DTYPES[v] if type(v) is str else None, "$size
                "$device": _device}
 
 
-def _rebuild(tree: Any, tensors: list[torch.Tensor], allow_pickle: bool, path: str) -> Entry:
+def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> None:
+    """Put the sharded tensors into the tree ``root``, read all at once (all or nothing) beside
+    the registered ``state`` they will be loaded into."""
+    def visit(entry: Entry, current: Any, first_pass: bool) -> None:
+        if entry.kind == "dict":
+            for key, child in entry.value.items():
+                visit(child, current.get(key) if isinstance(current, Mapping) else None,
+                      first_pass)
+        elif first_pass:
+            resolver.collect(entry.value, current)
+        else:
+            entry.value = resolver.fill(entry.value)
+
+    visit(root, state, True)
+    resolver.read()
+    visit(root, state, False)
+
+
+def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, allow_pickle: bool,
+             path: str) -> Entry:
     def leaf(node: dict):
         if len(node) == 1:
             (tag, v), = node.items()
             try:
                 if tag == "$tensor":
-                    if type(v) is not int or v < 0:
+                    if type(v) is not int or v < 0 or tensors[v] is None:
                         raise IndexError(v)
                     return tensors[v]
+                if tag == "$dtensor":
+                    if type(v) is not int or v < 0:
+                        raise IndexError(v)
+                    return sharded_ref(dtensors[v], path)
                 if tag in _TORCH_TAGS:
                     value = _TORCH_TAGS[tag](v)
                     if value is None:
@@ -297,12 +321,15 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
                    check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
                    verify: bool = True, scratch: Optional[memoryview] = None,
+                   targets: Optional[Mapping] = None,
                    ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
     """Read the newest committed snapshot that verifies (or exactly ``step``).
 
     ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
     validates what was read further, raising CorruptSnapshotError for damage; ``mapped``,
-    ``verify`` and ``scratch`` are ``read_snapshot``'s. Damage (an error
+    ``verify`` and ``scratch`` are ``read_snapshot``'s; so is ``targets`` (the registered state,
+    for a restore), and then a snapshot of another world size is read with ``compare_ranks``.
+    Damage (an error
     whose class says ``is_damage``) moves on to the previous snapshot; any other error is
     raised. With a ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank
     reads its part, and they fall back together when any rank cannot read its part of a snapshot.
@@ -322,7 +349,9 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         loaded, error = None, None
         try:
             loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle, manifest, mapped, verify, scratch)
+                                   allow_pickle, manifest, mapped, verify, scratch, targets,
+                                   targets is not None
+                                   and record.world_size != coordinator.world_size)
             if check is not None:
                 check(loaded)
         except CheckpointError as e:

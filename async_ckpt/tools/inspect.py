@@ -86,7 +86,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _check_tensor_table(index: dict, path: str) -> None:
     """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
-    from ..read.snapshot import tensor_layout
+    from ..read.records import tensor_layout
 
     tensors = index.get("tensors")
     if not isinstance(tensors, list):
@@ -107,6 +107,7 @@ class _TreeWalk:
         self.path = path
         self.tree = index.get("tree")
         self.tensors = index.get("tensors")
+        self.dtensors = index.get("dtensors", [])
         self.storages = index["storages"]
         self.lines: list[tuple] = []
         self.totals: dict[str, dict] = {}
@@ -142,6 +143,8 @@ class _TreeWalk:
         kind = values.kind_of(v)
         if kind == "$tensor":
             self._tensor(v["$tensor"], path)
+        elif kind == "$dtensor":
+            self._dtensor(v["$dtensor"], path)
         elif kind in ("dict", "$dict"):
             items = values.children(v)
             if not items:
@@ -158,14 +161,28 @@ class _TreeWalk:
         self.totals[self._top]["values"] += 1
         self.lines.append(("row", path, text))
 
-    def _tensor(self, i: int, path: str) -> None:
+    def _dtensor(self, k: int, path: str) -> None:
+        """A sharded tensor (FORMAT.md 3.7): its global shape, and this rank's piece."""
+        if type(k) is not int or not 0 <= k < len(self.dtensors):
+            raise IndexError(f"sharded tensor {k!r} is not in the sharded-tensor table")
+        d = self.dtensors[k]
+        if d["tensor"] is not None:
+            return self._tensor(d["tensor"], path, d)
+        self._top_totals()["tensors"] += 1
+        self.lines.append(("row", path, d["dtype"], _shape_text(d["global_shape"]), "-",
+                           "sharded; this rank's piece is stored by another rank"))
+
+    def _top_totals(self) -> dict:
+        return self.totals[self._top]
+
+    def _tensor(self, i: int, path: str, sharded: Optional[dict] = None) -> None:
         if type(i) is not int or not 0 <= i < len(self.tensors):
             raise IndexError(f"tensor {i!r} is not in the tensor table")
         t = self.tensors[i]
         dtype, shape, storage = t["dtype"], t["shape"], t["storage"]
         itemsize = _itemsize(dtype)
         nbytes = None if itemsize is None else math.prod(shape) * itemsize
-        total = self.totals[self._top]
+        total = self._top_totals()
         total["tensors"] += 1
         total["bytes"] += nbytes or 0
         if storage is None:
@@ -183,10 +200,19 @@ class _TreeWalk:
                 total["stored"] += sum(c["stored"] for c in chunks)
             else:
                 codec += f"  (shares storage with {owner})"
-        shape_text = "[" + ", ".join(map(str, shape)) + "]"
+        if sharded is None:
+            shape_text = _shape_text(shape)
+        else:  # the global shape, and which box of it this rank's piece is
+            shape_text = _shape_text(sharded["global_shape"])
+            codec += "  (sharded; piece [" + ", ".join(
+                f"{o}:{o + n}" for o, n in zip(sharded["offset"], shape)) + "])"
         self.lines.append(("row", path, dtype, shape_text, size_text(nbytes), codec))
 
-_EXPANDED = ("$tensor", "$dict", "dict")
+def _shape_text(shape: list) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+_EXPANDED = ("$tensor", "$dtensor", "$dict", "dict")
 
 
 def _worth_expanding(v: Any) -> bool:

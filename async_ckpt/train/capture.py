@@ -9,7 +9,7 @@ once and share memory again after restore.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -31,6 +31,10 @@ class Captured:
     tree: dict
     tensors: list[torch.Tensor]
     entry_of: list[str]  # the top-level entry each tensor belongs to
+    # Sharded tensors (``DTensor``), one record each (docs/FORMAT.md 3.6), referenced from the
+    # tree as {"$dtensor": k}; a record's "tensor" indexes ``tensors`` (its local piece), or is
+    # None where another rank stores the same (replicated) piece.
+    dtensors: list[dict] = field(default_factory=list)
 
 
 def as_stateful(obj: Any) -> Any:
@@ -45,8 +49,11 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     """Flatten the registered state. Raises EncodingError/LayoutError naming the key path of a
     value that cannot be saved safely."""
     tensors: list[torch.Tensor] = []
+    dtensors: list[dict] = []
 
     def leaf(value: Any, path: str):
+        if is_dtensor(value):
+            return {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
         if isinstance(value, torch.Tensor):
             tensors.append(_checked(value, path))
             return {"$tensor": len(tensors) - 1}
@@ -61,7 +68,47 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
             raise EncodingError(f"state keys must be strings, not {key!r}")
         entries[key] = _capture_entry(obj, key, encode)
         entry_of += [key] * (len(tensors) - len(entry_of))
-    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of)
+    keys = [d["key"] for d in dtensors]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise LayoutError(f"two sharded tensors have the same key path {twice[0]!r}: their pieces "
+                          "could not be told apart on restore; give the state dict distinct keys")
+    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of, dtensors)
+
+
+def is_dtensor(value: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (without importing torch.distributed where it is
+    not built)."""
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(
+        value, "placements")
+
+
+def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
+    """Record a DTensor: its global shape and dtype, the global offset of the piece this rank
+    holds, and that piece (its local tensor) as a tensor of the shard, unless the piece is
+    replicated and a rank of a lower mesh coordinate stores it (each piece is written once)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(p.is_partial() for p in t.placements):
+        raise LayoutError(f"{path}: a DTensor with a Partial placement holds unreduced values; "
+                          "redistribute it to Shard or Replicate before it is saved")
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise LayoutError(f"{path}: this rank is not in the DTensor's device mesh")
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise LayoutError(f"{path}: the DTensor's local tensor has shape {tuple(local.shape)}, "
+                          f"its placements give {tuple(shape)}")
+    stores = all(c == 0 for c, p in zip(coordinate, t.placements) if p.is_replicate())
+    record = {"key": path, "dtype": str(t.dtype).removeprefix("torch."),
+              "global_shape": list(t.shape), "offset": [int(o) for o in offset], "tensor": None}
+    if stores:
+        tensors.append(_checked(local, path))
+        record["tensor"] = len(tensors) - 1
+    dtensors.append(record)
+    return len(dtensors) - 1
 
 
 def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:

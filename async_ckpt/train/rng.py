@@ -15,6 +15,7 @@ import struct
 
 import numpy as np
 import torch
+import xxhash
 
 from ..errors import CorruptSnapshotError, StateMismatchError
 
@@ -163,6 +164,18 @@ class GlobalRNG:
                         "restoring the first %d", len(saved_cuda), devices, min(devices, len(saved_cuda)))
         for device, rng_state in enumerate(saved_cuda[:devices]):
             torch.cuda.set_rng_state(rng_state, device)
+
+
+    @staticmethod
+    def derive(state: dict, salt: int) -> None:
+        """Seed every global generator from a digest of a saved ``state`` and ``salt``: a
+        stream of its own, the same at every restart, for a rank that has no saved stream (a
+        restore on more ranks than saved)."""
+        seed = xxhash.xxh3_64_intdigest(state["torch"].numpy().tobytes()
+                                        + salt.to_bytes(8, "little"))
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
 
 
 class TorchGenerator:

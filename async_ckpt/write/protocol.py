@@ -83,6 +83,8 @@ class SnapshotJob:
     # Incremental snapshots: (region, dir) for each region not staged because it is unchanged
     # since committed snapshot ``dir`` stored it (same plan); the shard refers to it there.
     refer: tuple[tuple[int, str], ...] = ()
+    # Sharded tensors: the index's ``dtensors`` records (docs/FORMAT.md 3.6), in tree order.
+    dtensors: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ class SnapshotWriter:
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
         shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
-                            self.encoder, version=version_needed(layout.uses_references, bool(refer)),
+                            self.encoder, version=version_needed(layout.uses_references, bool(refer),
+                                                   bool(job.dtensors)),
                             workers=ENCODE_WORKERS)
         try:
             with References(self.storage,
@@ -176,7 +177,8 @@ class SnapshotWriter:
             size, index_digest = shard.finish({
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
-                **({"replicas": replicas} if replicas else {})})
+                **({"replicas": replicas} if replicas else {}),
+                **({"dtensors": list(job.dtensors)} if job.dtensors else {})})
         except BaseException:
             shard.abort()
             if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans

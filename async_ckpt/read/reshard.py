@@ -1,0 +1,408 @@
+"""Sharded tensors read back on any world size and mesh (docs/FORMAT.md 3.6).
+
+A ``DTensor`` was saved as pieces: each rank's shard holds the box of the global tensor that the
+rank held (replicated pieces once), recorded with its key path, global shape and global offset.
+To restore, every rank computes the box it needs now (the local shard of the ``DTensor`` its
+registered object holds at the same place, or the whole tensor where it holds a plain tensor or
+nothing), finds the saved pieces that overlap it in whichever ranks' shards hold them, and reads
+only the byte ranges of those overlaps, in slabs of at most ``SLAB_BYTES`` through one chunk
+cache, each chunk verified as it is read. The pieces overlapping a box must be disjoint and
+cover it exactly; anything else is damage of the snapshot.
+
+Plain per-rank state at another world size is the engine's policy (``engine.restore``);
+``differing_entries`` tells it which top-level entries the saved ranks did not hold alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import psutil
+import torch
+
+from ..errors import CorruptSnapshotError, InsufficientMemoryError
+from ..format.manifest import SnapshotRecord
+from ..format.references import References
+from ..format.shard import ChunkCache, ShardReader, checksum
+from ..train.capture import DTYPES, as_stateful, is_dtensor
+from .records import tensor_layout
+
+SLAB_BYTES = 16 << 20
+"""The most bytes of a saved piece read into memory of our own at once, besides one chunk in the
+cache: what a rank holds while restoring is its own state plus these."""
+
+
+@dataclass(frozen=True)
+class ShardedRef:
+    """A saved sharded tensor, before it is read: where the value tree held a ``$dtensor``."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A stored box of a sharded tensor: in ``rank``'s shard, the tensor record ``record``
+    (offset, stride) over storage ``storage``, at ``offset`` of the global tensor."""
+
+    rank: int
+    storage: int
+    record: dict
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def sharded_ref(record: Any, path: str) -> ShardedRef:
+    """The placeholder of a (validated) ``dtensors`` record, its dtype checked."""
+    dtype = DTYPES.get(record["dtype"])
+    if dtype is None:
+        raise CorruptSnapshotError(f"{path}: sharded tensor {record['key'][:80]!r} has unknown "
+                                   f"dtype {record['dtype']!r}")
+    return ShardedRef(record["key"], dtype, tuple(record["global_shape"]))
+
+
+class PieceIndex:
+    """Every stored piece of every sharded tensor of one snapshot, from all its ranks' indexes,
+    checked to agree: the same keys, dtypes and global shapes on every rank, each stored piece a
+    tensor record of that dtype, contiguous, inside its global tensor."""
+
+    def __init__(self, refs: References, record: SnapshotRecord,
+                 open_storage: Callable[[References, SnapshotRecord, int, int],
+                                        tuple[ShardReader, int]]):
+        self._refs, self._record, self._open_storage = refs, record, open_storage
+        self.pieces: dict[str, list[_Piece]] = {}
+        seen: dict[str, tuple] = {}
+        for shard in record.shards:
+            reader = refs.open(record.dir, shard.rank)
+            where = reader.path
+            table = reader.index.get("dtensors", [])
+            records = reader.index.get("tensors")
+            if not isinstance(records, list):
+                raise CorruptSnapshotError(f"{where}: the index has no tensor table")
+            keys = set()
+            for d in table:
+                spec = (d["dtype"], tuple(d["global_shape"]))
+                if seen.setdefault(d["key"], spec) != spec:
+                    raise CorruptSnapshotError(
+                        f"{where}: sharded tensor {d['key'][:80]!r} is {spec[0]} "
+                        f"{list(spec[1])[:8]} here and {seen[d['key']][0]} "
+                        f"{list(seen[d['key']][1])[:8]} in another rank's shard")
+                keys.add(d["key"])
+                if d["tensor"] is not None:
+                    self.pieces.setdefault(d["key"], []).append(
+                        self._piece(d, records, shard.rank, where))
+            if shard.rank and keys != set(seen):
+                missing = sorted(set(seen) ^ keys)[0]
+                raise CorruptSnapshotError(f"{where}: sharded tensor {missing[:80]!r} is not in "
+                                           "every rank's shard")
+
+    def chunks(self, piece: _Piece) -> list:
+        """The chunks of the storage holding ``piece`` (none for an empty piece)."""
+        if piece.storage is None:
+            return []
+        reader, storage = self._open_storage(self._refs, self._record, piece.rank, piece.storage)
+        return reader.index["storages"][storage]["chunks"]
+
+    @staticmethod
+    def _piece(d: dict, records: list, rank: int, where: str) -> _Piece:
+        n = d["tensor"]
+        if n >= len(records):
+            raise CorruptSnapshotError(f"{where}: sharded tensor {d['key'][:80]!r} names tensor "
+                                       f"{n}, which does not exist")
+        r = records[n]
+        dtype, shape, stride = tensor_layout(r, where, n)
+        offset, global_shape = d["offset"], d["global_shape"]
+        if (str(dtype).removeprefix("torch.") != d["dtype"] or len(shape) != len(global_shape)
+                or any(o + s > g for o, s, g in zip(offset, shape, global_shape))
+                or stride != _contiguous_strides(shape) or "rank" in r
+                or (math.prod(shape) and type(r.get("storage")) is not int)):
+            raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d['key'][:80]!r} "
+                                       "does not fit its global tensor")
+        return _Piece(rank, r.get("storage"), r, tuple(offset), tuple(shape))
+
+    def check_covered(self, ref: ShardedRef, offset: tuple, shape: tuple, where: str) -> list:
+        """The pieces overlapping the box ``(offset, shape)`` of ``ref``, checked to be disjoint
+        and to cover it exactly."""
+        box = (offset, tuple(o + s for o, s in zip(offset, shape)))
+        overlapping = []
+        for piece in self.pieces.get(ref.key, ()):
+            overlap = _intersect(box, (piece.offset, tuple(o + s for o, s in
+                                                           zip(piece.offset, piece.shape))))
+            if overlap is not None:
+                for _, other in overlapping:
+                    if _intersect(overlap, other) is not None:
+                        raise CorruptSnapshotError(
+                            f"{where}: saved pieces of {ref.key[:80]!r} overlap each other")
+                overlapping.append((piece, overlap))
+        covered = sum(math.prod(h - lo for lo, h in zip(*ov)) for _, ov in overlapping)
+        if covered != math.prod(shape):
+            raise CorruptSnapshotError(
+                f"{where}: the saved pieces of {ref.key[:80]!r} cover {covered} of the "
+                f"{math.prod(shape)} elements needed here (a piece is missing)")
+        return overlapping
+
+    def read_into(self, target: torch.Tensor, offset: tuple, overlapping: list,
+                  cache: ChunkCache) -> None:
+        """Fill ``target`` (a contiguous CPU tensor, the box at ``offset``) from the pieces
+        ``check_covered`` found, reading only the bytes of each overlap."""
+        itemsize = target.element_size()
+        flat = target.reshape(-1).view(torch.uint8) if target.numel() else None
+        target_strides = _contiguous_strides(list(target.shape))
+        for piece, (lo, hi) in overlapping:
+            if math.prod(h - lo_ for lo_, h in zip(lo, hi)) == 0:
+                continue
+            reader, storage = self._open_storage(self._refs, self._record, piece.rank,
+                                                 piece.storage)
+            strides = piece.record["stride"]
+            local_lo = [a - o for a, o in zip(lo, piece.offset)]
+            for sub_lo, sub_hi in _slabs(local_lo, [h - o for h, o in zip(hi, piece.offset)],
+                                         strides, itemsize, SLAB_BYTES):
+                start = piece.record["offset"] + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
+                shape = [h - a for a, h in zip(sub_lo, sub_hi)]
+                nbytes, span = math.prod(shape) * itemsize, _extent(shape, strides, itemsize)
+                at = [a + o - t for a, o, t in zip(sub_lo, piece.offset, offset)]
+                into = sum(a * s for a, s in zip(at, target_strides)) * itemsize
+                if span == nbytes and _extent(shape, target_strides, itemsize) == nbytes:
+                    # one run of bytes in the piece as here (both row-major): read into place
+                    _read(reader, storage, start, start + nbytes, flat[into:into + nbytes].numpy(),
+                          cache)
+                    continue
+                buffer = torch.empty(span, dtype=torch.uint8)
+                _read(reader, storage, start, start + span, buffer.numpy(), cache)
+                region = target[tuple(slice(a, a + n) for a, n in zip(at, shape))]
+                region.copy_(buffer.view(target.dtype).as_strided(shape, strides))
+
+
+def _read(reader: ShardReader, storage: int, start: int, stop: int, out, cache) -> None:
+    if stop > reader.index["storages"][storage]["nbytes"]:
+        raise CorruptSnapshotError(f"{reader.path}: a piece lies outside storage {storage}")
+    reader.read_range(storage, start, stop, out, cache)
+
+
+def _contiguous_strides(shape: list) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+def _extent(shape: list, strides: list, itemsize: int) -> int:
+    """Bytes from the first to past the last element of a strided box (no elements: 0)."""
+    if not math.prod(shape):
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * itemsize
+
+
+def _intersect(a: tuple, b: tuple) -> Optional[tuple]:
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x, y) for x, y in zip(a[1], b[1]))
+    if any(h <= lo_ for lo_, h in zip(lo, hi)) and lo:
+        return None
+    return lo, hi
+
+
+def _slabs(lo: list, hi: list, strides: list, itemsize: int, limit: int) -> Iterator[tuple]:
+    """Sub-boxes of ``[lo, hi)`` whose bytes span at most ``limit`` (or a single element's row),
+    split along the dimensions of largest stride first, in storage order."""
+    shape = [h - a for a, h in zip(lo, hi)]
+    if _extent(shape, strides, itemsize) <= limit or all(n <= 1 for n in shape):
+        yield list(lo), list(hi)
+        return
+    d = max((i for i, n in enumerate(shape) if n > 1), key=lambda i: strides[i])
+    one = _extent([1 if i == d else n for i, n in enumerate(shape)], strides, itemsize)
+    per = max(1, (limit - one) // (strides[d] * itemsize) + 1) if one <= limit else 1
+    for start in range(lo[d], hi[d], per):
+        sub_lo, sub_hi = list(lo), list(hi)
+        sub_lo[d], sub_hi[d] = start, min(start + per, hi[d])
+        if per == 1 and one > limit:
+            yield from _slabs(sub_lo, sub_hi, strides, itemsize, limit)
+        else:
+            yield sub_lo, sub_hi
+
+
+# --- which box each rank needs ------------------------------------------------------------------
+
+@dataclass
+class _Target:
+    ref: ShardedRef
+    template: Any  # the registered DTensor whose local shard to fill, or None: the whole tensor
+    offset: tuple
+    shape: tuple
+    overlapping: list = field(default_factory=list)
+    tensor: Optional[torch.Tensor] = None
+    whole: Optional[torch.Tensor] = None  # a plain saved tensor to cut the box from, not pieces
+
+
+class Resolver:
+    """Replaces the ``ShardedRef``s of decoded trees by tensors, in three steps that keep a
+    restore all or nothing: ``collect`` (per tree, beside what the registered objects hold at the
+    same places) finds the box each needs, ``read`` checks every box is covered, that memory
+    suffices, and reads and verifies them all, and ``fill`` (per tree, in the same order) puts
+    them in: a DTensor laid out like the registered one, else the whole tensor."""
+
+    def __init__(self, pieces: Callable[[], PieceIndex], where: str):
+        self._pieces, self._index, self.where = pieces, None, where
+        self._targets: list[_Target] = []
+        self._next = 0
+
+    @property
+    def pieces(self) -> PieceIndex:
+        """Every rank's pieces, gathered when a sharded tensor is first needed."""
+        if self._index is None:
+            self._index = self._pieces()
+        return self._index
+
+    def collect(self, value: Any, current: Any) -> None:
+        if isinstance(value, ShardedRef):
+            self._targets.append(_target(value, current))
+        elif (isinstance(value, torch.Tensor) and is_dtensor(current)
+              and tuple(value.shape) == tuple(current.shape)):
+            # a plain saved tensor is the whole of a tensor registered sharded now (a snapshot
+            # of an unsharded run, an imported checkpoint): this rank takes its box of it
+            target = _target(ShardedRef("", value.dtype, tuple(value.shape)), current)
+            target.whole = value
+            self._targets.append(target)
+        elif isinstance(value, dict):
+            current = _current_state(current, value)
+            for key, item in value.items():
+                self.collect(item, current.get(key) if isinstance(current, Mapping) else None)
+        elif isinstance(value, (list, tuple)):
+            at = list(current) if isinstance(current, (list, tuple)) else []
+            for i, item in enumerate(value):
+                self.collect(item, at[i] if i < len(at) else None)
+
+    def read(self) -> None:
+        if not self._targets:
+            return
+        for t in self._targets:
+            if t.whole is None:
+                t.overlapping = self.pieces.check_covered(t.ref, t.offset, t.shape, self.where)
+        need = sum(math.prod(t.shape) * t.ref.dtype.itemsize for t in self._targets)
+        need += SLAB_BYTES + max((c["raw"] for t in self._targets for piece, _ in t.overlapping
+                                  for c in self.pieces.chunks(piece)), default=0) if any(
+            t.overlapping for t in self._targets) else 0
+        available = psutil.virtual_memory().available
+        if need > available:
+            raise InsufficientMemoryError(
+                f"restoring the sharded tensors needs {need / 1e9:.2f} GB of host memory, "
+                f"{available / 1e9:.2f} GB is available now; free memory, or restore on more "
+                "ranks. The snapshot was not checked for damage, and nothing was loaded")
+        cache = ChunkCache()
+        for t in self._targets:
+            if t.whole is not None:
+                t.tensor = t.whole[tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape))].clone(
+                    memory_format=torch.contiguous_format)
+                continue
+            t.tensor = torch.empty(t.shape, dtype=t.ref.dtype)
+            self.pieces.read_into(t.tensor, t.offset, t.overlapping, cache)
+
+    def fill(self, value: Any) -> Any:
+        upcoming = self._targets[self._next] if self._next < len(self._targets) else None
+        if isinstance(value, ShardedRef) or (isinstance(value, torch.Tensor) and upcoming
+                                             is not None and upcoming.whole is value):
+            t = self._targets[self._next]
+            self._next += 1
+            local, t.tensor, t.whole = t.tensor, None, None
+            if t.template is None:
+                return local
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(local.to(t.template.device), t.template.device_mesh,
+                                      t.template.placements, run_check=False,
+                                      shape=t.template.shape, stride=t.template.stride())
+        if isinstance(value, dict):
+            for key, item in value.items():
+                value[key] = self.fill(item)
+        elif isinstance(value, list):
+            value[:] = [self.fill(item) for item in value]
+        elif isinstance(value, tuple):
+            return type(value)(self.fill(item) for item in value)
+        return value
+
+
+def _current_state(current: Any, saved: dict) -> Any:
+    """What a saved dict is laid out like: a registered object's state dict, and for an
+    optimizer, its parameters standing in for the per-parameter state it has not created yet
+    (torch's optimizers create it shaped and placed like the parameter)."""
+    if current is None or isinstance(current, Mapping) and not hasattr(current, "state_dict"):
+        return current
+    stateful = as_stateful(current)
+    if stateful is None:
+        return current
+    state = stateful.state_dict()
+    if isinstance(current, torch.optim.Optimizer) and isinstance(saved.get("state"), dict):
+        params = [p for group in current.param_groups for p in group["params"]]
+        own = state.setdefault("state", {})
+        for i, entries in saved["state"].items():
+            if type(i) is int and 0 <= i < len(params) and isinstance(entries, dict):
+                mine = own.setdefault(i, {})
+                for name in entries:
+                    mine.setdefault(name, params[i])
+    return state
+
+
+def _target(ref: ShardedRef, current: Any) -> _Target:
+    if is_dtensor(current) and tuple(current.shape) == ref.global_shape:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(current.shape, current.device_mesh,
+                                                              current.placements)
+        return _Target(ref, current, tuple(offset), tuple(shape))
+    return _Target(ref, None, (0,) * len(ref.global_shape), ref.global_shape)
+
+
+# --- plain state at another world size -----------------------------------------------------------
+
+def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
+    """The top-level entries whose saved content is not the same on every rank of ``record``
+    (compared through the indexes: the tree, each tensor's layout and its storage's chunk
+    checksums; a sharded tensor by its key and global shape, since its pieces differ by
+    design). An entry that differs holds per-rank state."""
+    digests: dict[str, list] = {}
+    for shard in record.shards:
+        reader = refs.open(record.dir, shard.rank)
+        tree = reader.index.get("tree")
+        entries = tree.get("entries") if isinstance(tree, dict) else None
+        for name, node in (entries if isinstance(entries, dict) else {}).items():
+            digests.setdefault(name, []).append(_digest(node, reader, refs, record))
+    return {name for name, seen in digests.items()
+            if len(seen) != len(record.shards) or len(set(seen)) > 1}
+
+
+def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRecord) -> str:
+    tensors, storages = reader.index["tensors"], reader.index["storages"]
+    dtensors = reader.index.get("dtensors", [])
+
+    def canonical(v: Any) -> Any:
+        if isinstance(v, dict):
+            if len(v) == 1 and "$tensor" in v:
+                return ["$tensor", _tensor_digest(v["$tensor"])]
+            if len(v) == 1 and "$dtensor" in v:
+                k = v["$dtensor"]
+                d = dtensors[k] if type(k) is int and 0 <= k < len(dtensors) else None
+                return ["$dtensor", None if d is None else [d["key"], d["dtype"], d["global_shape"]]]
+            return {k: canonical(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [canonical(x) for x in v]
+        return v
+
+    def _tensor_digest(i: Any) -> Any:
+        if not (type(i) is int and 0 <= i < len(tensors) and isinstance(tensors[i], dict)):
+            return None
+        r = dict(tensors[i])
+        holder, n = storages, r.pop("storage", None)
+        if "rank" in r:  # a replica stored in its owner's shard
+            owner = r.pop("rank")
+            if type(owner) is int and any(s.rank == owner for s in record.shards):
+                holder = refs.open(record.dir, owner).index["storages"]
+        s = holder[n] if type(n) is int and 0 <= n < len(holder) else None
+        if s is not None:
+            r["bytes"] = s["ref"]["chunks_xxh3"] if "ref" in s else [c["xxh3"] for c in s["chunks"]]
+        return r
+
+    return checksum(json.dumps(canonical(node), sort_keys=True, separators=(",", ":")).encode())
