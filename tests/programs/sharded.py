@@ -6,10 +6,13 @@ writes the full (unsharded) state as the reference. ``--phase restore``: for eac
 ``SAVED:LAYOUT``, restores the saved layout's newest async_ckpt snapshot into a model laid out as
 LAYOUT on this world size, gathers the full state and compares it bit for bit with the
 reference; then loads the DCP checkpoint into a second model of the same layout and trains both
-on the same batches: the losses must be identical. Rank 0 writes what it found as JSON.
+on the same batches: the losses must be identical. ``--memory big`` measures a restore's peak
+memory, ``--damaged DIR`` restores a damaged copy. Rank 0 writes what every rank found as JSON.
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import sys
@@ -28,6 +31,7 @@ from async_ckpt import CheckpointEngine
 
 # The hidden size divides among 1-4 tensor-parallel ranks; 13 and 7 rows shard unevenly.
 SIZES = (13, 12, 7)
+BIG = (1024, 4096, 1000)  # 8.3M parameters: 100 MB of model + AdamW state in all
 
 
 class AppState:
@@ -47,9 +51,10 @@ class AppState:
 
 def build(layout: str, world: int):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.GELU(),
-                                torch.nn.Linear(SIZES[1], SIZES[2]))
-    if layout == "fsdp":
+    sizes = BIG if layout == "big" else SIZES
+    model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.GELU(),
+                                torch.nn.Linear(sizes[1], sizes[2]))
+    if layout in ("fsdp", "big"):
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     elif layout == "tp":
         parallelize_module(model, init_device_mesh("cpu", (world,)),
@@ -64,13 +69,13 @@ def build(layout: str, world: int):
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 
 
-def batch(step: int):
+def batch(step: int, sizes=SIZES):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(8, SIZES[0], generator=g), torch.randn(8, SIZES[2], generator=g)
+    return torch.randn(8, sizes[0], generator=g), torch.randn(8, sizes[2], generator=g)
 
 
 def train_step(model, optimizer, step: int) -> float:
-    x, y = batch(step)
+    x, y = batch(step, (model[0].in_features, None, model[2].out_features))
     loss = torch.nn.functional.mse_loss(model(x), y)
     optimizer.zero_grad()
     loss.backward()
@@ -96,6 +101,8 @@ def save(args, rank: int, world: int) -> dict:
                 if step >= 2:
                     engine.snapshot(step, force=True)
             engine.wait()
+        if layout == "big":  # for the memory check only
+            continue
         dcp.save(AppState(model, optimizer).state_dict(), checkpoint_id=os.path.join(root, "dcp"))
         reference = full_state(model, optimizer)
         if rank == 0:
@@ -133,7 +140,47 @@ def restore(args, rank: int, world: int) -> dict:
         theirs = [train_step(twin, twin_optimizer, step) for step in range(4, 8)]
         found[pair] = {"restored": restored, "exact": exact, "losses": ours,
                        "same_losses_as_dcp": ours == theirs}
+    if args.memory:
+        found["memory"] = restore_memory(os.path.join(args.root, args.memory, "ckpt"), world)
+    if args.damaged:
+        model, optimizer = build("fsdp", world)
+        with CheckpointEngine(args.damaged, {"app": AppState(model, optimizer)}) as engine:
+            found["damaged"] = {"restored": engine.restore()}
     return found
+
+
+def restore_memory(ckpt: str, world: int) -> dict:
+    """How far this rank's resident memory rises above its baseline (model and initialised
+    optimizer state, engine started) while restoring: the kernel's peak (VmHWM), reset first."""
+    model, optimizer = build("big", world)
+    app = AppState(model, optimizer)
+    own = sum(local.numel() * local.element_size() for part in app.state_dict().values()
+              for local in (getattr(t, "to_local", lambda t=t: t)() for t in _tensors(part)))
+    with CheckpointEngine(ckpt, {"app": app}) as engine:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap memory would hide what restore takes
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set size starts again from the current one
+        baseline = _status_kb("VmRSS")
+        engine.restore()
+        peak = _status_kb("VmHWM")
+    return {"own_bytes": own, "peak_growth": (peak - baseline) * 1024}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def main() -> None:
@@ -142,6 +189,8 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--layouts", nargs="*", default=())
     parser.add_argument("--pairs", nargs="*", default=())
+    parser.add_argument("--memory", help="a layout whose snapshot to restore measuring memory")
+    parser.add_argument("--damaged", help="a checkpoint directory to restore into 'fsdp'")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")

@@ -1,0 +1,191 @@
+"""Sharded training state (DTensor) under torchrun with gloo on CPU.
+
+Proves: FSDP2, tensor-parallel and 2-D (FSDP x TP) model + AdamW state saved at 4 ranks restores
+at 1, 2 and 3 ranks and into another layout with the full state bit-identical to what was saved,
+and trains on exactly as a DCP-resharded load of the same state does (tests/programs/sharded.py);
+restoring 4 -> 2 ranks holds at most 1.3x the rank's own state above its baseline; a damaged piece
+on one rank makes every rank fall back together; a rank SIGKILLed while writing never commits that
+step, and the job restarted by torchrun resumes bit-identical (examples/train_fsdp.py). Each
+scenario is one torchrun launch.
+"""
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from async_ckpt import load
+from async_ckpt.errors import CorruptSnapshotError
+from async_ckpt.format.manifest import read_manifest
+from fuzzing import parse_shard, rewrite_shard
+from test_distributed import kill_everything, read_log, stop_rank_mid_write, torchrun
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAM = os.path.join(HERE, "programs", "sharded.py")
+TRAIN = os.path.join(HERE, os.pardir, "examples", "train_fsdp.py")
+LAYOUTS = ("fsdp", "tp", "2d")
+# saved layout -> the layouts it is restored into on every world size
+PAIRS = ("fsdp:fsdp", "tp:tp", "2d:2d", "fsdp:2d", "2d:fsdp", "2d:tp")
+
+
+def run_program(root, nproc, *args, output):
+    out, log = os.path.join(root, f"{output}.json"), os.path.join(root, f"{output}.txt")
+    _wait(torchrun(PROGRAM, nproc, "--root", root, "--out", out, *args, output=log), log)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _wait(process, log, timeout=240):
+    try:
+        code = process.wait(timeout=timeout)
+    except BaseException:
+        kill_everything(process)
+        raise
+    if code:
+        with open(log, errors="replace") as f:
+            pytest.fail(f"torchrun exited with {code}:\n" + "".join(f.readlines()[-40:]))
+
+
+def rewrite_index(ckpt, directory, rank, edit):
+    """Rewrite ``rank``'s shard of ``directory`` with ``edit(index)`` applied, its trailer and
+    the manifest's record of it fixed up (so the edit reaches the parsers)."""
+    path = os.path.join(ckpt, directory, f"rank-{rank:05d}.ackpt")
+    with open(path, "rb") as f:
+        data = f.read()
+    index, offset = parse_shard(data)
+    edit(index)
+    data, digest = rewrite_shard(data[:offset], json.dumps(index, separators=(",", ":")).encode())
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    for record in manifest["snapshots"]:
+        if record["dir"] == directory:
+            record["stored_bytes"] += len(data) - record["shards"][rank]["bytes"]
+            record["shards"][rank].update(bytes=len(data), index_xxh3=digest)
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def damage_first_chunk(ckpt, directory, rank):
+    path = os.path.join(ckpt, directory, f"rank-{rank:05d}.ackpt")
+    with open(path, "rb") as f:
+        index, _ = parse_shard(f.read())
+    offset = index["storages"][0]["chunks"][0]["offset"]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The three layouts and a larger FSDP2 state, each saved at 4 ranks."""
+    root = str(tmp_path_factory.mktemp("sharded"))
+    run_program(root, 4, "--phase", "save", "--layouts", *LAYOUTS, "big", output="save")
+    return root
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_saved_at_4_ranks_restores_bit_exact_on_any_world_size_and_layout(saved, nproc):
+    extra = ()
+    if nproc == 2:
+        damaged = os.path.join(saved, "damaged")
+        shutil.copytree(os.path.join(saved, "fsdp", "ckpt"), damaged)
+        damage_first_chunk(damaged, read_manifest(damaged).snapshots[-1].dir, rank=3)
+        extra = ("--memory", "big", "--damaged", damaged)
+    found = run_program(saved, nproc, "--phase", "restore", "--pairs", *PAIRS, *extra,
+                        output=f"restore-{nproc}")
+    for rank, results in enumerate(found):
+        for pair in PAIRS:
+            r = results[pair]
+            assert r["restored"] == 3, (rank, pair)
+            assert r["exact"], f"{pair} at {nproc} ranks: the full state differs from the saved one"
+            assert r["same_losses_as_dcp"], (rank, pair, r["losses"])
+        if nproc == 2:
+            growth, own = results["memory"]["peak_growth"], results["memory"]["own_bytes"]
+            assert own > 20e6 and growth <= 1.3 * own, results["memory"]
+            # step 3's piece on saved rank 3 is damaged: every rank falls back to step 2 alike
+            assert results["damaged"] == {"restored": 2}, results["damaged"]
+
+
+def test_load_assembles_whole_tensors_from_every_rank(saved):
+    for layout in LAYOUTS:
+        step, state = load(os.path.join(saved, layout, "ckpt"))
+        reference = torch.load(os.path.join(saved, layout, "full.pt"), weights_only=True)
+        assert step == 3
+        for key, value in reference["model"].items():
+            assert torch.equal(state["app"]["model"][key], value), (layout, key)
+        for key, moments in reference["optim"].items():
+            for name, value in moments.items():
+                assert torch.equal(state["app"]["optim"]["state"][key][name], value)
+
+
+def test_a_replicated_piece_is_stored_once(saved):
+    """TP's row-wise layer keeps its bias replicated: only the rank at tensor-parallel coordinate
+    0 stores it, the others record that they hold it."""
+    from async_ckpt.format.shard import ShardReader
+
+    record = read_manifest(os.path.join(saved, "tp", "ckpt")).snapshots[-1]
+    stored = []
+    for shard in record.shards:
+        with ShardReader(os.path.join(saved, "tp", "ckpt", record.dir, shard.file)) as reader:
+            bias = next(d for d in reader.index["dtensors"] if d["key"] == 'app.model["2.bias"]')
+            stored.append(bias["tensor"] is not None)
+    assert stored == [True, False, False, False]
+
+
+def test_the_pieces_must_cover_every_tensor(saved, tmp_path):
+    """A shard whose piece of a tensor is left out (its record claims the piece is stored by
+    another rank) is damage: load() refuses it instead of returning a tensor with a hole."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(saved, "fsdp", "ckpt"), ckpt)
+    record = read_manifest(ckpt).snapshots[-1]
+
+    def drop_piece(index):
+        index["dtensors"][0]["tensor"] = None
+
+    rewrite_index(ckpt, record.dir, 1, drop_piece)
+    with pytest.raises(CorruptSnapshotError, match="cover"):
+        load(ckpt, record.step)
+
+
+def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_exact(tmp_path):
+    steps, width = 30, 1024
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
+    # FSDP over both ranks: a 1-D mesh uses the default group, the one a torchrun restart can
+    # reconnect with gloo (docs/distributed.md, "torchrun restarts")
+    common = ("--steps", str(steps), "--width", str(width))
+    _wait(torchrun(TRAIN, 2, "--ckpt-dir", os.path.join(reference, "ckpt"), "--log-dir",
+                   os.path.join(reference, "logs"), *common,
+                   output=os.path.join(str(tmp_path), "reference.txt")),
+          os.path.join(str(tmp_path), "reference.txt"))
+    ckpt = os.path.join(run_dir, "ckpt")
+    process = torchrun(TRAIN, 2, "--ckpt-dir", ckpt, "--log-dir", os.path.join(run_dir, "logs"),
+                       *common, max_restarts=1, output=os.path.join(str(tmp_path), "killed.txt"))
+    committed, killed_dir = set(), None
+    deadline = time.monotonic() + 240
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(os.path.join(ckpt, "manifest.json")):
+                committed |= {s.dir for s in read_manifest(ckpt).snapshots}
+            if killed_dir is None and len(read_log(run_dir, 1)) >= 5:
+                killed_dir = stop_rank_mid_write(process, ckpt, rank=1)
+            time.sleep(0.002)
+        _wait(process, os.path.join(str(tmp_path), "killed.txt"), timeout=1)
+    finally:
+        if process.poll() is None:
+            kill_everything(process)
+    assert killed_dir is not None, "never caught rank 1 writing"
+    assert killed_dir not in committed | {s.dir for s in read_manifest(ckpt).snapshots}
+    for rank in range(2):
+        expected = {r["step"]: r["loss"] for r in read_log(reference, rank)}
+        records = read_log(run_dir, rank)
+        assert {r["step"] for r in records} == set(range(steps))
+        assert all(r["loss"] == expected[r["step"]] for r in records), f"rank {rank}"
+    assert len(read_log(run_dir, 0)) > steps  # the restart replayed the steps after the last commit
