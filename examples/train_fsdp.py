@@ -16,6 +16,7 @@ to an uninterrupted one (dropout included: the RNG states are in each rank's sha
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -83,6 +84,10 @@ def main() -> None:
     try:
         train(args)
     finally:
+        # FSDP and DTensor objects sit in reference cycles that hold the group: collect them
+        # while Python is alive, or the group's threads are torn down at interpreter exit, which
+        # aborts the process ("terminate called without an active exception")
+        gc.collect()
         dist.destroy_process_group()
 
 

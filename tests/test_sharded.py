@@ -12,6 +12,8 @@ scenario is one torchrun launch.
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -140,19 +142,40 @@ def test_a_replicated_piece_is_stored_once(saved):
     assert stored == [True, False, False, False]
 
 
-def test_the_pieces_must_cover_every_tensor(saved, tmp_path):
-    """A shard whose piece of a tensor is left out (its record claims the piece is stored by
-    another rank) is damage: load() refuses it instead of returning a tensor with a hole."""
+def _set(index, key, **fields):
+    next(d for d in index["dtensors"] if d["key"] == key).update(fields)
+
+
+WEIGHT = 'app.model["0.weight"]'
+HOSTILE_PIECES = {  # (edit, error, rank whose shard of the fsdp snapshot to edit): all damage
+    "a piece left out": (lambda i: _set(i, WEIGHT, tensor=None), "cover", 1),
+    "pieces that overlap": (lambda i: _set(i, WEIGHT, offset=[0, 0]), "overlap", 1),
+    "another global shape": (lambda i: _set(i, WEIGHT, global_shape=[13, 13]), "another rank", 1),
+    "another dtype": (lambda i: _set(i, WEIGHT, dtype="float64"), "another rank", 1),
+    "a piece outside its tensor": (lambda i: _set(i, WEIGHT, offset=[12, 0]), "does not fit", 1),
+    "an unknown dtype": (lambda i: _set(i, WEIGHT, dtype="float99"), "unknown dtype", 0),
+    "a key missing": (lambda i: i["dtensors"].pop(), "not in every rank's shard", 1),
+    "a malformed record": (lambda i: i["dtensors"][0].update(extra=1), "invalid index", 1),
+    "a repeated key": (lambda i: i["dtensors"][1].update(key=WEIGHT), "invalid index", 1),
+    "a tensor reference to a piece": (
+        lambda i: i["tree"]["entries"]["app"]["state"]["model"].update(
+            {"0.weight": {"$tensor": i["dtensors"][0]["tensor"]}}), "bad \\$tensor", 0),
+}
+
+
+@pytest.mark.parametrize("edit", HOSTILE_PIECES, ids=list(HOSTILE_PIECES))
+def test_a_crafted_piece_table_is_damage(saved, tmp_path, edit):
+    """The pieces of every tensor must agree across the ranks' shards, lie inside the tensor and
+    cover it exactly, without overlap; anything else is CorruptSnapshotError, so restore falls
+    back, and nothing is returned with a hole or a stranger's bytes."""
+    change, message, rank = HOSTILE_PIECES[edit]
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(saved, "fsdp", "ckpt"), ckpt)
     record = read_manifest(ckpt).snapshots[-1]
-
-    def drop_piece(index):
-        index["dtensors"][0]["tensor"] = None
-
-    rewrite_index(ckpt, record.dir, 1, drop_piece)
-    with pytest.raises(CorruptSnapshotError, match="cover"):
+    rewrite_index(ckpt, record.dir, rank, change)
+    with pytest.raises(CorruptSnapshotError, match=message):
         load(ckpt, record.step)
+    assert load(ckpt)[0] == 2  # without a step: falls back to the snapshot before
 
 
 def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_exact(tmp_path):
@@ -189,3 +212,24 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
         assert {r["step"] for r in records} == set(range(steps))
         assert all(r["loss"] == expected[r["step"]] for r in records), f"rank {rank}"
     assert len(read_log(run_dir, 0)) > steps  # the restart replayed the steps after the last commit
+
+
+def test_the_readme_sharded_example_runs_and_resumes_on_another_world_size(tmp_path):
+    """README "Sharded models": its block, as written, under torchrun on 2 ranks, then again on 3
+    (which restores the 2-rank snapshot and finds nothing left to train)."""
+    with open(os.path.join(HERE, os.pardir, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Sharded models"):]
+    block = section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
+    script = tmp_path / "sharded.py"
+    script.write_text(block + "\n")
+    for nproc in (2, 3):
+        log = str(tmp_path / f"run-{nproc}.txt")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", str(script)], cwd=str(tmp_path),
+            start_new_session=True, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        _wait(process, log)
+    with open(str(tmp_path / "run-3.txt"), errors="replace") as f:
+        assert "restoring step 99, written by 2 rank(s), on 3" in f.read()
+    assert load(str(tmp_path / "ckpt-fsdp"))[0] == 99

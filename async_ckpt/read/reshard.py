@@ -76,6 +76,7 @@ class PieceIndex:
         self._refs, self._record, self._open_storage = refs, record, open_storage
         self.pieces: dict[str, list[_Piece]] = {}
         seen: dict[str, tuple] = {}
+        keys_of: dict[int, set] = {}
         for shard in record.shards:
             reader = refs.open(record.dir, shard.rank)
             where = reader.path
@@ -83,7 +84,7 @@ class PieceIndex:
             records = reader.index.get("tensors")
             if not isinstance(records, list):
                 raise CorruptSnapshotError(f"{where}: the index has no tensor table")
-            keys = set()
+            keys = keys_of[shard.rank] = set()
             for d in table:
                 spec = (d["dtype"], tuple(d["global_shape"]))
                 if seen.setdefault(d["key"], spec) != spec:
@@ -95,10 +96,12 @@ class PieceIndex:
                 if d["tensor"] is not None:
                     self.pieces.setdefault(d["key"], []).append(
                         self._piece(d, records, shard.rank, where))
-            if shard.rank and keys != set(seen):
-                missing = sorted(set(seen) ^ keys)[0]
-                raise CorruptSnapshotError(f"{where}: sharded tensor {missing[:80]!r} is not in "
-                                           "every rank's shard")
+        for rank, keys in keys_of.items():
+            if keys != seen.keys():
+                missing = sorted(seen.keys() - keys)[0]
+                raise CorruptSnapshotError(f"rank {rank}'s shard of {record.dir} lacks sharded "
+                                           f"tensor {missing[:80]!r}: it is not in every rank's "
+                                           "shard")
 
     def chunks(self, piece: _Piece) -> list:
         """The chunks of the storage holding ``piece`` (none for an empty piece)."""
@@ -119,7 +122,9 @@ class PieceIndex:
         if (str(dtype).removeprefix("torch.") != d["dtype"] or len(shape) != len(global_shape)
                 or any(o + s > g for o, s, g in zip(offset, shape, global_shape))
                 or stride != _contiguous_strides(shape) or "rank" in r
-                or (math.prod(shape) and type(r.get("storage")) is not int)):
+                or (math.prod(shape) and type(r.get("storage")) is not int)
+                or not (type(r.get("offset")) is int and r["offset"] >= 0
+                        and r["offset"] % dtype.itemsize == 0)):
             raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d['key'][:80]!r} "
                                        "does not fit its global tensor")
         return _Piece(rank, r.get("storage"), r, tuple(offset), tuple(shape))

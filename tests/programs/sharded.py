@@ -201,6 +201,9 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(gathered, f)
+    # FSDP and DTensor objects sit in reference cycles that hold the group: collect them while
+    # Python is alive, or the group's threads are torn down at exit, which aborts the process
+    gc.collect()
     dist.destroy_process_group()
 
 
