@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, TRAILER_MAGIC, TRAILER_SIZE, ChunkEncoder,
-                               ShardReader, ShardWriter)
+from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, TRAILER_MAGIC, TRAILER_SIZE, ChunkCache,
+                               ChunkEncoder, ShardReader, ShardWriter)
 
 META = {"step": 7, "rank": 0}
 SMALL_CHUNK = 4096
@@ -745,3 +745,29 @@ def test_flush_and_abort_return_only_once_no_worker_reads_the_source(tmp_path):
     finished = len(reads)
     source[:] = bytes(len(source))  # the caller may reuse the memory now: nobody reads it
     assert len(reads) == finished and not (tmp_path / "rank-00000.ackpt").exists()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_range_of_a_storage_reads_exactly_those_bytes_and_checks_whole_chunks(tmp_path, cached):
+    """``read_range`` of any range (inside one chunk, across several, at the edges) gives the
+    storage's bytes; without a cache a raw chunk's part is read straight into place, and a flipped
+    byte anywhere in a chunk it touches, even outside the range, fails its checksum."""
+    data = random_bytes(5 * SMALL_CHUNK + 123, seed=4)
+    path = tmp_path / "rank-00000.ackpt"
+    write_shard(path, [(data, 1, False)], compression=None)
+    ranges = [(0, 1), (5, SMALL_CHUNK - 3), (SMALL_CHUNK - 7, 3 * SMALL_CHUNK + 9),
+              (2 * SMALL_CHUNK, 3 * SMALL_CHUNK), (len(data) - 50, len(data)), (17, 17)]
+    with ShardReader(str(path)) as reader:
+        cache = ChunkCache() if cached else None
+        for start, stop in ranges:
+            out = bytearray(stop - start)
+            reader.read_range(0, start, stop, out, cache)
+            assert bytes(out) == data[start:stop], (start, stop)
+    chunk = index_of(path)["storages"][0]["chunks"][1]
+    where = chunk["offset"] + chunk["stored"] - 1  # chunk 1's last byte: outside the range below
+    bad = tmp_path / "bad.ackpt"
+    damaged_copy(path, bad, lambda d: d.__setitem__(where, d[where] ^ 0x01))
+    with ShardReader(str(bad)) as reader:
+        with pytest.raises(ChecksumMismatchError, match="chunk 1"):
+            reader.read_range(0, SMALL_CHUNK + 1, SMALL_CHUNK + 9, bytearray(8),
+                              ChunkCache() if cached else None)

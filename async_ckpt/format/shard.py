@@ -354,7 +354,8 @@ class ShardReader:
         """Fill ``out`` (``stop - start`` writable bytes) with bytes ``[start, stop)`` of storage
         ``i``, reading only the chunks that hold some of them, each verified whole (a checksum
         covers a chunk). A chunk needed only in part is decoded into ``cache``, where the next
-        call finds it: reads of consecutive ranges decode each chunk once."""
+        call finds it: reads of consecutive ranges decode each chunk once. Without a cache, the
+        needed part of a raw chunk is read straight into ``out`` (the rest only to be checked)."""
         storage = self.index["storages"][i]
         if "ref" in storage:  # the caller follows it (format/references.py)
             raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
@@ -374,6 +375,10 @@ class ShardReader:
             if start <= lo and hi <= stop:
                 self._read_chunk(chunk, storage["itemsize"], view[lo - start:hi - start], where)
                 continue
+            a, b = max(lo, start), min(hi, stop)
+            if cache is None and chunk["codec"] == "raw" and chunk["stored"] == chunk["raw"]:
+                self._read_chunk_part(chunk, view[a - start:b - start], a - lo, where)
+                continue
             key = (id(self), i, chunk_no)
             data = cache.get(key) if cache is not None else None
             if data is None:
@@ -381,7 +386,6 @@ class ShardReader:
                 self._read_chunk(chunk, storage["itemsize"], data, where)
                 if cache is not None:
                     cache.put(key, data)
-            a, b = max(lo, start), min(hi, stop)
             view[a - start:b - start] = data[a - lo:b - lo]
 
     def mapped_storage(self, i: int) -> Optional[memoryview]:
@@ -445,6 +449,21 @@ class ShardReader:
             target[:] = _unzstd(stored, len(target), self.path, where)
         elif chunk["codec"] == "planes":
             self._decode_planes(chunk, itemsize, stored, target, where)
+
+    def _read_chunk_part(self, chunk: dict, part: memoryview, skip: int, where: str) -> None:
+        """Bytes ``[skip, skip + len(part))`` of a raw chunk into ``part``, the chunk verified
+        whole: the bytes around them are read into scratch for the checksum."""
+        head, tail = bytearray(skip), bytearray(chunk["raw"] - skip - len(part))
+        for buffer, at in ((head, 0), (part, skip), (tail, skip + len(part))):
+            try:
+                got = self._source.read_into(buffer, chunk["offset"] + at) if len(buffer) else 0
+            except OSError as e:
+                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
+            if got != len(buffer):
+                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+        if checksum(head, part, tail) != chunk["xxh3"]:
+            raise ChecksumMismatchError(
+                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
 
     def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes, target: memoryview,
                        where: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import psutil
 import torch
@@ -132,23 +132,9 @@ class PieceIndex:
     def check_covered(self, ref: ShardedRef, offset: tuple, shape: tuple, where: str) -> list:
         """The pieces overlapping the box ``(offset, shape)`` of ``ref``, checked to be disjoint
         and to cover it exactly."""
-        box = (offset, tuple(o + s for o, s in zip(offset, shape)))
-        overlapping = []
-        for piece in self.pieces.get(ref.key, ()):
-            overlap = _intersect(box, (piece.offset, tuple(o + s for o, s in
-                                                           zip(piece.offset, piece.shape))))
-            if overlap is not None:
-                for _, other in overlapping:
-                    if _intersect(overlap, other) is not None:
-                        raise CorruptSnapshotError(
-                            f"{where}: saved pieces of {ref.key[:80]!r} overlap each other")
-                overlapping.append((piece, overlap))
-        covered = sum(math.prod(h - lo for lo, h in zip(*ov)) for _, ov in overlapping)
-        if covered != math.prod(shape):
-            raise CorruptSnapshotError(
-                f"{where}: the saved pieces of {ref.key[:80]!r} cover {covered} of the "
-                f"{math.prod(shape)} elements needed here (a piece is missing)")
-        return overlapping
+        return exact_cover(offset, shape, ((piece, piece.offset, piece.shape)
+                                           for piece in self.pieces.get(ref.key, ())),
+                           f"{where}: the saved pieces of {ref.key[:80]!r}")
 
     def read_into(self, target: torch.Tensor, offset: tuple, overlapping: list,
                   cache: ChunkCache) -> None:
@@ -164,6 +150,8 @@ class PieceIndex:
                                                  piece.storage)
             strides = piece.record["stride"]
             local_lo = [a - o for a, o in zip(lo, piece.offset)]
+            if self._read_in_one(reader, storage, piece, target, offset, lo, hi, flat):
+                continue
             for sub_lo, sub_hi in _slabs(local_lo, [h - o for h, o in zip(hi, piece.offset)],
                                          strides, itemsize, SLAB_BYTES):
                 start = piece.record["offset"] + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
@@ -171,8 +159,7 @@ class PieceIndex:
                 nbytes, span = math.prod(shape) * itemsize, _extent(shape, strides, itemsize)
                 at = [a + o - t for a, o, t in zip(sub_lo, piece.offset, offset)]
                 into = sum(a * s for a, s in zip(at, target_strides)) * itemsize
-                if span == nbytes and _extent(shape, target_strides, itemsize) == nbytes:
-                    # one run of bytes in the piece as here (both row-major): read into place
+                if _one_run(shape, strides, target_strides, itemsize):  # read into place
                     _read(reader, storage, start, start + nbytes, flat[into:into + nbytes].numpy(),
                           cache)
                     continue
@@ -181,11 +168,39 @@ class PieceIndex:
                 region = target[tuple(slice(a, a + n) for a, n in zip(at, shape))]
                 region.copy_(buffer.view(target.dtype).as_strided(shape, strides))
 
+    @staticmethod
+    def _read_in_one(reader: ShardReader, storage: int, piece: _Piece, target: torch.Tensor,
+                     offset: tuple, lo: tuple, hi: tuple, flat: torch.Tensor) -> bool:
+        """Read the overlap ``[lo, hi)`` straight into ``target`` when it is one run of bytes both
+        in the saved piece and in ``target`` (an FSDP row split): no slabs, no cache, each chunk
+        read once; False otherwise."""
+        itemsize = target.element_size()
+        shape = [h - a for a, h in zip(lo, hi)]
+        strides = piece.record["stride"]
+        target_strides = _contiguous_strides(list(target.shape))
+        if not _one_run(shape, strides, target_strides, itemsize):
+            return False
+        nbytes = math.prod(shape) * itemsize
+        start = piece.record["offset"] + sum((a - o) * s for a, o, s in
+                                             zip(lo, piece.offset, strides)) * itemsize
+        into = sum((a - t) * s for a, t, s in zip(lo, offset, target_strides)) * itemsize
+        _read(reader, storage, start, start + nbytes, flat[into:into + nbytes].numpy(), None)
+        return True
+
 
 def _read(reader: ShardReader, storage: int, start: int, stop: int, out, cache) -> None:
     if stop > reader.index["storages"][storage]["nbytes"]:
         raise CorruptSnapshotError(f"{reader.path}: a piece lies outside storage {storage}")
     reader.read_range(storage, start, stop, out, cache)
+
+
+def _one_run(shape: list, strides: list, target_strides: list, itemsize: int) -> bool:
+    """Whether a box of ``shape`` is one run of bytes, element for element in the same order,
+    under the saved piece's ``strides`` and under ``target_strides``."""
+    nbytes = math.prod(shape) * itemsize
+    return (_extent(shape, strides, itemsize) == nbytes
+            and _extent(shape, target_strides, itemsize) == nbytes
+            and all(a == b for n, a, b in zip(shape, strides, target_strides) if n > 1))
 
 
 def _contiguous_strides(shape: list) -> list:
@@ -201,6 +216,27 @@ def _extent(shape: list, strides: list, itemsize: int) -> int:
     if not math.prod(shape):
         return 0
     return (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * itemsize
+
+
+def exact_cover(offset: tuple, shape: tuple, pieces: Iterable[tuple], what: str) -> list:
+    """``(piece, overlap)`` for each ``(piece, offset, shape)`` of ``pieces`` that overlaps the box
+    ``(offset, shape)``; CorruptSnapshotError (``what`` ... ) unless they are disjoint and cover
+    the box exactly."""
+    box = (tuple(offset), tuple(o + s for o, s in zip(offset, shape)))
+    overlapping = []
+    for piece, piece_offset, piece_shape in pieces:
+        overlap = _intersect(box, (tuple(piece_offset),
+                                   tuple(o + s for o, s in zip(piece_offset, piece_shape))))
+        if overlap is not None:
+            for _, other in overlapping:
+                if _intersect(overlap, other) is not None:
+                    raise CorruptSnapshotError(f"{what} overlap each other")
+            overlapping.append((piece, overlap))
+    covered = sum(math.prod(h - lo for lo, h in zip(*ov)) for _, ov in overlapping)
+    if covered != math.prod(shape):
+        raise CorruptSnapshotError(f"{what} cover {covered} of the {math.prod(shape)} elements "
+                                   "needed here (a piece is missing)")
+    return overlapping
 
 
 def _intersect(a: tuple, b: tuple) -> Optional[tuple]:
