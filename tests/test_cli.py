@@ -432,6 +432,31 @@ def test_export_of_a_damaged_step_fails_and_leaves_no_file(capsys, ckpt, tmp_pat
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
+def test_export_never_writes_through_a_planted_link(capsys, ckpt, tmp_path):
+    """The temporary file is made exclusively under a name nobody can guess, and renamed over
+    the target: a link at the old, guessable temporary name or at the target is left alone or
+    replaced, the file it points to is never written."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "model.pt"
+    os.symlink(outside, out / f"model.pt.tmp-{os.getpid()}")
+    os.symlink(outside, target)
+    code, _, _ = run(capsys, "export", ckpt, "--only", "model", "--to", target, "--force")
+    assert code == 0 and not target.is_symlink()
+    assert outside.read_text() == "precious"
+    assert torch.load(target, weights_only=True).keys() == load(ckpt)[1]["model"].keys()
+    assert sorted(os.listdir(out)) == ["model.pt", f"model.pt.tmp-{os.getpid()}"]
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 # --- gc ------------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ import torch
 from async_ckpt import load
 from async_ckpt.errors import CorruptSnapshotError
 from async_ckpt.format.manifest import read_manifest
+from async_ckpt.tools.cli import main as cli
 from fuzzing import parse_shard, rewrite_shard
 from test_distributed import kill_everything, read_log, stop_rank_mid_write, torchrun
 
@@ -108,6 +109,7 @@ def test_saved_at_4_ranks_restores_bit_exact_on_any_world_size_and_layout(saved,
             r = results[pair]
             assert r["restored"] == 3, (rank, pair)
             assert r["exact"], f"{pair} at {nproc} ranks: the full state differs from the saved one"
+            assert r["dcp_exact"], (rank, pair)  # the reference run itself is what was saved
             assert r["same_losses_as_dcp"], (rank, pair, r["losses"])
         if nproc == 2:
             growth, own = results["memory"]["peak_growth"], results["memory"]["own_bytes"]
@@ -126,6 +128,29 @@ def test_load_assembles_whole_tensors_from_every_rank(saved):
         for key, moments in reference["optim"].items():
             for name, value in moments.items():
                 assert torch.equal(state["app"]["optim"]["state"][key][name], value)
+
+
+def test_dcp_checkpoints_move_both_ways_and_restore_on_another_world_size(saved, tmp_path):
+    """``export --to-dcp`` of each 4-rank snapshot loads with DCP at 3 ranks into FSDP, TP and 2-D
+    layouts bit-exact; ``import-dcp`` of each 4-rank DCP checkpoint restores with async_ckpt at 3
+    ranks bit-exact; both then train on exactly alike."""
+    pairs = ("fsdp-interop:fsdp", "tp-interop:2d", "2d-interop:tp")
+    for layout in LAYOUTS:
+        here = tmp_path / f"{layout}-interop"
+        here.mkdir()
+        assert cli(["export", os.path.join(saved, layout, "ckpt"), "--to-dcp",
+                    str(here / "dcp")]) == 0
+        assert cli(["import-dcp", os.path.join(saved, layout, "dcp"), str(here / "ckpt"),
+                    "--step", "3"]) == 0
+        shutil.copy(os.path.join(saved, layout, "full.pt"), here / "full.pt")
+    found = run_program(str(tmp_path), 3, "--phase", "restore", "--pairs", *pairs, output="interop")
+    for rank, results in enumerate(found):
+        for pair in pairs:
+            r = results[pair]
+            assert r["restored"] == 3, (rank, pair)
+            assert r["exact"], f"{pair}: the imported DCP checkpoint restored another state"
+            assert r["dcp_exact"], f"{pair}: DCP loaded another state from the exported one"
+            assert r["same_losses_as_dcp"], (rank, pair, r["losses"])
 
 
 def test_a_replicated_piece_is_stored_once(saved):
@@ -233,3 +258,12 @@ def test_the_readme_sharded_example_runs_and_resumes_on_another_world_size(tmp_p
     with open(str(tmp_path / "run-3.txt"), errors="replace") as f:
         assert "restoring step 99, written by 2 rank(s), on 3" in f.read()
     assert load(str(tmp_path / "ckpt-fsdp"))[0] == 99
+
+
+def test_a_box_is_read_in_one_run_only_where_both_layouts_order_its_bytes_alike():
+    from async_ckpt.read.reshard import _one_run
+
+    assert _one_run([3, 4], [4, 1], [4, 1], 4)  # a row split of row-major pieces
+    assert _one_run([1, 4], [8, 1], [4, 1], 4)  # one row of a wider piece
+    assert not _one_run([3, 4], [8, 1], [4, 1], 4)  # rows of a wider piece: gaps between them
+    assert not _one_run([3, 4], [1, 3], [4, 1], 4)  # a transposed piece: dense, other order

@@ -1,13 +1,13 @@
 """The operator's command line: ``async-ckpt COMMAND ...`` (also ``python -m async_ckpt``).
 
 Answers, without writing Python, which snapshots exist, which are intact, what is in them, and moves
-weights out: ``ls``, ``inspect``, ``verify``, ``export``, ``gc``, plus ``compare-loss`` for
-training logs. Everything is read through the library (``manifest``, ``format.shard.ShardReader``,
+weights out: ``ls``, ``inspect``, ``verify``, ``export``, ``import-dcp``, ``gc``, plus
+``compare-loss`` for training logs. Everything is read through the library (``manifest``, ``format.shard.ShardReader``,
 ``read.snapshot.load``), so the command line and ``restore()`` never disagree about what a snapshot is.
 
 This module is the entry point: the parser, and the one place where expected failures become exit
 codes. Each command lives in a module of its own (``ls``, ``inspect``, ``verify``, ``export``,
-``gc``, ``compare_loss``; ``advise`` and ``supervisor`` are libraries too) whose ``add(commands)``
+``import_dcp``, ``gc``, ``compare_loss``; ``advise``, ``supervisor`` and ``dcp`` are libraries too) whose ``add(commands)``
 declares its arguments and whose ``cmd_<command>(args)`` runs it and returns the exit code; a new
 command is one more module and one more entry in ``_COMMANDS``. What commands share is in
 ``common``. Expected failures are exceptions caught once, in :func:`main`, and printed as one line
@@ -20,8 +20,8 @@ on stderr:
 - exit 2: usage error: bad arguments, a missing path, a directory that is not a checkpoint
   directory, a step that is not committed, an entry that does not exist.
 
-Torch is imported only by the commands that need it (``inspect``, ``export``), so ``ls``,
-``verify``, ``gc`` and ``compare-loss`` start fast.
+Torch is imported only by the commands that need it (``inspect``, ``export``, ``import-dcp``),
+so ``ls``, ``verify``, ``gc`` and ``compare-loss`` start fast.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import advise, compare_loss, export, gc, inspect, ls, supervisor, verify
+from . import advise, compare_loss, export, gc, import_dcp, inspect, ls, supervisor, verify
 from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_USAGE, PROG, NotDone, UsageError,
                      add_command, fail)
 from .. import __version__
@@ -129,5 +129,5 @@ def _add_supervise(commands) -> None:
     supervisor.add_arguments(sub)
 
 
-_COMMANDS = (ls.add, inspect.add, verify.add, export.add, gc.add, compare_loss.add, _add_advise,
-             _add_supervise)
+_COMMANDS = (ls.add, inspect.add, verify.add, export.add, import_dcp.add, gc.add, compare_loss.add,
+             _add_advise, _add_supervise)

@@ -165,3 +165,27 @@ def progress(total: int, desc: str):
 
 step_arg = int_arg(0)  # steps and ranks
 positive_arg = int_arg(1)
+
+
+def count_tensors(state) -> tuple[int, int]:
+    """How many tensors ``state`` (nested dicts, lists and tuples) holds, and their bytes."""
+    import torch
+    count = nbytes = 0
+    stack = [state]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            count, nbytes = count + 1, nbytes + v.nbytes
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return count, nbytes
+
+
+def umask() -> int:
+    """The process's umask: the permissions an ``open``/``mkdir`` would give, for files made with
+    ``tempfile``'s private ones first."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,5 +1,5 @@
 """``async-ckpt export``: a committed snapshot, verified while read, as a .pt or .safetensors
-file."""
+file, or as a PyTorch DCP checkpoint (``dcp.py``)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,26 @@ import argparse
 import collections
 import contextlib
 import os
-from typing import Any
+import tempfile
+from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     pick_record, size_text, step_arg)
+                     pick_record, size_text, step_arg,
+                     count_tensors, umask)
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
 
 
-HELP = "write a snapshot as .pt or .safetensors"
+HELP = "write a snapshot as .pt, .safetensors or a PyTorch DCP checkpoint"
 DESCRIPTION = """\
 Write a committed snapshot to a plain torch.save file (FILE.pt: everything, as nested dicts of
 tensors and values) or a safetensors file (FILE.safetensors: the tensors only, keyed by their
 dotted key paths, e.g. model.0.weight; with --only model the keys are the model's state_dict
-keys). The snapshot is verified while read, and its uncompressed tensors are mapped rather than
-copied into memory, so a snapshot larger than memory can be exported.
+keys), or a PyTorch DCP checkpoint directory (--to-dcp OUT: the whole tensors, which
+torch.distributed.checkpoint.load reads into a model sharded on any number of ranks). The snapshot
+is verified while read, and its uncompressed tensors are mapped rather than copied into memory, so
+a snapshot larger than memory can be exported (except a sharded one: its tensors are assembled
+whole in memory).
 """
 
 
@@ -29,29 +34,24 @@ def add(commands) -> None:
     sub = add_dir_command(commands, "export", cmd_export, HELP, DESCRIPTION)
     sub.add_argument("--step", type=step_arg, metavar="N",
                      help="the committed step to export (default: the newest)")
-    sub.add_argument("--to", required=True, metavar="FILE",
-                     help="output file, ending in .pt (or .pth) or .safetensors")
+    target = sub.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", metavar="FILE",
+                        help="output file, ending in .pt (or .pth) or .safetensors")
+    target.add_argument("--to-dcp", metavar="OUT",
+                        help="output directory (new): a PyTorch DCP checkpoint, which "
+                             "torch.distributed.checkpoint.load reads on any world size")
     sub.add_argument("--only", metavar="ENTRY",
                      help="export one top-level entry (model, optimizer, ...) instead of all")
     add_rank_option(sub, "export")
-    sub.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    sub.add_argument("--force", action="store_true", help="overwrite FILE if it exists (never a directory)")
     sub.add_argument("--allow-pickle", action="store_true",
                      help="decode pickled values (runs code from the file: only for files you trust)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     root = checkpoint_dir(args.dir)
-    target = args.to
-    suffix = os.path.splitext(target)[1].lower()
-    if suffix not in (".pt", ".pth", ".safetensors"):
-        raise UsageError(f"{target}: the file name must end in .pt or .safetensors (it picks the format)")
-    if os.path.isdir(target):
-        raise UsageError(f"{target} is a directory; pass a file name")
-    if os.path.exists(target) and not args.force:
-        raise UsageError(f"{target} exists; pass --force to overwrite it, or choose another name")
-    parent = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{parent} does not exist; create it first")
+    target = args.to_dcp if args.to is None else args.to
+    _check_target(target, args)
     manifest = read_manifest(root)
     wanted = pick_record(manifest, args.step, root, "export").step
 
@@ -69,28 +69,72 @@ def cmd_export(args: argparse.Namespace) -> int:
                              f"{', '.join(state) or 'none'}")
         state, what = state[args.only], f"entry {args.only!r}"
 
-    tmp = f"{target}.tmp-{os.getpid()}"
+    skipped: list[str] = []
+    if args.to_dcp is not None:
+        if not isinstance(state, dict):
+            raise UsageError(f"{what} of step {step} is not a dict; a DCP checkpoint holds a "
+                             "dict: export all entries, or one that is a state_dict")
+        from .dcp import write_dcp
+        write_dcp(state, target)
+        count, nbytes = count_tensors(state)
+    elif target.lower().endswith(".safetensors"):
+        count, nbytes, skipped = _write_safetensors(state, target, step, what, args.only)
+    else:
+        _write_atomically(target, lambda tmp: _torch_save(state, tmp))
+        count, nbytes = count_tensors(state)
+    print(f"exported step {step} ({what}) to {target}: {count} tensors, {size_text(nbytes)} of tensor data")
+    if skipped:
+        shown = ", ".join(skipped[:8]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 8 else "")
+        print(f"not in the safetensors file (not tensors): {shown}; export to .pt to keep them")
+    return EXIT_OK
+
+
+def _check_target(target: str, args: argparse.Namespace) -> None:
+    """UsageError for an output path that cannot be written, before anything is read."""
+    if args.to_dcp is None:
+        if os.path.splitext(target)[1].lower() not in (".pt", ".pth", ".safetensors"):
+            raise UsageError(f"{target}: the file name must end in .pt or .safetensors (it picks "
+                             "the format)")
+        if os.path.isdir(target):
+            raise UsageError(f"{target} is a directory; pass a file name")
+    elif os.path.lexists(target):  # never removed: --force does not reach a directory
+        raise UsageError(f"{target} exists; pass a new directory for the DCP checkpoint")
+    if os.path.lexists(target) and not args.force:
+        raise UsageError(f"{target} exists; pass --force to overwrite it, or choose another name")
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{parent} does not exist; create it first")
+
+
+def _write_atomically(target: str, write) -> None:
+    """``write(tmp)``, then ``tmp`` renamed to ``target``: a failed export leaves no file. ``tmp``
+    is created first, exclusively, under a name nobody can guess: a link planted where it will be
+    is never written through."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.tmp-",
+                               dir=os.path.dirname(os.path.abspath(target)))
+    os.close(fd)
     try:
-        if suffix == ".safetensors":
-            tensors, skipped = _flat_tensors(state)
-            if not tensors:
-                raise UsageError(f"{what} of step {step} holds no tensors; export it to a .pt file")
-            _save_safetensors(tensors, tmp, {"format": "pt", "async_ckpt.step": str(step),
-                                             "async_ckpt.entry": args.only or ""})
-            count, nbytes = len(tensors), sum(t.nbytes for t in tensors.values())
-        else:
-            import torch
-            torch.save(state, tmp)
-            (count, nbytes), skipped = _count_tensors(state), []
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask())  # as an open() would have made it, not mkstemp's 0600
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    print(f"exported step {step} ({what}) to {target}: {count} tensors, {size_text(nbytes)} of tensor data")
-    if suffix == ".safetensors" and skipped:
-        shown = ", ".join(skipped[:8]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 8 else "")
-        print(f"not in the safetensors file (not tensors): {shown}; export to .pt to keep them")
-    return EXIT_OK
+
+
+def _torch_save(state: Any, path: str) -> None:
+    import torch
+    torch.save(state, path)
+
+
+def _write_safetensors(state: Any, target: str, step: int, what: str,
+                       only: Optional[str]) -> tuple[int, int, list[str]]:
+    tensors, skipped = _flat_tensors(state)
+    if not tensors:
+        raise UsageError(f"{what} of step {step} holds no tensors; export it to a .pt file")
+    metadata = {"format": "pt", "async_ckpt.step": str(step), "async_ckpt.entry": only or ""}
+    _write_atomically(target, lambda tmp: _save_safetensors(tensors, tmp, metadata))
+    return len(tensors), sum(t.nbytes for t in tensors.values()), skipped
 
 
 def _flat_tensors(state: Any) -> tuple[dict, list[str]]:
@@ -144,18 +188,3 @@ def _save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     except (ValueError, RuntimeError, KeyError, TypeError) as e:  # e.g. a dtype safetensors lacks
         raise UsageError(f"safetensors cannot hold this state ({' '.join(str(e).split())[:200]}); "
                          "export to a .pt file instead") from e
-
-
-def _count_tensors(state: Any) -> tuple[int, int]:
-    import torch
-    count = nbytes = 0
-    stack = [state]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            count, nbytes = count + 1, nbytes + v.nbytes
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return count, nbytes

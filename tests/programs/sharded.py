@@ -5,8 +5,9 @@ snapshots it with async_ckpt twice (steps 2 and 3), saves the same state with DC
 writes the full (unsharded) state as the reference. ``--phase restore``: for each pair
 ``SAVED:LAYOUT``, restores the saved layout's newest async_ckpt snapshot into a model laid out as
 LAYOUT on this world size, gathers the full state and compares it bit for bit with the
-reference; then loads the DCP checkpoint into a second model of the same layout and trains both
-on the same batches: the losses must be identical. ``--memory big`` measures a restore's peak
+reference; then loads the DCP checkpoint SAVED/dcp into a second model of the same layout,
+compares its full state with the reference too, and trains both on the same batches: the losses
+must be identical. ``--memory big`` measures a restore's peak
 memory, ``--damaged DIR`` restores a damaged copy. Rank 0 writes what every rank found as JSON.
 """
 
@@ -103,7 +104,7 @@ def save(args, rank: int, world: int) -> dict:
             engine.wait()
         if layout == "big":  # for the memory check only
             continue
-        dcp.save(AppState(model, optimizer).state_dict(), checkpoint_id=os.path.join(root, "dcp"))
+        dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=os.path.join(root, "dcp"))
         reference = full_state(model, optimizer)
         if rank == 0:
             torch.save(reference, os.path.join(root, "full.pt"))
@@ -133,13 +134,14 @@ def restore(args, rank: int, world: int) -> dict:
         exact = rank != 0 or same(gathered, torch.load(os.path.join(root, "full.pt"),
                                                        weights_only=True))
         twin, twin_optimizer = build(layout, world)
-        state = AppState(twin, twin_optimizer).state_dict()
-        dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
-        AppState(twin, twin_optimizer).load_state_dict(state)
+        dcp.load({"app": AppState(twin, twin_optimizer)}, checkpoint_id=os.path.join(root, "dcp"))
+        gathered = full_state(twin, twin_optimizer)
+        dcp_exact = rank != 0 or same(gathered, torch.load(os.path.join(root, "full.pt"),
+                                                           weights_only=True))
         ours = [train_step(model, optimizer, step) for step in range(4, 8)]
         theirs = [train_step(twin, twin_optimizer, step) for step in range(4, 8)]
-        found[pair] = {"restored": restored, "exact": exact, "losses": ours,
-                       "same_losses_as_dcp": ours == theirs}
+        found[pair] = {"restored": restored, "exact": exact, "dcp_exact": dcp_exact,
+                       "losses": ours, "same_losses_as_dcp": ours == theirs}
     if args.memory:
         found["memory"] = restore_memory(os.path.join(args.root, args.memory, "ckpt"), world)
     if args.damaged:
