@@ -1,7 +1,8 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``)
+every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
+sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
 and incremental snapshots of a LoRA-style state (``bench/incremental.py``), against the floors
 measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
@@ -31,7 +32,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import article, dcp, figures, incremental, interval, plots, ranks, report, targets
+from . import article, dcp, figures, incremental, interval, plots, ranks, report, sharded, targets
 from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -140,6 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dcp.shutdown()  # the two-rank run starts process groups of its own
         ranks_raw = ranks.run(root, args.quick, args.rounds)
         log(f"two ranks done after {time.perf_counter() - start:.0f} s")
+        sharded_raw = sharded.run(root, args.quick, args.rounds)
+        log(f"sharded state done after {time.perf_counter() - start:.0f} s")
         incremental_raw = incremental.run(root, args.quick)
         log(f"incremental done after {time.perf_counter() - start:.0f} s")
     finally:
@@ -148,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
                        started, time.perf_counter() - start)
     results["incremental"] = incremental_raw
+    results["sharded"] = sharded_raw
+    results["loads"].update(sharded.loads(sharded_raw))
     write_outputs(results, args.out)
     log(f"results in {args.out}")
     return 0

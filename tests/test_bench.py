@@ -29,6 +29,8 @@ from bench.floors import FLOOR_KEYS  # noqa: E402
 from bench.measure import ratio_spread, rotated, spread  # noqa: E402
 from bench.ranks import SYSTEMS as RANK_SYSTEMS  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
+from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
+from bench.sharded import SAVE_SYSTEMS as SHARDED_SYSTEMS  # noqa: E402
 from bench.targets import TARGETS  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -165,6 +167,42 @@ def test_two_ranks_against_dcp(quick_run):
     # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
     assert ours["bytes_per_rank"][1] < ours["bytes_per_rank"][0] / 20
     assert ours["stored_bytes"] < 1.2 * ranks["state_bytes"]
+
+
+def test_sharded_state_against_dcp(quick_run):
+    out, results, _ = quick_run
+    block = results["sharded"]
+    assert set(block["save"]) == {str(world) for world, _, save in SHARDED_PLAN if save} == {"2", "4"}
+    for world, w in block["save"].items():
+        assert w["ranks"] == int(world) == len(w["rank_bytes"]) and w["rounds"] == QUICK["rounds"]
+        assert set(w["floors"]) == {"copy_s", "dd_s"}
+        assert set(w["systems"]) == {name for name, _, _ in SHARDED_SYSTEMS}
+        for name, ours, _ in SHARDED_SYSTEMS:
+            s = w["systems"][name]
+            if not ours and not s["available"]:
+                assert s["reason"], (world, name)
+                continue
+            assert s["available"], (world, name)
+            for key in ("blocking", "to_commit"):
+                assert s[f"{key}_s"]["n"] == QUICK["rounds"] and s[f"{key}_s"]["median"] > 0
+                assert s[f"{key}_x_floor"]["median"] > 0, (world, name, key)
+            assert len(s["bytes_per_rank"]) == int(world), (world, name)
+        ours = w["systems"][SHARDED_OURS]
+        # Every rank writes only its own pieces: about its share of the state, not all of it.
+        assert max(ours["bytes_per_rank"]) < 1.5 * max(w["rank_bytes"])
+        peers = {name for name, is_ours, _ in SHARDED_SYSTEMS
+                 if not is_ours and w["systems"][name]["available"]}
+        assert set(ours["blocking_x_dcp"]) == set(ours["to_commit_x_dcp"]) == peers
+    assert set(block["restore"]) == {"2->4", "4->2"}
+    for pair, r in block["restore"].items():
+        assert f"{r['saved_at']}->{r['restored_at']}" == pair
+        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == QUICK["rounds"], pair
+        if r["systems"]["DCP load"]["available"]:
+            assert r["x_dcp"]["n"] == QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
+    assert {"sharded, 4 ranks saving", "sharded, restore 4->2"} <= set(results["loads"])
+    report = (out / "report.md").read_text()
+    assert "### Sharded state (FSDP2) under torchrun" in report
+    assert "| 4 → 2 |" in report and "| 2 → 4 |" in report
 
 
 def test_plots_are_pngs(quick_run):

@@ -1,0 +1,440 @@
+"""Sharded state (FSDP2) under torchrun: async_ckpt against DCP at 2 and 4 ranks, and restores
+on another world size.
+
+The state: an MLP of ``Linear(W, W)`` layers (``W`` from ``workloads.width_for``), each layer and
+then the whole model ``fully_shard``-ed over a CPU ``DeviceMesh`` (gloo), with AdamW after one real
+step so that its moments exist: ~0.5 GB of tensors across all ranks (tiny with ``--quick``), the
+same global state at every world size (seeded). It is registered as DCP's tutorial does, an
+``AppState`` whose ``state_dict`` is ``get_state_dict(model, optimizer)`` (DTensors), for
+async_ckpt (``{"app": AppState}``: each rank writes only its pieces) and for DCP alike.
+
+Three torchrun runs (``PLAN``), each in interleaved rounds (``rounds.run_rounds``, the same
+rotating order on every rank, warm-ups excluded):
+
+1. 2 ranks: saving; then one snapshot of each system kept for the restore at 4 ranks;
+2. 4 ranks: restoring the 2-rank snapshots; saving; then one snapshot of each system kept;
+3. 2 ranks: restoring the 4-rank snapshots.
+
+* Saving: async_ckpt async against DCP ``async_save`` with its default and with its cached
+  shared-memory stager (the DCP entries of ``ranks.SYSTEMS``), each round run by
+  ``ranks.run_round``: a warm-up and a measured snapshot, each followed by a wait on every rank
+  and a barrier. Blocking is the slowest rank's call; time to commit runs from rank 0's call
+  until rank 0 sees the snapshot committed (every rank's pieces durable). Floors, on rank 0 next
+  to the round's first system (``floors.Floors``) while the other ranks wait: ``copy_`` of one
+  rank's share of the state (what every rank must copy at least before training goes on) and
+  ``dd conv=fsync`` of the whole state's bytes (every rank writes to the one disk).
+* Restoring on another world size: async_ckpt ``engine.restore()`` of the kept snapshot against
+  ``torch.distributed.checkpoint.load`` of the checkpoint ``dcp.save`` wrote of the same state at
+  the same world size, into the live model and optimizer laid out for the new world size. Per
+  round a warm-up restore (it also brings back into the page cache whatever had left it: both
+  are warm restores) and a measured one; the slowest rank's time.
+
+Every ratio pairs values of the same round: to that round's floors, and async_ckpt's to each DCP
+variant's. ``run(root, quick)`` (from ``python -m bench``) returns the ``sharded`` block of
+results.json; ``render(results)`` is its section of the report. Alone: ``python -m bench.sharded
+[--quick]`` prints that section (and progress on stderr) and writes nothing under bench/results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from examples.train_fsdp import AppState  # the example's: DCP's pattern, written once
+
+from . import ranks
+from .dcp import DcpSave
+from .floors import Floors
+from .measure import log, ratio_spread, spread, timed
+from .rounds import FloorHook, run_rounds
+from .systems import Engine
+from .workloads import layer_bytes, width_for
+
+FULL = {"size_gb": 0.5, "rounds": 3}
+QUICK = {"size_gb": 0.008, "rounds": 2}
+PLAN = ((2, None, True), (4, 2, True), (2, 4, False))
+"""The torchrun runs in order: (world size, world size of the kept snapshots it restores, whether
+it measures saving and keeps snapshots for a later run)."""
+OURS = "async_ckpt async"
+DCP_LOAD = "DCP load"
+KEPT_STEP = 1
+
+
+def _ours(state: dict, directory: str) -> Engine:
+    return Engine(state, directory, OURS, "async", None)
+
+
+SAVE_SYSTEMS = ((OURS, True, _ours), *(s for s in ranks.SYSTEMS if not s[1]))
+PEERS = tuple(name for name, ours, _ in SAVE_SYSTEMS if not ours)
+
+
+class DcpLoad:
+    """``torch.distributed.checkpoint.load`` of the checkpoint at ``path`` into the live state."""
+
+    def __init__(self, state: dict, path: str):
+        self.state, self.path = state, path
+
+    def restore(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.load(self.state, checkpoint_id=self.path)
+
+    def close(self) -> None:
+        pass
+
+
+RESTORE_SYSTEMS = ((OURS, True, lambda state, kept: _ours(state, kept["ours"])),
+                   (DCP_LOAD, False, lambda state, kept: DcpLoad(state, kept["dcp"])))
+
+
+# --- the runs -------------------------------------------------------------------------------------
+
+
+def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
+    """The three torchrun runs of ``PLAN`` under ``root``; the summarised figures."""
+    preset = QUICK if quick else FULL
+    rounds = preset["rounds"] if rounds is None else rounds
+    found: dict = {"save": {}, "restore": {}, "runs": []}
+    for world, source, save in PLAN:
+        raw = _torchrun(root, world, preset["size_gb"], rounds, source, save)
+        found["runs"].append({"ranks": world, "restores_from": source, "saves": save,
+                              "wall_s": raw["wall_s"]})
+        if save:
+            found["save"][str(world)] = raw["save"]
+        if source is not None:
+            found["restore"][f"{source}->{world}"] = raw["restore"]
+    return summarise(found)
+
+
+def _torchrun(root: str, world: int, size_gb: float, rounds: int, source: Optional[int],
+              save: bool) -> dict:
+    out = os.path.join(root, f"sharded-{world}-{source}.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "-m", "bench.sharded", "--worker",
+               "--dir", os.path.join(root, f"sharded-{world}"), "--out", out,
+               "--size-gb", str(size_gb), "--rounds", str(rounds)]
+    if source is not None:
+        command += ["--restore", _kept_dir(root, source)]
+    if save:
+        command += ["--keep", _kept_dir(root, world)]
+    log(f"sharded state: {' '.join(command[2:])}")
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the sharded-state benchmark at {world} ranks failed "
+                           f"({done.returncode}):\n" + done.stdout[-4000:])
+    with open(out, encoding="utf-8") as f:
+        raw = json.load(f)
+    raw["wall_s"] = time.perf_counter() - started
+    return raw
+
+
+def _kept_dir(root: str, world: int) -> str:
+    return os.path.join(root, f"sharded-kept-{world}")
+
+
+# --- the summary ----------------------------------------------------------------------------------
+
+
+def summarise(found: dict) -> dict:
+    """Medians with their min-max spread over the rounds, and ratios taken round by round: to the
+    same round's floors and, for async_ckpt, to each DCP variant's value of the same round."""
+    saving = {world: _summarise_saving(raw) for world, raw in found["save"].items()}
+    restoring = {pair: _summarise_restoring(raw) for pair, raw in found["restore"].items()}
+    return {"save": saving, "restore": restoring, "runs": found["runs"],
+            "wall_s": sum(r["wall_s"] for r in found["runs"]), "raw": found}
+
+
+def _summarise_saving(raw: dict) -> dict:
+    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "dd_s")}
+    blocks = raw["systems"]
+    systems = {}
+    for name, block in blocks.items():
+        if not block["available"]:
+            systems[name] = block
+            continue
+        runs = block["runs"]
+        entry = {"available": True, "ours": name == OURS,
+                 "stored_bytes": runs[-1]["stored_bytes"],
+                 "bytes_per_rank": runs[-1]["bytes_per_rank"]}
+        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "dd_s")):
+            values = [r[key] for r in runs]
+            entry[key] = spread(values)
+            entry[key.replace("_s", "_x_floor")] = ratio_spread(
+                values, [floors[floor_key][r["round"]] for r in runs])
+            if name == OURS:
+                entry[key.replace("_s", "_x_dcp")] = {
+                    peer: _paired(runs, blocks[peer]["runs"], key)
+                    for peer in PEERS if blocks.get(peer, {}).get("available")}
+        systems[name] = entry
+    return {"ranks": raw["world"], "state_bytes": raw["state_bytes"],
+            "rank_bytes": raw["rank_bytes"], "rounds": raw["rounds"], "wall_s": raw["wall_s"],
+            "floors": {key: spread(values) for key, values in floors.items()},
+            "systems": systems}
+
+
+def _summarise_restoring(raw: dict) -> dict:
+    blocks = raw["systems"]
+    systems = {name: ({"available": True, "restore_s": spread([r["restore_s"] for r in b["runs"]]),
+                       "warmup_s": spread([r["warmup_s"] for r in b["runs"]])}
+                      if b["available"] else b) for name, b in blocks.items()}
+    both = all(b["available"] for b in blocks.values())
+    return {"saved_at": raw["saved_at"], "restored_at": raw["world"],
+            "state_bytes": raw["state_bytes"], "rounds": raw["rounds"], "wall_s": raw["wall_s"],
+            "systems": systems,
+            "x_dcp": _paired(blocks[OURS]["runs"], blocks[DCP_LOAD]["runs"], "restore_s")
+            if both else None}
+
+
+def _paired(runs: list[dict], references: list[dict], key: str) -> dict:
+    """``ratio_spread`` of ``key`` over the rounds both lists ran, round by round."""
+    theirs = {r["round"]: r[key] for r in references}
+    mine = [r for r in runs if r["round"] in theirs]
+    return ratio_spread([r[key] for r in mine], [theirs[r["round"]] for r in mine])
+
+
+def loads(block: dict) -> dict:
+    """The machine's load per round of each run, for the report's "Machine load" table."""
+    parts = {f"sharded, {w} ranks saving": raw for w, raw in block["raw"]["save"].items()}
+    parts.update({f"sharded, restore {pair}": raw for pair, raw in block["raw"]["restore"].items()})
+    return {label: {"rounds": raw["loads"], "vmstat_delta": raw["load"]["vmstat_delta"]}
+            for label, raw in parts.items()}
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("sharded")
+    if not block:
+        return ""
+    from .report import _ratio, _spread, _table  # report imports this module: not at the top
+
+    def ratio(entry: Optional[dict]) -> str:
+        return "–" if entry is None else _spread(entry, fmt=_ratio)
+
+    save_rows, floor_notes = [], []
+    for world, w in block["save"].items():
+        floor_notes.append(f"{world} ranks: `copy_` of a rank's {w['rank_bytes'][0] / 1e6:.3g} MB "
+                           f"{_spread(w['floors']['copy_s'])} s, `dd conv=fsync` of "
+                           f"{w['state_bytes'] / 1e6:.3g} MB {_spread(w['floors']['dd_s'])} s")
+        for name, s in w["systems"].items():
+            if not s["available"]:
+                save_rows.append([world, name, f"n/a ({s['reason']})", "", "", "", ""])
+                continue
+            cells = [world, name]
+            for key in ("blocking", "to_commit"):
+                by_peer = s.get(f"{key}_x_dcp", {})
+                cells += [f"{_spread(s[f'{key}_s'])} · {ratio(s[f'{key}_x_floor'])}",
+                          " / ".join(ratio(by_peer.get(p)) for p in PEERS) if s["ours"] else "–"]
+            cells.append(" + ".join(f"{b / 1e6:.3g}" for b in s["bytes_per_rank"]))
+            save_rows.append(cells)
+    restore_rows = []
+    for r in block["restore"].values():
+        cells = [f"{r['saved_at']} → {r['restored_at']}"]
+        for name in (OURS, DCP_LOAD):
+            s = r["systems"][name]
+            cells.append(_spread(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})")
+        restore_rows.append(cells + [ratio(r["x_dcp"])])
+    first = next(iter(block["save"].values()))
+    peers = " / ".join(f"×DCP {p.split('(')[1].split()[0]}" for p in PEERS)  # ×DCP default...
+    return "\n".join([
+        f"### Sharded state (FSDP2) under torchrun (gloo), {first['state_bytes'] / 1e6:.3g} MB "
+        "across the ranks", "",
+        "An MLP + AdamW `fully_shard`-ed over a CPU mesh, registered through "
+        "`get_state_dict`/`set_state_dict` (DTensors): every rank writes only its pieces. Medians "
+        f"(min–max) of {first['rounds']} interleaved rounds, one measured snapshot per system "
+        "and round after a warm-up; every ratio is taken round by round, then its median "
+        "(min–max). Blocking is the slowest rank's call (×floor: one `copy_` of a rank's share); "
+        "time to commit runs from rank 0's call until rank 0 sees the snapshot committed, every "
+        "rank's part durable (×floor: `dd conv=fsync` of the whole state's bytes). Floors: "
+        + "; ".join(floor_notes) + ".", "",
+        _table(["ranks", "system", "blocking s (min–max) · ×copy", f"blocking {peers}",
+                "time to commit s (min–max) · ×dd", f"time to commit {peers}",
+                "MB written per rank"], save_rows), "",
+        "Restoring on another world size (warm page cache), into the live model and optimizer "
+        "laid out for the new world size: async_ckpt `engine.restore()` of its snapshot against "
+        "DCP `load` of a `dcp.save` of the same state at the same world size; the slowest "
+        "rank's time, a warm-up restore first in every round.", "",
+        _table(["saved at → restored at (ranks)", f"{OURS} restore s (min–max)",
+                f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows)])
+
+
+# --- the worker (one per rank, under torchrun) -------------------------------------------------------
+
+
+def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
+    """``{"app": AppState}`` of about ``size_gb`` GB over ``world`` ranks (one real AdamW step
+    taken), and the bytes of this rank's share of it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    width = width_for(size_gb)
+    layers = max(1, round(size_gb * 1e9 / layer_bytes(width)))
+    model = torch.nn.Sequential(*[m for _ in range(layers)
+                                  for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()
+                                      if isinstance(t, torch.Tensor))]
+    own = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+    return {"app": AppState(model, optimizer)}, own
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state, own = sharded_state(args.size_gb, world)
+    rank_bytes = ranks._gather(own)
+    common = {"world": world, "state_bytes": sum(rank_bytes), "rank_bytes": rank_bytes,
+              "rounds": args.rounds}
+    found = {}
+    if args.restore:
+        started = time.perf_counter()
+        found["restore"] = {**restore_rounds(state, args.restore, args.rounds), **common,
+                            "wall_s": time.perf_counter() - started}
+    if args.keep:
+        started = time.perf_counter()
+        found["save"] = {**save_rounds(state, args.dir, rank_bytes, args.rounds), **common}
+        keep(state, args.keep)
+        found["save"]["wall_s"] = time.perf_counter() - started  # with the kept snapshots
+    if rank == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(found, f)
+    gc.collect()  # objects that hold the group go while Python is alive, not at exit
+    dist.destroy_process_group()
+
+
+def save_rounds(state: dict, directory: str, rank_bytes: list[int], rounds: int) -> dict:
+    rank = dist.get_rank()
+    os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
+    share = rank_bytes[0]
+    floors = Floors(os.path.join(directory, "floors"), sum(rank_bytes)) if rank == 0 else None
+
+    def floor_sample() -> dict:
+        sample = {}
+        if floors is not None:  # dd and reads of the whole state; copy_ of one rank's share
+            sample = {**floors.measure(),
+                      "copy_s": timed(lambda: floors.dst[:share].copy_(floors.src[:share]))}
+        dist.barrier()
+        return sample
+
+    names = [name for name, _, _ in SAVE_SYSTEMS]
+
+    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
+        name, _, open_ = system
+        slot = os.path.join(directory, f"r{index}-s{names.index(name)}")
+        run = ranks.run_round(open_, state, slot, floor_hook)
+        if run["available"]:
+            log(f"  {dist.get_world_size()} ranks, {name}: blocking {run['blocking_s']:.3f} s, "
+                f"to commit {run['to_commit_s']} s")
+        return run
+
+    try:
+        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0])
+    finally:
+        if floors is not None:
+            floors.close()
+
+
+def keep(state: dict, directory: str) -> None:
+    """One snapshot of ``state`` by async_ckpt and one ``dcp.save`` of it, under ``directory``,
+    for a run at another world size to restore; rank 0 writes where they are to kept.json."""
+    ours = _ours(state, os.path.join(directory, "ours"))
+    try:
+        ours.save(KEPT_STEP)
+        ours.wait()
+    finally:
+        ours.close()
+    theirs = DcpSave("DCP save", state, os.path.join(directory, "dcp"))
+    theirs.save(KEPT_STEP)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "kept.json"), "w", encoding="utf-8") as f:
+            json.dump({"world": dist.get_world_size(), "step": KEPT_STEP, "ours": ours.directory,
+                       "dcp": theirs.newest_path()}, f)
+
+
+def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
+    """Interleaved rounds of a warm-up and a measured restore by each of ``RESTORE_SYSTEMS`` from
+    the snapshots ``keep`` left in ``directory``; the slowest rank's times."""
+    with open(os.path.join(directory, "kept.json"), encoding="utf-8") as f:
+        kept = json.load(f)
+
+    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
+        name, ours, open_ = system
+        restorer = open_(state, kept)
+        try:
+            restored, seconds = [], []
+            for _ in range(2):  # the first is the warm-up
+                dist.barrier()
+                took = timed(lambda: restored.append(restorer.restore()))
+                seconds.append(max(ranks._gather(took)))
+        finally:
+            restorer.close()
+            dist.barrier()
+        if ours and restored != [kept["step"]] * 2:
+            raise RuntimeError(f"{name} restored steps {restored}, not {kept['step']}")
+        log(f"  restore {kept['world']} -> {dist.get_world_size()} ranks, {name}: "
+            f"{seconds[1]:.3f} s (warm-up {seconds[0]:.3f} s)")
+        return {"restore_s": seconds[1], "warmup_s": seconds[0]}
+
+    record = run_rounds(RESTORE_SYSTEMS, rounds, 0, dict, run_slot, name=lambda s: s[0])
+    return {**record, "saved_at": kept["world"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sharded",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny state: a smoke test")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"interleaved rounds (default {FULL['rounds']}; --quick: "
+                             f"{QUICK['rounds']})")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    parser.add_argument("--json", default=None, help="also write the results block here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--size-gb", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--restore", help=argparse.SUPPRESS)
+    parser.add_argument("--keep", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)  # several ranks on this machine's cores
+        worker(args)
+        return 0
+    root = tempfile.mkdtemp(prefix="bench-sharded-", dir=args.dir)
+    try:
+        started = time.perf_counter()
+        block = run(root, args.quick, args.rounds)
+        log(f"sharded state done in {time.perf_counter() - started:.0f} s")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(block, f, indent=1)
+    print(render({"sharded": block}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
