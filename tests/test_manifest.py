@@ -218,6 +218,28 @@ def test_garbage_manifest_is_a_manifest_error(tmp_path, data):
         read_manifest(str(tmp_path))
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_literal_is_not_json(tmp_path, literal):
+    """Issue 28: Python's json read `"extra": {"a": NaN}`; gc then died writing it back with
+    allow_nan=False, and every later commit failed. FORMAT.md says strict JSON: refused."""
+    doc = valid_doc()
+    doc["extra"] = {"a": 1.5}
+    write_raw_manifest(tmp_path, json.dumps(doc).replace("1.5", literal).encode())
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["step-" + "\u0660" * 19 + "\u0665.20ce24e5",
+                                  "step-" + "\uff10" * 19 + "\uff15.20ce24e5"])
+def test_a_directory_name_with_other_digits_is_not_a_snapshot(name):
+    """Issue 28: `\\d` also matches Arabic-Indic and full-width digits, so such a directory was
+    taken as step 5 (and deleted by retention); FORMAT.md says [0-9]."""
+    from async_ckpt.format.names import snapshot_dir_step
+
+    assert snapshot_dir_step(name) is None
+    assert snapshot_dir_step("step-" + "0" * 19 + "5.20ce24e5") == 5
+
+
 @pytest.mark.parametrize("doc", [[], None, 3, "async_ckpt.manifest", {},
                                  {"format": "other", "version": 1, "next_seq": 0, "snapshots": []},
                                  {"version": 1, "next_seq": 0, "snapshots": []},
@@ -557,3 +579,22 @@ def test_fsync_dir_takes_directories_only(tmp_path):
     (tmp_path / "f").write_bytes(b"")
     with pytest.raises(NotADirectoryError):
         fsutil.fsync_dir(str(tmp_path / "f"))
+
+
+def test_retention_over_a_long_chain_of_references_is_linear_and_right():
+    """Issue 28: a 20,000-record ``refers`` chain made ``gc --keep-last 1`` take 45 s (records
+    compared field by field in list membership tests, one pass per dropped link). Each snapshot
+    here refers to the one before: keeping the newest keeps the whole chain; once the oldest is
+    replaced (a rewind to its step), nothing after it can restore, and all of it goes."""
+    n = 20_000
+    chain = []
+    for step in range(n):
+        r = record(step, seq=step)
+        chain.append(SnapshotRecord(**{**r.__dict__, "refers": (chain[-1].dir,) if chain else ()}))
+    manifest = Manifest(tuple(chain), next_seq=n)
+    kept, dropped = manifest.without(range(n - 1))
+    assert len(kept.snapshots) == n and not dropped
+    rewound, dropped = manifest.commit(record(0, dir="step-00000000000000000000.0000beef"),
+                                       keep_last=n + 1)
+    assert [s.dir for s in rewound.snapshots] == ["step-00000000000000000000.0000beef"]
+    assert len(dropped) == n

@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 from ..errors import CheckpointError, ManifestError, SnapshotWriteError, UnsupportedFormatError
 from ..storage.base import Storage
 from ..storage.local import as_storage
+from . import values
 from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class Manifest:
             raise SnapshotWriteError(
                 f"step {record.step} refers to {sorted(record.refers)}, which the manifest does "
                 "not all name (any more); it was not committed")
-        dropped = replaced + [s for s in ordered if s not in kept]
+        kept_dirs = {s.dir for s in kept}
+        dropped = replaced + [s for s in ordered if s.dir not in kept_dirs]
         remembered = self.dropped + tuple(DroppedRecord(s.dir, s.step, s.raw_bytes, s.stored_bytes)
                                           for s in dropped)
         return Manifest(tuple(kept), self.next_seq + 1, self.extra,
@@ -132,7 +134,8 @@ class Manifest:
         steps = set(steps)
         kept = tuple(_with_referenced(self.snapshots,
                                       [s for s in self.snapshots if s.step not in steps]))
-        dropped = [s for s in self.snapshots if s not in kept]
+        kept_dirs = {s.dir for s in kept}
+        dropped = [s for s in self.snapshots if s.dir not in kept_dirs]
         return Manifest(kept, self.next_seq, self.extra, self.dropped), dropped
 
     def to_bytes(self) -> bytes:
@@ -164,14 +167,15 @@ def _with_referenced(ordered, kept: list) -> list:
 
 
 def _restorable(kept: list) -> list:
-    """``kept`` without the snapshots that refer to one not kept: only a new snapshot of the same
-    step (after a rewind) replaces a referenced one, and what referred to it cannot restore."""
-    while True:
-        dirs = {s.dir for s in kept}
-        whole = [s for s in kept if dirs.issuperset(s.refers)]
-        if len(whole) == len(kept):
-            return kept
-        kept = whole
+    """``kept`` without the snapshots that refer to one not kept, or (in turn) not restorable:
+    only a new snapshot of the same step (after a rewind) replaces a referenced one, and what
+    referred to it cannot restore. One pass in commit order, since a snapshot refers only to ones
+    committed before it (a reference forward is not restorable either): linear in the chain."""
+    restorable: set[str] = set()
+    for s in kept:
+        if restorable.issuperset(s.refers):
+            restorable.add(s.dir)
+    return [s for s in kept if s.dir in restorable]
 
 
 def manifest_path(root: str) -> str:
@@ -192,7 +196,7 @@ def read_manifest(root: str | Storage) -> Manifest:
     except FileNotFoundError:
         return Manifest()
     try:
-        doc = json.loads(raw)
+        doc = values.parse_json(raw)
     except (ValueError, RecursionError) as e:
         raise ManifestError(
             f"{path} is not valid JSON (damaged?). Committed snapshot directories are still on disk: "

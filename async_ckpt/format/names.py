@@ -18,15 +18,15 @@ from ..errors import CheckpointError
 
 MANIFEST_NAME = "manifest.json"
 _REPLACEMENT = ".tmp-"  # a file's replacement being written: NAME.tmp-PID, renamed over NAME
-MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"\d{1,10}")
-SNAPSHOT_DIR = re.compile(r"step-(\d{20})\.([0-9a-f]{8})")
-SHARD_FILE = re.compile(r"rank-(\d{5})\.ackpt")
+MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"[0-9]{1,10}")
+SNAPSHOT_DIR = re.compile(r"step-([0-9]{20})\.([0-9a-f]{8})")
+SHARD_FILE = re.compile(r"rank-([0-9]{5})\.ackpt")
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
 LOCK_PREFIX = ".lock-rank"
-LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"\d{5}")
+LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"[0-9]{5}")
 SESSION_NAME = "session.json"  # the current run's session token, with several ranks
-HEARTBEAT_FILE = re.compile(r"heartbeat\.rank\d{5}\.json")  # liveness, not part of any snapshot
+HEARTBEAT_FILE = re.compile(r"heartbeat\.rank[0-9]{5}\.json")  # liveness, not part of any snapshot
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
 _DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Union
 import xxhash
 import zstandard
 
-from . import filters
+from . import filters, values
 from .names import SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.base import ShardSink, ShardSource
@@ -329,7 +329,7 @@ class ShardReader:
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
         try:
-            index = json.loads(blob)
+            index = values.parse_json(blob)
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
         _validate_index(index, self.path, data_end=offset, version=self.version)

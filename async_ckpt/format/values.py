@@ -60,13 +60,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import functools
 import json
 import math
 import pickle
 import re
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -120,6 +121,17 @@ def decode(
     pickle node when ``allow_pickle`` is false (unpickling runs code stored in the file).
     """
     return _Decoder(allow_pickle, leaf)(tree, "", 0)
+
+
+def parse_json(text: Union[str, bytes]) -> Any:
+    """A manifest's or an index's JSON text as FORMAT.md allows it: strict, so ``NaN``,
+    ``Infinity`` and ``-Infinity`` (which Python's json reads but never writes with
+    ``allow_nan=False``) are a ``ValueError`` like any other invalid JSON."""
+    return json.loads(text, parse_constant=_non_finite)
+
+
+def _non_finite(literal: str) -> Any:
+    raise ValueError(f"{literal} is not JSON")
 
 
 # --------------------------------------------------------------------------------------- encoder
@@ -310,10 +322,8 @@ def _dec_tuple(dec: _Decoder, p: Any, path: _Path, depth: int) -> tuple:
 
 def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
     items = _dec_items(dec, p, path, depth, tag)
-    try:
-        out = kind(items)
-    except TypeError as e:
-        raise _corrupt(path, f"{tag} holds an unhashable element: {e}") from e
+    _check_hashes(items, path, tag, "element")
+    out = kind(items)
     if len(out) != len(items):
         raise _corrupt(path, f"{tag} holds duplicate elements")
     return out
@@ -341,17 +351,34 @@ def _pairs(p: Any, path: _Path) -> list:
 
 
 def _dec_dict(dec: _Decoder, p: Any, path: _Path, depth: int) -> dict:
+    pairs = _pairs(p, path)
+    keys = [dec(pair[0], (path, _KeyNumber(n)), depth) for n, pair in enumerate(pairs)]
+    _check_hashes(keys, path, "$dict", "key")
     out: dict = {}
-    for n, pair in enumerate(_pairs(p, path)):
-        key = dec(pair[0], (path, _KeyNumber(n)), depth)
-        try:
-            seen = key in out
-        except TypeError as e:
-            raise _corrupt(path, f"$dict entry #{n} has an unhashable key: {e}") from e
-        if seen:
+    for n, (key, pair) in enumerate(zip(keys, pairs)):
+        if key in out:
             raise _corrupt(path, f"$dict entry #{n} repeats an earlier key")
         out[key] = dec(pair[1], (path, key), depth)
     return out
+
+
+MAX_SAME_HASH = 64
+"""The most keys of one $dict, $set or $frozenset that may share a hash. Python's hash of an int
+is public arithmetic (``k mod 2**61 - 1``), so a file can hold keys that all hash alike, and
+inserting n of them costs n**2; honest keys almost never share one. With this cap decoding stays
+linear."""
+
+
+def _check_hashes(keys: list, path: _Path, tag: str, what: str) -> None:
+    """CorruptSnapshotError for an unhashable key, or for more than ``MAX_SAME_HASH`` keys that
+    share a hash (checked before any is inserted: counting hashes is linear whatever they are)."""
+    try:
+        hashes = collections.Counter(map(hash, keys))
+    except TypeError as e:
+        raise _corrupt(path, f"{tag} holds an unhashable {what}: {e}") from e
+    if hashes and max(hashes.values()) > MAX_SAME_HASH:
+        raise _corrupt(path, f"{tag} holds more than {MAX_SAME_HASH} {what}s that share a hash "
+                             "(keys made to collide: decoding them would take quadratic time)")
 
 
 def _dec_ndarray(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.ndarray:
