@@ -451,6 +451,52 @@ def test_export_never_writes_through_a_planted_link(capsys, ckpt, tmp_path):
     assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
+@pytest.mark.parametrize("to", ["--to", "--to-dcp"])
+def test_export_bounds_the_copies_it_makes_before_making_them(capsys, tmp_path, to):
+    """Issue 28: a stride-0 tensor of a few bytes expands to 256 GB when safetensors (or DCP)
+    wants it contiguous; the copy was attempted (62 s and 4.3 GB for 4 GB, an untyped error past
+    memory). Now the memory is checked first: a typed error, nothing written."""
+    state = {"w": {"e": torch.ones(1).expand(2**18, 2**18)}}
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    target = tmp_path / ("m.safetensors" if to == "--to" else "dcp")
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", to, target)
+    assert code == 1 and "needs 274.88 GB of host memory" in one_error_line(err)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_deep_tree_of_long_keys_is_shown_and_exported_in_bounded_memory(capsys, tmp_path):
+    """Issue 28: 95 levels of 20 KB keys over 20,000 leaves built a 1.9 MB path for every leaf
+    (5.7 GB, then MemoryError). inspect now cuts shown paths; a safetensors export refuses key
+    paths it could not use as keys anyway."""
+    bottom = {str(j): j for j in range(20_000)}
+    bottom["t"] = torch.ones(2)
+    tree = bottom
+    for level in range(95):
+        tree = {"k" * 20_000 + str(level): tree}
+    with CheckpointEngine(tmp_path / "ckpt", {"deep": tree}, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    code, out, _ = run(capsys, "inspect", tmp_path / "ckpt")
+    assert code == 0 and "deep.kkkk" in out and "\u2026" in out
+    assert max(map(len, out.splitlines())) < 400 and len(out) < 20_001 * 400
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", "--to", tmp_path / "x.safetensors")
+    assert code == 2 and "longer than 4096 characters" in one_error_line(err)
+
+
+def test_names_from_the_checkpoint_reach_the_terminal_escaped(capsys, tmp_path):
+    """Issue 28, finding 7: an entry named with an escape sequence was printed as it is (it could
+    clear the screen or retitle the terminal). Now control characters print as \\xNN."""
+    name = "evil\x1b]0;owned\x07\x1b[2J"
+    with CheckpointEngine(tmp_path / "ckpt", {name: {"t": torch.ones(2)}},
+                          heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    code, out, _ = run(capsys, "inspect", tmp_path / "ckpt")
+    assert code == 0 and "evil\\x1b]0;owned\\x07\\x1b[2J" in out and "\x1b" not in out
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", "--only", "\x1b[2Jnope", "--to",
+                       tmp_path / "x.pt")
+    assert code == 2 and "\x1b" not in err and "\\x1b[2Jnope" in one_error_line(err)
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

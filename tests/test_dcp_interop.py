@@ -131,7 +131,8 @@ class Custom:
 
 
 def test_a_pickled_value_is_refused_unless_allowed(tmp_path, capsys):
-    dcp.save({"extra": {"thing": Custom(3)}, "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save({"extra": {"thing": Custom(3)}, "w": torch.ones(2)},
+             checkpoint_id=str(tmp_path / "dcp"))
     code, _, err = run(capsys, "import-dcp", tmp_path / "dcp", tmp_path / "ckpt", "--step", 1)
     assert code == 2 and "'extra.thing'" in err and "--allow-pickle" in err
     assert not os.path.exists(tmp_path / "ckpt") or not os.listdir(tmp_path / "ckpt")

@@ -10,16 +10,19 @@ import copy
 import json
 import logging
 import os
+import shutil
+import stat
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import cli
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
-                               ManifestError, NoSnapshotError, StateMismatchError)
+                               LayoutError, ManifestError, NoSnapshotError, StateMismatchError)
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import remove_entries
 from fuzzing import build_pristine, diff, hang_guard, make_state, rewrite_shard, fix_manifest
@@ -312,6 +315,51 @@ def test_an_optimizer_state_torch_cannot_load_is_refused_before_loading_anything
     assert diff(before, state["model"].state_dict()) is None
 
 
+@pytest.mark.parametrize("path", [("model",), ("optimizer",), ("scheduler",), ("gen",),
+                                  ("nprng",), ("extra",), ("extra", "zeros")],
+                         ids=lambda p: ".".join(p))
+def test_a_plain_value_never_replaces_a_registered_object_tensor_or_dict(pristine, root, path):
+    """Issue 28, finding 1: a saved node turned into {"kind": "value"} was assigned over the
+    module, optimizer, generator, dict or tensor registered there. Now: refused by name."""
+    def edit(index):
+        node = index["tree"]
+        for key in path[:-1]:
+            node = node["entries"][key]
+        node["entries"][path[-1]] = {"kind": "value", "state": "pwned"}
+
+    edit_index(pristine, root, STEP2, edit)
+    state = make_state(7)
+    registered = dict(state)
+    held, epoch = state["extra"]["zeros"], state["extra"]["epoch"]
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match=rf"{'.'.join(path)} \(saved a plain value"):
+            engine.restore()
+    assert all(state[k] is v for k, v in registered.items())
+    assert state["extra"]["zeros"] is held and state["extra"]["epoch"] == epoch
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4", "uint1",
+                                   "uint7", "int1", "int4"])
+def test_a_tensor_of_a_dtype_torch_cannot_copy_is_damage(pristine, root, dtype):
+    """Issue 28, finding 2: such a tensor loaded, then failed at its first use (an internal
+    torch assertion). Now the reader refuses it, and the writer never writes one."""
+    def edit(index):
+        record = next(r for r in index["tensors"] if r["dtype"] == "int32")
+        record["dtype"] = dtype
+
+    edit_index(pristine, root, STEP2, edit)
+    with pytest.raises(CorruptSnapshotError, match=f"unknown dtype '{dtype}'"):
+        load(root, 2)
+    assert load(root)[0] == 1  # the newest intact snapshot
+
+
+def test_the_writer_refuses_a_tensor_of_a_dtype_torch_cannot_copy(tmp_path):
+    with CheckpointEngine(tmp_path / "ckpt", {"t": {"w": torch.empty(4, dtype=torch.uint4)}},
+                          heartbeat_interval=None) as engine:
+        with pytest.raises(LayoutError, match="torch.uint4 tensors cannot be saved"):
+            engine.snapshot(1, force=True)
+
+
 def test_an_optimizer_that_refuses_its_state_half_way_is_put_back(pristine, root):
     """torch's AdamW installs a loaded state, then fails converting its `step`: found by the
     10,000-case fuzz run. Every object loaded before the refusal is put back too."""
@@ -324,6 +372,85 @@ def test_an_optimizer_that_refuses_its_state_half_way_is_put_back(pristine, root
             engine.restore()
     for key, value in before.items():
         assert diff(value, state[key].state_dict()) is None, key
+
+
+def _deep_directories(top, depth=1100):
+    """``depth`` nested directories under ``top``, a file at the bottom (made iteratively, with
+    paths relative to the last one: the full path is longer than PATH_MAX allows)."""
+    os.makedirs(top)
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_a_leftover_1100_directories_deep_neither_crashes_start_up_nor_the_tools(root, capsys):
+    """Issue 28, finding 4: CheckpointEngine(), ls, gc and verify raised RecursionError
+    (os.walk, shutil.rmtree). Now the walks are iterative: the leftover is counted and removed
+    as far as paths allow, with a warning for what is left, and the tools exit as usual."""
+    leftover = os.path.join(root, "step-00000000000000000099.0badf00d")
+    _deep_directories(leftover)
+    try:
+        assert cli.main(["ls", root]) == 0
+        assert cli.main(["verify", root]) == 0
+        assert cli.main(["gc", root, "--dry-run"]) == 0
+        with CheckpointEngine(root, make_state(7), heartbeat_interval=None) as engine:
+            assert engine.restore() == 2
+        capsys.readouterr()
+        assert not os.path.exists(leftover)  # start-up removed the leftover, all 1,100 levels
+        assert_outside_intact(root)
+    finally:  # pytest's own clean-up of old temporary directories would recurse too deep
+        remove_entries(root, [os.path.basename(leftover)])
+
+
+def test_a_directory_where_the_heartbeat_belongs_is_warned_about_not_fatal(tmp_path, caplog):
+    """Issue 28, finding 4: every snapshot() raised IsADirectoryError. A heartbeat is about
+    liveness: the snapshot goes on, and the warning says what is in the way, once."""
+    root = tmp_path / "ckpt"
+    (root / "heartbeat.rank00000.json").mkdir(parents=True)
+    with CheckpointEngine(root, make_state(7), heartbeat_interval=0.0) as engine:
+        for step in range(3):
+            engine.snapshot(step, force=True)
+        engine.wait()
+    assert read_manifest(str(root)).steps() == [0, 1, 2]
+    warned = [r for r in caplog.records if "cannot write the heartbeat" in r.getMessage()]
+    assert len(warned) == 1
+
+
+PLANTED_LOCK = """
+import sys
+from async_ckpt import CheckpointEngine
+from async_ckpt.errors import CheckpointDirError
+try:
+    CheckpointEngine(sys.argv[1], {"x": {"n": 1}}, heartbeat_interval=None)
+except CheckpointDirError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_path):
+    """Issue 28, finding 6: a character device at ``.lock-rank00000`` was opened O_RDWR|O_CREAT
+    (opening a device can act) and only then found not to be a file. The trace shows it is
+    refused before any open but the exclusive create, which fails."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    try:
+        os.mknod(root / ".lock-rank00000", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        os.mkfifo(root / ".lock-rank00000")  # no CAP_MKNOD: a FIFO is refused the same way
+    trace = tmp_path / "trace.txt"
+    done = subprocess.run([shutil.which("strace"), "-f", "-e", "trace=openat", "-o", str(trace),
+                           sys.executable, "-c", PLANTED_LOCK, str(root)], capture_output=True,
+                          text=True, timeout=120)
+    assert "refused:" in done.stdout and "is not a regular file" in done.stdout, done.stderr[-2000:]
+    opens = [line for line in trace.read_text().splitlines() if ".lock-rank00000" in line]
+    assert opens and all("O_EXCL" in line and "EEXIST" in line for line in opens), opens
 
 
 # --- 5. all or nothing ------------------------------------------------------------------------
@@ -343,12 +470,12 @@ def test_a_malformed_rng_entry_loads_nothing_when_there_is_no_fallback(pristine,
 
 
 def test_too_little_memory_is_its_own_error_and_does_not_fall_back(root, monkeypatch):
-    import async_ckpt.read.snapshot as snapshot
+    import async_ckpt.read.memory as memory
 
     class Tiny:
         available = 1000
 
-    monkeypatch.setattr(snapshot.psutil, "virtual_memory", lambda: Tiny)
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Tiny)
     state = make_state(7)
     before = copy.deepcopy(state["model"].state_dict())
     with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
@@ -357,6 +484,32 @@ def test_too_little_memory_is_its_own_error_and_does_not_fall_back(root, monkeyp
     assert diff(before, state["model"].state_dict()) is None
     with pytest.raises(InsufficientMemoryError):
         load(root)
+
+
+LIMITED_LOAD = """
+import resource, sys, torch
+from async_ckpt import CheckpointEngine, load
+from async_ckpt.errors import InsufficientMemoryError
+from async_ckpt.read.memory import _proc_status
+with CheckpointEngine(sys.argv[1], {"w": {"t": torch.ones(4 << 20)}}, heartbeat_interval=None) as e:
+    e.snapshot(1, force=True)
+room = 8 << 20  # a 16 MB tensor cannot be read within 8 MB more than the process has mapped now
+resource.setrlimit(resource.RLIMIT_AS, (_proc_status()["VmSize"] + room, resource.RLIM_INFINITY))
+try:
+    load(sys.argv[1])
+except InsufficientMemoryError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_read_is_bounded_by_the_process_limit_not_only_by_free_memory(tmp_path):
+    """Issue 28: under ``ulimit -v`` a read the machine had memory for failed with an untyped
+    MemoryError (or a torch allocation error). The address-space limit counts now."""
+    done = subprocess.run([sys.executable, "-c", LIMITED_LOAD, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("refused: restoring step 1 needs 0.03 GB of host memory, 0.01 GB is usable now"
+            in done.stdout)
 
 
 def test_every_snapshot_damaged_says_so(pristine, root):

@@ -20,14 +20,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-import psutil
 import torch
 
-from ..errors import CorruptSnapshotError, InsufficientMemoryError
+from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
 from ..format.references import References
 from ..format.shard import ChunkCache, ShardReader, checksum
 from ..train.capture import DTYPES, as_stateful, is_dtensor
+from .memory import allocating, require_memory
 from .records import tensor_layout
 
 SLAB_BYTES = 16 << 20
@@ -327,19 +327,18 @@ class Resolver:
         need += SLAB_BYTES + max((c["raw"] for t in self._targets for piece, _ in t.overlapping
                                   for c in self.pieces.chunks(piece)), default=0) if any(
             t.overlapping for t in self._targets) else 0
-        available = psutil.virtual_memory().available
-        if need > available:
-            raise InsufficientMemoryError(
-                f"restoring the sharded tensors needs {need / 1e9:.2f} GB of host memory, "
-                f"{available / 1e9:.2f} GB is available now; free memory, or restore on more "
-                "ranks. The snapshot was not checked for damage, and nothing was loaded")
+        require_memory(need, "restoring the sharded tensors", "free memory, or restore on more "
+                       "ranks. The snapshot was not checked for damage, and nothing was loaded")
         cache = ChunkCache()
         for t in self._targets:
+            nbytes = math.prod(t.shape) * t.ref.dtype.itemsize
             if t.whole is not None:
-                t.tensor = t.whole[tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape))].clone(
-                    memory_format=torch.contiguous_format)
+                box = t.whole[tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape))]
+                t.tensor = allocating(lambda: box.clone(memory_format=torch.contiguous_format),
+                                      nbytes, "a sharded tensor")
                 continue
-            t.tensor = torch.empty(t.shape, dtype=t.ref.dtype)
+            t.tensor = allocating(lambda: torch.empty(t.shape, dtype=t.ref.dtype), nbytes,
+                                  "a sharded tensor")
             self.pieces.read_into(t.tensor, t.offset, t.overlapping, cache)
 
     def fill(self, value: Any) -> Any:

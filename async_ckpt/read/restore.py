@@ -121,6 +121,10 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
                    else f"registered a {type(current).__name__}, not a tensor")
         if problem:
             mismatch.mismatched.append(f"{where} ({problem})")
+    elif isinstance(current, (torch.Tensor, Mapping)) or as_stateful(current) is not None:
+        # a plain value would be assigned over the object, tensor or dict registered here
+        mismatch.mismatched.append(f"{where} (saved a plain value, registered a "
+                                   f"{type(current).__name__})")
 
 
 def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mismatch,

@@ -17,23 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-import psutil
 import torch
 
 from ..distributed import Coordinator
-from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError,
-                      InsufficientMemoryError, NoSnapshotError)
+from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
 from ..format import values
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..format.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
+from .memory import require_memory
 from .records import tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
-from ..train.capture import DTYPES
+from ..train.capture import ALL_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +205,8 @@ def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
     storages = list(storages)
     largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
     need = max(0, sum(s["nbytes"] for s in storages) - lent) + 2 * largest_chunk
-    available = psutil.virtual_memory().available
-    if need > available:
-        raise InsufficientMemoryError(
-            f"restoring step {step} needs {need / 1e9:.2f} GB of host memory, {available / 1e9:.2f} "
-            "GB is available now; free memory (or restore on a larger machine). The snapshot was "
-            "not checked for damage, and nothing was loaded")
+    require_memory(need, f"restoring step {step}", "free memory (or restore on a larger "
+                   "machine). The snapshot was not checked for damage, and nothing was loaded")
 
 
 def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
@@ -249,7 +244,7 @@ def _device(v: Any) -> torch.device:
     return torch.device(v)
 
 
-_TORCH_TAGS = {"$dtype": lambda v: DTYPES[v] if type(v) is str else None, "$size": _size,
+_TORCH_TAGS = {"$dtype": lambda v: ALL_DTYPES[v] if type(v) is str else None, "$size": _size,
                "$device": _device}
 
 

@@ -16,6 +16,7 @@ without following symlinks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -23,7 +24,7 @@ import mmap
 import os
 import shutil
 import stat
-from typing import Iterable, Optional, Type, Union
+from typing import Callable, Iterable, Optional, Type, Union
 
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
@@ -206,15 +207,79 @@ def remove_entries(root: str, names: Iterable[str]) -> None:
             log.error("refusing to delete %r under %s: not a name async_ckpt writes", name, root)
             continue
         path = os.path.join(root, name)
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
+        _quietly(_remove_tree if os.path.isdir(path) and not os.path.islink(path) else os.unlink,
+                 path)
+
+
+def _quietly(remove: Callable[[str], None], path: str) -> None:
+    """``remove(path)``: a missing entry is fine, any other failure is logged and left."""
+    try:
+        remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not delete %s: %s", path, e.strerror)
+
+
+def _remove_tree(top: str) -> None:
+    """Remove the directory ``top`` and everything below it, without following links and
+    without recursion (``shutil.rmtree`` recurses: a leftover 1,100 directories deep raised
+    RecursionError). Each directory is listed once; what cannot be removed is logged and left."""
+    stack, listed = [top], set()
+    while stack:
+        path = stack[-1]
+        if path in listed:  # its children are gone (or logged): now the directory itself
+            stack.pop()
+            _quietly(os.rmdir, path)
+            continue
+        listed.add(path)
+        try:  # opened without following a link: one swapped in is unlinked, never entered
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            pass
+            continue
+        except OSError as e:  # a link (ELOOP, ENOTDIR), ENAMETOOLONG far down, EACCES
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                stack.pop()
+                listed.discard(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            else:
+                log.warning("could not list %s: %s", path, e.strerror)
+            continue
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(os.path.join(path, entry.name))
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.name, dir_fd=fd)
         except OSError as e:
-            log.warning("could not delete %s: %s", path, e.strerror)
+            log.warning("could not list %s: %s", path, e.strerror)
+        finally:
+            os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files at or under ``path`` (0 when it vanished), links not followed, walked
+    without recursion (``os.walk`` recurses)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+    total, stack = 0, [path]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        total += _size_of(entry) or 0
+        except OSError:  # vanished, unreadable, too long a path: not counted
+            continue
+    return total
 
 
 WRITE_PIECE_BYTES = 1 << 20

@@ -39,16 +39,8 @@ def take_rank_lock(root: str, rank: int, timeout: float) -> int:
     seconds for the previous engine and its writer to finish), then held shared, which its writer
     joins. Returns the file descriptor; closing it releases the lock."""
     path = lock_path(root, rank)
+    fd = _open_lock_file(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o644)
-    except OSError as e:
-        raise CheckpointDirError(f"cannot open the lock file {path}: {e.strerror}; check the "
-                                 "directory's permissions") from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointDirError(f"{path} is not a regular file; remove it (an engine creates "
-                                     "its lock file itself)")
         deadline = time.monotonic() + timeout
         while not _try_lock(fd, fcntl.LOCK_EX):
             if time.monotonic() > deadline:
@@ -65,9 +57,44 @@ def take_rank_lock(root: str, rank: int, timeout: float) -> int:
 
 def join_rank_lock(path: str) -> int:
     """The writer's share of its engine's lock, held until the writer process exits."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = _open_lock_file(path)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+def _open_lock_file(path: str) -> int:
+    """A descriptor of the lock file ``path``, created when absent; only ever a regular file: what
+    else is at the name (a device, a FIFO, a link) is refused before it is opened, since opening a
+    device for writing can do things of its own."""
+    for _ in range(2):  # a lock file removed between the two opens: create it again
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                           0o644)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise _unusable(path, e) from e
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                raise CheckpointDirError(f"{path} is not a regular file; remove it (an engine "
+                                         "creates its lock file itself)")
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise _unusable(path, e) from e
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+        raise CheckpointDirError(f"{path} is not a regular file; remove it")
+    raise CheckpointDirError(f"{path} keeps vanishing while opened; is another program removing "
+                             "files in the checkpoint directory?")
+
+
+def _unusable(path: str, e: OSError) -> CheckpointDirError:
+    return CheckpointDirError(f"cannot open the lock file {path}: {e.strerror}; check the "
+                              "directory's permissions")
 
 
 @contextlib.contextmanager

@@ -34,8 +34,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import advise, compare_loss, export, gc, import_dcp, inspect, ls, supervisor, verify
-from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_USAGE, PROG, NotDone, UsageError,
-                     add_command, fail)
+from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_USAGE, PROG, EscapedOutput,
+                     NotDone, UsageError, add_command, fail)
 from .. import __version__
 from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError
 
@@ -50,7 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
     try:
-        return args.run(args)
+        with contextlib.redirect_stdout(EscapedOutput(sys.stdout)):
+            return args.run(args)
     except UsageError as e:
         return fail(str(e), EXIT_USAGE)
     except (NotDone, DirectoryInUseError) as e:

@@ -5,13 +5,13 @@ that every command says these things the same way."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import io
 import os
 import sys
 import textwrap
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from .argtypes import int_arg
 from ..errors import NoSnapshotError
@@ -71,9 +71,38 @@ def add_rank_option(sub: argparse.ArgumentParser, verb: str) -> None:
 
 
 def fail(message: str, code: int) -> int:
-    """Print ``message`` as the one error line on stderr; returns ``code``."""
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    """Print ``message`` as the one error line on stderr, escaped; returns ``code``."""
+    print(escaped(f"{PROG}: error: {' '.join(message.split())}"), file=sys.stderr)
     return code
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0)) if c not in (9, 10)}
+
+
+def escaped(text: str) -> str:
+    """``text`` with its control characters (but tab and newline) written as ``\\xNN``: names
+    read from a checkpoint reach the terminal as text, never as escape sequences."""
+    return text.translate(_CONTROL)
+
+
+class EscapedOutput(io.TextIOBase):
+    """A text stream that writes everything ``escaped`` to ``stream`` (the commands' stdout)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(escaped(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
 
 
 def checkpoint_dir(path: str) -> str:
@@ -91,21 +120,6 @@ def checkpoint_dir(path: str) -> str:
         return path
     raise UsageError(f"{path} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, no "
                      f"step-* snapshot directories); {hint}")
-
-
-def disk_bytes(path: str) -> int:
-    """Bytes of the files at or under ``path`` (0 when it vanished)."""
-    try:
-        if not os.path.isdir(path) or os.path.islink(path):
-            return os.lstat(path).st_size
-    except FileNotFoundError:
-        return 0
-    total = 0
-    for parent, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(parent, name)).st_size
-    return total
 
 
 def size_text(n: Optional[int]) -> str:
@@ -167,20 +181,24 @@ step_arg = int_arg(0)  # steps and ranks
 positive_arg = int_arg(1)
 
 
-def count_tensors(state) -> tuple[int, int]:
-    """How many tensors ``state`` (nested dicts, lists and tuples) holds, and their bytes."""
+def iter_tensors(state) -> Iterator:
+    """Every tensor in ``state`` (nested dicts, lists and tuples), walked without recursion."""
     import torch
-    count = nbytes = 0
     stack = [state]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
-            count, nbytes = count + 1, nbytes + v.nbytes
+            yield v
         elif isinstance(v, dict):
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
-    return count, nbytes
+
+
+def count_tensors(state) -> tuple[int, int]:
+    """How many tensors ``state`` holds, and their bytes."""
+    tensors = list(iter_tensors(state))
+    return len(tensors), sum(t.nbytes for t in tensors)
 
 
 def umask() -> int:

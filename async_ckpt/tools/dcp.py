@@ -31,15 +31,15 @@ import tempfile
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
-import psutil
 import torch
 
 from ..errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
-                      InsufficientMemoryError, StateMismatchError, UnsupportedFormatError)
+                      StateMismatchError, UnsupportedFormatError)
 from ..format.shard import MAX_DIMS, MAX_EXTENT, MAX_KEY_CHARS
+from ..read.memory import require_memory
 from ..read.reshard import exact_cover
-from ..train.capture import DTYPES
-from .common import umask
+from ..train.capture import ALL_DTYPES, DTYPES
+from .common import iter_tensors, umask
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 256 << 20  # ~a million chunk records; a larger file is refused unread
@@ -65,8 +65,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     (a function or class it would call with arguments from the file)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(DTYPES.get(name), torch.dtype):
-            return DTYPES[name]
+        if module == "torch" and name in ALL_DTYPES:
+            return ALL_DTYPES[name]
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         raise UnsupportedFormatError(
@@ -83,6 +83,10 @@ def write_dcp(state: dict, target: str) -> None:
     guess beside it, then renamed."""
     import torch.distributed.checkpoint as dcp
 
+    # DCP writes a tensor that views only part of its storage, or expands it, as a copy
+    need = sum(t.nbytes for t in iter_tensors(state) if t.untyped_storage().nbytes() != t.nbytes)
+    require_memory(need, "copying the tensors DCP writes as copies (views and expanded tensors)",
+                   "free memory first. Nothing was written")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-",  # exclusive, unguessable
                            dir=os.path.dirname(os.path.abspath(target)))
     try:
@@ -112,11 +116,7 @@ def read_dcp(path: str | os.PathLike, allow_pickle: bool = False) -> dict:
     need = sum(math.prod(shape) * dtype.itemsize for dtype, shape, _ in items.values()
                if dtype is not None)
     need += max((info[2] for _, _, chunks in items.values() for _, _, info in chunks), default=0)
-    available = psutil.virtual_memory().available
-    if need > available:
-        raise InsufficientMemoryError(
-            f"importing {path} needs {need / 1e9:.2f} GB of host memory, {available / 1e9:.2f} GB "
-            "is available now; free memory first. Nothing was written")
+    require_memory(need, f"importing {path}", "free memory first. Nothing was written")
     opened = {name: _open_data_file(path, name) for name in sorted(files)}
     try:
         values = {fqn: _read_item(fqn, dtype, shape, chunks, opened, allow_pickle, path)
@@ -141,8 +141,8 @@ def _read_metadata(path: str) -> Any:
                 metadata = _MetadataUnpickler(f).load()
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
                     IndexError, KeyError, RecursionError, MemoryError) as e:
-                raise CorruptSnapshotError(f"{path}: {METADATA_NAME} is damaged ({type(e).__name__}: "
-                                           f"{str(e)[:100]})") from e
+                raise CorruptSnapshotError(f"{path}: {METADATA_NAME} is damaged "
+                                           f"({type(e).__name__}: {str(e)[:100]})") from e
     finally:
         os.close(fd)
     if not isinstance(metadata, Metadata):
@@ -222,7 +222,8 @@ def _locations(metadata: Any, bad: Callable[[str], Exception]) -> dict:
 def _located(where: dict, fqn: str, offset: Optional[tuple], bad) -> tuple:
     found = where.get((fqn, offset))
     if found is None:
-        raise bad(f"no storage record for {fqn[:80]!r}" + ("" if offset is None else f" at {offset}"))
+        raise bad(f"no storage record for {fqn[:80]!r}"
+                  + ("" if offset is None else f" at {offset}"))
     return found
 
 

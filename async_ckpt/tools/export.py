@@ -14,6 +14,7 @@ from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, chec
                      pick_record, size_text, step_arg,
                      count_tensors, umask)
 from ..errors import EncodingError
+from ..read.memory import allocating, require_memory
 from ..format.manifest import read_manifest
 
 
@@ -137,6 +138,11 @@ def _write_safetensors(state: Any, target: str, step: int, what: str,
     return len(tensors), sum(t.nbytes for t in tensors.values()), skipped
 
 
+MAX_KEY_PATH = 4096
+"""The longest dotted key path a safetensors export builds: a deep tree of long keys would
+otherwise build megabytes of path for every leaf."""
+
+
 def _flat_tensors(state: Any) -> tuple[dict, list[str]]:
     """Tensors of ``state`` by dotted key path, and the paths of the other values."""
     import torch
@@ -144,6 +150,10 @@ def _flat_tensors(state: Any) -> tuple[dict, list[str]]:
     skipped: list[str] = []
 
     def walk(v: Any, path: str) -> None:
+        if len(path) > MAX_KEY_PATH:
+            raise UsageError(f"a key path is longer than {MAX_KEY_PATH} characters "
+                             f"({path[:60]!r}...); safetensors keys are key paths: export to a "
+                             ".pt file instead")
         if isinstance(v, torch.Tensor):
             if path in tensors:
                 raise UsageError(f"two tensors map to the safetensors key {path!r} (a key holds a "
@@ -178,10 +188,16 @@ def _save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     import torch
     from safetensors.torch import save_file
     users = collections.Counter(t.untyped_storage().data_ptr() for t in tensors.values() if t.numel())
+    copied = {key for key, t in tensors.items()
+              if t.numel() and (users[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous())}
+    need = sum(tensors[key].nbytes for key in copied)  # a stride-0 tensor of a few bytes may expand
+    require_memory(need, "copying the tensors safetensors cannot hold as they are (shared or not "
+                   "contiguous)", "export to a .pt file, which keeps them as they are")
     ready = {}
     for key, t in tensors.items():
-        if t.numel() and (users[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous()):
-            t = t.clone(memory_format=torch.contiguous_format)
+        if key in copied:
+            t = allocating(lambda t=t: t.clone(memory_format=torch.contiguous_format), t.nbytes,
+                           f"a copy of {key[:80]}")
         ready[key] = t
     try:
         save_file(ready, path, metadata=metadata)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import (EXIT_OK, PROG, NotDone, add_dir_command, checkpoint_dir, disk_bytes,
+from .common import (EXIT_OK, PROG, NotDone, add_dir_command, checkpoint_dir,
                      positive_arg, progress, size_text)
 from .verify import verify_record
 from ..format.manifest import Manifest, leftovers, recover_manifest, write_manifest
 from ..format.names import snapshot_dir_step
-from ..storage.local import remove_entries
+from ..storage.local import remove_entries, tree_bytes
 from ..storage.locks import every_rank_exclusively
 
 
@@ -62,7 +62,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not plan:
             print("nothing to remove")
             return EXIT_OK
-        sizes = {name: disk_bytes(os.path.join(root, name)) for name, _ in plan}
+        sizes = {name: tree_bytes(os.path.join(root, name)) for name, _ in plan}
         print(f"{verb}:")
         for name, why in plan:
             print(f"  {name:<36}  {size_text(sizes[name]):>9}  {why}")

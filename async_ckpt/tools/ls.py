@@ -7,10 +7,11 @@ import datetime
 import json
 import os
 
-from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir, disk_bytes,
+from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir,
                      size_text, when_text)
 from ..format.manifest import SnapshotRecord, leftovers, manifest_path, read_manifest
 from ..format.names import MANIFEST_NAME, snapshot_dir_step
+from ..storage.local import tree_bytes
 
 
 HELP = "list committed snapshots and leftovers"
@@ -45,7 +46,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         is_dir = os.path.isdir(os.path.join(root, name))
         stray.append({"name": name, "kind": "snapshot" if is_dir else "manifest-tmp",
                       "step": snapshot_dir_step(name) if is_dir else None,
-                      "bytes": disk_bytes(os.path.join(root, name))})
+                      "bytes": tree_bytes(os.path.join(root, name))})
     # Exit 1 on damage, and when nothing is committed (as inspect, verify and export do).
     failed = any(s["problems"] for s in snapshots) or not snapshots
     if args.json:

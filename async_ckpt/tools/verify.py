@@ -7,14 +7,14 @@ import argparse
 import os
 from typing import Optional
 
-from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, disk_bytes, fail,
+from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, fail,
                      pick_record, progress, step_arg)
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, snapshot_dirs
 from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
-from ..storage.local import as_storage
+from ..storage.local import as_storage, tree_bytes
 
 
 HELP = "read every chunk and check every checksum"
@@ -147,14 +147,14 @@ def _verify_unreferenced(root: str) -> None:
         print("no snapshot directories on disk")
         return
     print("snapshot directories on disk (commit status unknown), checked file by file:")
-    with progress(sum(disk_bytes(os.path.join(root, n)) for n in names), "verifying") as bar:
+    with progress(sum(tree_bytes(os.path.join(root, n)) for n in names), "verifying") as bar:
         for name in sorted(names, key=lambda n: (snapshot_dir_step(n) or 0, n), reverse=True):
             directory = os.path.join(root, name)
             shards = sorted(n for n in os.listdir(directory) if SHARD_FILE.fullmatch(n))
             problems = [] if shards else ["no shard file"]
             for shard in shards:
                 problems += _verify_shard(os.path.join(directory, shard), snapshot_dir_step(name))
-                bar.update(disk_bytes(os.path.join(directory, shard)))
+                bar.update(tree_bytes(os.path.join(directory, shard)))
             state = "DAMAGED" if problems else f"intact ({len(shards)} shard file{'s' * (len(shards) != 1)})"
             print(f"  step {snapshot_dir_step(name)!s:<10} {name}  {state}")
             for problem in problems:

@@ -9,6 +9,7 @@ once and share memory again after restore.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -19,7 +20,13 @@ from ..errors import EncodingError, LayoutError
 from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up
 from .rng import generator_adapter
 
-DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+ALL_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+              if isinstance(d, torch.dtype)}
+"""Every torch dtype by name: what a ``$dtype`` value (a dtype kept as a setting) may name."""
+DTYPES = {name: d for name, d in ALL_DTYPES.items() if not re.fullmatch(r"q\w+|u?int[1-7]", name)}
+"""The dtypes a saved tensor may have: all but the quantized ones and the sub-byte integers
+(uint1-7, int1-7), which torch can create but not copy or clone: a tensor of them could be
+neither staged nor used once loaded."""
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -155,6 +162,9 @@ def _checked(t: torch.Tensor, path: str) -> torch.Tensor:
                           "save its plain local tensor instead")
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise LayoutError(f"{path}: {t.layout} tensors are not supported; convert to dense first")
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
+        raise LayoutError(f"{path}: {t.dtype} tensors cannot be saved (torch cannot copy them); "
+                          "save them as uint8 (t.view(torch.uint8)) instead")
     if t.device.type not in ("cpu", "cuda"):
         raise LayoutError(f"{path}: tensors on {t.device} cannot be staged; move them to CPU or CUDA")
     if t.is_conj() or t.is_neg():

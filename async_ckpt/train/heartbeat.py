@@ -9,6 +9,7 @@ one. Replaced atomically but not fsynced: a heartbeat is about liveness now, not
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -18,6 +19,7 @@ from ..errors import CheckpointDirError
 from ..format.names import HEARTBEAT_FILE, heartbeat_file_name
 from ..storage.local import atomic_write, read_regular
 
+log = logging.getLogger(__name__)
 _MAX_HEARTBEAT_BYTES = 4096
 
 
@@ -34,6 +36,7 @@ class Heartbeat:
         self._last = float("-inf")
         self.step: Optional[int] = None
         self._host = socket.gethostname()
+        self._warned = False
 
     def beat(self, step: Optional[int] = None) -> None:
         """Write the heartbeat, at most once per interval; ``step`` defaults to the last one given
@@ -48,7 +51,14 @@ class Heartbeat:
         self._last = now
         record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
-        atomic_write(self.path, json.dumps(record).encode(), durable=False)
+        try:
+            atomic_write(self.path, json.dumps(record).encode(), durable=False)
+        except OSError as e:  # a directory planted at the name, a full disk: liveness only
+            if not self._warned:
+                self._warned = True
+                log.warning("cannot write the heartbeat %s (%s); snapshots go on without it, "
+                            "but a supervisor watching it will think this rank hung: remove "
+                            "what is in its way", self.path, e.strerror or e)
 
 
 def read_heartbeats(directory: str) -> list[dict]:
