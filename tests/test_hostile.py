@@ -22,7 +22,8 @@ import torch
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import cli
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
-                               LayoutError, ManifestError, NoSnapshotError, StateMismatchError)
+                               LayoutError, ManifestError, NoSnapshotError, SnapshotWriteError,
+                               StateMismatchError)
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import remove_entries
 from fuzzing import build_pristine, diff, hang_guard, make_state, rewrite_shard, fix_manifest
@@ -451,6 +452,39 @@ def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_p
     assert "refused:" in done.stdout and "is not a regular file" in done.stdout, done.stderr[-2000:]
     opens = [line for line in trace.read_text().splitlines() if ".lock-rank00000" in line]
     assert opens and all("O_EXCL" in line and "EEXIST" in line for line in opens), opens
+
+
+def test_a_manifest_the_reader_would_refuse_is_never_written(root):
+    """Issue 28, finding 5: with ``next_seq`` at the reader's bound (2**62), the next commit wrote
+    2**62 + 1, which the reader refuses: every committed snapshot became unreachable. Now the
+    writer reads back what it would write: that commit fails, the manifest stays readable."""
+    doc = manifest_doc(root)
+    doc["next_seq"] = 2**62
+    write_manifest_doc(root, doc)
+    state = make_state(7)
+    with pytest.raises(SnapshotWriteError, match="would not read back"):
+        with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+            engine.snapshot(3, force=True)
+            engine.wait()
+    assert read_manifest(root).steps() == [1, 2]
+    with CheckpointEngine(root, make_state(7), heartbeat_interval=None) as engine:
+        assert engine.restore() == 2
+
+
+def test_a_rebuilt_manifest_never_names_a_snapshot_that_refers_to_itself(tmp_path):
+    """Issue 28, finding 5: rebuilding a lost manifest from a shard whose reference names its own
+    directory wrote a manifest the reader refuses. Such a snapshot is not complete: left out."""
+    pristine = build_pristine(str(tmp_path / "pristine"), "incremental")
+    root = str(tmp_path / "ckpt")
+    os.mkdir(root)
+    pristine.write(root)
+    own = pristine.shards[STEP2].dir
+    edit_index(pristine, root, STEP2, lambda i: [s["ref"].update(dir=own) for s in i["storages"]
+                                                 if "ref" in s])
+    os.unlink(os.path.join(root, "manifest.json"))
+    with CheckpointEngine(root, make_state(7), heartbeat_interval=None) as engine:
+        assert engine.restore() == 1
+    assert read_manifest(root).steps() == [1]
 
 
 # --- 5. all or nothing ------------------------------------------------------------------------

@@ -195,6 +195,12 @@ def read_manifest(root: str | Storage) -> Manifest:
         raw = storage.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError)
     except FileNotFoundError:
         return Manifest()
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, path: str) -> Manifest:
+    """The manifest ``raw`` holds, every field checked (``path`` names it in errors): what the
+    reader accepts, and so, through ``write_manifest``, all that the writer may write."""
     try:
         doc = values.parse_json(raw)
     except (ValueError, RecursionError) as e:
@@ -311,8 +317,20 @@ def _short(v) -> str:
 
 
 def write_manifest(root: str | Storage, manifest: Manifest) -> None:
-    """Durably replace the manifest: after this returns, the new list survives a power cut."""
-    as_storage(root).publish(MANIFEST_NAME, manifest.to_bytes())
+    """Durably replace the manifest: after this returns, the new list survives a power cut.
+
+    What is written is first read back by ``parse_manifest``: a manifest the reader would refuse
+    (a ``next_seq`` past its range, a snapshot referring to itself, both reachable from a crafted
+    directory) would make every committed snapshot unreachable, so it is never written
+    (SnapshotWriteError; the manifest on disk stays as it was)."""
+    storage = as_storage(root)
+    data = manifest.to_bytes()
+    try:
+        parse_manifest(data, storage.location(MANIFEST_NAME))
+    except CheckpointError as e:
+        raise SnapshotWriteError(f"the new manifest would not read back ({e}); it was not "
+                                 "written, and the one on disk is unchanged") from e
+    storage.publish(MANIFEST_NAME, data)
 
 
 def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
@@ -343,7 +361,7 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
             found[record.step] = record
     if not found:
         return Manifest()
-    ordered = sorted(found.values(), key=lambda r: r.committed_at)
+    ordered = _restorable(sorted(found.values(), key=lambda r: r.committed_at))
     manifest = Manifest(tuple(SnapshotRecord(**{**r.__dict__, "seq": i}) for i, r in enumerate(ordered)),
                         next_seq=len(ordered))
     if write:
@@ -380,11 +398,14 @@ def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
             or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
                    for i in indexes)):
         return None
+    refers = tuple(sorted({d for i in indexes for d in referenced_dirs(i)}))
+    if name in refers:  # a shard that refers to its own snapshot cannot be restored
+        return None
     raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
                           world_size=world_size, shards=tuple(shards[r] for r in range(world_size)),
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()),
-                          refers=tuple(sorted({d for i in indexes for d in referenced_dirs(i)})))
+                          refers=refers)
 
 
 def snapshot_dirs(root: str | Storage) -> list[str]:
