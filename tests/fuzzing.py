@@ -319,6 +319,16 @@ def nested(depth: int, kind: str) -> Hostile:
     return _raw('{"a":' * depth + "1" + "}" * depth, f"<dict nested {depth} deep>")
 
 
+def deep_long_keys(depth: int, key_chars: int, leaves: int) -> dict:
+    """A state-tree node ``depth`` dicts deep, each keyed by a ``key_chars``-long name, over
+    ``leaves`` plain values: key paths of ``depth * key_chars`` characters for every leaf."""
+    node = {"kind": "dict", "entries": {str(j): {"kind": "value", "state": j}
+                                        for j in range(leaves)}}
+    for level in range(depth):
+        node = {"kind": "dict", "entries": {"k" * key_chars + str(level): node}}
+    return node
+
+
 # Names that point out of the checkpoint directory, at itself, or are not names at all. Absolute
 # paths are placeholders resolved inside the sandbox (see the module docstring).
 PATH_LIKE = [
@@ -374,6 +384,20 @@ _FIXED = [
     "float8_e4m3fn", "bfloat16", "complex128", "bool", "qint8", "quint4x2", "uint64", "bits8",
     "zstd", "planes", "raw", "big", "little", "PCG64", "MT19937", "Philox", "0" * 16, "f" * 16,
     ["zstd", 2**62], ["raw", -1], ["planes", 1], [["raw", 1]],
+    # the classes of issue 28: a value for a registered object, dtypes torch cannot copy, small
+    # storages behind huge stride-0 shapes, keys made to collide in Python's hash, deep trees of
+    # long keys, long chains of references
+    {"kind": "value", "state": "pwned"}, {"kind": "value", "state": {"a": 1}},
+    {"kind": "value", "state": {"$tensor": 0}}, {"kind": "dict", "entries": {}},
+    "quint8", "qint32", "quint2x4", "uint1", "uint7", "int1", "int4",
+    {"storage": 0, "offset": 0, "dtype": "float32", "shape": [2**15, 2**15], "stride": [0, 0]},
+    {"storage": 0, "offset": 0, "dtype": "uint8", "shape": [2**18, 2**18], "stride": [0, 0]},
+    _py({"$dict": [[{"$int": hex(k * (2**61 - 1))}, 0] for k in range(1, 3001)]},
+        "<$dict of 3000 int keys that share a hash>"),
+    _py({"$set": [{"$int": hex(k * (2**61 - 1))} for k in range(1, 3001)]},
+        "<$set of 3000 ints that share a hash>"),
+    _py(deep_long_keys(40, 2000, 500), "<tree 40 deep of 2000-char keys, 500 leaves>"),
+    _py([f"step-{i:020d}.{i:08x}" for i in range(20_000)], "<20000 snapshot directory names>"),
 ]
 
 # Raw JSON text python's json module reads (and writes with allow_nan=True or not at all).

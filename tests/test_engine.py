@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DistributedSetupError, EncodingError,
+from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DirectoryInUseError,
+                               DistributedSetupError, EncodingError,
                                EngineClosedError, LayoutError, ManifestError, NoSnapshotError,
                                StagingMemoryError, StateMismatchError, WriterDiedError)
 from async_ckpt.format.manifest import read_manifest
@@ -325,8 +326,9 @@ def test_dead_writer_raises_instead_of_hanging(ckpt_dir):
 
 
 def test_second_engine_on_the_same_directory_is_refused(ckpt_dir):
+    """As the directory in use, not as a bad directory (issue 28, finding 7)."""
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}):
-        with pytest.raises(CheckpointDirError, match="another engine"):
+        with pytest.raises(DirectoryInUseError, match="another engine"):
             CheckpointEngine(ckpt_dir, {"t": torch.zeros(2)}, lock_timeout=0.2)
 
 

@@ -520,6 +520,22 @@ def test_too_little_memory_is_its_own_error_and_does_not_fall_back(root, monkeyp
         load(root)
 
 
+def test_an_allocation_that_fails_anyway_is_insufficient_memory_not_a_torch_error(root,
+                                                                                 monkeypatch):
+    """Memory checked as usable can be gone when allocated (another process took it): torch's
+    allocator error becomes InsufficientMemoryError (issue 28), which is not damage."""
+    real = torch.empty
+
+    def failing(*args, **kwargs):
+        if kwargs.get("dtype") is torch.uint8:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 GB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", failing)
+    with pytest.raises(InsufficientMemoryError, match="failed: the memory is not there now"):
+        load(root)
+
+
 LIMITED_LOAD = """
 import resource, sys, torch
 from async_ckpt import CheckpointEngine, load

@@ -27,7 +27,7 @@ from ..format.layout import align_up
 from ..format.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
-from .memory import require_memory
+from .memory import allocating, require_memory
 from .records import tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
@@ -117,7 +117,8 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
                 buffers[key] = torch.frombuffer(scratch[used:used + nbytes], dtype=torch.uint8)
                 used, lent = align_up(used + nbytes, _SCRATCH_ALIGNMENT), lent | {key}
             else:
-                buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+                buffers[key] = allocating(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes,
+                                          f"step {record.step}'s storages")
             reader.read_storage(i, buffers[key].numpy())
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
                    for n, t in enumerate(records)]

@@ -55,13 +55,13 @@ def start_session(directory: str, coordinator: Coordinator, settings: dict,
                 f"{k} = " + ", ".join(f"{other[k]!r} (rank {r})"
                                       for r, other in enumerate(everyone))
                 for k in differ) + ". Create every rank's engine with the same arguments")
-    fd, problem = None, None
+    fd, problem, kind = None, None, CheckpointDirError
     try:
         fd = take_rank_lock(directory, coordinator.rank, lock_timeout)
-    except CheckpointDirError as e:
-        problem = str(e)
+    except CheckpointDirError as e:  # DirectoryInUseError too: the rank that saw it says so
+        problem, kind = str(e), type(e)
     try:
-        coordinator.raise_if_any(problem, CheckpointDirError, "cannot lock the directory")
+        coordinator.raise_if_any(problem, kind, "cannot lock the directory")
         token = coordinator.from_rank0(lambda: _new_token(directory, coordinator.world_size))
         seen = token if coordinator.world_size == 1 else _published_token(directory)
         coordinator.raise_if_any(
