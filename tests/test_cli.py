@@ -497,6 +497,21 @@ def test_names_from_the_checkpoint_reach_the_terminal_escaped(capsys, tmp_path):
     assert code == 2 and "\x1b" not in err and "\\x1b[2Jnope" in one_error_line(err)
 
 
+def test_a_command_prints_at_most_one_line_on_stderr(capsys, ckpt):
+    """Issue 28, finding 7: a rebuilt manifest's warning came as a log line of its own beside
+    the result, odd files added more. Now a command that succeeds says at most one warning line,
+    one that fails only its error line."""
+    os.unlink(os.path.join(ckpt, "manifest.json"))
+    open(os.path.join(ckpt, "step-00000000000000000098.0badf00d"), "w").close()
+    code, _, err = run(capsys, "gc", ckpt, "--dry-run")
+    assert code == 0 and err.count("\n") <= 1
+    code, _, err = run(capsys, "gc", ckpt)
+    assert code == 0 and err.startswith("async-ckpt: warning:") and err.count("\n") == 1
+    assert "was missing; rebuilt it" in err
+    code, _, err = run(capsys, "export", ckpt, "--step", 999, "--to", os.path.join(ckpt, "x.pt"))
+    assert code == 2 and err.count("\n") == 1
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

@@ -29,13 +29,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import logging
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from . import advise, compare_loss, export, gc, import_dcp, inspect, ls, supervisor, verify
 from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_USAGE, PROG, EscapedOutput,
-                     NotDone, UsageError, add_command, fail)
+                     NotDone, UsageError, add_command, escaped, fail)
 from .. import __version__
 from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError
 
@@ -49,9 +51,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    notes = _Notes(args.command not in _LIVE_COMMANDS)
     try:
-        with contextlib.redirect_stdout(EscapedOutput(sys.stdout)):
-            return args.run(args)
+        with notes, contextlib.redirect_stdout(EscapedOutput(sys.stdout)):
+            code = args.run(args)
     except UsageError as e:
         return fail(str(e), EXIT_USAGE)
     except (NotDone, DirectoryInUseError) as e:
@@ -71,6 +74,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail(_os_error_message(e), EXIT_USAGE if e.errno in _USAGE_ERRNOS else EXIT_DAMAGE)
     except KeyboardInterrupt:
         return fail("interrupted", 130)
+    notes.report()
+    return code
+
+
+_LIVE_COMMANDS = ("supervise",)  # its log lines are news while the job runs: shown as they come
+
+
+class _Notes(logging.Handler):
+    """What the library logs and warns while a command runs, held back: a failed command prints
+    its one error line only, a command that succeeds at most one line of warning."""
+
+    def __init__(self, active: bool):
+        super().__init__(logging.WARNING)
+        self.active, self.messages = active, []
+        self._logger = logging.getLogger("async_ckpt")
+        self._warnings = warnings.catch_warnings(record=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "_Notes":
+        if self.active:
+            self._propagate, self._logger.propagate = self._logger.propagate, False
+            self._logger.addHandler(self)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self._logger.removeHandler(self)
+            self._logger.propagate = self._propagate
+            self._warnings.__exit__(*exc)
+            self.messages += [str(w.message) for w in self._caught]
+
+    def report(self) -> None:
+        if self.messages:
+            more = f" ({len(self.messages) - 1} more)" if len(self.messages) > 1 else ""
+            print(escaped(f"{PROG}: warning: {' '.join(self.messages[0].split())}{more}"),
+                  file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
