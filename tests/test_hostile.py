@@ -339,6 +339,24 @@ def test_a_plain_value_never_replaces_a_registered_object_tensor_or_dict(pristin
     assert state["extra"]["zeros"] is held and state["extra"]["epoch"] == epoch
 
 
+@pytest.mark.parametrize("edit", [{"a": 1}, {"optimizer": {"param_groups": []}}],
+                         ids=["new-attribute", "replaces-its-optimizer"])
+def test_a_scheduler_state_with_keys_of_its_own_is_refused(pristine, root, edit):
+    """Found by the 10,000-case fuzz run: torch's schedulers load a state by updating their
+    attributes with it, so a crafted one added attributes or replaced the scheduler's optimizer
+    (the scheduler was unusable afterwards, the intact snapshot could not repair it)."""
+    def change(index):
+        index["tree"]["entries"]["scheduler"]["state"].update(edit)
+
+    edit_index(pristine, root, STEP2, change)
+    state = make_state(7)
+    before = dict(vars(state["scheduler"]))
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match="scheduler state has keys"):
+            engine.restore()
+    assert vars(state["scheduler"]) == before and state["scheduler"].optimizer is state["optimizer"]
+
+
 @pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4", "uint1",
                                    "uint7", "int1", "int4"])
 def test_a_tensor_of_a_dtype_torch_cannot_copy_is_damage(pristine, root, dtype):

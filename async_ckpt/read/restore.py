@@ -116,6 +116,10 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
             elif problem:
                 mismatch.skipped.append(f"{where} ({problem})")
                 mismatch.skip_ids.add(id(current))
+        elif isinstance(current, torch.optim.lr_scheduler.LRScheduler):
+            problem = _scheduler_mismatch(current, saved.value)
+            if problem:
+                mismatch.mismatched.append(f"{where} ({problem})")
     elif saved.kind == "tensor":
         problem = (_tensor_mismatch(current, saved.value) if isinstance(current, torch.Tensor)
                    else f"registered a {type(current).__name__}, not a tensor")
@@ -171,6 +175,20 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
             if key in _PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
                 return (f"saved {key} of parameter {n} has shape {tuple(value.shape)}, the "
                         f"parameter {tuple(param.shape)}")
+    return None
+
+
+def _scheduler_mismatch(scheduler: Any, saved: Any) -> Optional[str]:
+    """Why ``saved`` is not a state of ``scheduler``'s class, or None. torch's schedulers load a
+    state by updating their attributes with it, whatever it holds: a key its own state does not
+    have would give it an attribute it never had, or replace one it needs (its ``optimizer``).
+    Keys it has that the saved state lacks (saved by an older torch) keep their values."""
+    if not isinstance(saved, dict):
+        return "the saved state is not a scheduler state dict"
+    unexpected = sorted(map(str, saved.keys() - scheduler.state_dict().keys()))
+    if unexpected:
+        return (f"the saved scheduler state has keys this {type(scheduler).__name__}'s does not: "
+                f"{', '.join(k[:40] for k in unexpected[:5])}")
     return None
 
 
