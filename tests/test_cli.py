@@ -512,6 +512,18 @@ def test_a_command_prints_at_most_one_line_on_stderr(capsys, ckpt):
     assert code == 2 and err.count("\n") == 1
 
 
+def test_verify_checks_memory_before_decoding(capsys, ckpt, monkeypatch):
+    """Issue 28: verify had no memory check (64 chunks declaring 1 GiB each took 2.3 GB)."""
+    import async_ckpt.read.memory as memory
+
+    class Tiny:
+        available = 1000
+
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Tiny)
+    code, _, err = run(capsys, "verify", ckpt)
+    assert code == 1 and "of host memory, 0.00 GB is usable now" in one_error_line(err)
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

@@ -14,6 +14,7 @@ from ..format.manifest import Manifest, SnapshotRecord, read_manifest, snapshot_
 from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
+from ..read.memory import require_memory
 from ..storage.local import as_storage, tree_bytes
 
 
@@ -128,6 +129,10 @@ def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] 
             if step is not None and reader.index.get("step") != step:
                 problems.append(f"{path} holds step {reader.index.get('step')!r}, the manifest "
                                 f"says {step}")
+            largest = max((c["raw"] for s in reader.index["storages"] for c in s.get("chunks", ())),
+                          default=0)  # decoded one at a time, byte planes into scratch of their own
+            require_memory(2 * largest, f"verifying {path}", "free memory, or verify on a larger "
+                           "machine")
             return problems + reader.verify()
     except CheckpointError as e:
         if not e.is_damage:
