@@ -38,7 +38,7 @@ from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
 from .storage.local import ensure_writable_dir
 from .storage.locks import lock_path
-from .train.capture import capture, plan_layout
+from .train.capture import capture, check_registrable, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
 from .train.rng import GlobalRNG
@@ -68,6 +68,7 @@ class CheckpointEngine:
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], **options):
         self.options = o = EngineOptions(**options)
         o.check_state(state)
+        check_registrable(state, o.allow_pickle)
         for message in inexact_loader_warnings(state):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.directory = ensure_writable_dir(directory)

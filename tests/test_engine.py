@@ -221,9 +221,17 @@ def test_plain_values_round_trip(ckpt_dir):
     assert math.copysign(1, restored["floats"][2]) == -1
 
 
-def test_unencodable_value_is_refused_with_its_path(ckpt_dir):
-    state = {"config": {"schedule": {"fn": lambda x: x}}}
+def test_unencodable_value_is_refused_with_its_path_when_registered(tmp_path):
+    """At CheckpointEngine(), not after ``every`` steps of training (issue 26)."""
+    with pytest.raises(EncodingError, match=r"config\.schedule\.fn"):
+        CheckpointEngine(tmp_path / "ckpt", {"config": {"schedule": {"fn": lambda x: x}}})
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_value_that_becomes_unencodable_is_refused_at_the_snapshot(ckpt_dir):
+    state = {"config": {"schedule": {"fn": "linear"}}}
     with CheckpointEngine(ckpt_dir, state) as engine:
+        state["config"]["schedule"]["fn"] = lambda x: x
         with pytest.raises(EncodingError, match=r"config\.schedule\.fn"):
             engine.snapshot(0)
         assert engine.committed_steps() == []

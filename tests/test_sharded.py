@@ -6,14 +6,12 @@ and trains on exactly as a DCP-resharded load of the same state does (tests/prog
 restoring 4 -> 2 ranks holds at most 1.3x the rank's own state above its baseline; a damaged piece
 on one rank makes every rank fall back together; a rank SIGKILLed while writing never commits that
 step, and the job restarted by torchrun resumes bit-identical (examples/train_fsdp.py). Each
-scenario is one torchrun launch.
+scenario is one torchrun launch. (The README's block: tests/test_readme.py.)
 """
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -237,27 +235,6 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
         assert {r["step"] for r in records} == set(range(steps))
         assert all(r["loss"] == expected[r["step"]] for r in records), f"rank {rank}"
     assert len(read_log(run_dir, 0)) > steps  # the restart replayed the steps after the last commit
-
-
-def test_the_readme_sharded_example_runs_and_resumes_on_another_world_size(tmp_path):
-    """README "Sharded models": its block, as written, under torchrun on 2 ranks, then again on 3
-    (which restores the 2-rank snapshot and finds nothing left to train)."""
-    with open(os.path.join(HERE, os.pardir, "README.md")) as f:
-        readme = f.read()
-    section = readme[readme.index("## Sharded models"):]
-    block = section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
-    script = tmp_path / "sharded.py"
-    script.write_text(block + "\n")
-    for nproc in (2, 3):
-        log = str(tmp_path / f"run-{nproc}.txt")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={nproc}", str(script)], cwd=str(tmp_path),
-            start_new_session=True, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-        _wait(process, log)
-    with open(str(tmp_path / "run-3.txt"), errors="replace") as f:
-        assert "restoring step 99, written by 2 rank(s), on 3" in f.read()
-    assert load(str(tmp_path / "ckpt-fsdp"))[0] == 99
 
 
 def test_a_box_is_read_in_one_run_only_where_both_layouts_order_its_bytes_alike():

@@ -129,16 +129,42 @@ def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> di
         return node
     if isinstance(obj, torch.Tensor):
         return {"kind": "tensor", "state": encode(obj, path)}
+    _refuse_stock_loader(obj, path)
+    if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
+        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode)
+                                            for k, v in obj.items()}}
+    return {"kind": "value", "state": encode(obj, path)}
+
+
+def _refuse_stock_loader(obj: Any, path: str) -> None:
     if isinstance(obj, (torch.utils.data.DataLoader, torch.utils.data.Sampler)):
         raise EncodingError(
             f"{path!r} is a {type(obj).__name__}, which has no state_dict(): its data position "
             "cannot be saved, and a pickled copy would restore nothing that the running loader "
             "reads. Register an async_ckpt.data.ResumableLoader (or ResumableSampler) instead, or "
             "torchdata's StatefulDataLoader")
-    if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
-        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode)
-                                            for k, v in obj.items()}}
-    return {"kind": "value", "state": encode(obj, path)}
+
+
+def check_registrable(state: Mapping[str, Any], allow_pickle: bool = False) -> None:
+    """EncodingError now for what ``capture`` would refuse at the first snapshot, as far as it
+    can be known without calling any ``state_dict()``: a stock DataLoader or sampler, a plain
+    value with no safe encoding. Otherwise a job would train ``every`` steps before learning it
+    cannot be checkpointed."""
+    def tensor_or_scalar(value: Any, path: str):
+        return {"$tensor": 0} if isinstance(value, torch.Tensor) else encode_torch_scalar(value)
+
+    def walk(obj: Any, path: str) -> None:
+        if as_stateful(obj) is not None or isinstance(obj, torch.Tensor):
+            return
+        _refuse_stock_loader(obj, path)
+        if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
+            for key, value in obj.items():
+                walk(value, _join(path, key))
+        else:
+            values.encode(obj, allow_pickle=allow_pickle, leaf=tensor_or_scalar, path=path)
+
+    for key, obj in state.items():
+        walk(obj, key)
 
 
 def _join(path: str, key: str) -> str:

@@ -1,0 +1,102 @@
+"""Every Python block of the README runs as written, and runs again to resume.
+
+Each block is written to a file of its own and run in a fresh directory, twice: the second run
+finds the first one's checkpoint and resumes from it (with nothing left to train). Blocks that
+start a process group run under torchrun; the "Sharded models" block the second time on another
+number of ranks. A new block fails ``test_every_block_is_run`` until a test here runs it.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from async_ckpt import load
+from test_distributed import kill_everything
+
+pytestmark = pytest.mark.slow
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
+
+
+def python_blocks() -> dict[str, str]:
+    """The README's ```python blocks by the heading of the section that holds them."""
+    with open(README, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    blocks, heading, inside = {}, "", None
+    for line in lines:
+        if inside is not None:
+            if line == "```":
+                assert heading not in blocks, f"two python blocks under {heading!r}"
+                blocks[heading], inside = "\n".join(inside) + "\n", None
+            else:
+                inside.append(line)
+        elif line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif line == "```python":
+            inside = []
+    return blocks
+
+
+RUN_HERE = {"Use": ("runs/exp1/ckpt", 3 * 8 - 1),  # 3 epochs of 256 / 32 batches
+            "Incremental snapshots": ("ckpt-lora", 19)}
+UNDER_TORCHRUN = {"Several ranks (torchrun)": ("ckpt-ddp", 2 * 512 // 2 // 16 - 1, 2, 2),
+                  "Sharded models (FSDP2, tensor parallel)": ("ckpt-fsdp", 99, 2, 3)}
+
+
+def test_every_block_is_run():
+    assert set(python_blocks()) == set(RUN_HERE) | set(UNDER_TORCHRUN)
+
+
+def _run(command, cwd, log):
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        try:
+            code = process.wait(timeout=240)
+        except BaseException:
+            kill_everything(process)
+            raise
+    with open(log, errors="replace") as f:
+        text = f.read()
+    assert code == 0, f"{' '.join(command[-2:])} exited with {code}:\n{text[-3000:]}"
+    return text
+
+
+@pytest.mark.parametrize("heading", sorted(RUN_HERE))
+def test_a_block_runs_and_a_second_run_resumes(tmp_path, heading):
+    ckpt, last_step = RUN_HERE[heading]
+    script = tmp_path / "block.py"
+    script.write_text(python_blocks()[heading])
+    for run in (1, 2):
+        _run([sys.executable, str(script)], str(tmp_path), str(tmp_path / f"run-{run}.txt"))
+        assert load(str(tmp_path / ckpt))[0] == last_step, run
+
+
+@pytest.mark.parametrize("heading", sorted(UNDER_TORCHRUN))
+def test_a_block_runs_under_torchrun_and_resumes(tmp_path, heading):
+    """The sharded block resumes on 3 ranks what 2 saved."""
+    ckpt, last_step, first, second = UNDER_TORCHRUN[heading]
+    script = tmp_path / "block.py"
+    script.write_text(python_blocks()[heading])
+    for nproc in (first, second):
+        text = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc-per-node={nproc}", str(script)], str(tmp_path),
+                    str(tmp_path / f"run-{nproc}-{nproc == second}.txt"))
+        assert load(str(tmp_path / ckpt))[0] == last_step
+    if first != second:
+        assert f"restoring step {last_step}, written by {first} rank(s), on {second}" in text
+
+
+def test_the_options_table_lists_every_option():
+    """README "Use": one row per EngineOptions field, no row for an option that does not exist."""
+    import dataclasses
+    import re
+
+    from async_ckpt.options import EngineOptions
+
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("| option | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    listed = {name for row in table for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert listed == {f.name for f in dataclasses.fields(EngineOptions)}
