@@ -4,8 +4,8 @@ re-rendered from any saved results: ``python -m bench --render results.json``).
 Every cell that holds a measured figure is the median over the interleaved rounds with its min-max
 spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
 ×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
-opening paragraph and its "Targets", "Saving and restoring", "2 ranks" and "Periodic vs
-asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
+opening paragraph and its "Targets", "Saving and restoring", "2 ranks", "Sharded state",
+"Incremental snapshots" and "Periodic vs asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
 directory relative to the repository root).
 """
 
