@@ -237,15 +237,8 @@ def test_a_rank_killed_while_writing_never_commits_that_step(tmp_path, tmp_path_
     ckpt = os.path.join(run_dir, "ckpt")
     process = torchrun(TRAIN, 2, *train_args(run_dir, *extra), max_restarts=1,
                        output=os.path.join(run_dir, "output.txt"))
-    committed_dirs, killed_dir = set(), None
-    deadline = time.monotonic() + 300
     try:
-        while process.poll() is None and time.monotonic() < deadline:
-            if os.path.exists(os.path.join(ckpt, "manifest.json")):
-                committed_dirs |= {s.dir for s in read_manifest(ckpt).snapshots}
-            if killed_dir is None and len(read_log(run_dir, 1)) >= 5:
-                killed_dir = stop_rank_mid_write(process, ckpt, rank=1)
-            time.sleep(0.002)
+        committed_dirs, killed_dir = kill_rank_1_mid_write(process, ckpt, run_dir, 300)
         wait_done(process, run_dir, timeout=1)
     finally:
         if process.poll() is None:
@@ -260,6 +253,21 @@ def test_a_rank_killed_while_writing_never_commits_that_step(tmp_path, tmp_path_
     assert resumed_at <= killed_step, "the restarted job resumed after the step that never committed"
     assert any(d.startswith(f"step-{resumed_at - 1:020d}.") for d in committed_dirs)
     assert_same_run(run_dir, ref_dir, 2)
+
+
+def kill_rank_1_mid_write(process, ckpt, run_dir, seconds) -> tuple:
+    """Watch a two-rank job: once rank 1 logged 5 steps, SIGKILL it while its writer is caught
+    half way through a shard; until the job ends (torchrun restarts it) or ``seconds`` pass.
+    Returns every snapshot directory seen committed meanwhile and the one rank 1 was writing."""
+    committed, killed_dir = set(), None
+    deadline = time.monotonic() + seconds
+    while process.poll() is None and time.monotonic() < deadline:
+        if os.path.exists(os.path.join(ckpt, "manifest.json")):
+            committed |= {s.dir for s in read_manifest(ckpt).snapshots}
+        if killed_dir is None and len(read_log(run_dir, 1)) >= 5:
+            killed_dir = stop_rank_mid_write(process, ckpt, rank=1)
+        time.sleep(0.002)
+    return committed, killed_dir
 
 
 def stop_rank_mid_write(process, ckpt, rank):

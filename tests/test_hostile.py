@@ -252,6 +252,10 @@ INDEX_EDITS = {
     "size-overflow": lambda i: i["tree"]["entries"]["extra"]["entries"].update(
         size={"kind": "value", "state": {"$size": [2**80]}}),
     "replicas-not-a-list": lambda i: i.update(replicas=5),
+    # found by the 12,000-case fuzz run: restored as a value, {} turned an int slot into a dict,
+    # and then no intact snapshot could be restored into it
+    "str-keyed-dict-as-a-value": lambda i: i["tree"]["entries"]["extra"]["entries"].update(
+        big={"kind": "value", "state": {}}),
     "module-metadata-not-versions": lambda i: i["tree"]["entries"]["model"].update(
         metadata={"": 5}),
 }

@@ -12,7 +12,6 @@ scenario is one torchrun launch. (The README's block: tests/test_readme.py.)
 import json
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from async_ckpt.errors import CorruptSnapshotError
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.tools.cli import main as cli
 from fuzzing import parse_shard, rewrite_shard
-from test_distributed import kill_everything, read_log, stop_rank_mid_write, torchrun
+from test_distributed import kill_everything, kill_rank_1_mid_write, read_log, torchrun
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -214,15 +213,8 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
     ckpt = os.path.join(run_dir, "ckpt")
     process = torchrun(TRAIN, 2, "--ckpt-dir", ckpt, "--log-dir", os.path.join(run_dir, "logs"),
                        *common, max_restarts=1, output=os.path.join(str(tmp_path), "killed.txt"))
-    committed, killed_dir = set(), None
-    deadline = time.monotonic() + 240
     try:
-        while process.poll() is None and time.monotonic() < deadline:
-            if os.path.exists(os.path.join(ckpt, "manifest.json")):
-                committed |= {s.dir for s in read_manifest(ckpt).snapshots}
-            if killed_dir is None and len(read_log(run_dir, 1)) >= 5:
-                killed_dir = stop_rank_mid_write(process, ckpt, rank=1)
-            time.sleep(0.002)
+        committed, killed_dir = kill_rank_1_mid_write(process, ckpt, run_dir, 240)
         _wait(process, os.path.join(str(tmp_path), "killed.txt"), timeout=1)
     finally:
         if process.poll() is None:

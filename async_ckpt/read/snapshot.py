@@ -299,6 +299,12 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, a
                 raise CorruptSnapshotError(f"{path}: malformed state tree")
             return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
         value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
+        if node["kind"] == "value" and isinstance(value, dict) and all(
+                isinstance(k, str) for k in value):
+            # the writer keeps a dict of str keys as a "dict" entry, never as a plain value: one
+            # restored as a value would turn the slot into a dict that later snapshots cannot fill
+            raise CorruptSnapshotError(f"{path}: malformed state tree (a dict of str keys as a "
+                                       "plain value)")
         if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
             metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
             if not isinstance(value, dict) or not _is_module_metadata(metadata):
