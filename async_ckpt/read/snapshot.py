@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import warnings
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -371,6 +372,8 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
             raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
         log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
                     record.step, where)
+        warnings.warn(f"snapshot of step {record.step} is unusable, falling back to the previous "
+                      f"one: {where}", RuntimeWarning, stacklevel=2)  # seen without logging set up
         damaged.append(f"step {record.step}: {where}")
     if damaged:
         raise NoSnapshotError(
