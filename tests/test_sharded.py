@@ -236,3 +236,15 @@ def test_a_box_is_read_in_one_run_only_where_both_layouts_order_its_bytes_alike(
     assert _one_run([1, 4], [8, 1], [4, 1], 4)  # one row of a wider piece
     assert not _one_run([3, 4], [8, 1], [4, 1], 4)  # rows of a wider piece: gaps between them
     assert not _one_run([3, 4], [1, 3], [4, 1], 4)  # a transposed piece: dense, other order
+
+
+def test_a_torch_without_the_public_dtensor_module_gets_a_typed_error(monkeypatch):
+    """The package allows torch 2.4, whose DTensor lives in torch.distributed._tensor."""
+    import sys
+
+    from async_ckpt.errors import LayoutError
+    from async_ckpt.train.capture import dtensor_box
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor._utils", None)  # import fails
+    with pytest.raises(LayoutError, match="need torch 2.5 or later"):
+        dtensor_box(object())

@@ -26,7 +26,7 @@ from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
 from ..format.references import References
 from ..format.shard import ChunkCache, ShardReader, checksum
-from ..train.capture import DTYPES, as_stateful, is_dtensor
+from ..train.capture import DTYPES, as_stateful, dtensor_box, is_dtensor
 from .memory import allocating, require_memory
 from .records import tensor_layout
 
@@ -350,11 +350,9 @@ class Resolver:
             local, t.tensor, t.whole = t.tensor, None, None
             if t.template is None:
                 return local
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(local.to(t.template.device), t.template.device_mesh,
-                                      t.template.placements, run_check=False,
-                                      shape=t.template.shape, stride=t.template.stride())
+            return type(t.template).from_local(  # the registered DTensor's own class
+                local.to(t.template.device), t.template.device_mesh, t.template.placements,
+                run_check=False, shape=t.template.shape, stride=t.template.stride())
         if isinstance(value, dict):
             for key, item in value.items():
                 value[key] = self.fill(item)
@@ -388,11 +386,8 @@ def _current_state(current: Any, saved: dict) -> Any:
 
 def _target(ref: ShardedRef, current: Any) -> _Target:
     if is_dtensor(current) and tuple(current.shape) == ref.global_shape:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(current.shape, current.device_mesh,
-                                                              current.placements)
-        return _Target(ref, current, tuple(offset), tuple(shape))
+        shape, offset = dtensor_box(current)
+        return _Target(ref, current, offset, shape)
     return _Target(ref, None, (0,) * len(ref.global_shape), ref.global_shape)
 
 

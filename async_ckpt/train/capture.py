@@ -90,12 +90,22 @@ def is_dtensor(value: Any) -> bool:
         value, "placements")
 
 
+def dtensor_box(t: Any) -> tuple[tuple, tuple]:
+    """The shape and global offset of the piece of DTensor ``t`` this rank holds. LayoutError
+    where torch lacks the public ``torch.distributed.tensor`` (before 2.5)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError as e:
+        raise LayoutError(f"sharded tensors (DTensor) need torch 2.5 or later, this is "
+                          f"{torch.__version__}: upgrade torch") from e
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
 def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
     """Record a DTensor: its global shape and dtype, the global offset of the piece this rank
     holds, and that piece (its local tensor) as a tensor of the shard, unless the piece is
     replicated and a rank of a lower mesh coordinate stores it (each piece is written once)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if any(p.is_partial() for p in t.placements):
         raise LayoutError(f"{path}: a DTensor with a Partial placement holds unreduced values; "
                           "redistribute it to Shard or Replicate before it is saved")
@@ -104,7 +114,7 @@ def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
     if coordinate is None:
         raise LayoutError(f"{path}: this rank is not in the DTensor's device mesh")
     local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    shape, offset = dtensor_box(t)
     if tuple(local.shape) != tuple(shape):
         raise LayoutError(f"{path}: the DTensor's local tensor has shape {tuple(local.shape)}, "
                           f"its placements give {tuple(shape)}")
