@@ -185,9 +185,9 @@ def _escape(path):
                                    for i in m.storage_data.values()])
 
 
-def _link_metadata(path):
-    os.rename(path / METADATA_NAME, path.parent / "real")
-    os.symlink(path.parent / "real", path / METADATA_NAME)
+def _fifo_data(path):
+    os.unlink(path / "__0_0.distcp")
+    os.mkfifo(path / "__0_0.distcp")  # never opened for reading: it would hang
 
 
 def _drop_chunk(path):
@@ -200,6 +200,16 @@ def _grow_tensor(path):
         meta.size = torch.Size([10, 6])
         meta.chunks[0].sizes = torch.Size([10, 6])
     edit_metadata(path, edit)
+
+
+def _offset_not_a_shape(path):
+    edit_metadata(path, lambda m: [object.__setattr__(i, "offset", 5) for i in m.storage_data
+                                   if i.offset is not None])
+
+
+def _chunk_without_sizes(path):  # a pickle's state may leave out any field of an object
+    edit_metadata(path, lambda m: object.__delattr__(
+        first(m.state_dict_metadata, "model.0.weight").chunks[0], "sizes"))
 
 
 def _offset_past_end(path):
@@ -224,10 +234,12 @@ def _transform(path):
 @pytest.mark.parametrize("craft, error, words", [
     (_truncate_data, CorruptSnapshotError, "truncated"),
     (_escape, CorruptSnapshotError, "../outside.distcp"),
-    (_link_metadata, CorruptSnapshotError, "only regular files"),
+    (_fifo_data, CorruptSnapshotError, "not a regular file"),
     (_drop_chunk, CorruptSnapshotError, "a piece is missing"),
     (_grow_tensor, CorruptSnapshotError, "does not hold"),
     (_offset_past_end, CorruptSnapshotError, "truncated"),
+    (_offset_not_a_shape, CorruptSnapshotError, "malformed shape"),
+    (_chunk_without_sizes, CorruptSnapshotError, "is not a chunk"),
     (_collide, CorruptSnapshotError, "have the path of"),
     (_huge_metadata, CorruptSnapshotError, "more than"),
     (_transform, UnsupportedFormatError, "DCP extension"),
@@ -261,7 +273,7 @@ def test_random_damage_to_a_dcp_checkpoint_only_ever_gives_typed_errors(dcp_dir)
         elif kind == "truncate":
             del data[at:]
         else:
-            data[at:at] = os.urandom(rng.randrange(1, 9))
+            data[at:at] = rng.randbytes(rng.randrange(1, 9))
         for other, original in pristine.items():
             (path / other).write_bytes(bytes(data) if other == name else original)
         try:

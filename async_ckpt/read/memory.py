@@ -9,6 +9,7 @@ kills the process instead. The usable figure is the least of the three.
 from __future__ import annotations
 
 import os
+import re
 import resource
 from typing import Callable, Optional, TypeVar
 
@@ -50,10 +51,14 @@ def allocating(allocate: Callable[[], T], nbytes: int, what: str) -> T:
         return allocate()
     except MemoryError as e:
         raise _refused(nbytes, what) from e
-    except RuntimeError as e:
-        if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+    except RuntimeError as e:  # torch's allocators say so in words; any other error is a bug
+        if type(e).__name__ != "OutOfMemoryError" and not _ALLOCATOR_FAILED.search(str(e)):
             raise
         raise _refused(nbytes, what) from e
+
+
+_ALLOCATOR_FAILED = re.compile(r"can't allocate memory|not enough memory|out of memory",
+                               re.IGNORECASE)
 
 
 def _refused(nbytes: int, what: str) -> InsufficientMemoryError:
@@ -85,7 +90,9 @@ def _cgroup_room() -> Optional[int]:
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
             base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
             room = _room(os.path.join(base, "memory.max"), os.path.join(base, "memory.current"))

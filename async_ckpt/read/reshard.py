@@ -150,42 +150,26 @@ class PieceIndex:
                                                  piece.storage)
             strides = piece.record["stride"]
             local_lo = [a - o for a, o in zip(lo, piece.offset)]
-            if self._read_in_one(reader, storage, piece, target, offset, lo, hi, flat):
-                continue
-            for sub_lo, sub_hi in _slabs(local_lo, [h - o for h, o in zip(hi, piece.offset)],
-                                         strides, itemsize, SLAB_BYTES):
+            local_hi = [h - o for h, o in zip(hi, piece.offset)]
+            # an overlap that is one run of bytes in both layouts (an FSDP row split) is read in
+            # one go without the cache, each chunk once; others in slabs of bounded memory
+            whole = _one_run([h - a for a, h in zip(lo, hi)], strides, target_strides, itemsize)
+            slabs = [(local_lo, local_hi)] if whole else _slabs(local_lo, local_hi, strides,
+                                                                  itemsize, SLAB_BYTES)
+            for sub_lo, sub_hi in slabs:
                 start = piece.record["offset"] + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
                 shape = [h - a for a, h in zip(sub_lo, sub_hi)]
                 nbytes, span = math.prod(shape) * itemsize, _extent(shape, strides, itemsize)
                 at = [a + o - t for a, o, t in zip(sub_lo, piece.offset, offset)]
                 into = sum(a * s for a, s in zip(at, target_strides)) * itemsize
-                if _one_run(shape, strides, target_strides, itemsize):  # read into place
+                if whole or _one_run(shape, strides, target_strides, itemsize):  # into place
                     _read(reader, storage, start, start + nbytes, flat[into:into + nbytes].numpy(),
-                          cache)
+                          None if whole else cache)
                     continue
                 buffer = torch.empty(span, dtype=torch.uint8)
                 _read(reader, storage, start, start + span, buffer.numpy(), cache)
                 region = target[tuple(slice(a, a + n) for a, n in zip(at, shape))]
                 region.copy_(buffer.view(target.dtype).as_strided(shape, strides))
-
-    @staticmethod
-    def _read_in_one(reader: ShardReader, storage: int, piece: _Piece, target: torch.Tensor,
-                     offset: tuple, lo: tuple, hi: tuple, flat: torch.Tensor) -> bool:
-        """Read the overlap ``[lo, hi)`` straight into ``target`` when it is one run of bytes both
-        in the saved piece and in ``target`` (an FSDP row split): no slabs, no cache, each chunk
-        read once; False otherwise."""
-        itemsize = target.element_size()
-        shape = [h - a for a, h in zip(lo, hi)]
-        strides = piece.record["stride"]
-        target_strides = _contiguous_strides(list(target.shape))
-        if not _one_run(shape, strides, target_strides, itemsize):
-            return False
-        nbytes = math.prod(shape) * itemsize
-        start = piece.record["offset"] + sum((a - o) * s for a, o, s in
-                                             zip(lo, piece.offset, strides)) * itemsize
-        into = sum((a - t) * s for a, t, s in zip(lo, offset, target_strides)) * itemsize
-        _read(reader, storage, start, start + nbytes, flat[into:into + nbytes].numpy(), None)
-        return True
 
 
 def _read(reader: ShardReader, storage: int, start: int, stop: int, out, cache) -> None:

@@ -370,10 +370,9 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
             if error is not None:
                 raise error
             raise CorruptSnapshotError(f"step {record.step} cannot be restored on every rank: {where}")
-        log.warning("snapshot of step %d is unusable, falling back to the previous one: %s",
-                    record.step, where)
-        warnings.warn(f"snapshot of step {record.step} is unusable, falling back to the previous "
-                      f"one: {where}", RuntimeWarning, stacklevel=2)  # seen without logging set up
+        message = f"snapshot of step {record.step} is unusable, falling back to the previous one: "
+        log.warning("%s%s", message, where)
+        warnings.warn(message + where, RuntimeWarning, stacklevel=2)  # seen without logging set up
         damaged.append(f"step {record.step}: {where}")
     if damaged:
         raise NoSnapshotError(

@@ -264,10 +264,11 @@ def tree_bytes(path: str) -> int:
     """Bytes of the files at or under ``path`` (0 when it vanished), links not followed, walked
     without recursion (``os.walk`` recurses)."""
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return os.lstat(path).st_size
+        info = os.lstat(path)
     except FileNotFoundError:
         return 0
+    if not stat.S_ISDIR(info.st_mode):
+        return info.st_size
     total, stack = 0, [path]
     while stack:
         try:

@@ -20,13 +20,13 @@ one-rank snapshot of whole tensors, which ``restore()`` loads into ``DTensor``s 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
 import pickle
 import re
 import shutil
-import stat
 import tempfile
 import warnings
 from typing import Any, Callable, Iterable, Optional
@@ -36,8 +36,9 @@ import torch
 from ..errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
                       StateMismatchError, UnsupportedFormatError)
 from ..format.shard import MAX_DIMS, MAX_EXTENT, MAX_KEY_CHARS
-from ..read.memory import require_memory
+from ..read.memory import allocating, require_memory
 from ..read.reshard import exact_cover
+from ..storage.local import open_regular
 from ..train.capture import ALL_DTYPES, DTYPES
 from .common import iter_tensors, umask
 
@@ -139,15 +140,22 @@ def _read_metadata(path: str) -> Any:
         with os.fdopen(os.dup(fd), "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                    IndexError, KeyError, RecursionError, MemoryError) as e:
+            except UnsupportedFormatError:
+                raise
+            except Exception as e:  # damaged pickles fail in every way; none runs our code
                 raise CorruptSnapshotError(f"{path}: {METADATA_NAME} is damaged "
                                            f"({type(e).__name__}: {str(e)[:100]})") from e
     finally:
         os.close(fd)
-    if not isinstance(metadata, Metadata):
+    if not _whole(metadata, Metadata):
         raise CorruptSnapshotError(f"{path}: {METADATA_NAME} does not hold DCP metadata")
     return metadata
+
+
+def _whole(obj: Any, kind: type) -> bool:
+    """Whether ``obj`` is a ``kind`` (one of DCP's metadata dataclasses) with every field set: an
+    unpickled object is built from whatever state the file gives it, which may lack fields."""
+    return isinstance(obj, kind) and all(hasattr(obj, f.name) for f in dataclasses.fields(kind))
 
 
 def _items(metadata: Any, path: str) -> dict:
@@ -169,8 +177,7 @@ def _items(metadata: Any, path: str) -> dict:
         if isinstance(meta, BytesStorageMetadata):
             items[fqn] = (None, None, [(None, None, _located(where, fqn, None, bad))])
             continue
-        if not (isinstance(meta, TensorStorageMetadata)
-                and isinstance(meta.properties, TensorProperties)
+        if not (_whole(meta, TensorStorageMetadata) and _whole(meta.properties, TensorProperties)
                 and isinstance(meta.properties.dtype, torch.dtype)
                 and meta.properties.dtype in DTYPES.values() and isinstance(meta.chunks, list)):
             raise bad(f"{fqn[:80]!r} is neither a tensor nor a value")
@@ -179,7 +186,7 @@ def _items(metadata: Any, path: str) -> dict:
             raise bad(f"{fqn[:80]!r} is larger than any tensor")
         chunks = []
         for chunk in meta.chunks:
-            if not isinstance(chunk, ChunkStorageMetadata):
+            if not _whole(chunk, ChunkStorageMetadata):
                 raise bad(f"a chunk of {fqn[:80]!r} is not a chunk")
             offset, size = _box(chunk.offsets, len(shape), bad, fqn), _box(chunk.sizes, len(shape),
                                                                            bad, fqn)
@@ -201,8 +208,8 @@ def _locations(metadata: Any, bad: Callable[[str], Exception]) -> dict:
         raise bad("no storage table (not written by DCP's file system writer)")
     where = {}
     for index, info in metadata.storage_data.items():
-        if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str)
-                and isinstance(info, _StorageInfo)):
+        if not (_whole(index, MetadataIndex) and isinstance(index.fqn, str)
+                and _whole(info, _StorageInfo)):
             raise bad("a storage record is malformed")
         if getattr(info, "transform_descriptors", None):
             raise UnsupportedFormatError(
@@ -214,7 +221,7 @@ def _locations(metadata: Any, bad: Callable[[str], Exception]) -> dict:
                 and type(length) is int and 0 <= start <= MAX_EXTENT and 0 <= length <= MAX_EXTENT):
             raise bad(f"the storage record of {index.fqn[:80]!r} names {str(name)[:80]!r} at "
                       f"{str(start)[:20]}+{str(length)[:20]}")
-        offset = None if index.offset is None else tuple(index.offset)
+        offset = None if index.offset is None else _box(index.offset, None, bad, index.fqn)
         where[(index.fqn, offset)] = (name, start, length)
     return where
 
@@ -236,20 +243,13 @@ def _box(size: Any, dims: Optional[int], bad, fqn: str) -> tuple:
 
 
 def _open_regular(path: str, missing: str) -> tuple[int, int]:
-    """A descriptor of the regular file ``path`` (never through a link, never a FIFO or device),
-    and its size."""
+    """A descriptor of the regular file ``path`` (by the rules every checkpoint file is opened
+    by, ``storage.local.open_regular``), and its size."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path, CorruptSnapshotError)
     except FileNotFoundError:
         raise CorruptSnapshotError(missing) from None
-    except OSError as e:
-        raise CorruptSnapshotError(f"{path} cannot be opened ({e.strerror}); only regular files "
-                                   "are read") from e
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise CorruptSnapshotError(f"{path} is not a regular file")
-    return fd, info.st_size
+    return fd, os.fstat(fd).st_size
 
 
 def _open_data_file(path: str, name: str) -> tuple[int, int]:
@@ -261,7 +261,8 @@ def _read_item(fqn: str, dtype: Optional[torch.dtype], shape: Optional[tuple], c
                opened: dict, allow_pickle: bool, path: str) -> Any:
     if dtype is None:
         return _load_blob(fqn, opened, chunks[0][2], allow_pickle, path)
-    whole = torch.empty(shape, dtype=dtype)
+    whole = allocating(lambda: torch.empty(shape, dtype=dtype), math.prod(shape) * dtype.itemsize,
+                       f"{fqn[:80]!r}")
     for offset, size, location in chunks:
         piece = _load_blob(fqn, opened, location, False, path)
         if (type(piece) is not torch.Tensor or piece.dtype != dtype

@@ -11,11 +11,10 @@ import tempfile
 from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     pick_record, size_text, step_arg,
-                     count_tensors, umask)
+                     count_tensors, pick_record, size_text, step_arg, umask)
 from ..errors import EncodingError
-from ..read.memory import allocating, require_memory
 from ..format.manifest import read_manifest
+from ..read.memory import allocating, require_memory
 
 
 HELP = "write a snapshot as .pt, .safetensors or a PyTorch DCP checkpoint"

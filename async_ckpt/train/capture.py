@@ -27,6 +27,7 @@ DTYPES = {name: d for name, d in ALL_DTYPES.items() if not re.fullmatch(r"q\w+|u
 """The dtypes a saved tensor may have: all but the quantized ones and the sub-byte integers
 (uint1-7, int1-7), which torch can create but not copy or clone: a tensor of them could be
 neither staged nor used once loaded."""
+_SAVEABLE_DTYPES = frozenset(DTYPES.values())
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -128,9 +129,14 @@ def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
     return len(dtensors) - 1
 
 
-def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> dict:
+def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any],
+                   objects: bool = True) -> dict:
+    """The tree node of one registered value; with ``objects=False`` an object's node is left
+    empty, without calling its ``state_dict()`` (a collective under FSDP, and not free)."""
     stateful = as_stateful(obj)
     if stateful is not None:
+        if not objects:
+            return {"kind": "object"}
         state_dict = stateful.state_dict()
         node = {"kind": "object", "state": encode(state_dict, path)}
         metadata = getattr(state_dict, "_metadata", None)
@@ -141,7 +147,7 @@ def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any]) -> di
         return {"kind": "tensor", "state": encode(obj, path)}
     _refuse_stock_loader(obj, path)
     if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
-        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode)
+        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode, objects)
                                             for k, v in obj.items()}}
     return {"kind": "value", "state": encode(obj, path)}
 
@@ -160,21 +166,14 @@ def check_registrable(state: Mapping[str, Any], allow_pickle: bool = False) -> N
     can be known without calling any ``state_dict()``: a stock DataLoader or sampler, a plain
     value with no safe encoding. Otherwise a job would train ``every`` steps before learning it
     cannot be checkpointed."""
-    def tensor_or_scalar(value: Any, path: str):
+    def tensor_or_scalar(value: Any, path: str):  # tensors are checked when captured
         return {"$tensor": 0} if isinstance(value, torch.Tensor) else encode_torch_scalar(value)
 
-    def walk(obj: Any, path: str) -> None:
-        if as_stateful(obj) is not None or isinstance(obj, torch.Tensor):
-            return
-        _refuse_stock_loader(obj, path)
-        if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
-            for key, value in obj.items():
-                walk(value, _join(path, key))
-        else:
-            values.encode(obj, allow_pickle=allow_pickle, leaf=tensor_or_scalar, path=path)
+    def encode(value: Any, path: str):
+        return values.encode(value, allow_pickle=allow_pickle, leaf=tensor_or_scalar, path=path)
 
     for key, obj in state.items():
-        walk(obj, key)
+        _capture_entry(obj, key, encode, objects=False)
 
 
 def _join(path: str, key: str) -> str:
@@ -198,7 +197,7 @@ def _checked(t: torch.Tensor, path: str) -> torch.Tensor:
                           "save its plain local tensor instead")
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise LayoutError(f"{path}: {t.layout} tensors are not supported; convert to dense first")
-    if str(t.dtype).removeprefix("torch.") not in DTYPES:
+    if t.dtype not in _SAVEABLE_DTYPES:
         raise LayoutError(f"{path}: {t.dtype} tensors cannot be saved (torch cannot copy them); "
                           "save them as uint8 (t.view(torch.uint8)) instead")
     if t.device.type not in ("cpu", "cuda"):
