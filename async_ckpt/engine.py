@@ -29,14 +29,17 @@ from . import errors
 from .data import inexact_loader_warnings
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preempted,
-                     StateMismatchError, WorldSizeMismatchError, WriterDiedError)
+                     RemoteConflictError, RemoteStorageError, StateMismatchError,
+                     WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .options import EngineOptions, options_signature
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
-from .storage.local import ensure_writable_dir
+from .storage.local import LocalStorage, ensure_writable_dir
+from .storage.remote import ObjectStorage
+from .read.tiered import TieredStorage
 from .storage.locks import lock_path
 from .train.capture import capture, check_registrable, plan_layout
 from .train.heartbeat import Heartbeat
@@ -45,12 +48,13 @@ from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import StagingPool
 from .write.client import WriterClient
-from .write.protocol import (Abandoned, Committed, Failed, Released, SnapshotJob, WriterConfig,
-                             WriterEvent)
+from .write.protocol import (Abandoned, Committed, Failed, Released, RemoteStatus, SnapshotJob,
+                             WriterConfig, WriterEvent)
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
 _CLOSE_TIMEOUT_S = 600.0
+_REMOTE_CLOSE_TIMEOUT_S = 600.0
 _WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
 
 
@@ -91,6 +95,8 @@ class CheckpointEngine:
         self._preempted_by: Optional[int] = None
         self._old_handlers: dict = {}
         self._coordinator = Coordinator(self.rank, self.world_size)
+        self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
+        self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
         session = self._pool = None
         try:
             session = start_session(self.directory, self._coordinator, o.shared_settings(),
@@ -103,7 +109,9 @@ class CheckpointEngine:
                 keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
                 level=o.level, reserve_bytes=o.reserve_bytes, nice=o.writer_nice,
                 low_io_priority=o.writer_low_io, lock=lock_path(self.directory, o.rank),
-                log_level=logging.getLogger("async_ckpt").getEffectiveLevel()))
+                log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
+                remote=o.remote, remote_options=o.remote_options,
+                remote_keep_last=o.remote_keep_last))
         except BaseException:
             if self._pool is not None:
                 self._pool.close()
@@ -207,13 +215,34 @@ class CheckpointEngine:
             raise Preempted(step, self._preempted_by)
         return True
 
-    def wait(self) -> None:
+    def wait(self, remote: bool = False, timeout: Optional[float] = None) -> None:
         """Block until every snapshot in flight is committed (or has failed, which raises, or was
-        given up because another rank never finished its part, which is counted and logged)."""
+        given up because another rank never finished its part, which is counted and logged).
+
+        ``remote``: then also until the bucket's manifest names the newest committed snapshot
+        (snapshots committed while an upload ran may be skipped: ``stats()["upload_skipped"]``),
+        raising RemoteStorageError after ``timeout`` seconds (None: no limit)."""
         self._check_usable()
         while self._pending:
             self._handle(self._writer_event(None))
         self._raise_failures()
+        if remote and self._remote is not None:
+            self._wait_remote(timeout)
+
+    def _wait_remote(self, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        newest = self._history[-1].step if self._history else None
+        while newest is not None and self._remote_status.get("remote_step") != newest:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RemoteStorageError(
+                    f"step {newest} is committed locally but not yet in {self._remote.url} after "
+                    f"{timeout:.0f} s (last error: {self._remote_status.get('last_error')}); "
+                    "it stays in the local directory, and a later engine uploads it")
+            event = self._writer_event(left if left is not None else 1.0)
+            if event is not None:
+                self._handle(event)
+            self._raise_failures()
 
     def restore(self, step: Optional[int] = None, *, strict: bool = True,
                 reshard: bool = False) -> Optional[int]:
@@ -236,8 +265,10 @@ class CheckpointEngine:
         self._check_usable()
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
+        source = (self.directory if self._remote is None
+                  else TieredStorage(LocalStorage(self.directory), self._remote))
         record, loaded = read_committed(
-            self.directory, step, self.rank, self.options.allow_pickle, self._coordinator,
+            source, step, self.rank, self.options.allow_pickle, self._coordinator,
             lambda r: self.rank % r.world_size, self._check_loaded, mapped=True,
             scratch=self._pool.scratch(), targets=self.state)
         if loaded is None:
@@ -295,7 +326,7 @@ class CheckpointEngine:
             self._rng.load_state_dict(rng.value)
             if self.rank >= record.world_size:  # no saved stream of its own: derive one
                 self._rng.derive(rng.value, self.rank)
-        log.info("restored step %d from %s", step, self.directory)
+        log.info("restored step %d", step)
         return step
 
     def committed_steps(self) -> list[int]:
@@ -318,7 +349,14 @@ class CheckpointEngine:
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
         (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
         ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer's ``writer_rss`` and
-        ``writer_shared``."""
+        ``writer_shared``.
+
+        With ``remote``: ``remote_step`` (newest step the bucket's manifest names, as far as this
+        rank knows), ``upload_lag_steps`` (newest committed step minus ``remote_step``),
+        ``upload_lag_s`` (seconds since the oldest snapshot not yet uploaded was committed; 0
+        when caught up), ``upload_pending_bytes`` (this rank's), ``uploaded_bytes``,
+        ``upload_retries`` (failed requests in a row), ``upload_skipped`` and
+        ``upload_last_error`` (None, or the last failure, kept after a success)."""
         if not self._closed and self._broken is None:
             self._drain(block=False, raise_failures=False)
         return {
@@ -330,14 +368,32 @@ class CheckpointEngine:
             "disk_free_bytes": shutil.disk_usage(self.directory).free,
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),
+            **({} if self._remote is None else self._remote_figures()),
         }
 
-    def close(self, final_step: Optional[int] = None) -> None:
+    def _remote_figures(self) -> dict:
+        status = self._remote_status
+        remote_step, since = status.get("remote_step"), status.get("pending_since")
+        newest = self._history[-1].step if self._history else None
+        return {"remote_step": remote_step,
+                "upload_lag_steps": None if remote_step is None or newest is None
+                else max(0, newest - remote_step),
+                "upload_lag_s": 0.0 if since is None else time.monotonic() - since,
+                "upload_pending_bytes": status.get("pending_bytes", 0),
+                "uploaded_bytes": status.get("uploaded_bytes", 0),
+                "upload_retries": status.get("upload_retries", 0),
+                "upload_skipped": status.get("upload_skipped", 0),
+                "upload_last_error": status.get("last_error")}
+
+    def close(self, final_step: Optional[int] = None, *,
+              timeout: Optional[float] = _REMOTE_CLOSE_TIMEOUT_S) -> None:
         """Wait for snapshots in flight, then stop the writer and free the staging memory.
 
         ``final_step``: the last step the loop trained; it is snapshotted (whatever ``every``
         says) and committed first unless it was the last step snapshotted, so that a finished job
-        run again does not retrain its last steps."""
+        run again does not retrain its last steps. With ``remote``, also waits up to ``timeout``
+        seconds (None: no limit) for the newest committed snapshot to be in the bucket; past it,
+        logs what stays local (the next engine on this directory uploads it) and closes."""
         if self._closed:
             return
         try:
@@ -345,6 +401,13 @@ class CheckpointEngine:
                 if final_step is not None and final_step != self._last_step_taken:
                     self.snapshot(final_step, force=True)
                 self.wait()
+                if self._remote is not None:
+                    try:
+                        self._wait_remote(timeout)
+                    except RemoteConflictError:
+                        raise
+                    except RemoteStorageError as e:
+                        log.error("closing without the upload: %s", e)
         finally:
             self._closed = True
             if self._broken is None:
@@ -442,6 +505,11 @@ class CheckpointEngine:
             self._counts.abandoned += 1
             log.warning("%s", event.message)
             self._next_snapshot_full()
+        elif isinstance(event, RemoteStatus):
+            conflict = event.figures.get("conflict")
+            if conflict is not None and self._remote_status.get("conflict") is None:
+                self._failures.append(conflict)  # raised once, at the next call
+            self._remote_status = event.figures
         elif isinstance(event, Failed):
             self._pending.pop(event.job)
             self._counts.record_failure()

@@ -94,6 +94,17 @@ class ReplicaMismatchError(SnapshotWriteError):
     """State declared replicated differs between ranks; the snapshot was not committed."""
 
 
+class RemoteStorageError(CheckpointError):
+    """The object store could not be reached or refused a request (down, no such bucket, bad
+    credentials). Not damage: restore does not fall back past it. Uploads retry it on their own;
+    local snapshots keep committing meanwhile."""
+
+
+class RemoteConflictError(RemoteStorageError):
+    """Another engine wrote the same remote prefix (its manifest changed under this one's
+    conditional write): this engine stops uploading, and nothing of the other's is replaced."""
+
+
 class DistributedSetupError(CheckpointError):
     """The ranks of a job disagree about the checkpoint set-up (directory, arguments), or
     ``torch.distributed`` is not initialised where several ranks need it."""

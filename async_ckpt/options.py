@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
 from .distributed import resolve_ranks
 from .errors import DistributedSetupError
 from .format.names import RNG_KEY
+from .storage.remote import check_remote_url
 
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -103,6 +104,9 @@ class EngineOptions:
     slow_writer_s: float = 30.0
     incremental: bool = False
     full_every: int = 10
+    remote: Optional[str] = None
+    remote_options: Optional[dict] = None
+    remote_keep_last: Optional[int] = None
 
     def __post_init__(self) -> None:
         _require(self.mode in ("async", "sync"),
@@ -130,6 +134,13 @@ class EngineOptions:
                 f"incremental=True works with one rank; this job has {world_size}. Per-rank "
                 "references would need every rank to agree on the checksums of replicated state "
                 "it did not stage; create the engine with incremental=False")
+        _require(self.remote_keep_last is None
+                 or (isinstance(self.remote_keep_last, int) and self.remote_keep_last >= 1),
+                 "remote_keep_last must be None or an int >= 1")
+        _require(self.remote_options is None or isinstance(self.remote_options, dict),
+                 "remote_options must be a dict of the object store's settings")
+        if self.remote is not None:
+            check_remote_url(self.remote)
         preemption = self.preemption
         signals = (() if preemption is False or preemption is None else
                    DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption))
@@ -140,6 +151,7 @@ class EngineOptions:
         resolved = {
             "rank": rank, "world_size": world_size, "preemption": signals,
             "replicated": frozenset([replicated] if isinstance(replicated, str) else replicated),
+            "remote_keep_last": self.remote_keep_last or self.keep_last,
             "writer_nice": self.writer_nice if self.writer_nice is not None else
             (10 if self.mode == "async" else 0)}
         for name, value in resolved.items():
@@ -159,7 +171,8 @@ class EngineOptions:
         ranks of one job write and commit the same snapshots."""
         return {"every": self.every, "keep_last": self.keep_last, "keep_every": self.keep_every,
                 "replicated": sorted(self.replicated), "spread_replicated": self.spread_replicated,
-                "rng": self.rng, "mode": self.mode}
+                "rng": self.rng, "mode": self.mode, "remote": self.remote,
+                "remote_keep_last": self.remote_keep_last}
 
 
 

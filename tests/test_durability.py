@@ -26,7 +26,7 @@ from async_ckpt.format.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
 from async_ckpt.write.protocol import Attach, WriterConfig
-from async_ckpt.write.writer import SnapshotWriter
+from async_ckpt.write.writer import GONE, SnapshotWriter
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
                        "durable_snapshot.py")
@@ -215,10 +215,10 @@ def test_writer_attaches_a_buffer_sent_with_its_fd(tmp_path):
         os.write(fd, b"staged bytes".ljust(4096, b"\0"))
         trainer.send(Attach(7, 4096))
         send_handle(trainer, fd, os.getpid())
-        assert writer.receive() is True
+        assert writer.receive() is None
         assert writer.buffers[7][:12] == b"staged bytes"
         trainer.close()
-        assert writer.receive() is False  # closed: the writer finishes and exits
+        assert writer.receive() == GONE  # the writer finishes and exits
     finally:
         os.close(fd)
         for buf in writer.buffers.values():
@@ -233,7 +233,7 @@ def test_writer_treats_trainer_dying_before_the_fd_as_closed(tmp_path, drive):
     trainer.close()  # the training process died between the message and its fd
     try:
         if drive == "receive":
-            assert writer.receive() is False
+            assert writer.receive() == GONE
         else:
             writer.serve()  # returns (nothing was staged) instead of dying with a traceback
         assert writer.buffers == {}

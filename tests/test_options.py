@@ -91,7 +91,8 @@ def test_check_state_refuses_what_cannot_be_snapshotted():
 def test_shared_settings_are_what_every_rank_must_agree_on():
     settings = EngineOptions(every=5, replicated=["b", "a"], mode="sync").shared_settings()
     assert settings == {"every": 5, "keep_last": 3, "keep_every": None, "replicated": ["a", "b"],
-                        "spread_replicated": False, "rng": True, "mode": "sync"}
+                        "spread_replicated": False, "rng": True, "mode": "sync",
+                        "remote": None, "remote_keep_last": 3}
     assert EngineOptions(lock_timeout=1, slots=4).shared_settings() == EngineOptions().shared_settings()
 
 

@@ -52,9 +52,10 @@ def config(**changes):
     return WriterConfig(**{**settings, **changes})
 
 
-def test_the_writer_config_survives_its_command_line():
-    for c in (config(), config(keep_every=100, compression=None)):
-        assert WriterConfig.from_json(c.to_json()) == c
+def test_the_writer_config_survives_the_socket():
+    for c in (config(), config(keep_every=100, compression=None),
+              config(remote="s3://bucket/run", remote_options={"region": "x"})):
+        assert pickle.loads(pickle.dumps(c)) == c
 
 
 def test_every_message_pickles():

@@ -106,17 +106,20 @@ class Manifest:
     def newest_first(self) -> list[SnapshotRecord]:
         return list(reversed(self.snapshots))
 
-    def commit(self, record: SnapshotRecord, keep_last: int,
-               keep_every: Optional[int] = None) -> tuple["Manifest", list[SnapshotRecord]]:
+    def commit(self, record: SnapshotRecord, keep_last: int, keep_every: Optional[int] = None,
+               keep: Iterable[str] = ()) -> tuple["Manifest", list[SnapshotRecord]]:
         """The manifest with ``record`` appended (replacing an older snapshot of the same step) and
         retention applied; also returns the records it dropped, whose directories may be deleted
-        once the new manifest is durable."""
+        once the new manifest is durable. ``keep``: directories to keep whatever retention says
+        (the snapshot being uploaded)."""
+        keep = set(keep)
         record = SnapshotRecord(**{**record.__dict__, "seq": self.next_seq})
         replaced = [s for s in self.snapshots if s.step == record.step]
         ordered = [s for s in self.snapshots if s.step != record.step] + [record]
         newest = {s.seq for s in ordered[-keep_last:]}
         kept = _restorable(_with_referenced(ordered, [
-            s for s in ordered if s.seq in newest or (keep_every and s.step % keep_every == 0)]))
+            s for s in ordered if s.seq in newest or s.dir in keep
+            or (keep_every and s.step % keep_every == 0)]))
         if record not in kept:
             raise SnapshotWriteError(
                 f"step {record.step} refers to {sorted(record.refers)}, which the manifest does "

@@ -33,6 +33,7 @@ from .records import tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
+from ..storage.remote import ObjectStorage, check_remote_url, is_remote
 from ..train.capture import ALL_DTYPES
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, a
     return entry(tree, 0)
 
 
-def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
+def read_committed(directory: str | Storage, step: Optional[int] = None, rank: int = 0,
                    allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
                    check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
@@ -339,19 +340,21 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
     Returns (record, entry), or (None, None) when nothing was ever committed.
     """
     coordinator = coordinator or Coordinator(0, 1)
-    manifest = coordinator.from_rank0(lambda: read_manifest(directory))
+    storage = as_storage(directory)
+    where_from = storage.location()
+    manifest = coordinator.from_rank0(lambda: read_manifest(storage))
     if step is None:
         candidates = manifest.newest_first()
     elif manifest.find(step) is not None:
         candidates = [manifest.find(step)]
     else:
-        raise NoSnapshotError(f"step {step} is not committed in {directory}; committed steps: "
+        raise NoSnapshotError(f"step {step} is not committed in {where_from}; committed steps: "
                               f"{manifest.steps() or 'none'}")
     damaged = []
     for record in candidates:
         loaded, error = None, None
         try:
-            loaded = read_snapshot(directory, record, rank if shard_of is None else shard_of(record),
+            loaded = read_snapshot(storage, record, rank if shard_of is None else shard_of(record),
                                    allow_pickle, manifest, mapped, verify, scratch, targets,
                                    targets is not None
                                    and record.world_size != coordinator.world_size)
@@ -376,14 +379,14 @@ def read_committed(directory: str, step: Optional[int] = None, rank: int = 0,
         damaged.append(f"step {record.step}: {where}")
     if damaged:
         raise NoSnapshotError(
-            f"every committed snapshot in {directory} is damaged: " + "; ".join(damaged)
+            f"every committed snapshot in {where_from} is damaged: " + "; ".join(damaged)
             + ". Nothing was loaded; inspect them with `async-ckpt verify`")
     return None, None
 
 
 def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
          allow_pickle: bool = False, mmap: bool = False,
-         verify: Optional[bool] = None) -> tuple[int, dict]:
+         verify: Optional[bool] = None, remote_options: Optional[dict] = None) -> tuple[int, dict]:
     """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
 
     Returns (step, state) where state mirrors what was registered: each object's state_dict, each
@@ -397,11 +400,20 @@ def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int 
     Writes to such tensors stay in this process's memory. The files must not be truncated or
     replaced in place while mapped (touching a page past a file's end kills the process with
     SIGBUS); the engine never does either: it writes new files and deletes old ones.
+
+    ``directory`` may be an object store's URL (``s3://bucket/prefix``, settings in
+    ``remote_options`` or the AWS environment, as for the engine's ``remote``): the shards are
+    then read with ranged GETs into memory (``mmap`` does not apply).
     """
     directory = os.fspath(directory)
-    if not os.path.isdir(directory):
+    if is_remote(directory):
+        check_remote_url(directory)
+        storage = ObjectStorage(directory, remote_options)
+    elif not os.path.isdir(directory):
         raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
-    record, loaded = read_committed(directory, step, rank, allow_pickle, mapped=mmap,
+    else:
+        storage = as_storage(directory)
+    record, loaded = read_committed(storage, step, rank, allow_pickle, mapped=mmap,
                                     verify=not mmap if verify is None else verify)
     if loaded is None:
         raise NoSnapshotError(f"{directory} holds no committed snapshot")

@@ -35,12 +35,12 @@ class WriterClient:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "async_ckpt.write.writer", "--fd", str(theirs.fileno()),
-                 "--config", config.to_json()],
+                [sys.executable, "-m", "async_ckpt.write.writer", "--fd", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
+        self._send(config)
         event = self.next_event(_READY_TIMEOUT_S)
         if not isinstance(event, Ready):
             self.kill()

@@ -74,12 +74,16 @@ class Committer:
     def __init__(self, root: str | Storage, world_size: int, keep_last: int,
                  keep_every: Optional[int], commit_timeout: float,
                  send: Callable[[WriterEvent], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_commit: Optional[Callable[[SnapshotRecord], None]] = None,
+                 keep: Optional[Callable[[], set[str]]] = None):
         self.storage, self.world_size = as_storage(root), world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout = commit_timeout
         self.send = send
         self.clock = clock  # monotonic seconds; tests pass a clock they advance
+        self.on_commit = on_commit  # the uploader, told of each commit after the trainer
+        self.keep = keep  # directories retention must keep besides its own (being uploaded)
         self.pending: list[Attempt] = []
 
     def add(self, attempt: Attempt) -> None:
@@ -126,8 +130,8 @@ class Committer:
         complete_at = self.clock()
         try:
             record = self._record(attempt)
-            manifest, dropped = read_manifest(self.storage).commit(record, self.keep_last,
-                                                                    self.keep_every)
+            manifest, dropped = read_manifest(self.storage).commit(
+                record, self.keep_last, self.keep_every, self.keep() if self.keep else ())
             write_manifest(self.storage, manifest)  # the commit point
         except Exception as e:  # this attempt fails; the writer and older commits are unaffected
             error = as_checkpoint_error(e, f"step {attempt.step}")
@@ -142,6 +146,8 @@ class Committer:
             "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,
             "stored_bytes": record.stored_bytes, "disk_free_bytes": self.storage.free_bytes(),
             "dropped_steps": [d.step for d in dropped if d.step != attempt.step]}))
+        if self.on_commit is not None:
+            self.on_commit(manifest.find(attempt.step))
 
     def _record(self, attempt: Attempt) -> SnapshotRecord:
         """The manifest record of a complete attempt, after checking every other rank's shard."""
@@ -174,8 +180,10 @@ class CommitWatcher:
 
     def __init__(self, root: str | Storage, commit_timeout: float,
                  send: Callable[[WriterEvent], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_commit: Optional[Callable[[SnapshotRecord], None]] = None):
         self.storage, self.send, self.clock = as_storage(root), send, clock
+        self.on_commit = on_commit
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
         self._manifest_id: Optional[Hashable] = None
@@ -206,6 +214,8 @@ class CommitWatcher:
                     **attempt.figures, "committed_at": now, "commit_s": now - attempt.durable_at,
                     "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
                     "disk_free_bytes": self.storage.free_bytes()}))
+                if self.on_commit is not None and isinstance(record, SnapshotRecord):
+                    self.on_commit(record)
             elif gone:
                 self.send(Abandoned(attempt.job,
                                     f"step {attempt.step} was not committed: rank 0 gave it up "

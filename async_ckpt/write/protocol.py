@@ -4,17 +4,17 @@ The messages travel pickled over the socketpair the trainer creates for its own 
 are our own processes, never data read from a checkpoint directory, so unpickling them runs no code
 that anyone else wrote. Errors cross as ``CheckpointError`` objects (``Failed.error``), so the
 trainer raises the very class the writer saw and ``isinstance`` keeps working for subclasses.
-The writer's settings cross once, as JSON on its command line (``WriterConfig``).
+The writer's settings cross once, as the first message (``WriterConfig``): never on its command
+line, which every user of the machine can read, since they may hold the object store's keys.
 
-  trainer -> writer: Attach (then the memfd itself), Detach, SnapshotJob, Close
+  trainer -> writer: WriterConfig; then Attach (then the memfd itself), Detach, SnapshotJob, Close
   writer -> trainer: Ready once started; then per job Released, and one ``JobOutcome``:
-                     Committed, Abandoned or Failed
+                     Committed, Abandoned or Failed; with a remote tier, RemoteStatus whenever
+                     the upload moves on
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -40,13 +40,9 @@ class WriterConfig:
     low_io_priority: bool
     lock: str  # this rank's lock file, which the writer joins (storage/locks.py)
     log_level: int
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "WriterConfig":
-        return cls(**json.loads(text))
+    remote: Optional[str] = None  # the object store's URL (write/upload.py), if any
+    remote_options: Optional[dict] = None  # its settings, credentials perhaps
+    remote_keep_last: int = 1
 
 
 # --- trainer -> writer ---------------------------------------------------------------------------
@@ -144,5 +140,17 @@ class Failed(JobOutcome):
     error: CheckpointError
 
 
+@dataclass(frozen=True)
+class RemoteStatus:
+    """Where this rank's uploads stand (``write/upload.py``), sent whenever that changes:
+    ``figures`` holds ``remote_step`` (newest step the bucket's manifest names, as this rank
+    knows), ``pending_since`` (the writer's ``time.monotonic()`` at the local commit of the
+    oldest snapshot not uploaded, or None), ``pending_bytes``, ``uploaded_bytes``,
+    ``upload_retries`` (failures in a row), ``upload_skipped``, ``last_error`` (text or None)
+    and ``conflict`` (a RemoteConflictError once uploading stopped, else None)."""
+
+    figures: dict
+
+
 TrainerMessage = Union[Attach, Detach, SnapshotJob, Close]
-WriterEvent = Union[Ready, Released, Committed, Abandoned, Failed]
+WriterEvent = Union[Ready, Released, Committed, Abandoned, Failed, RemoteStatus]

@@ -5,8 +5,9 @@ interpreter: never a fork of a CUDA process, and unlike multiprocessing's spawn 
 the user's ``__main__``), through ``client.WriterClient``. It never imports torch. The two talk over
 a Unix socketpair in the typed messages of ``protocol.py``:
 
-  trainer -> writer: Attach(buffer_id, nbytes), then the buffer's memfd; Detach(buffer_id);
-                     SnapshotJob(job, step, buffer_id, dir, tree, plan, submitted); Close()
+  trainer -> writer: WriterConfig first; Attach(buffer_id, nbytes), then the buffer's memfd;
+                     Detach(buffer_id); SnapshotJob(job, step, buffer_id, dir, tree, plan,
+                     submitted); Close()
   writer -> trainer: Ready(pid) once started; per job Released(buffer_id, step) as soon as the
                      staging buffer is no longer read, then one of Committed(job, figures),
                      Abandoned(job, message) (another rank never finished its shard) or
@@ -15,7 +16,9 @@ a Unix socketpair in the typed messages of ``protocol.py``:
 For each job the writer encodes and writes the shard, releases the buffer, fsyncs, and hands the
 attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit).
 When the training process dies the socket closes; the writer finishes the jobs already queued
-(their bytes are staged and whole) and exits.
+(their bytes are staged and whole) and exits. With a remote tier (``upload.py``) each commit
+is handed to the uploader, which the loop drives too; after ``Close`` what is not uploaded stays
+local, while a writer whose trainer died goes on uploading (``upload.ORPHAN_UPLOAD_S``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ import psutil
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
 from .protocol import (Attach, Close, Detach, Failed, Ready, Released, SnapshotJob, WriterConfig,
                        WriterEvent)
+from .upload import Uploader
 from ..errors import DiskFullError, SnapshotWriteError
 from ..format.references import References
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
 from ..storage.local import LocalStorage, as_checkpoint_error
+from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
 from ..format.names import shard_file_name
@@ -50,6 +55,9 @@ log = logging.getLogger(__name__)
 ENCODE_WORKERS = 2
 """Threads that encode and checksum chunks while the writer writes earlier ones: with zstd the
 encoding overlaps the disk instead of taking turns with it (see format.shard.ShardWriter)."""
+
+
+CLOSED, GONE = "closed", "gone"  # how the trainer's side ended (SnapshotWriter.receive)
 
 
 class SnapshotWriter:
@@ -69,36 +77,53 @@ class SnapshotWriter:
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
+        self.uploader = None if config.remote is None else Uploader(
+            self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
+            self.world_size, config.remote_keep_last, config.keep_every, self.send)
+        on_commit = self.uploader.committed if self.uploader else None
         self.commit: CommitStage = (
             Committer(self.storage, self.world_size, config.keep_last, config.keep_every,
-                      config.commit_timeout, self.send) if self.rank == 0
-            else CommitWatcher(self.storage, config.commit_timeout, self.send))
+                      config.commit_timeout, self.send, on_commit=on_commit,
+                      keep=self.uploader.protected if self.uploader else None)
+            if self.rank == 0
+            else CommitWatcher(self.storage, config.commit_timeout, self.send,
+                               on_commit=on_commit))
 
     def serve(self) -> None:
-        """Handle the trainer's messages; between them, let the commit stage poll. Once the
-        trainer is gone (or closed), poll until the stage has nothing pending, then return."""
-        trainer_gone = False
-        while not trainer_gone or self.commit.pending:
-            polling = bool(self.commit.pending)
-            if trainer_gone:
+        """Handle the trainer's messages; between them, let the commit stage and the uploader
+        poll. Once the trainer is gone, poll until the commit stage has nothing pending and the
+        uploads are done (or given up); once it closed, stop uploading."""
+        ended = None
+        while ended is None or self.commit.pending or self._uploading(ended):
+            polling = bool(self.commit.pending) or self._uploading(ended)
+            if ended is not None:
                 time.sleep(POLL_INTERVAL_S)
             elif wait([self.conn], POLL_INTERVAL_S if polling else None):
-                trainer_gone = not self.receive()
-            if polling:
-                self.commit.poll(trainer_gone)
+                ended = self.receive()
+            if self.commit.pending:
+                self.commit.poll(ended is not None)
+            if self._uploading(ended):
+                self.uploader.poll()
 
-    def receive(self) -> bool:
-        """Handle one message; False once the trainer has closed the connection or died."""
+    def _uploading(self, ended: Optional[str]) -> bool:
+        """Whether the uploader has work to be driven: not after ``Close``, and once the trainer
+        died only until the uploads have failed for ``ORPHAN_UPLOAD_S``."""
+        return (self.uploader is not None and self.uploader.busy and ended != CLOSED
+                and not (ended == GONE and self.uploader.gave_up()))
+
+    def receive(self) -> Optional[str]:
+        """Handle one message: None while the trainer is there, ``CLOSED`` once it sent
+        ``Close``, ``GONE`` once it died (or closed the connection)."""
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
-            return False
+            return GONE
         match message:
             case Attach(buffer_id, nbytes):
                 try:
                     fd = recv_handle(self.conn)
                 except (EOFError, OSError):
-                    return False  # the trainer died between the message and its fd: as if it closed
+                    return GONE  # the trainer died between the message and its fd
                 self.buffers[buffer_id] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
                 os.close(fd)
             case Detach(buffer_id):
@@ -106,10 +131,10 @@ class SnapshotWriter:
             case SnapshotJob():
                 self.handle(message)
             case Close():
-                return False
+                return CLOSED
             case _:
                 raise TypeError(f"the writer got an unknown message {message!r}")
-        return True
+        return None
 
     def send(self, event: WriterEvent) -> None:
         try:
@@ -233,16 +258,17 @@ def _lower_priority(nice: int, io_idle: bool) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
-    config = WriterConfig.from_json(args.config)
+    conn = Connection(args.fd)
+    config = conn.recv()
+    if not isinstance(config, WriterConfig):
+        raise TypeError(f"the writer's first message must be its WriterConfig, not {config!r}")
     # A terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole process group; the writer
     # finishes what the trainer staged and exits when the trainer closes the socket (or dies).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format=f"async_ckpt writer[rank {config.rank}] %(levelname)s %(message)s")
-    conn = Connection(args.fd)
     _lower_priority(config.nice, config.low_io_priority)
     join_rank_lock(config.lock)  # held until exit: no other engine cleans up under our feet
     conn.send(Ready(os.getpid()))

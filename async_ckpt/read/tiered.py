@@ -1,0 +1,121 @@
+"""A local checkpoint directory backed by an object store, as restore reads it.
+
+``TieredStorage(local, remote)`` answers reads the way ``restore()`` needs them with a remote
+tier: the manifest is that of the tier whose newest snapshot was committed last (the bucket's on a
+fresh node, or when this node's directory fell behind it; the local one while uploads lag), and
+a shard is opened from the local directory when it is there, else downloaded into it first
+(ranged GETs in parallel, into a ``*.partial`` file renamed once whole: the local directory is a
+cache of what was read, and a shard's chunks are verified as every read verifies them). So each
+rank downloads only the shards it reads. An object whose size is not the one the manifest
+records is damage before a byte of it is downloaded. Writes go to the local directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Hashable, Iterable, Optional, Type
+
+from ..errors import CheckpointError, CorruptSnapshotError
+from ..format.manifest import Manifest, read_manifest
+from ..storage.base import ShardSink, ShardSource, Storage
+from ..storage.local import LocalStorage
+from ..storage.remote import ObjectStorage
+
+log = logging.getLogger(__name__)
+
+
+class TieredStorage(Storage):
+    """``local`` first, ``remote`` for what it lacks; see the module docstring."""
+
+    def __init__(self, local: LocalStorage, remote: ObjectStorage):
+        self.local, self.remote = local, remote
+        self.manifest_tier, manifest = self._newest_tier()
+        self._sizes = {(s.dir, shard.file): shard.bytes
+                       for s in manifest.snapshots for shard in s.shards}
+
+    def _newest_tier(self) -> tuple[Storage, Manifest]:
+        """The tier whose manifest's newest snapshot was committed last, and that manifest. A
+        store that cannot be read leaves the local tier, logged (a job resumes from its own disk
+        when it can); a damaged local manifest leaves the remote one."""
+        try:
+            remote = read_manifest(self.remote)
+        except CheckpointError as e:
+            log.warning("cannot read the remote manifest (%s); restoring from %s only", e,
+                        self.local.location())
+            return self.local, read_manifest(self.local)
+        try:
+            local = read_manifest(self.local)
+        except CheckpointError as e:
+            log.warning("%s; restoring from %s", e, self.remote.location())
+            return self.remote, remote
+        newest = [m.snapshots[-1].committed_at if m.snapshots else -1.0 for m in (local, remote)]
+        if newest[1] > newest[0]:
+            log.info("the newest committed snapshot is in %s (step %d); restoring from there",
+                     self.remote.location(), remote.snapshots[-1].step)
+            return self.remote, remote
+        return self.local, local
+
+    def location(self, *names: str) -> str:
+        return self.manifest_tier.location(*names)
+
+    def read_file(self, name: str, limit: int, error: Type[CheckpointError]) -> bytes:
+        return self.manifest_tier.read_file(name, limit, error)
+
+    def version(self, name: str) -> Optional[Hashable]:
+        return self.manifest_tier.version(name)
+
+    def open_shard(self, dir: str, file: str) -> ShardSource:
+        if any(name == file for name, _ in self.local.list_snapshot(dir)):
+            return self.local.open_shard(dir, file)
+        source = self.remote.open_shard(dir, file)
+        expected = self._sizes.get((dir, file))
+        if source.size != expected:
+            raise CorruptSnapshotError(f"{source.name} has {source.size} bytes, the manifest "
+                                       f"records {expected}; it is damaged or was replaced")
+        try:
+            self.local.make_snapshot_dir(dir)
+            sink = self.local.create_shard(dir, file)
+        except FileExistsError:  # another rank downloads it now: read it from the store
+            return source
+        except OSError as e:  # no room for a cache copy: read it from the store
+            log.warning("cannot keep a local copy of %s (%s); reading it from the store",
+                        source.name, e.strerror)
+            return source
+        try:
+            self.remote.download(dir, file, sink, source.size)
+            sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        source.close()
+        return self.local.open_shard(dir, file)
+
+    def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
+        return self.manifest_tier.list_snapshot(dir)
+
+    def list_root(self) -> list[str]:
+        return self.manifest_tier.list_root()
+
+    def exists(self, name: str) -> bool:
+        return self.local.exists(name) or self.remote.exists(name)
+
+    # Writes go to the local directory: the writer process owns the remote tier.
+
+    def make_snapshot_dir(self, dir: str) -> None:
+        self.local.make_snapshot_dir(dir)
+
+    def create_shard(self, dir: str, file: str) -> ShardSink:
+        return self.local.create_shard(dir, file)
+
+    def sync_snapshot(self, dir: str) -> None:
+        self.local.sync_snapshot(dir)
+
+    def publish(self, name: str, data: bytes) -> None:
+        self.local.publish(name, data)
+
+    def remove(self, names: Iterable[str]) -> None:
+        self.local.remove(names)
+
+    def free_bytes(self) -> int:
+        return self.local.free_bytes()
+

@@ -1,0 +1,330 @@
+"""The remote tier: every rank's writer copies committed snapshots to the object store in the
+background, and rank 0's publishes the remote manifest once every rank's shard is in the bucket.
+
+The local commit stays the fast path and the training process never waits for the network: a
+snapshot is uploaded only after it is committed locally, from its durable shard file (never from
+a staging buffer), by a thread of the writer process. Per rank the uploader works on one
+snapshot at a time; when snapshots commit faster than they upload, it moves on to the newest
+committed one and skips those in between (``stats()`` shows the lag). Local retention keeps the
+snapshot being uploaded (``protected``): the local disk holds at most one snapshot more than
+``keep_last`` because of the upload.
+
+One snapshot, in order:
+
+1. each rank uploads its own shard (``ObjectStorage.upload_file``: multipart, parts checked by
+   the store); with incremental snapshots (one rank), first the snapshots it refers to that the
+   bucket does not hold yet;
+2. rank 0 lists the snapshot's prefix until every rank's shard is there with the size its
+   manifest record says, then publishes the remote manifest, conditional on the ETag it last
+   saw (FORMAT.md 6: a manifest never names a partial snapshot, and another engine writing the
+   prefix is a RemoteConflictError that stops this uploader, replacing nothing);
+3. only then are the objects of snapshots the new manifest drops (``remote_keep_last``) deleted.
+   The other ranks watch the remote manifest to learn that their shard is published.
+
+A failed request (the store down, a network error) is retried with exponential back-off from
+``RETRY_FIRST_S`` to ``RETRY_MAX_S``; time comes from an injected clock, and the transfers run on
+an executor, so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import CheckpointError, RemoteConflictError
+from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
+from ..format.names import MANIFEST_NAME
+from ..storage.base import Storage
+from ..storage.remote import ObjectStorage
+from .protocol import RemoteStatus, WriterEvent
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+LISTING_INTERVAL_S = 0.25
+"""How often rank 0 lists a snapshot's prefix while waiting for the other ranks' shards, and the
+other ranks read the remote manifest while waiting for rank 0 to publish."""
+PEER_WAIT_S = 60.0
+"""Rank 0 gives up waiting for the other ranks' shards of a snapshot after this long once a newer
+snapshot is committed (they moved on to it), and uploads that one."""
+ORPHAN_UPLOAD_S = 60.0
+"""Once the training process is gone (killed, or it exited without ``close()``), the writer goes
+on uploading until the uploads are done or have failed for this long."""
+
+
+@dataclass
+class _Upload:
+    """The snapshot being uploaded, and how far it got."""
+
+    record: SnapshotRecord
+    closure: tuple[SnapshotRecord, ...]  # committed earlier, referred to, not yet in the bucket
+    phase: str = "upload"  # upload -> peers (rank 0) / watch (others) -> publish (rank 0) -> done
+    started: float = 0.0
+    waited_since: float = 0.0
+
+
+class Uploader:
+    """One rank's remote tier, driven by the writer loop: ``committed`` hands it each snapshot
+    committed locally, ``poll`` advances it, ``busy`` says whether work is left."""
+
+    def __init__(self, local: Storage, remote: ObjectStorage, rank: int, world_size: int,
+                 keep_last: int, keep_every: Optional[int], send: Callable[[WriterEvent], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 run: Optional[Callable[..., Future]] = None):
+        self.local, self.remote = local, remote
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.send, self.clock = send, clock
+        self._submit = run or run_in_thread
+        self.queue: collections.deque[tuple[SnapshotRecord, float]] = collections.deque()
+        self.current: Optional[_Upload] = None
+        self.remote_manifest: Optional[Manifest] = None  # rank 0: what it last published or read
+        self.remote_step: Optional[int] = None
+        self.pending_since: Optional[float] = None  # commit time of the oldest not yet uploaded
+        self.last_error: Optional[str] = None
+        self.failures = 0
+        self.retry_at = 0.0
+        self.failing_since: Optional[float] = None
+        self.uploaded_bytes = 0
+        self.skipped = 0
+        self.stopped: Optional[RemoteConflictError] = None
+        self._future: Optional[Future] = None
+        self._next_check = 0.0
+        self._caught_up = False
+
+    # --- what the writer loop calls -----------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.stopped is None and (not self._caught_up or self.current is not None
+                                         or bool(self.queue) or self._future is not None)
+
+    def committed(self, record: SnapshotRecord) -> None:
+        """A snapshot this rank's writer has seen committed locally."""
+        if self.stopped is not None:
+            return
+        now = self.clock()
+        self.queue.append((record, now))
+        if self.pending_since is None:
+            self.pending_since = now
+        self.poll()
+
+    def protected(self) -> set[str]:
+        """Snapshot directories local retention must keep: the one being uploaded, and what it
+        refers to."""
+        if self.current is None:
+            return set()
+        return {self.current.record.dir, *self.current.record.refers}
+
+    def gave_up(self) -> bool:
+        """Whether uploads have failed for ``ORPHAN_UPLOAD_S`` (the writer's trainer being gone,
+        nobody would see them succeed any more)."""
+        return self.failing_since is not None and self.clock() - self.failing_since > ORPHAN_UPLOAD_S
+
+    def poll(self) -> None:
+        now = self.clock()
+        if self.stopped is not None or not self._collect(now) or now < self.retry_at:
+            return
+        if not self._caught_up:
+            self._run(self._catch_up)
+            return
+        if self.current is None:
+            if not self.queue:
+                return
+            self._start(now)
+        upload = self.current
+        if upload.phase == "upload":
+            self._run(self._upload_files, upload)
+        elif now >= self._next_check:
+            self._next_check = now + LISTING_INTERVAL_S
+            if upload.phase == "peers":
+                self._run(self._check_peers, upload)
+            elif upload.phase == "publish":
+                self._run(self._publish, upload)
+            elif upload.phase == "watch":
+                self._run(self._check_published, upload)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def _start(self, now: float) -> None:
+        record, _ = self.queue.pop()  # the newest committed: older ones are skipped
+        self.skipped += len(self.queue)
+        if self.queue:
+            log.info("remote: skipping steps %s, which the upload of step %d supersedes",
+                     [r.step for r, _ in self.queue], record.step)
+        self.queue.clear()
+        self.current = _Upload(record, (), started=now, waited_since=now)
+
+    def _upload_files(self, upload: _Upload) -> str:
+        if self.rank == 0:
+            upload.closure = self._closure(upload.record)
+        for record in (*upload.closure, upload.record):
+            shard = record.shards[self.rank]
+            if (shard.file, shard.bytes) in self.remote.list_snapshot(record.dir):
+                continue  # uploaded before a retry or a restart
+            self.remote.upload_file(record.dir, shard.file,
+                                    self.local.location(record.dir, shard.file))
+            self.uploaded_bytes += shard.bytes
+        return "peers" if self.rank == 0 else "watch"
+
+    def _check_peers(self, upload: _Upload) -> str:
+        present = set(self.remote.list_snapshot(upload.record.dir))
+        if all((s.file, s.bytes) in present for s in upload.record.shards):
+            return "publish"
+        now = self.clock()
+        if self.queue and now - upload.waited_since > PEER_WAIT_S:
+            log.warning("remote: rank(s) %s never uploaded step %d; moving on to step %d",
+                        [s.rank for s in upload.record.shards if (s.file, s.bytes) not in present],
+                        upload.record.step, self.queue[-1][0].step)
+            return "skip"
+        return "peers"
+
+    def _publish(self, upload: _Upload) -> str:
+        manifest, dropped = self.remote_manifest, []
+        for record in (*upload.closure, upload.record):
+            manifest, gone = manifest.commit(record, self.keep_last, self.keep_every)
+            dropped += gone
+        try:
+            write_manifest(self.remote, manifest)  # conditional: RemoteConflictError if not ours
+        except RemoteConflictError:
+            if self.remote.version(MANIFEST_NAME) is not None:
+                raise
+            log.warning("remote: %s has no manifest any more (emptied, or the store lost it); "
+                        "checking the objects of step %d again before publishing anew",
+                        self.remote.url, upload.record.step)
+            self._read_remote_manifest()  # an empty one, which the next publish creates
+            return "upload"
+        self.remote_manifest = manifest
+        kept = {s.dir for s in manifest.snapshots}
+        self.remote.remove(sorted({d.dir for d in dropped} - kept))
+        return "done"
+
+    def _check_published(self, upload: _Upload) -> str:
+        manifest = read_manifest(self.remote)
+        if any(s.dir == upload.record.dir for s in manifest.snapshots):
+            return "done"
+        return "skip" if self.queue else "watch"
+
+    def _read_remote_manifest(self) -> Manifest:
+        manifest = read_manifest(self.remote)
+        if self.rank == 0:
+            self.remote_manifest = manifest  # what every publish is conditional on
+        if manifest.snapshots:
+            self.remote_step = manifest.snapshots[-1].step
+        return manifest
+
+    def _catch_up(self) -> str:
+        """At start: read the bucket's manifest (rank 0 before anyone else could change it), and
+        queue the local directory's newest snapshot if the bucket lacks it (an earlier engine
+        closed, or died, before uploading it)."""
+        remote = {s.dir for s in self._read_remote_manifest().snapshots}
+        local = read_manifest(self.local).snapshots
+        if local and local[-1].dir not in remote and local[-1].world_size == self.world_size:
+            self.queue.appendleft((local[-1], self.clock()))
+            self.pending_since = self.clock()
+        self._caught_up = True
+        return ""
+
+    def _closure(self, record: SnapshotRecord) -> tuple[SnapshotRecord, ...]:
+        """The committed snapshots ``record`` refers to (transitively) that the bucket's manifest
+        does not name, oldest first (a reference is always to an earlier commit)."""
+        if not record.refers:
+            return ()
+        local = {s.dir: s for s in read_manifest(self.local).snapshots}
+        remote = {s.dir for s in self.remote_manifest.snapshots}
+        needed, todo = {}, list(record.refers)
+        while todo:
+            d = todo.pop()
+            if d in remote or d in needed or d not in local:
+                continue
+            needed[d] = local[d]
+            todo += local[d].refers
+        return tuple(sorted(needed.values(), key=lambda s: s.seq))
+
+    # --- running steps on the executor -------------------------------------------------------
+
+    def _run(self, step: Callable, *args) -> None:
+        self._future = self._submit(step, *args)
+
+    def _collect(self, now: float) -> bool:
+        """Take the result of the step that ran; False while one still runs."""
+        future = self._future
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        self._future = None
+        try:
+            phase = future.result()
+        except RemoteConflictError as e:
+            self.stopped, self.last_error = e, str(e)
+            log.error("remote: %s; this engine no longer uploads", e)
+            self._report()
+            return False
+        except (CheckpointError, OSError) as e:
+            self._failed(now, e)
+            return True
+        self.failures, self.failing_since, self.retry_at = 0, None, 0.0
+        upload = self.current
+        if upload is not None and phase:
+            self._advance(upload, phase, now)
+        self._report()
+        return True
+
+    def _advance(self, upload: _Upload, phase: str, now: float) -> None:
+        if phase in ("done", "skip"):
+            self.current = None
+            if phase == "done":
+                self.remote_step = upload.record.step
+                self.pending_since = self.queue[0][1] if self.queue else None
+                log.info("remote: step %d is in %s (%.1f s after its local commit)",
+                         upload.record.step, self.remote.url, now - upload.started)
+            else:
+                self.skipped += 1
+        else:
+            if phase != upload.phase:
+                upload.waited_since = now
+            upload.phase = phase
+
+    def _failed(self, now: float, error: Exception) -> None:
+        self.failures += 1
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self.failures - 1))
+        self.retry_at = now + delay
+        if self.failing_since is None:
+            self.failing_since = now
+        self.last_error = f"{type(error).__name__}: {error}"
+        log.warning("remote: %s (attempt %d; retrying in %.1f s; local snapshots keep "
+                    "committing)", self.last_error, self.failures, delay)
+        self._report()
+
+    def _report(self) -> None:
+        pending = [r for r, _ in self.queue] + ([self.current.record] if self.current else [])
+        self.send(RemoteStatus({
+            "remote_step": self.remote_step, "pending_since": self.pending_since,
+            "pending_bytes": sum(r.shards[self.rank].bytes for r in pending),
+            "uploaded_bytes": self.uploaded_bytes, "upload_retries": self.failures,
+            "upload_skipped": self.skipped, "last_error": self.last_error,
+            "conflict": self.stopped}))
+
+
+def run_in_thread(step: Callable, *args) -> Future:
+    """Run ``step(*args)`` in a daemon thread: a transfer still running when the trainer closes
+    the engine does not keep the writer process from exiting (what is not uploaded stays local,
+    and the next engine uploads it)."""
+    future: Future = Future()
+
+    def target() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(step(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    threading.Thread(target=target, name="async_ckpt-upload", daemon=True).start()
+    return future
