@@ -44,14 +44,17 @@ UNDER_TORCHRUN = {"Several ranks (torchrun)": ("ckpt-ddp", 2 * 512 // 2 // 16 - 
                   "Sharded models (FSDP2, tensor parallel)": ("ckpt-fsdp", 99, 2, 3)}
 
 
+WITH_A_STORE = {"Remote storage": ("ckpt-node", 19)}
+
+
 def test_every_block_is_run():
-    assert set(python_blocks()) == set(RUN_HERE) | set(UNDER_TORCHRUN)
+    assert set(python_blocks()) == set(RUN_HERE) | set(UNDER_TORCHRUN) | set(WITH_A_STORE)
 
 
-def _run(command, cwd, log):
+def _run(command, cwd, log, env=None):
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=out,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, env=env)
         try:
             code = process.wait(timeout=240)
         except BaseException:
@@ -71,6 +74,31 @@ def test_a_block_runs_and_a_second_run_resumes(tmp_path, heading):
     for run in (1, 2):
         _run([sys.executable, str(script)], str(tmp_path), str(tmp_path / f"run-{run}.txt"))
         assert load(str(tmp_path / ckpt))[0] == last_step, run
+
+
+def test_the_remote_block_runs_against_a_store_and_a_fresh_node_resumes_from_it(tmp_path):
+    """Run against a moto server through the AWS environment alone; the second run has a fresh
+    local directory, so it resumes from the bucket."""
+    from s3server import S3Server
+
+    ckpt, last_step = WITH_A_STORE["Remote storage"]
+    server = S3Server(bucket="my-bucket")
+    server.start()
+    try:
+        env = {**os.environ, **server.env}
+        for run in (1, 2):
+            here = tmp_path / f"node-{run}"
+            here.mkdir()
+            (here / "block.py").write_text(python_blocks()["Remote storage"])
+            _run([sys.executable, "block.py"], str(here), str(here / "log.txt"), env)
+            options = {"endpoint_url": server.endpoint, "access_key_id": "testing",
+                       "secret_access_key": "testing", "region": "us-east-1"}
+            assert load("s3://my-bucket/runs/exp1", remote_options=options)[0] == last_step
+        assert load(str(tmp_path / "node-1" / ckpt))[0] == last_step
+        # the fresh node found everything trained: it committed nothing, it only downloaded
+        assert not (tmp_path / "node-2" / ckpt / "manifest.json").exists()
+    finally:
+        server.kill()
 
 
 @pytest.mark.parametrize("heading", sorted(UNDER_TORCHRUN))

@@ -3,6 +3,7 @@ after the local commit, restore on a fresh node, a store that goes down, damage,
 engines on one prefix. The uploader's own logic (order of publication, back-off, what local
 retention keeps) is tested with an injected clock and a store of files, without a server."""
 
+import json
 import os
 import shutil
 import time
@@ -370,3 +371,26 @@ def test_the_snapshot_being_uploaded_is_kept_and_newer_ones_supersede_waiting_on
         rank0.poll()
     assert store.published == [[1], [1, 4]]  # 2 and 3 were superseded by 4
     assert rank0.skipped == 2 and rank0.protected() == set()
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_from_the_bucket_after_their_directory_is_wiped(tmp_path, remote):
+    from test_distributed import torchrun
+
+    program = os.path.join(os.path.dirname(__file__), "programs", "remote_ranks.py")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    for phase in ("save", "restore"):
+        if phase == "restore":
+            shutil.rmtree(ckpt)
+        process = torchrun(program, 2, "--phase", phase, "--dir", str(ckpt), "--remote", remote,
+                           "--out", str(out), output=str(tmp_path / "log"))
+        assert process.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+    saved = [json.loads((out / f"save-{r}.json").read_text()) for r in range(2)]
+    restored = [json.loads((out / f"restore-{r}.json").read_text()) for r in range(2)]
+    assert [s["remote_step"] for s in saved] == [2, 2]
+    assert [(r["step"], r["same"]) for r in restored] == [(2, True), (2, True)]
+    # each rank downloaded its own shard into the shared directory (rank 1's refers to rank 0's
+    # for the replicated model, which rank 0 downloads anyway): both are there, nothing else
+    assert [os.path.basename(p) for p in restored[0]["downloaded"]] == ["rank-00000.ackpt",
+                                                                       "rank-00001.ackpt"]
