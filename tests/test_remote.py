@@ -394,3 +394,23 @@ def test_two_ranks_resume_from_the_bucket_after_their_directory_is_wiped(tmp_pat
     # for the replicated model, which rank 0 downloads anyway): both are there, nothing else
     assert [os.path.basename(p) for p in restored[0]["downloaded"]] == ["rank-00000.ackpt",
                                                                        "rank-00001.ackpt"]
+
+
+def test_incremental_snapshots_upload_what_they_refer_to_and_retention_keeps_it(tmp_path, remote):
+    frozen = torch.nn.Linear(256, 256).requires_grad_(False)
+    head = torch.nn.Linear(256, 2)
+    state = {"frozen": frozen, "head": head}
+    with CheckpointEngine(tmp_path / "node1", state, remote=remote, incremental=True,
+                          full_every=100, keep_last=1, remote_keep_last=1) as engine:
+        for step in range(3):
+            bump(head)
+            engine.snapshot(step)
+            engine.wait(remote=True)
+    manifest = read_manifest(ObjectStorage(remote))
+    assert manifest.steps() == [0, 2]  # step 2 refers to step 0's frozen weights: kept
+    assert manifest.snapshots[-1].refers == (manifest.snapshots[0].dir,)
+    fresh = {"frozen": torch.nn.Linear(256, 256), "head": torch.nn.Linear(256, 2)}
+    with CheckpointEngine(tmp_path / "fresh", fresh, remote=remote) as engine:
+        assert engine.restore() == 2
+    assert_same(fresh["frozen"].state_dict(), frozen.state_dict())
+    assert_same(fresh["head"].state_dict(), head.state_dict())
