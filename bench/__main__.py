@@ -3,7 +3,8 @@
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
 every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
-and incremental snapshots of a LoRA-style state (``bench/incremental.py``), against the floors
+incremental snapshots of a LoRA-style state (``bench/incremental.py``) and the remote tier
+against a loopback S3 server (``bench/remote.py``), against the floors
 measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
 
@@ -32,7 +33,8 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import article, dcp, figures, incremental, interval, plots, ranks, report, sharded, targets
+from . import (article, dcp, figures, incremental, interval, plots, ranks, remote, report,
+               sharded, targets)
 from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -145,12 +147,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"sharded state done after {time.perf_counter() - start:.0f} s")
         incremental_raw = incremental.run(root, args.quick)
         log(f"incremental done after {time.perf_counter() - start:.0f} s")
+        remote_raw = remote.run(root, args.quick)
+        log(f"remote tier done after {time.perf_counter() - start:.0f} s")
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
                        started, time.perf_counter() - start)
     results["incremental"] = incremental_raw
+    results["remote"] = remote_raw
     results["sharded"] = sharded_raw
     results["loads"].update(sharded.loads(sharded_raw))
     write_outputs(results, args.out)

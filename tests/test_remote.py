@@ -24,7 +24,7 @@ from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.write import upload
 from async_ckpt.write.protocol import RemoteStatus
 from conftest import assert_same
-from s3server import S3Server
+from bench.s3server import S3Server
 
 obstore = pytest.importorskip("obstore")
 

@@ -16,7 +16,7 @@ One snapshot, in order:
    bucket does not hold yet;
 2. rank 0 lists the snapshot's prefix until every rank's shard is there with the size its
    manifest record says, then publishes the remote manifest, conditional on the ETag it last
-   saw (FORMAT.md 6: a manifest never names a partial snapshot, and another engine writing the
+   saw (docs/FORMAT.md 7: a manifest never names a partial snapshot, and another engine writing the
    prefix is a RemoteConflictError that stops this uploader, replacing nothing);
 3. only then are the objects of snapshots the new manifest drops (``remote_keep_last``) deleted.
    The other ranks watch the remote manifest to learn that their shard is published.

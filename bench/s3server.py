@@ -1,5 +1,6 @@
-"""A real S3-protocol server on loopback for the remote-tier tests: moto's server mode, started
-and stopped by the tests themselves (``moto_server``, from the ``moto[server]`` test extra).
+"""A real S3-protocol server on loopback for the remote-tier tests and benchmark: moto's server
+mode, started and stopped by whoever uses it (``moto_server``, from the ``moto[server]`` test and
+bench extras).
 
 The server keeps its buckets in memory: ``restart()`` after ``kill()`` brings back an empty store
 (the bucket is created again), which is what an upload must survive."""
@@ -12,8 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-
-import pytest
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
@@ -48,10 +47,10 @@ class S3Server:
                     break
             except OSError:
                 if self.process.poll() is not None:
-                    pytest.fail("moto_server exited at start")
+                    raise RuntimeError("moto_server exited at start")
                 time.sleep(0.05)
         else:
-            pytest.fail("moto_server did not start listening")
+            raise RuntimeError("moto_server did not start listening")
         self.make_bucket()
 
     def make_bucket(self) -> None:

@@ -1,0 +1,175 @@
+"""The remote tier against an S3-protocol server on loopback (moto, ``bench/s3server.py``).
+
+Two figures, each the median of interleaved rounds (the first round a warm-up, not reported)
+with its min-max spread, and its ratio to the floor measured in the same round:
+
+* **upload**: a committed snapshot of one fp32 tensor (1 GB; 16 MB with ``--quick``), from the
+  local commit to the bucket's manifest naming it (``wait()`` then ``wait(remote=True)``), against
+  the client's own best bulk upload of the same shard file (the faster of obstore ``put`` and
+  boto3 ``upload_file``, both multipart and parallel): the floor;
+* **restore from remote**: ``restore()`` on a node whose local directory is empty (download,
+  verify, load), against a plain parallel download of the same object into a file (the faster of
+  obstore ranged GETs and boto3 ``download_file``).
+
+The server is a Python process on the same 2 cores, so absolute numbers are the server's; the
+ratios say what the engine adds to moving the bytes. Self-contained (``run`` and ``render``). Run
+alone: ``python -m bench.remote [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from async_ckpt import CheckpointEngine
+from async_ckpt.format.manifest import read_manifest
+from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
+
+from .measure import log, ratio_spread, spread
+from .s3server import S3Server
+
+FULL = {"bytes": 1 << 30, "rounds": 4}
+QUICK = {"bytes": 16 << 20, "rounds": 2}
+
+
+def _one_round(server: S3Server, root: str, nbytes: int) -> dict:
+    import boto3
+    import obstore
+    from boto3.s3.transfer import TransferConfig
+
+    url = server.url(f"bench-{uuid.uuid4().hex[:8]}")
+    state = {"weights": torch.randn(nbytes // 4)}
+    local = os.path.join(root, "node")
+    with CheckpointEngine(local, state, remote=url, rng=False, heartbeat_interval=None) as engine:
+        engine.snapshot(0)
+        engine.wait()
+        start = time.perf_counter()
+        engine.wait(remote=True)
+        upload_s = time.perf_counter() - start
+    record = read_manifest(local).snapshots[-1]
+    shard = os.path.join(local, record.dir, record.shards[0].file)
+    storage = ObjectStorage(url)
+    client = boto3.client("s3")
+    transfer = TransferConfig(multipart_chunksize=PART_BYTES, max_concurrency=TRANSFER_CONCURRENCY)
+    key = f"{storage.prefix}/floor.bin"
+    floors = {}
+    start = time.perf_counter()
+    obstore.put(storage.store, "floor.bin", Path(shard), chunk_size=PART_BYTES,
+                max_concurrency=TRANSFER_CONCURRENCY)
+    floors["obstore put"] = time.perf_counter() - start
+    start = time.perf_counter()
+    client.upload_file(shard, server.bucket, key, Config=transfer)
+    floors["boto3 upload_file"] = time.perf_counter() - start
+    fresh = os.path.join(root, "fresh")
+    target = {"weights": torch.empty(nbytes // 4)}
+    with CheckpointEngine(fresh, target, remote=url, rng=False, heartbeat_interval=None) as engine:
+        start = time.perf_counter()
+        engine.restore()
+        restore_s = time.perf_counter() - start
+    assert torch.equal(target["weights"], state["weights"])
+    downloads = {}
+    start = time.perf_counter()
+    size = os.path.getsize(shard)
+    with open(os.path.join(root, "download.bin"), "wb") as f:
+        for offset in range(0, size, PART_BYTES * TRANSFER_CONCURRENCY):
+            starts = list(range(offset, min(size, offset + PART_BYTES * TRANSFER_CONCURRENCY),
+                                PART_BYTES))
+            for part in obstore.get_ranges(storage.store, "floor.bin", starts=starts,
+                                           lengths=[min(PART_BYTES, size - s) for s in starts]):
+                f.write(part)
+    downloads["obstore ranged GETs"] = time.perf_counter() - start
+    start = time.perf_counter()
+    client.download_file(server.bucket, key, os.path.join(root, "download2.bin"), Config=transfer)
+    downloads["boto3 download_file"] = time.perf_counter() - start
+    storage.remove([record.dir])
+    obstore.delete(storage.store, "floor.bin")
+    obstore.delete(storage.store, "manifest.json")
+    for name in ("node", "fresh", "download.bin", "download2.bin"):
+        path = os.path.join(root, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return {"shard_bytes": size, "upload_s": upload_s, "upload_floor_s": min(floors.values()),
+            "upload_floors": floors, "restore_s": restore_s,
+            "download_floor_s": min(downloads.values()), "downloads": downloads}
+
+
+def run(root: str, quick: bool) -> dict:
+    """Start a server, measure the rounds, stop it; the results block of results.json."""
+    config = QUICK if quick else FULL
+    server = S3Server(bucket="bench-remote")
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    server.start()
+    try:
+        rounds = []
+        for n in range(config["rounds"]):
+            rounds.append(_one_round(server, root, config["bytes"]))
+            log(f"remote: round {n + 1}/{config['rounds']}: upload {rounds[-1]['upload_s']:.2f} s "
+                f"(floor {rounds[-1]['upload_floor_s']:.2f}), restore {rounds[-1]['restore_s']:.2f}"
+                f" s (download {rounds[-1]['download_floor_s']:.2f})")
+    finally:
+        server.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    measured = rounds[1:] or rounds  # the first round warms up the server and the page cache
+    figures = {key: spread([r[key] for r in measured]) for key in
+               ("upload_s", "upload_floor_s", "restore_s", "download_floor_s")}
+    ratios = {"upload": ratio_spread([r["upload_s"] for r in measured],
+                                     [r["upload_floor_s"] for r in measured]),
+              "restore": ratio_spread([r["restore_s"] for r in measured],
+                                      [r["download_floor_s"] for r in measured])}
+    return {"config": config, "shard_bytes": rounds[0]["shard_bytes"], "figures": figures,
+            "ratios": ratios, "rounds": rounds}
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("remote")
+    if not block:
+        return ""
+    f, r, gb = block["figures"], block["ratios"], block["shard_bytes"] / 1e9
+
+    def cell(key: str) -> str:
+        s = f[key]
+        return (f"{s['median']:.2f} s ({s['min']:.2f}–{s['max']:.2f}), "
+                f"{gb / s['median']:.2f} GB/s")
+
+    def ratio(key: str) -> str:
+        return f"×{r[key]['median']:.2f} ({r[key]['min']:.2f}–{r[key]['max']:.2f})"
+
+    return "\n".join([
+        "### Remote tier (moto S3 server on loopback)", "",
+        f"A {gb:.3g} GB shard; median of {f['upload_s']['n']} rounds after a warm-up (min–max).",
+        "", "| | async_ckpt | floor | ratio |", "|---|---|---|---|",
+        f"| upload (local commit → bucket manifest) | {cell('upload_s')} | "
+        f"{cell('upload_floor_s')} (best bulk upload) | {ratio('upload')} |",
+        f"| restore on an empty node | {cell('restore_s')} | {cell('download_floor_s')} "
+        f"(plain parallel download) | {ratio('restore')} |"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.remote",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
+    try:
+        print(render({"remote": run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
