@@ -361,6 +361,9 @@ class MemoryStorage(Storage):
     def list_root(self):
         return sorted([*self.files, *self.dirs])
 
+    def entry_bytes(self, name):
+        return len(self.files.get(name, b"")) + sum(map(len, self.dirs.get(name, {}).values()))
+
     def remove(self, names):
         for name in filter(is_ours, names):
             self.dirs.pop(name, None)

@@ -96,6 +96,9 @@ class TieredStorage(Storage):
     def list_root(self) -> list[str]:
         return self.manifest_tier.list_root()
 
+    def entry_bytes(self, name: str) -> int:
+        return self.manifest_tier.entry_bytes(name)
+
     def exists(self, name: str) -> bool:
         return self.local.exists(name) or self.remote.exists(name)
 

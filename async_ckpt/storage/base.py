@@ -130,6 +130,11 @@ class Storage(ABC):
         """The names of the root's entries, sorted."""
 
     @abstractmethod
+    def entry_bytes(self, name: str) -> int:
+        """Bytes of the root entry ``name``: a file's size, or everything a directory holds (at
+        any depth); 0 when it is gone. What removing it frees, as tools report it."""
+
+    @abstractmethod
     def remove(self, names: Iterable[str]) -> None:
         """Delete the named root entries (a directory with what it holds); missing ones are fine.
         Only names of ours (``format.names.is_ours``) are deleted; others are logged and kept."""

@@ -486,6 +486,9 @@ class LocalStorage(Storage):
     def list_root(self) -> list[str]:
         return sorted(os.listdir(self.root))
 
+    def entry_bytes(self, name: str) -> int:
+        return tree_bytes(self.location(name))
+
     def remove(self, names: Iterable[str]) -> None:
         remove_entries(self.root, names)
 

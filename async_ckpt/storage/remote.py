@@ -196,13 +196,23 @@ class ObjectStorage(Storage):
                 log.error("refusing to delete %r under %s: not a name async_ckpt writes", name,
                           self.url)
                 continue
-            keys = [o["path"] for o in self._list(name + "/")]
-            keys += [name] if self.exists(name) else []
-            for key in keys:
+            for key in [o["path"] for o in self._entry_objects(name)]:
                 try:
                     self._call(f"deleting {key}", obstore.delete, key)
                 except FileNotFoundError:
                     pass
+
+    def _entry_objects(self, name: str) -> list[dict]:
+        """The objects of root entry ``name``: every one under ``name/`` (a snapshot directory)
+        and the object ``name`` itself, if any (a file at the root)."""
+        import obstore
+
+        objects = self._list(name + "/")
+        try:
+            objects.append(self._call(f"reading {name}", obstore.head, self._key(name)))
+        except FileNotFoundError:
+            pass
+        return objects
 
     def free_bytes(self) -> int:
         return 1 << 62  # a bucket does not run out of space the way a disk does
@@ -225,6 +235,9 @@ class ObjectStorage(Storage):
         return self._call(f"listing {prefix}",
                           lambda store: [o for batch in obstore.list(store, prefix, chunk_size=1000)
                                          for o in batch])
+
+    def entry_bytes(self, name: str) -> int:
+        return sum(o["size"] for o in self._entry_objects(name))
 
     def list_root(self) -> list[str]:
         import obstore
