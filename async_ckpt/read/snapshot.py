@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..distributed import Coordinator
-from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
+from ..errors import CheckpointError, CorruptSnapshotError, NoSnapshotError
 from ..format import values
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
@@ -33,7 +33,7 @@ from .records import tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
-from ..storage.remote import ObjectStorage, check_remote_url, is_remote
+from ..storage.open import open_storage
 from ..train.capture import ALL_DTYPES
 
 log = logging.getLogger(__name__)
@@ -384,7 +384,7 @@ def read_committed(directory: str | Storage, step: Optional[int] = None, rank: i
     return None, None
 
 
-def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int = 0,
+def load(directory: str | os.PathLike | Storage, step: Optional[int] = None, *, rank: int = 0,
          allow_pickle: bool = False, mmap: bool = False,
          verify: Optional[bool] = None, remote_options: Optional[dict] = None) -> tuple[int, dict]:
     """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
@@ -403,19 +403,13 @@ def load(directory: str | os.PathLike, step: Optional[int] = None, *, rank: int 
 
     ``directory`` may be an object store's URL (``s3://bucket/prefix``, settings in
     ``remote_options`` or the AWS environment, as for the engine's ``remote``): the shards are
-    then read with ranged GETs into memory (``mmap`` does not apply).
+    then read with ranged GETs into memory (``mmap`` does not apply); or a ``Storage`` already
+    open (``storage.open.open_storage``, as the command line does).
     """
-    directory = os.fspath(directory)
-    if is_remote(directory):
-        check_remote_url(directory)
-        storage = ObjectStorage(directory, remote_options)
-    elif not os.path.isdir(directory):
-        raise CheckpointDirError(f"{directory} is not a directory; pass a checkpoint directory")
-    else:
-        storage = as_storage(directory)
+    storage = open_storage(directory, remote_options)
     record, loaded = read_committed(storage, step, rank, allow_pickle, mapped=mmap,
                                     verify=not mmap if verify is None else verify)
     if loaded is None:
-        raise NoSnapshotError(f"{directory} holds no committed snapshot")
+        raise NoSnapshotError(f"{storage.location()} holds no committed snapshot")
     loaded.value.pop(RNG_KEY, None)
     return record.step, loaded.plain()
