@@ -152,7 +152,10 @@ class ObjectStorage(Storage):
             raise RemoteConflictError(f"{what}: another engine created it first in {self.url}; "
                                       "give each job its own remote prefix") from e
         except Exception as e:
-            raise RemoteStorageError(f"{what} failed on {self.url}: {_first_line(e)}") from e
+            raise RemoteStorageError(
+                f"{what} failed on {self.url}: {_first_line(e)}; check that the store is up and "
+                "that its endpoint and credentials (remote_options, or the AWS environment) are "
+                "right") from e
 
     # --- writing -----------------------------------------------------------------------------
 
