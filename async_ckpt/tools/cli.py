@@ -16,9 +16,12 @@ on stderr:
 - exit 0: fine (everything named is intact, the logs are identical, gc finished);
 - exit 1: damage found or the job is not done: a damaged or missing snapshot file, an unreadable
   manifest, a format version this release cannot read, no committed snapshot, logs that differ,
-  gc refused because an engine holds the directory;
-- exit 2: usage error: bad arguments, a missing path, a directory that is not a checkpoint
-  directory, a step that is not committed, an entry that does not exist.
+  gc refused because an engine holds the directory, an object store that cannot be reached;
+- exit 2: usage error: bad arguments, a missing path, a directory (or s3:// URL) that is not a
+  checkpoint directory, a step that is not committed, an entry that does not exist.
+
+A command on a checkpoint directory takes an ``s3://bucket/prefix`` URL as well: ``common.
+checkpoint_dir`` opens either as a ``Storage``, and the commands read only through it.
 
 Torch is imported only by the commands that need it (``inspect``, ``export``, ``import-dcp``),
 so ``ls``, ``verify``, ``gc`` and ``compare-loss`` start fast.

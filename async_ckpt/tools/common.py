@@ -1,6 +1,6 @@
 """What the command line's commands share: exit codes, the two expected failures, and the
-helpers that find a checkpoint directory, pick a committed record and print sizes and times, so
-that every command says these things the same way."""
+helpers that open a checkpoint directory or bucket prefix, pick a committed record and print sizes
+and times, so that every command says these things the same way."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ from typing import Callable, Iterator, Optional
 
 from .argtypes import int_arg
 from ..errors import NoSnapshotError
-from ..format.manifest import Manifest, SnapshotRecord, snapshot_dirs
-from ..format.names import MANIFEST_NAME, is_lock_file
+from ..format.manifest import Manifest, SnapshotRecord
+from ..format.names import MANIFEST_NAME, SNAPSHOT_DIR, is_lock_file
+from ..storage.base import Storage
+from ..storage.open import open_storage
+from ..storage.remote import is_remote
 
 PROG = "async-ckpt"
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
@@ -27,10 +30,11 @@ exit codes:
   1  damage found, or not done: a damaged, truncated or missing snapshot
      file, a damaged manifest, a format version this release cannot read,
      no committed snapshot, loss logs that differ, gc refused (an engine is
-     writing to the directory, or a kept snapshot is damaged)
+     writing to the directory, or a kept snapshot is damaged), an object
+     store that cannot be reached
   2  usage error: bad arguments, a missing directory or file, a directory
-     that is not a checkpoint directory, a step that is not committed, an
-     unknown entry
+     (or s3:// URL) that is not a checkpoint directory, a step that is not
+     committed, an unknown entry
 
 Errors are one line on stderr: "async-ckpt: error: <cause>; <what to do>".
 """
@@ -60,7 +64,8 @@ def add_dir_command(commands, name: str, run: Callable[[argparse.Namespace], int
                     description: str) -> argparse.ArgumentParser:
     """:func:`add_command` for a command on a checkpoint directory: its first argument is DIR."""
     sub = add_command(commands, name, run, help, description)
-    sub.add_argument("dir", metavar="DIR", help="checkpoint directory")
+    sub.add_argument("dir", metavar="DIR", help="checkpoint directory, or the s3://bucket/prefix "
+                     "URL an engine uploads to (settings from the AWS environment)")
     return sub
 
 
@@ -105,21 +110,24 @@ class EscapedOutput(io.TextIOBase):
         return self._stream.isatty()
 
 
-def checkpoint_dir(path: str) -> str:
-    """``path`` if it looks like a checkpoint directory, else a UsageError saying what to pass.
+def checkpoint_dir(location: str) -> Storage:
+    """The checkpoint root ``location`` names (a directory or an ``s3://bucket/prefix`` URL) if it
+    looks like one, else a UsageError saying what to pass.
 
-    A checkpoint directory holds a manifest, snapshot directories, or an engine's lock files (an
-    engine that has not committed yet)."""
-    hint = "pass the directory given to CheckpointEngine (the one that holds manifest.json)"
-    if not os.path.exists(path):
-        raise UsageError(f"{path} does not exist; {hint}")
-    if not os.path.isdir(path):
-        raise UsageError(f"{path} is not a directory; {hint}")
-    names = os.listdir(path)
-    if MANIFEST_NAME in names or snapshot_dirs(path) or any(map(is_lock_file, names)):
-        return path
-    raise UsageError(f"{path} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, no "
-                     f"step-* snapshot directories); {hint}")
+    A checkpoint root holds a manifest, snapshot directories, or an engine's lock files (an engine
+    that has not committed yet; a bucket has none)."""
+    storage = open_storage(location)
+    names = storage.list_root()
+    if (MANIFEST_NAME in names or any(SNAPSHOT_DIR.fullmatch(n) for n in names)
+            or any(map(is_lock_file, names))):
+        return storage
+    if is_remote(location):
+        raise UsageError(f"{location} is not an async_ckpt checkpoint prefix (no {MANIFEST_NAME}, "
+                         "no step-* snapshot objects); pass the URL given to CheckpointEngine as "
+                         "remote= (the prefix that holds manifest.json)")
+    raise UsageError(f"{location} is not an async_ckpt checkpoint directory (no {MANIFEST_NAME}, "
+                     "no step-* snapshot directories); pass the directory given to "
+                     "CheckpointEngine (the one that holds manifest.json)")
 
 
 def size_text(n: Optional[int]) -> str:

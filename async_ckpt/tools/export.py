@@ -49,15 +49,15 @@ def add(commands) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    root = checkpoint_dir(args.dir)
+    storage = checkpoint_dir(args.dir)
     target = args.to_dcp if args.to is None else args.to
     _check_target(target, args)
-    manifest = read_manifest(root)
-    wanted = pick_record(manifest, args.step, root, "export").step
+    manifest = read_manifest(storage)
+    wanted = pick_record(manifest, args.step, storage.location(), "export").step
 
     from ..read.snapshot import load
     try:
-        step, state = load(root, wanted, rank=args.rank, allow_pickle=args.allow_pickle,
+        step, state = load(storage, wanted, rank=args.rank, allow_pickle=args.allow_pickle,
                            mmap=True, verify=True)  # verified, in the page cache, not copied
     except EncodingError as e:  # load() raises it only for a refused pickle
         raise UsageError(f"step {wanted}: {str(e).split(';')[0]}, refused by default; pass "

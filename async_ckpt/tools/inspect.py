@@ -37,15 +37,17 @@ def add(commands) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    root = checkpoint_dir(args.dir)
-    manifest = read_manifest(root)
+    storage = checkpoint_dir(args.dir)
+    root = storage.location()
+    manifest = read_manifest(storage)
     record = pick_record(manifest, args.step, root, "inspect")
     shard = next((s for s in record.shards if s.rank == args.rank), None)
     if shard is None:
         raise UsageError(f"step {record.step} has no shard of rank {args.rank}; its ranks: "
                          f"{', '.join(str(s.rank) for s in record.shards) or 'none'}")
-    path = os.path.join(root, record.dir, shard.file)
-    with ShardReader(path, shard.bytes, shard.index_xxh3) as reader:
+    path = storage.location(record.dir, shard.file)
+    with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
+                     shard.index_xxh3) as reader:
         index = reader.index
     if index.get("step") != record.step:
         raise CorruptSnapshotError(

@@ -9,9 +9,10 @@ import os
 
 from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir,
                      size_text, when_text)
-from ..format.manifest import SnapshotRecord, leftovers, manifest_path, read_manifest
+from ..format.manifest import SnapshotRecord, leftovers, read_manifest
 from ..format.names import MANIFEST_NAME, snapshot_dir_step
-from ..storage.local import tree_bytes
+from ..storage.base import Storage
+from ..storage.remote import is_remote
 
 
 HELP = "list committed snapshots and leftovers"
@@ -28,9 +29,10 @@ def add(commands) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    root = checkpoint_dir(args.dir)
-    manifest = read_manifest(root)
-    has_manifest = os.path.exists(manifest_path(root))
+    storage = checkpoint_dir(args.dir)
+    root = storage.location()
+    manifest = read_manifest(storage)
+    has_manifest = storage.version(MANIFEST_NAME) is not None  # a link to nothing: none, as read
     snapshots = []
     for record in manifest.snapshots:
         snapshots.append({
@@ -40,17 +42,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "stored_bytes": record.stored_bytes,
             "ratio": round(record.raw_bytes / record.stored_bytes, 4) if record.stored_bytes else None,
             "newest": record is manifest.snapshots[-1],
-            "problems": _shard_problems_quick(root, record)})
+            "problems": _shard_problems_quick(storage, record)})
     stray = []
-    for name in leftovers(root, manifest):
-        is_dir = os.path.isdir(os.path.join(root, name))
-        stray.append({"name": name, "kind": "snapshot" if is_dir else "manifest-tmp",
-                      "step": snapshot_dir_step(name) if is_dir else None,
-                      "bytes": tree_bytes(os.path.join(root, name))})
+    for name in leftovers(storage, manifest):
+        step = snapshot_dir_step(name)
+        stray.append({"name": name, "kind": "manifest-tmp" if step is None else "snapshot",
+                      "step": step, "bytes": storage.entry_bytes(name)})
     # Exit 1 on damage, and when nothing is committed (as inspect, verify and export do).
     failed = any(s["problems"] for s in snapshots) or not snapshots
     if args.json:
-        doc = {"directory": os.path.abspath(root), "manifest": has_manifest,
+        doc = {"directory": root if is_remote(root) else os.path.abspath(root),
+               "manifest": has_manifest,
                "newest_step": manifest.snapshots[-1].step if manifest.snapshots else None,
                "snapshots": snapshots, "leftovers": stray}
         print(json.dumps(doc, indent=1))
@@ -91,19 +93,17 @@ def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[
             print(f"  {s['name']:<36}  {what:<32}  {size_text(s['bytes']):>9}")
 
 
-def _shard_problems_quick(root: str, record: SnapshotRecord) -> list[str]:
-    """What a stat() shows wrong with a committed snapshot's files (missing, wrong size)."""
+def _shard_problems_quick(storage: Storage, record: SnapshotRecord) -> list[str]:
+    """What a listing shows wrong with a committed snapshot's files (missing, wrong size)."""
     problems = []
     if len(record.shards) != record.world_size:
         problems.append(f"{len(record.shards)} of {record.world_size} shards recorded")
+    sizes = dict(storage.list_snapshot(record.dir))
     for shard in record.shards:
-        path = os.path.join(root, record.dir, shard.file)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
+        size = sizes.get(shard.file)
+        if size is None:
             problems.append(f"{os.path.join(record.dir, shard.file)} is missing")
-            continue
-        if size != shard.bytes:
+        elif size != shard.bytes:
             problems.append(f"{os.path.join(record.dir, shard.file)} has {size} bytes, the "
                             f"manifest recorded {shard.bytes}")
     return problems

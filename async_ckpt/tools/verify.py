@@ -4,7 +4,6 @@ pick; also what ``gc`` runs before it drops committed snapshots."""
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, fail,
@@ -15,7 +14,7 @@ from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
 from ..read.memory import require_memory
-from ..storage.local import as_storage, tree_bytes
+from ..storage.base import Storage
 
 
 HELP = "read every chunk and check every checksum"
@@ -35,12 +34,13 @@ def add(commands) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    root = checkpoint_dir(args.dir)
+    storage = checkpoint_dir(args.dir)
+    root = storage.location()
     try:
-        manifest = read_manifest(root)
+        manifest = read_manifest(storage)
     except ManifestError as e:
         fail(str(e), EXIT_DAMAGE)
-        _verify_unreferenced(root)
+        _verify_unreferenced(storage)
         return EXIT_DAMAGE
     if args.all:
         if not manifest.snapshots:
@@ -59,7 +59,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if not asked:  # checked only to find what restore() would pick
                 bar.total += sum(s.bytes for s in record.shards)
                 bar.refresh()
-            problems = verify_record(root, record, bar, manifest)
+            problems = verify_record(storage, record, bar, manifest)
             results.append((record, problems, asked))
             if pick is None and not problems:
                 pick = record
@@ -89,16 +89,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def verify_record(root: str, record: SnapshotRecord, bar, manifest: Manifest) -> list[str]:
+def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manifest) -> list[str]:
     """One line per problem of a committed snapshot (of ``manifest``): missing or truncated
     files, damaged chunks, here or in the earlier snapshots it refers to."""
     problems = []
     if len(record.shards) != record.world_size:
         problems.append(f"the manifest records {len(record.shards)} of {record.world_size} shards")
-    with References(as_storage(root), manifest.snapshots) as refs:
+    with References(storage, manifest.snapshots) as refs:
         for shard in record.shards:
-            found = _verify_shard(os.path.join(root, record.dir, shard.file), record.step,
-                                  shard.bytes, shard.index_xxh3)
+            found = _verify_shard(storage, record.dir, shard.file, record.step, shard.bytes,
+                                  shard.index_xxh3)
             problems += found or _verify_references(refs, record, shard.rank)
             bar.update(shard.bytes)
     return problems
@@ -121,10 +121,12 @@ def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> l
     return problems
 
 
-def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] = None,
+def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
+                  expected_bytes: Optional[int] = None,
                   expected_xxh3: Optional[str] = None) -> list[str]:
+    path = storage.location(dir, file)
     try:
-        with ShardReader(path, expected_bytes, expected_xxh3) as reader:
+        with ShardReader(storage.open_shard(dir, file), expected_bytes, expected_xxh3) as reader:
             problems = []
             if step is not None and reader.index.get("step") != step:
                 problems.append(f"{path} holds step {reader.index.get('step')!r}, the manifest "
@@ -142,25 +144,26 @@ def _verify_shard(path: str, step: Optional[int], expected_bytes: Optional[int] 
         return [f"{path}: {e.strerror or e}"]
 
 
-def _verify_unreferenced(root: str) -> None:
-    """With the manifest unreadable, check the snapshot directories on disk, so the operator
-    knows what survived (their commit status is unknown)."""
-    names = snapshot_dirs(root)
-    print(f"{root}: {MANIFEST_NAME} is unreadable, so no snapshot counts as committed and "
-          "restore() loads nothing.")
+def _verify_unreferenced(storage: Storage) -> None:
+    """With the manifest unreadable, check the snapshot directories there, so the operator knows
+    what survived (their commit status is unknown)."""
+    names = snapshot_dirs(storage)
+    print(f"{storage.location()}: {MANIFEST_NAME} is unreadable, so no snapshot counts as "
+          "committed and restore() loads nothing.")
     if not names:
         print("no snapshot directories on disk")
         return
     print("snapshot directories on disk (commit status unknown), checked file by file:")
-    with progress(sum(tree_bytes(os.path.join(root, n)) for n in names), "verifying") as bar:
+    shards = {name: [(file, size) for file, size in storage.list_snapshot(name)
+                     if SHARD_FILE.fullmatch(file)] for name in names}
+    with progress(sum(size for found in shards.values() for _, size in found), "verifying") as bar:
         for name in sorted(names, key=lambda n: (snapshot_dir_step(n) or 0, n), reverse=True):
-            directory = os.path.join(root, name)
-            shards = sorted(n for n in os.listdir(directory) if SHARD_FILE.fullmatch(n))
-            problems = [] if shards else ["no shard file"]
-            for shard in shards:
-                problems += _verify_shard(os.path.join(directory, shard), snapshot_dir_step(name))
-                bar.update(tree_bytes(os.path.join(directory, shard)))
-            state = "DAMAGED" if problems else f"intact ({len(shards)} shard file{'s' * (len(shards) != 1)})"
+            problems = [] if shards[name] else ["no shard file"]
+            for file, size in shards[name]:
+                problems += _verify_shard(storage, name, file, snapshot_dir_step(name))
+                bar.update(size)
+            count = len(shards[name])
+            state = "DAMAGED" if problems else f"intact ({count} shard file{'s' * (count != 1)})"
             print(f"  step {snapshot_dir_step(name)!s:<10} {name}  {state}")
             for problem in problems:
                 print(f"    {problem}")
