@@ -300,12 +300,12 @@ def test_manifest_of_an_unknown_version(capsys, ckpt):
     path = os.path.join(ckpt, "manifest.json")
     with open(path) as f:
         doc = json.load(f)
-    doc["version"] = 3
+    doc["version"] = 4
     with open(path, "w") as f:
         json.dump(doc, f)
     for command in ("ls", "verify", "inspect", "gc"):
         code, _, err = run(capsys, command, ckpt)
-        assert code == 1 and "manifest version 3" in one_error_line(err)
+        assert code == 1 and "manifest version 4" in one_error_line(err)
 
 
 def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, ckpt):

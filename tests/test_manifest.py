@@ -250,7 +250,7 @@ def test_json_of_another_format_is_a_manifest_error(tmp_path, doc):
         read_manifest(str(tmp_path))
 
 
-@pytest.mark.parametrize("version", [99, 3, 0])
+@pytest.mark.parametrize("version", [99, 4, 0])
 def test_other_manifest_version_is_unsupported(tmp_path, version):
     doc = valid_doc()
     doc["version"] = version
@@ -598,3 +598,56 @@ def test_retention_over_a_long_chain_of_references_is_linear_and_right():
                                        keep_last=n + 1)
     assert [s.dir for s in rewound.snapshots] == ["step-00000000000000000000.0000beef"]
     assert len(dropped) == n
+
+
+# --- a rank's own manifest (ranks without a shared directory) ------------------------------------
+
+
+def own_record(step: int, rank: int, world_size: int = 4) -> SnapshotRecord:
+    """A record of rank ``rank``'s own manifest: only its shard of ``world_size``."""
+    full = record(step, world_size=world_size)
+    return SnapshotRecord(**{**full.__dict__, "shards": (full.shards[rank],)})
+
+
+def test_a_ranks_own_manifest_round_trips_as_version_3(tmp_path):
+    manifest, _ = Manifest(rank=2).commit(own_record(5, 2), keep_last=3)
+    write_manifest(str(tmp_path), manifest)
+    doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert (doc["version"], doc["rank"]) == (3, 2)
+    again = read_manifest(str(tmp_path))
+    assert again == manifest and again.rank == 2
+    assert again.snapshots[0].shard_of(2).file == "rank-00002.ackpt"
+    assert again.snapshots[0].shard_of(0) is None
+    assert json.loads(Manifest().to_bytes())["version"] == 1 and "rank" not in json.loads(
+        Manifest().to_bytes())
+
+
+OWN_MANIFEST_DAMAGE = {
+    "rank without version 3": lambda d: d.update(version=1),
+    "version 3 without rank": lambda d: d.pop("rank"),
+    "rank not an int": lambda d: d.update(rank="2"),
+    "rank negative": lambda d: d.update(rank=-1),
+    "another rank's shard": lambda d: d["snapshots"][0]["shards"][0].update(
+        rank=1, file="rank-00001.ackpt"),
+    "every shard": lambda d: d["snapshots"][0].update(
+        shards=json.loads(Manifest((record(5, world_size=4),), 1).to_bytes())[
+            "snapshots"][0]["shards"]),
+    "rank past the world size": lambda d: d["snapshots"][0].update(world_size=2),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_MANIFEST_DAMAGE))
+def test_a_damaged_own_manifest_is_a_manifest_error(tmp_path, case):
+    doc = json.loads(Manifest((own_record(5, 2),), next_seq=1, rank=2).to_bytes())
+    OWN_MANIFEST_DAMAGE[case](doc)
+    write_raw_manifest(tmp_path, doc)
+    with pytest.raises(ManifestError):
+        read_manifest(str(tmp_path))
+
+
+def test_a_ranks_own_manifest_keeps_its_rank_through_retention():
+    manifest = Manifest(rank=1)
+    for step in range(4):
+        manifest, _ = manifest.commit(own_record(step, 1), keep_last=2)
+    assert manifest.rank == 1 and manifest.steps() == [2, 3]
+    assert manifest.without([2])[0].rank == 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -28,8 +27,7 @@ from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_D
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "async_ckpt.manifest"
-MANIFEST_VERSION = 2  # written only when some snapshot refers to others; else version 1
-READABLE_MANIFEST_VERSIONS = (1, 2)
+READABLE_MANIFEST_VERSIONS = (1, 2, 3)  # which one a manifest is written as: Manifest.version
 MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is refused unread
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
 _MAX_RANKS = 1 << 20
@@ -61,6 +59,11 @@ class SnapshotRecord:
     stored_bytes: int
     refers: tuple[str, ...] = ()  # earlier snapshots holding some of its bytes (incremental)
 
+    def shard_of(self, rank: int) -> Optional[ShardRecord]:
+        """Rank ``rank``'s shard, or None when the record does not list it (a rank's own
+        manifest lists only that rank's)."""
+        return next((s for s in self.shards if s.rank == rank), None)
+
     def to_json(self) -> dict:
         d = self.__dict__.copy()
         d["shards"] = [s.__dict__ for s in self.shards]
@@ -87,12 +90,18 @@ _DROPPED_KEPT = 64  # dropped snapshots remembered in the manifest
 
 @dataclass(frozen=True)
 class Manifest:
-    """Committed snapshots in commit order, oldest first, and the latest ones dropped since."""
+    """Committed snapshots in commit order, oldest first, and the latest ones dropped since.
+
+    ``rank``: None for the manifest of a job's snapshots (every rank's shard in each record); a
+    rank number for a rank's own manifest, in the root it keeps when the ranks share no
+    directory (docs/FORMAT.md section 8): each record then lists only that rank's shard of its
+    ``world_size``, and what restores the job is the object store's manifest."""
 
     snapshots: tuple[SnapshotRecord, ...] = ()
     next_seq: int = 0
     extra: dict = field(default_factory=dict)
     dropped: tuple[DroppedRecord, ...] = ()
+    rank: Optional[int] = None
 
     def steps(self) -> list[int]:
         return [s.step for s in self.snapshots]
@@ -129,7 +138,7 @@ class Manifest:
         remembered = self.dropped + tuple(DroppedRecord(s.dir, s.step, s.raw_bytes, s.stored_bytes)
                                           for s in dropped)
         return Manifest(tuple(kept), self.next_seq + 1, self.extra,
-                        remembered[-_DROPPED_KEPT:]), dropped
+                        remembered[-_DROPPED_KEPT:], self.rank), dropped
 
     def without(self, steps: Iterable[int]) -> tuple["Manifest", list[SnapshotRecord]]:
         """The manifest without the given steps, except those a kept snapshot refers to, and the
@@ -139,20 +148,27 @@ class Manifest:
                                       [s for s in self.snapshots if s.step not in steps]))
         kept_dirs = {s.dir for s in kept}
         dropped = [s for s in self.snapshots if s.dir not in kept_dirs]
-        return Manifest(kept, self.next_seq, self.extra, self.dropped), dropped
+        return Manifest(kept, self.next_seq, self.extra, self.dropped, self.rank), dropped
 
     def to_bytes(self) -> bytes:
         doc = {
             "format": MANIFEST_FORMAT,
-            # The oldest version that expresses it: an engine that knows no references would let
-            # retention delete a snapshot that a kept one refers to, so it must refuse version 2.
-            "version": MANIFEST_VERSION if any(s.refers for s in self.snapshots) else 1,
+            "version": self.version(),
+            **({} if self.rank is None else {"rank": self.rank}),
             "next_seq": self.next_seq,
             "snapshots": [s.to_json() for s in self.snapshots],
             **({"extra": self.extra} if self.extra else {}),
             **({"dropped": [d.__dict__ for d in self.dropped]} if self.dropped else {}),
         }
         return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+    def version(self) -> int:
+        """The oldest version that expresses this manifest: a reader that knows no references
+        would let retention delete a snapshot that a kept one refers to (so it must refuse 2),
+        and one that knows no rank's own manifest would take its records for damage (3)."""
+        if self.rank is not None:
+            return 3
+        return 2 if any(s.refers for s in self.snapshots) else 1
 
 
 def _with_referenced(ordered, kept: list) -> list:
@@ -179,10 +195,6 @@ def _restorable(kept: list) -> list:
         if restorable.issuperset(s.refers):
             restorable.add(s.dir)
     return [s for s in kept if s.dir in restorable]
-
-
-def manifest_path(root: str) -> str:
-    return os.path.join(root, MANIFEST_NAME)
 
 
 def read_manifest(root: str | Storage) -> Manifest:
@@ -218,12 +230,16 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
             f"versions {', '.join(map(str, READABLE_MANIFEST_VERSIONS))}. Upgrade async_ckpt to "
             "read it")
     try:
-        _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False)
-        snapshots = tuple(_snapshot_record(s, f"snapshot {i}", doc["version"])
+        _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False,
+                      optional=("extra", "dropped", "rank"))
+        if ("rank" in doc) != (doc["version"] == 3):
+            raise ManifestError("a rank's own manifest has a 'rank' and version 3, and only it")
+        rank = doc.get("rank")
+        snapshots = tuple(_snapshot_record(s, f"snapshot {i}", doc["version"], rank)
                           for i, s in enumerate(doc["snapshots"]))
         _check_order(snapshots, doc["next_seq"])
         dropped = tuple(_dropped_record(d, f"dropped {i}") for i, d in enumerate(doc.get("dropped", [])))
-        return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}), dropped)
+        return Manifest(snapshots, doc["next_seq"], doc.get("extra", {}), dropped, rank)
     except ManifestError as e:
         raise ManifestError(f"{path} is invalid: {e}; it was damaged or hand-edited. Committed "
                             "snapshot directories are untouched") from None
@@ -239,8 +255,8 @@ def _of_type(kind):
 
 # Each field and the check its value must pass (bools are not ints).
 _MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict),
-                    "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT}
-_OPTIONAL_FIELDS = ("extra", "dropped", "refers")
+                    "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT,
+                    "rank": _int(0, _MAX_RANKS - 1)}
 _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
                     "committed_at": lambda v: type(v) in (int, float) and 0 <= v <= _LATEST_TIME,
                     "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
@@ -250,15 +266,16 @@ _SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes"
                  "index_xxh3": lambda v: type(v) is str and _XXH3_HEX.fullmatch(v) is not None}
 
 
-def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
+def _check_fields(doc, fields: dict, what: str, closed: bool = True,
+                  optional: tuple[str, ...] = ()) -> None:
     """Raise ManifestError unless ``doc`` is an object whose fields pass their checks (those of
-    ``_OPTIONAL_FIELDS`` may be absent) and, if ``closed``, has no other fields."""
+    ``optional`` may be absent) and, if ``closed``, has no other fields."""
     if type(doc) is not dict:
         raise ManifestError(f"{what} is not an object")
     if closed and doc.keys() - fields.keys():
         raise ManifestError(f"{what} has unknown fields {sorted(doc.keys() - fields.keys())[:5]}")
     for name, ok in fields.items():
-        if name in _OPTIONAL_FIELDS and name not in doc:
+        if name in optional and name not in doc:
             continue
         if name not in doc:
             raise ManifestError(f"{what} has no field {name!r}")
@@ -266,8 +283,8 @@ def _check_fields(doc, fields: dict, what: str, closed: bool = True) -> None:
             raise ManifestError(f"{what}: field {name!r} has a wrong type or is out of range")
 
 
-def _snapshot_record(doc, what: str, version: int) -> SnapshotRecord:
-    _check_fields(doc, _SNAPSHOT_FIELDS, what)
+def _snapshot_record(doc, what: str, version: int, only_rank: Optional[int]) -> SnapshotRecord:
+    _check_fields(doc, _SNAPSHOT_FIELDS, what, optional=("refers",))
     checked_name(doc["dir"], SNAPSHOT_DIR, f"{what}: directory", ManifestError)
     if snapshot_dir_step(doc["dir"]) != doc["step"]:
         raise ManifestError(f"{what}: directory {doc['dir']} does not belong to step {doc['step']}")
@@ -278,10 +295,12 @@ def _snapshot_record(doc, what: str, version: int) -> SnapshotRecord:
         checked_name(name, SNAPSHOT_DIR, f"{what}: referenced directory", ManifestError)
     if doc["dir"] in refers:
         raise ManifestError(f"{what} refers to itself")
-    if len(doc["shards"]) != doc["world_size"]:
-        raise ManifestError(f"{what} lists {len(doc['shards'])} shards for {doc['world_size']} ranks")
+    ranks = range(doc["world_size"]) if only_rank is None else [only_rank]
+    if len(doc["shards"]) != len(ranks) or only_rank is not None and only_rank >= doc["world_size"]:
+        raise ManifestError(f"{what} lists {len(doc['shards'])} shards for {doc['world_size']} ranks"
+                            + ("" if only_rank is None else f" in rank {only_rank}'s own manifest"))
     shards = []
-    for rank, shard in enumerate(doc["shards"]):
+    for rank, shard in zip(ranks, doc["shards"]):
         _check_fields(shard, _SHARD_FIELDS, f"{what} shard {rank}")
         if shard["rank"] != rank or shard["file"] != shard_file_name(rank):
             raise ManifestError(f"{what} shard {rank} is not rank {rank}'s file "
@@ -336,14 +355,16 @@ def write_manifest(root: str | Storage, manifest: Manifest) -> None:
     storage.publish(MANIFEST_NAME, data)
 
 
-def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
+def recover_manifest(root: str | Storage, write: bool = True,
+                     rank: Optional[int] = None) -> Manifest:
     """The manifest, or, when ``manifest.json`` is missing although complete snapshots exist (it
     was deleted or lost), one rebuilt from them (and written durably if ``write``).
 
     Without this, the snapshots of a directory that lost its manifest would all look like
     leftovers and be deleted. A snapshot is complete when every rank's shard has a valid trailer
-    and index (chunk checksums are checked when it is restored). Call only while holding the
-    directory's writer locks.
+    and index (chunk checksums are checked when it is restored); in rank ``rank``'s own root
+    (``Manifest.rank``), when that rank's shard has. Call only while holding the directory's
+    writer locks.
     """
     storage = as_storage(root)
     if storage.exists(MANIFEST_NAME):
@@ -358,15 +379,15 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
         return read_manifest(storage)
     found: dict[int, SnapshotRecord] = {}
     for name in storage.list_root():
-        record = _complete_snapshot(storage, name) if SNAPSHOT_DIR.fullmatch(name) else None
+        record = _complete_snapshot(storage, name, rank) if SNAPSHOT_DIR.fullmatch(name) else None
         if record is not None and (record.step not in found
                                    or found[record.step].committed_at < record.committed_at):
             found[record.step] = record
     if not found:
-        return Manifest()
+        return Manifest(rank=rank)
     ordered = _restorable(sorted(found.values(), key=lambda r: r.committed_at))
     manifest = Manifest(tuple(SnapshotRecord(**{**r.__dict__, "seq": i}) for i, r in enumerate(ordered)),
-                        next_seq=len(ordered))
+                        next_seq=len(ordered), rank=rank)
     if write:
         write_manifest(storage, manifest)
     log.warning("%s was missing; rebuilt it from %d complete snapshot(s): steps %s",
@@ -374,14 +395,17 @@ def recover_manifest(root: str | Storage, write: bool = True) -> Manifest:
     return manifest
 
 
-def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
-    """The record of snapshot directory ``name`` if every rank's shard in it is whole, else None
-    (also when ``name`` is not a directory, or a link to one)."""
+def _complete_snapshot(storage: Storage, name: str,
+                       only_rank: Optional[int]) -> Optional[SnapshotRecord]:
+    """The record of snapshot directory ``name`` if every rank's shard in it (or ``only_rank``'s,
+    in that rank's own root) is whole, else None (also when ``name`` is not a directory, or a
+    link to one)."""
     from .shard import ShardReader, referenced_dirs  # needed only for this repair
 
     shards, indexes = {}, []
     for file, _ in storage.list_snapshot(name):
-        if not SHARD_FILE.fullmatch(file):  # e.g. a shard still being written (*.partial)
+        if not SHARD_FILE.fullmatch(file) or (  # e.g. a shard still being written (*.partial)
+                only_rank is not None and file != shard_file_name(only_rank)):
             continue
         try:
             with ShardReader(storage.open_shard(name, file)) as reader:
@@ -396,7 +420,10 @@ def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
         shards[record.rank] = record
     world_size = indexes[0].get("world_size") if indexes else None
     created = indexes[0].get("created") if indexes else None
-    if (type(world_size) is not int or sorted(shards) != list(range(world_size))
+    if type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
+        return None
+    needed = list(range(world_size)) if only_rank is None else [only_rank]
+    if (sorted(shards) != needed or needed[-1] >= world_size
             or type(created) not in (int, float) or not 0 <= created <= _LATEST_TIME
             or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
                    for i in indexes)):
@@ -406,7 +433,7 @@ def _complete_snapshot(storage: Storage, name: str) -> Optional[SnapshotRecord]:
         return None
     raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
-                          world_size=world_size, shards=tuple(shards[r] for r in range(world_size)),
+                          world_size=world_size, shards=tuple(shards[r] for r in needed),
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()),
                           refers=refers)
 

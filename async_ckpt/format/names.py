@@ -27,6 +27,7 @@ LOCK_PREFIX = ".lock-rank"
 LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"[0-9]{5}")
 SESSION_NAME = "session.json"  # the current run's session token, with several ranks
 HEARTBEAT_FILE = re.compile(r"heartbeat\.rank[0-9]{5}\.json")  # liveness, not part of any snapshot
+RANK_ROOT = re.compile(r"rank-([0-9]{5})")  # a rank's own root when the ranks share no directory
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
 _DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)
@@ -65,6 +66,12 @@ def is_lock_file(name) -> bool:
 
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.ackpt"
+
+
+def rank_root_name(rank: int) -> str:
+    """The directory inside ``DIR`` that is rank ``rank``'s own checkpoint root when the ranks of
+    a job do not share ``DIR`` (node-local disks; docs/FORMAT.md section 8)."""
+    return f"rank-{rank:05d}"
 
 
 def lock_file_name(rank: int) -> str:
