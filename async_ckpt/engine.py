@@ -100,11 +100,12 @@ class CheckpointEngine:
         session = self._pool = None
         try:
             session = start_session(self.directory, self._coordinator, o.shared_settings(),
-                                    o.lock_timeout)
+                                    o.lock_timeout, own_roots=o.remote is not None)
             self._session = session.token
+            self.root = session.root  # where this rank's snapshots go: DIR, or DIR/rank-RRRRR
             self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
-                root=self.directory, rank=o.rank, world_size=o.world_size,
+                root=self.root, own_root=session.own_root, rank=o.rank, world_size=o.world_size,
                 spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
                 keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
                 level=o.level, reserve_bytes=o.reserve_bytes, nice=o.writer_nice,
@@ -265,8 +266,8 @@ class CheckpointEngine:
         self._check_usable()
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
-        source = (self.directory if self._remote is None
-                  else TieredStorage(LocalStorage(self.directory), self._remote))
+        source = (self.root if self._remote is None
+                  else TieredStorage(LocalStorage(self.root), self._remote))
         record, loaded = read_committed(
             source, step, self.rank, self.options.allow_pickle, self._coordinator,
             lambda r: self.rank % r.world_size, self._check_loaded, mapped=True,
@@ -330,8 +331,10 @@ class CheckpointEngine:
         return step
 
     def committed_steps(self) -> list[int]:
-        """Restorable steps in commit order, oldest first (read from the manifest)."""
-        return read_manifest(self.directory).steps()
+        """Steps committed in the local directory, in commit order, oldest first (read from the
+        manifest). When the ranks share no directory, this rank's own commits: what restores the
+        job is what the object store's manifest names (``stats()["remote_step"]``)."""
+        return read_manifest(self.root).steps()
 
     def stats(self) -> dict:
         """Figures per committed snapshot (newest last) and of the engine as a whole.
@@ -506,10 +509,12 @@ class CheckpointEngine:
             log.warning("%s", event.message)
             self._next_snapshot_full()
         elif isinstance(event, RemoteStatus):
-            conflict = event.figures.get("conflict")
-            if conflict is not None and self._remote_status.get("conflict") is None:
-                self._failures.append(conflict)  # raised once, at the next call
-            self._remote_status = event.figures
+            figures, before = event.figures, self._remote_status
+            if figures.get("conflict") is not None and before.get("conflict") is None:
+                self._failures.append(figures["conflict"])  # raised once, at the next call
+            if figures.get("rejections", 0) > before.get("rejections", 0):
+                self._failures.append(figures["rejected"])  # likewise, per snapshot refused
+            self._remote_status = figures
         elif isinstance(event, Failed):
             self._pending.pop(event.job)
             self._counts.record_failure()

@@ -210,6 +210,44 @@ def test_differing_replicas_are_not_committed(tmp_path, committer):
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
+def test_a_rank_with_a_root_of_its_own_commits_its_shard_alone(tmp_path, clock):
+    """Ranks without a shared directory: rank 1 commits its shard into its own manifest as soon
+    as it is durable; the other ranks' shards are never waited for."""
+    events, root = [], str(tmp_path)
+    own = Committer(root, WORLD, keep_last=2, keep_every=None, commit_timeout=60,
+                    send=events.append, clock=clock, own_root=1)
+    for job, step in enumerate((3, 4, 5)):
+        name = f"step-{step:020d}.{job:08x}"
+        shard = write_shard(root, name, 1, step)
+        own.add(Attempt(job=job, step=step, dir=name, shard=shard, replicas=[], raw_bytes=64,
+                        figures={"write_s": 0.0}))
+    assert outcomes(events) == [(Committed, 0), (Committed, 1), (Committed, 2)]
+    manifest = read_manifest(root)
+    assert manifest.rank == 1 and manifest.steps() == [4, 5]  # keep_last applies per rank
+    assert [s.rank for s in manifest.snapshots[-1].shards] == [1]
+    assert manifest.snapshots[-1].world_size == WORLD
+    assert len(os.listdir(root)) == 3  # the two kept snapshots and the manifest
+
+
+def test_a_root_of_the_whole_job_is_not_taken_for_a_ranks_own(tmp_path, committer, clock):
+    root = str(tmp_path)
+    a = attempt(root, 0, step=1)
+    committer.add(a)
+    for rank in (1, 2):
+        write_shard(root, a.dir, rank, 1)
+    committer.poll(trainer_gone=False)
+    assert read_manifest(root).steps() == [1]
+    events = []
+    own = Committer(root, WORLD, keep_last=2, keep_every=None, commit_timeout=60,
+                    send=events.append, clock=clock, own_root=2)
+    name = "step-00000000000000000002.00000009"
+    own.add(Attempt(job=9, step=2, dir=name, shard=write_shard(root, name, 2, 2), replicas=[],
+                    raw_bytes=64, figures={}))
+    (event,) = events
+    assert isinstance(event, Failed) and "holds the snapshots of all ranks" in str(event.error)
+    assert read_manifest(root).steps() == [1]
+
+
 def test_a_shard_of_another_job_is_refused(tmp_path, committer):
     a = attempt(str(tmp_path), 0, step=5)
     committer.add(a)

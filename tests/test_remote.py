@@ -3,6 +3,7 @@ after the local commit, restore on a fresh node, a store that goes down, damage,
 engines on one prefix. The uploader's own logic (order of publication, back-off, what local
 retention keeps) is tested with an injected clock and a store of files, without a server."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ import torch
 
 import async_ckpt
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import RemoteConflictError, RemoteStorageError
+from async_ckpt.errors import RemoteConflictError, RemoteStorageError, ReplicaMismatchError
 from async_ckpt.format.manifest import SnapshotRecord, ShardRecord, read_manifest
 from async_ckpt.format.names import shard_file_name
 from async_ckpt.storage.local import LocalStorage
@@ -242,6 +243,12 @@ def test_a_store_that_is_down_at_restore_restores_from_local(tmp_path, remote, s
     assert_same(m2.state_dict(), m.state_dict())
     with pytest.raises(RemoteStorageError):
         async_ckpt.load(remote)
+    m3 = model(seed=4)  # a fresh node cannot tell what the bucket holds: it does not start over
+    with CheckpointEngine(tmp_path / "node2", {"m": m3}, remote=remote) as engine:
+        with pytest.raises(RemoteStorageError, match="holds no snapshot"):
+            engine.restore()
+        engine.close(timeout=0)
+    assert_same(m3.state_dict(), model(seed=4).state_dict())
     server.start()
 
 
@@ -373,27 +380,107 @@ def test_the_snapshot_being_uploaded_is_kept_and_newer_ones_supersede_waiting_on
     assert rank0.skipped == 2 and rank0.protected() == set()
 
 
+def own_roots_records(tmp_path, step: int, replicas: list) -> tuple[list, list]:
+    """Two ranks without a shared directory: each one's root, holding its real shard of
+    ``step``; returns the roots and each one's record as its own manifest would list it."""
+    from test_commit import write_shard
+
+    roots, records = [], []
+    name = f"step-{step:020d}.0000abcd"
+    for rank in range(2):
+        root = LocalStorage(str(tmp_path / f"node{rank}"))
+        shard = write_shard(root.root, name, rank, step, replicas, world_size=2)
+        record = SnapshotRecord(step=step, seq=step, dir=name, committed_at=1000.0 + step,
+                                world_size=2, shards=(shard,), raw_bytes=64, stored_bytes=shard.bytes)
+        roots.append(root)
+        records.append(record)
+    return roots, records
+
+
+def test_without_a_shared_directory_rank0_completes_the_record_from_the_bucket(tmp_path):
+    store, clock, sent = FileStore(tmp_path / "bucket"), Clock(), []
+    replicas = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000aa"}]
+    roots, records = own_roots_records(tmp_path, 5, replicas)
+    rank0, rank1 = (upload.Uploader(roots[r], store, r, 2, 2, None, sent.append, clock, right_now)
+                    for r in range(2))
+    settle(clock, rank0, rank1)
+    rank0.committed(records[0])
+    settle(clock, rank0)
+    assert store.published == [] and rank0.busy  # rank 1's shard is not in the bucket yet
+    rank1.committed(records[1])
+    settle(clock, rank0, rank1)
+    assert store.published == [[5]] and not rank0.busy and not rank1.busy
+    published = read_manifest(store).snapshots[-1]
+    assert published.shards == (records[0].shards[0], records[1].shards[0])
+    assert published.raw_bytes == 128 and published.stored_bytes == sum(
+        s.bytes for s in published.shards)
+    assert rank1.remote_step == 5
+
+
+def test_without_a_shared_directory_replicas_that_differ_are_never_published(tmp_path):
+    store, clock, sent = FileStore(tmp_path / "bucket"), Clock(), []
+    roots, records = own_roots_records(tmp_path, 5, [
+        {"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000aa"}])
+    theirs = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000bb"}]
+    from test_commit import write_shard
+
+    write_shard(roots[1].root, records[1].dir, 1, 5, theirs, world_size=2)  # rank 1 held other bytes
+    records[1] = dataclasses.replace(records[1], shards=(
+        ShardRecord(1, shard_file_name(1), os.path.getsize(roots[1].location(
+            records[1].dir, shard_file_name(1))), "0" * 16),))
+    made = [upload.Uploader(roots[r], store, r, 2, 2, None, sent.append, clock, right_now)
+            for r in range(2)]
+    settle(clock, *made)
+    for uploader, record in zip(made, records):
+        uploader.committed(record)
+    settle(clock, *made)
+    assert store.published == [] and not made[0].busy
+    status = [e.figures for e in sent if isinstance(e, RemoteStatus) and e.figures["rejections"]]
+    assert type(status[-1]["rejected"]) is ReplicaMismatchError
+    assert "'model' differs between rank 0 and rank 1" in str(status[-1]["rejected"])
+
+
 @pytest.mark.slow
-def test_two_ranks_resume_from_the_bucket_after_their_directory_is_wiped(tmp_path, remote):
+@pytest.mark.parametrize("own_dirs", [False, True], ids=["shared directory", "a directory each"])
+def test_two_ranks_resume_from_the_bucket_after_their_directories_are_wiped(tmp_path, remote,
+                                                                         server, own_dirs):
+    """Two ranks, sharing a directory or each with its own (nodes without a shared file system):
+    they commit locally and upload; with a directory each, the store is also stopped for two
+    steps, which commit locally all the same while the upload lag shows in stats(). Both
+    directories wiped, a restart restores the newest step from the bucket, bit for bit."""
     from test_distributed import torchrun
 
     program = os.path.join(os.path.dirname(__file__), "programs", "remote_ranks.py")
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
+    extra = ["--own-dirs", "--pause", str(server.process.pid)] if own_dirs else []
     for phase in ("save", "restore"):
         if phase == "restore":
             shutil.rmtree(ckpt)
         process = torchrun(program, 2, "--phase", phase, "--dir", str(ckpt), "--remote", remote,
-                           "--out", str(out), output=str(tmp_path / "log"))
+                           "--out", str(out), *extra, output=str(tmp_path / "log"))
         assert process.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
     saved = [json.loads((out / f"save-{r}.json").read_text()) for r in range(2)]
     restored = [json.loads((out / f"restore-{r}.json").read_text()) for r in range(2)]
-    assert [s["remote_step"] for s in saved] == [2, 2]
-    assert [(r["step"], r["same"]) for r in restored] == [(2, True), (2, True)]
-    # each rank downloaded its own shard into the shared directory (rank 1's refers to rank 0's
-    # for the replicated model, which rank 0 downloads anyway): both are there, nothing else
-    assert [os.path.basename(p) for p in restored[0]["downloaded"]] == ["rank-00000.ackpt",
-                                                                       "rank-00001.ackpt"]
+    newest = 4 if own_dirs else 2
+    assert [s["remote_step"] for s in saved] == [newest, newest]
+    assert [(r["step"], r["same"]) for r in restored] == [(newest, True), (newest, True)]
+    if own_dirs:
+        for figures in (s["stopped"] for s in saved):  # steps 3 and 4, while the store was stopped
+            assert figures["committed"] == 5 and figures["remote_step"] == 2
+            assert figures["upload_lag_steps"] == 2 and figures["upload_pending_bytes"] > 0
+        # each rank downloaded its own shard into its own root, and rank 1 also rank 0's, which
+        # holds the replicated model
+        newest_dir = restored[0]["downloaded"][0].split("/")[2]
+        assert restored[0]["downloaded"] == [
+            f"node0/rank-00000/{newest_dir}/rank-00000.ackpt",
+            f"node1/rank-00001/{newest_dir}/rank-00000.ackpt",
+            f"node1/rank-00001/{newest_dir}/rank-00001.ackpt"]
+    else:
+        # each rank downloaded its own shard into the shared directory (rank 1's refers to rank
+        # 0's for the replicated model, which rank 0 downloads anyway): both are there
+        assert [os.path.basename(p) for p in restored[0]["downloaded"]] == ["rank-00000.ackpt",
+                                                                           "rank-00001.ackpt"]
 
 
 def test_incremental_snapshots_upload_what_they_refer_to_and_retention_keeps_it(tmp_path, remote):

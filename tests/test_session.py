@@ -24,7 +24,8 @@ class TwoRanks(Coordinator):
         self.their_settings, self.their_token = their_settings, their_token
 
     def gather(self, value):
-        return [value, self.their_settings] if self.rank == 0 else [self.their_settings, value]
+        theirs = self.their_settings if isinstance(value, dict) else None  # else a problem: none
+        return [value, theirs] if self.rank == 0 else [theirs, value]
 
     def from_rank0(self, compute):
         return compute() if self.rank == 0 else self.their_token
@@ -85,3 +86,22 @@ def test_a_hostile_session_file_reads_as_no_token(tmp_path, plant):
     else:
         os.symlink("/dev/zero", path)
     assert session._published_token(str(tmp_path)) is None
+
+
+def test_ranks_that_share_no_directory_each_get_a_root_of_their_own(tmp_path):
+    """Rank 1 on a node of its own does not see rank 0's session.json: with an object store to
+    commit through, it keeps its snapshots in DIR/rank-00001, without its old leftovers;
+    without one, the job is refused."""
+    node1 = tmp_path / "node1"
+    leftover = node1 / "rank-00001" / "step-00000000000000000004.0badc0de"
+    leftover.mkdir(parents=True)
+    with pytest.raises(CheckpointDirError, match="or pass remote="):
+        start_session(str(node1), TwoRanks(1), SETTINGS, lock_timeout=1)
+    joined = start_session(str(node1), TwoRanks(1), SETTINGS, lock_timeout=1, own_roots=True)
+    os.close(joined.lock_fd)
+    assert joined.own_root and joined.root == str(node1 / "rank-00001")
+    assert joined.token == "0" * 16 and not leftover.exists()
+    (tmp_path / "node0").mkdir()
+    shared = start_session(str(tmp_path / "node0"), TwoRanks(0), SETTINGS, 1, own_roots=True)
+    os.close(shared.lock_fd)  # rank 0 sees its own session.json; the other rank reports no problem
+    assert not shared.own_root and shared.root == str(tmp_path / "node0")

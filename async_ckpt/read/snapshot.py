@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..distributed import Coordinator
-from ..errors import CheckpointError, CorruptSnapshotError, NoSnapshotError
+from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
 from ..format import values
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
@@ -343,6 +343,11 @@ def read_committed(directory: str | Storage, step: Optional[int] = None, rank: i
     storage = as_storage(directory)
     where_from = storage.location()
     manifest = coordinator.from_rank0(lambda: read_manifest(storage))
+    if manifest.rank is not None:
+        raise CheckpointDirError(
+            f"{where_from} holds only rank {manifest.rank}'s shards of its job's snapshots (the "
+            "ranks shared no directory): restore the job from its object store (the engine's "
+            "remote=, or async_ckpt.load of the s3:// URL)")
     if step is None:
         candidates = manifest.newest_first()
     elif manifest.find(step) is not None:

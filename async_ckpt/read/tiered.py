@@ -2,7 +2,8 @@
 
 ``TieredStorage(local, remote)`` answers reads the way ``restore()`` needs them with a remote
 tier: the manifest is that of the tier whose newest snapshot was committed last (the bucket's on a
-fresh node, or when this node's directory fell behind it; the local one while uploads lag), and
+fresh node, or when this node's directory fell behind it; the local one while uploads lag; always
+the bucket's when the ranks share no directory, since a rank's own root holds only its shards), and
 a shard is opened from the local directory when it is there, else downloaded into it first
 (ranged GETs in parallel, into a ``*.partial`` file renamed once whole: the local directory is a
 cache of what was read, and a shard's chunks are verified as every read verifies them). So each
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Hashable, Iterable, Optional, Type
 
-from ..errors import CheckpointError, CorruptSnapshotError
+from ..errors import CheckpointError, CorruptSnapshotError, RemoteStorageError
 from ..format.manifest import Manifest, read_manifest
 from ..storage.base import ShardSink, ShardSource, Storage
 from ..storage.local import LocalStorage
@@ -30,25 +31,38 @@ class TieredStorage(Storage):
     def __init__(self, local: LocalStorage, remote: ObjectStorage):
         self.local, self.remote = local, remote
         self.manifest_tier, manifest = self._newest_tier()
-        self._sizes = {(s.dir, shard.file): shard.bytes
-                       for s in manifest.snapshots for shard in s.shards}
+        self._sizes = _shard_sizes(manifest)
 
     def _newest_tier(self) -> tuple[Storage, Manifest]:
         """The tier whose manifest's newest snapshot was committed last, and that manifest. A
         store that cannot be read leaves the local tier, logged (a job resumes from its own disk
-        when it can); a damaged local manifest leaves the remote one."""
+        when it can), unless the local one cannot restore the job by itself (a rank's own root)
+        or holds nothing (starting from scratch could drop what the store holds): then it is a
+        RemoteStorageError. A damaged local manifest leaves the remote one."""
         try:
             remote = read_manifest(self.remote)
         except CheckpointError as e:
+            local = read_manifest(self.local)
+            if local.rank is not None or not local.snapshots:
+                raise RemoteStorageError(
+                    f"cannot read the manifest of {self.remote.location()} ({e}), and "
+                    f"{self.local.location()} " + (
+                        "holds only this rank's shards (the ranks share no directory)"
+                        if local.rank is not None else "holds no snapshot") +
+                    ": restoring now could start over from an older state than the store "
+                    "holds. Restart once the store can be read (check the URL, credentials and "
+                    "endpoint)") from e
             log.warning("cannot read the remote manifest (%s); restoring from %s only", e,
                         self.local.location())
-            return self.local, read_manifest(self.local)
+            return self.local, local
         try:
             local = read_manifest(self.local)
         except CheckpointError as e:
             log.warning("%s; restoring from %s", e, self.remote.location())
             return self.remote, remote
         newest = [m.snapshots[-1].committed_at if m.snapshots else -1.0 for m in (local, remote)]
+        if local.rank is not None:
+            return self.remote, remote
         if newest[1] > newest[0]:
             log.info("the newest committed snapshot is in %s (step %d); restoring from there",
                      self.remote.location(), remote.snapshots[-1].step)
@@ -68,6 +82,8 @@ class TieredStorage(Storage):
         if any(name == file for name, _ in self.local.list_snapshot(dir)):
             return self.local.open_shard(dir, file)
         source = self.remote.open_shard(dir, file)
+        if (dir, file) not in self._sizes:  # committed since this restore read the manifest
+            self._sizes = _shard_sizes(read_manifest(self.manifest_tier))
         expected = self._sizes.get((dir, file))
         if source.size != expected:
             raise CorruptSnapshotError(f"{source.name} has {source.size} bytes, the manifest "
@@ -122,3 +138,7 @@ class TieredStorage(Storage):
     def free_bytes(self) -> int:
         return self.local.free_bytes()
 
+
+def _shard_sizes(manifest: Manifest) -> dict[tuple[str, str], int]:
+    """(snapshot directory, shard file) -> bytes, as ``manifest`` records them."""
+    return {(s.dir, shard.file): shard.bytes for s in manifest.snapshots for shard in s.shards}

@@ -3,8 +3,11 @@
 The token names the run's snapshot directories (``format.names.snapshot_dir_name``), so that a
 restarted job never writes into a directory an earlier run left. Rank 0 draws it once no writer of
 an earlier run can be active, and with several ranks publishes it in ``session.json``: every other
-rank reading the same token is the proof that all of them share one directory. The lock protocol
-itself is ``storage.locks``'s.
+rank reading the same token is the proof that all of them share one directory. When some rank
+does not see it (nodes with local disks and no shared file system) and the job has an object
+store to commit through, each rank keeps its snapshots in a root of its own, ``DIR/rank-RRRRR``
+(docs/distributed.md "Without a shared file system"); without one, that job is refused. The lock
+protocol itself is ``storage.locks``'s.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Optional
 from ..distributed import Coordinator
 from ..errors import CheckpointDirError, DistributedSetupError
 from ..format.manifest import leftovers, recover_manifest
-from ..format.names import SESSION_NAME
-from ..storage.local import atomic_write, read_regular, remove_entries
+from ..format.names import SESSION_NAME, rank_root_name
+from ..storage.local import atomic_write, ensure_writable_dir, read_regular, remove_entries
 from ..storage.locks import take_rank_lock
 
 log = logging.getLogger(__name__)
@@ -30,22 +33,27 @@ _MAX_SESSION_BYTES = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Session:
-    """What a started session holds: the lock's file descriptor (closing it releases the lock)
-    and the run's token."""
+    """What a started session holds: the lock's file descriptor (closing it releases the lock),
+    the run's token, and where this rank's snapshots go: ``root``, which is the directory itself
+    unless the ranks share none (``own_root``)."""
 
     lock_fd: int
     token: str
+    root: str
+    own_root: bool = False
 
 
 def start_session(directory: str, coordinator: Coordinator, settings: dict,
-                  lock_timeout: float) -> Session:
+                  lock_timeout: float, own_roots: bool = False) -> Session:
     """Take this rank's directory lock and agree with the other ranks on this run.
 
     In order: every rank checks that all were created with the same ``settings`` (this first
     exchange also connects the ranks, while they arrive together); each takes its lock, waiting
     up to ``lock_timeout`` seconds for its previous writer (perhaps of a killed process) to
     finish; then rank 0, now sure that no writer of an earlier run is active, starts the session
-    and the others check that they see its ``session.json``.
+    and the others check that they see its ``session.json``. Where some rank does not, that is a
+    CheckpointDirError on every rank, unless ``own_roots`` (the job commits through an object
+    store): then every rank starts a root of its own in the directory it was given.
     """
     everyone = coordinator.gather(settings)
     differ = [k for k in settings if any(other[k] != everyone[0][k] for other in everyone)]
@@ -64,11 +72,17 @@ def start_session(directory: str, coordinator: Coordinator, settings: dict,
         coordinator.raise_if_any(problem, kind, "cannot lock the directory")
         token = coordinator.from_rank0(lambda: _new_token(directory, coordinator.world_size))
         seen = token if coordinator.world_size == 1 else _published_token(directory)
-        coordinator.raise_if_any(
-            None if seen == token else f"{directory} does not hold rank 0's {SESSION_NAME} "
-            f"(found {seen!r})", CheckpointDirError,
-            "every rank must write to the same shared directory (see docs/distributed.md)")
-        return Session(fd, token)
+        problem = (None if seen == token
+                   else f"{directory} does not hold rank 0's {SESSION_NAME} (found {seen!r})")
+        if own_roots and coordinator.world_size > 1 and any(coordinator.gather(problem)):
+            root = os.path.join(directory, rank_root_name(coordinator.rank))
+            _start_own_root(root, coordinator.rank)
+            return Session(fd, token, root, own_root=True)
+        coordinator.raise_if_any(problem, CheckpointDirError,
+                                 "every rank must write to the same shared directory, or pass "
+                                 "remote= to commit through an object store (see "
+                                 "docs/distributed.md)")
+        return Session(fd, token, directory)
     except BaseException:
         if fd is not None:
             os.close(fd)
@@ -78,15 +92,30 @@ def start_session(directory: str, coordinator: Coordinator, settings: dict,
 def _new_token(directory: str, world_size: int) -> str:
     """Rank 0, while no writer of any rank is active: remove what interrupted snapshots left, and
     draw the new session's token (published when several ranks share the directory)."""
-    stale = leftovers(directory, recover_manifest(directory))
-    if stale:
-        log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
-        remove_entries(directory, stale)
+    _remove_leftovers(directory)
     token = secrets.token_hex(8)
     if world_size > 1:
         atomic_write(os.path.join(directory, SESSION_NAME), json.dumps(
             {"token": token, "world_size": world_size, "started": time.time()}).encode())
     return token
+
+
+def _start_own_root(root: str, rank: int) -> None:
+    """Rank ``rank``'s own root, created if needed, without what its interrupted snapshots left
+    (this rank's lock, held, keeps any other engine out of it)."""
+    ensure_writable_dir(root)
+    _remove_leftovers(root, rank)
+    log.info("the ranks share no checkpoint directory: rank %d keeps its snapshots in %s, and "
+             "snapshots commit through the object store", rank, root)
+
+
+def _remove_leftovers(root: str, rank: Optional[int] = None) -> None:
+    """Delete what interrupted snapshots left in ``root`` (``rank``: a rank's own root), once no
+    writer that could still finish one is active there."""
+    stale = leftovers(root, recover_manifest(root, rank=rank))
+    if stale:
+        log.info("removing leftovers of interrupted snapshots: %s", ", ".join(stale))
+        remove_entries(root, stale)
 
 
 def _published_token(directory: str) -> Optional[str]:

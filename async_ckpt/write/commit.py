@@ -13,18 +13,23 @@ while writing; a few seconds once the training process is gone).
 
 The other ranks' writers learn the outcome the same way (``CommitWatcher``): the manifest names
 the attempt (committed), or rank 0 removed its directory (given up). Both are a ``CommitStage``,
-so the writer loop drives either without knowing its rank.
+so the writer loop drives either without knowing its rank. When the ranks share no directory
+(``session.py``), every rank's writer runs a ``Committer`` over a root of its own instead, which
+commits its shard alone; rank 0's uploader completes and checks the job's record in the object
+store with the same ``with_shards``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Protocol
 
-from ..errors import CheckpointError, CorruptSnapshotError, ReplicaMismatchError
-from ..format.manifest import DroppedRecord, ShardRecord, SnapshotRecord, read_manifest, write_manifest
+from ..errors import CheckpointError, CorruptSnapshotError, ManifestError, ReplicaMismatchError
+from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
+                               write_manifest)
 from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
@@ -69,15 +74,21 @@ class CommitStage(Protocol):
 
 
 class Committer:
-    """Rank 0's writer's list of attempts not yet committed or abandoned."""
+    """Rank 0's writer's list of attempts not yet committed or abandoned; or, when the ranks
+    share no directory (``own_root``), every rank's own: its root then holds only its own shards,
+    and it commits each into its own manifest (``Manifest.rank``) as soon as it is durable (the
+    object store's manifest, published by rank 0's uploader, commits the job's snapshot)."""
 
     def __init__(self, root: str | Storage, world_size: int, keep_last: int,
                  keep_every: Optional[int], commit_timeout: float,
                  send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic,
                  on_commit: Optional[Callable[[SnapshotRecord], None]] = None,
-                 keep: Optional[Callable[[], set[str]]] = None):
+                 keep: Optional[Callable[[], set[str]]] = None,
+                 own_root: Optional[int] = None):
         self.storage, self.world_size = as_storage(root), world_size
+        self.own_root = own_root
+        self.ranks = set(range(world_size)) if own_root is None else {own_root}
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout = commit_timeout
         self.send = send
@@ -113,13 +124,13 @@ class Committer:
         seen = self.storage.list_snapshot(attempt.dir)
         if seen != attempt.seen:
             attempt.seen, attempt.last_change = seen, now
-        return len(self._ranks_present(attempt)) == self.world_size
+        return self._ranks_present(attempt) >= self.ranks
 
     def _ranks_present(self, attempt: Attempt) -> set[int]:
         return {int(m.group(1)) for m in (SHARD_FILE.fullmatch(name) for name, _ in attempt.seen) if m}
 
     def _abandon(self, attempt: Attempt, why: str) -> None:
-        missing = sorted(set(range(self.world_size)) - self._ranks_present(attempt))
+        missing = sorted(self.ranks - self._ranks_present(attempt))
         message = (f"step {attempt.step} was not committed: rank(s) {missing} never finished their "
                    f"shard ({why}). The previous committed snapshot stays the newest")
         log.warning("%s", message)
@@ -130,7 +141,7 @@ class Committer:
         complete_at = self.clock()
         try:
             record = self._record(attempt)
-            manifest, dropped = read_manifest(self.storage).commit(
+            manifest, dropped = self._manifest().commit(
                 record, self.keep_last, self.keep_every, self.keep() if self.keep else ())
             write_manifest(self.storage, manifest)  # the commit point
         except Exception as e:  # this attempt fails; the writer and older commits are unaffected
@@ -149,27 +160,30 @@ class Committer:
         if self.on_commit is not None:
             self.on_commit(manifest.find(attempt.step))
 
+    def _manifest(self) -> Manifest:
+        """The manifest to commit into: the root's, or in a rank's own root a new one of that
+        rank (a root holding another rank's snapshots, or the job's, is refused)."""
+        manifest = read_manifest(self.storage)
+        if manifest.rank != self.own_root:
+            if manifest.snapshots:
+                raise ManifestError(
+                    f"{self.storage.location()} holds the snapshots of "
+                    f"{'all ranks' if manifest.rank is None else f'rank {manifest.rank}'}, not "
+                    f"{'all ranks' if self.own_root is None else f'rank {self.own_root}'}'s; "
+                    "point each job (and rank) at a directory of its own")
+            manifest = dataclasses.replace(manifest, rank=self.own_root)
+        return manifest
+
     def _record(self, attempt: Attempt) -> SnapshotRecord:
         """The manifest record of a complete attempt, after checking every other rank's shard."""
-        if self.world_size > 1:  # the other ranks' renames are durable before the manifest names them
+        others = sorted(self.ranks - {attempt.shard.rank})
+        if others:  # the other ranks' renames are durable before the manifest names them
             self.storage.sync_snapshot(attempt.dir)
-        shards, raw, refers = [attempt.shard], attempt.raw_bytes, set(attempt.refers)
-        for rank in range(1, self.world_size):
-            with ShardReader(self.storage.open_shard(attempt.dir, shard_file_name(rank))) as reader:
-                index = reader.index
-                if (index.get("step"), index.get("rank"), index.get("world_size")) != (
-                        attempt.step, rank, self.world_size):
-                    raise CorruptSnapshotError(
-                        f"{reader.path} is not rank {rank}'s shard of step {attempt.step} with "
-                        f"{self.world_size} ranks; do several jobs share {self.storage.location()}?")
-                _check_replicas(attempt, rank, index.get("replicas", []))
-                shards.append(ShardRecord(rank, shard_file_name(rank), reader.size,
-                                          reader.index_xxh3))
-                raw += sum(s["nbytes"] for s in index["storages"])
-                refers.update(referenced_dirs(index))
-        return SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
-                              world_size=self.world_size, shards=tuple(shards), raw_bytes=raw,
-                              stored_bytes=sum(s.bytes for s in shards), refers=tuple(sorted(refers)))
+        own = SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
+                             world_size=self.world_size, shards=(attempt.shard,),
+                             raw_bytes=attempt.raw_bytes, stored_bytes=attempt.shard.bytes,
+                             refers=tuple(sorted(attempt.refers)))
+        return with_shards(self.storage, own, attempt.replicas, others)
 
 
 class CommitWatcher:
@@ -243,17 +257,42 @@ class CommitWatcher:
         return True
 
 
-def _check_replicas(attempt: Attempt, rank: int, theirs: list) -> None:
-    ours = attempt.replicas
+def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
+                ranks: list[int]) -> SnapshotRecord:
+    """``record`` (holding rank 0's shard, whose index lists ``replicas``) with the shards of
+    ``ranks`` added from ``storage``: each one's index is read and checked (its step, rank and
+    world size; its replicas agree with rank 0's), and its size and index checksum recorded.
+    The committer completes a snapshot in a shared directory this way, and rank 0's uploader one
+    in the object store when the ranks share no directory."""
+    shards, raw, refers = list(record.shards), record.raw_bytes, set(record.refers)
+    for rank in ranks:
+        with ShardReader(storage.open_shard(record.dir, shard_file_name(rank))) as reader:
+            index = reader.index
+            if (index.get("step"), index.get("rank"), index.get("world_size")) != (
+                    record.step, rank, record.world_size):
+                raise CorruptSnapshotError(
+                    f"{reader.path} is not rank {rank}'s shard of step {record.step} with "
+                    f"{record.world_size} ranks; do several jobs share {storage.location()}?")
+            _check_replicas(record.step, replicas, rank, index.get("replicas", []))
+            shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
+            raw += sum(s["nbytes"] for s in index["storages"])
+            refers.update(referenced_dirs(index))
+    shards.sort(key=lambda s: s.rank)
+    return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw,
+                               stored_bytes=sum(s.bytes for s in shards),
+                               refers=tuple(sorted(refers)))
+
+
+def _check_replicas(step: int, ours: list, rank: int, theirs: list) -> None:
     if [(r.get("entry"), r.get("nbytes")) for r in theirs] != [(r["entry"], r["nbytes"]) for r in ours]:
         raise ReplicaMismatchError(
-            f"step {attempt.step}: the replicated entries have a different layout on rank {rank} "
+            f"step {step}: the replicated entries have a different layout on rank {rank} "
             f"than on rank 0 ({_entries(theirs)} vs {_entries(ours)}); every rank must register "
             "the same replicated entries with the same shapes")
     differ = sorted({a["entry"] for a, b in zip(ours, theirs) if a["xxh3"] != b.get("xxh3")})
     if differ:
         raise ReplicaMismatchError(
-            f"step {attempt.step}: replicated state {', '.join(map(repr, differ))} differs between "
+            f"step {step}: replicated state {', '.join(map(repr, differ))} differs between "
             f"rank 0 and rank {rank}, so it is not replicated; the snapshot was not committed. "
             "Declare as replicated only what every rank holds identically (a DDP model and its "
             "optimizer, not ZeRO/FSDP shards), and start every rank from the same weights")

@@ -43,6 +43,7 @@ class WriterConfig:
     remote: Optional[str] = None  # the object store's URL (write/upload.py), if any
     remote_options: Optional[dict] = None  # its settings, credentials perhaps
     remote_keep_last: int = 1
+    own_root: bool = False  # the ranks share no directory: ``root`` is this rank's alone
 
 
 # --- trainer -> writer ---------------------------------------------------------------------------

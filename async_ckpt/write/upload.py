@@ -17,7 +17,11 @@ One snapshot, in order:
 2. rank 0 lists the snapshot's prefix until every rank's shard is there with the size its
    manifest record says, then publishes the remote manifest, conditional on the ETag it last
    saw (docs/FORMAT.md 7: a manifest never names a partial snapshot, and another engine writing the
-   prefix is a RemoteConflictError that stops this uploader, replacing nothing);
+   prefix is a RemoteConflictError that stops this uploader, replacing nothing). When the ranks
+   share no directory, rank 0's local record holds only its own shard: it then reads the other
+   ranks' shard indexes from the bucket and checks them as the committer of a shared directory
+   would (``commit.with_shards``); a snapshot that fails the check is never published (its error
+   is raised once in the trainer), and the uploader moves on;
 3. only then are the objects of snapshots the new manifest drops (``remote_keep_last``) deleted.
    The other ranks watch the remote manifest to learn that their shard is published.
 
@@ -36,11 +40,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..errors import CheckpointError, RemoteConflictError
+from ..errors import CheckpointError, CorruptSnapshotError, RemoteConflictError, SnapshotWriteError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
-from ..format.names import MANIFEST_NAME
+from ..format.names import MANIFEST_NAME, shard_file_name
+from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.remote import ObjectStorage
+from .commit import with_shards
 from .protocol import RemoteStatus, WriterEvent
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,8 @@ class Uploader:
         self.uploaded_bytes = 0
         self.skipped = 0
         self.stopped: Optional[RemoteConflictError] = None
+        self.rejected: Optional[CheckpointError] = None  # why the last refused snapshot was
+        self.rejections = 0  # snapshots whose shards failed the checks before publication
         self._future: Optional[Future] = None
         self._next_check = 0.0
         self._caught_up = False
@@ -113,6 +121,7 @@ class Uploader:
         self.queue.append((record, now))
         if self.pending_since is None:
             self.pending_since = now
+        self._report()  # the lag grows now, even while a transfer hangs on a store that is down
         self.poll()
 
     def protected(self) -> set[str]:
@@ -165,7 +174,7 @@ class Uploader:
         if self.rank == 0:
             upload.closure = self._closure(upload.record)
         for record in (*upload.closure, upload.record):
-            shard = record.shards[self.rank]
+            shard = record.shard_of(self.rank)
             if (shard.file, shard.bytes) in self.remote.list_snapshot(record.dir):
                 continue  # uploaded before a retry or a restart
             self.remote.upload_file(record.dir, shard.file,
@@ -174,18 +183,37 @@ class Uploader:
         return "peers" if self.rank == 0 else "watch"
 
     def _check_peers(self, upload: _Upload) -> str:
-        present = set(self.remote.list_snapshot(upload.record.dir))
-        if all((s.file, s.bytes) in present for s in upload.record.shards):
+        present = dict(self.remote.list_snapshot(upload.record.dir))
+        missing = [rank for rank in range(upload.record.world_size)
+                   if not _uploaded(upload.record, rank, present)]
+        if not missing:
             return "publish"
         now = self.clock()
         if self.queue and now - upload.waited_since > PEER_WAIT_S:
             log.warning("remote: rank(s) %s never uploaded step %d; moving on to step %d",
-                        [s.rank for s in upload.record.shards if (s.file, s.bytes) not in present],
-                        upload.record.step, self.queue[-1][0].step)
+                        missing, upload.record.step, self.queue[-1][0].step)
             return "skip"
         return "peers"
 
+    def _complete(self, record: SnapshotRecord) -> SnapshotRecord:
+        """``record`` with every rank's shard: as committed locally in a shared directory, else
+        completed from the bucket's objects, checked against rank 0's own shard."""
+        others = [rank for rank in range(record.world_size) if record.shard_of(rank) is None]
+        if not others:
+            return record
+        own = record.shard_of(self.rank)
+        with ShardReader(self.local.open_shard(record.dir, own.file)) as reader:
+            replicas = reader.index.get("replicas", [])
+        return with_shards(self.remote, record, replicas, others)
+
     def _publish(self, upload: _Upload) -> str:
+        try:
+            upload.record = self._complete(upload.record)
+        except (CorruptSnapshotError, SnapshotWriteError) as e:  # the shards, not the store
+            self.rejected, self.last_error = e, f"{type(e).__name__}: {e}"
+            self.rejections += 1
+            log.error("remote: step %d is not published: %s", upload.record.step, e)
+            return "skip"
         manifest, dropped = self.remote_manifest, []
         for record in (*upload.closure, upload.record):
             manifest, gone = manifest.commit(record, self.keep_last, self.keep_every)
@@ -307,10 +335,19 @@ class Uploader:
         pending = [r for r, _ in self.queue] + ([self.current.record] if self.current else [])
         self.send(RemoteStatus({
             "remote_step": self.remote_step, "pending_since": self.pending_since,
-            "pending_bytes": sum(r.shards[self.rank].bytes for r in pending),
+            "pending_bytes": sum(r.shard_of(self.rank).bytes for r in pending),
             "uploaded_bytes": self.uploaded_bytes, "upload_retries": self.failures,
             "upload_skipped": self.skipped, "last_error": self.last_error,
-            "conflict": self.stopped}))
+            "conflict": self.stopped, "rejected": self.rejected,
+            "rejections": self.rejections}))
+
+
+def _uploaded(record: SnapshotRecord, rank: int, present: dict[str, int]) -> bool:
+    """Whether rank ``rank``'s shard of ``record`` is in the bucket (``present``: name -> size):
+    with the size the record gives, where it lists that rank's shard."""
+    shard = record.shard_of(rank)
+    name = shard_file_name(rank)
+    return name in present and (shard is None or present[name] == shard.bytes)
 
 
 def run_in_thread(step: Callable, *args) -> Future:

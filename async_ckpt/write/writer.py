@@ -14,7 +14,9 @@ a Unix socketpair in the typed messages of ``protocol.py``:
                      Failed(job, error) (a CheckpointError object, raised in the trainer)
 
 For each job the writer encodes and writes the shard, releases the buffer, fsyncs, and hands the
-attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit).
+attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit;
+when the ranks share no directory, each commits its own shard into its own root, and the remote
+tier commits the job's snapshot).
 When the training process dies the socket closes; the writer finishes the jobs already queued
 (their bytes are staged and whole) and exits. With a remote tier (``upload.py``) each commit
 is handed to the uploader, which the loop drives too; after ``Close`` what is not uploaded stays
@@ -81,11 +83,13 @@ class SnapshotWriter:
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
         on_commit = self.uploader.committed if self.uploader else None
+        self.own_root = config.own_root
         self.commit: CommitStage = (
             Committer(self.storage, self.world_size, config.keep_last, config.keep_every,
                       config.commit_timeout, self.send, on_commit=on_commit,
-                      keep=self.uploader.protected if self.uploader else None)
-            if self.rank == 0
+                      keep=self.uploader.protected if self.uploader else None,
+                      own_root=self.rank if self.own_root else None)
+            if self.rank == 0 or self.own_root
             else CommitWatcher(self.storage, config.commit_timeout, self.send,
                                on_commit=on_commit))
 
@@ -206,7 +210,7 @@ class SnapshotWriter:
                 **({"dtensors": list(job.dtensors)} if job.dtensors else {})})
         except BaseException:
             shard.abort()
-            if self.world_size == 1:  # with several ranks the directory is shared; rank 0 cleans
+            if self.world_size == 1 or self.own_root:  # a shared directory: rank 0 cleans
                 self.storage.remove([job.dir])
             raise
         t_durable = time.monotonic()
