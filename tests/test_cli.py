@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import gc as gc_command
 from async_ckpt.tools.cli import main
-from async_ckpt.errors import NoSnapshotError
+from async_ckpt.errors import CheckpointDirError, NoSnapshotError
 from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same, make_training_state, train_step
 
@@ -715,3 +715,27 @@ def test_console_script_and_python_m(ckpt):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("async-ckpt: error: ") and "Traceback" not in result.stderr
+
+
+def test_a_ranks_own_root_lists_and_verifies_but_points_to_the_store(capsys, tmp_path):
+    """The ranks shared no directory: DIR holds their own roots. ls and verify read one of them
+    (its shards only, said so); DIR itself, and a restore from a root, point to the bucket."""
+    from test_commit import write_shard
+    from async_ckpt.write.commit import Attempt, Committer
+
+    root = tmp_path / "ckpt" / "rank-00001"
+    root.mkdir(parents=True)
+    (tmp_path / "ckpt" / ".lock-rank00001").touch()
+    committer = Committer(str(root), 2, keep_last=3, keep_every=None, commit_timeout=60,
+                          send=lambda event: None, own_root=1)
+    name = "step-00000000000000000007.0000abcd"
+    committer.add(Attempt(job=0, step=7, dir=name, replicas=[], raw_bytes=64, figures={},
+                          shard=write_shard(str(root), name, 1, 7, world_size=2)))
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "rank 1's own root" in out and "object store" in out
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0 and "step 7" in out and "rank 1's own root" in out
+    code, _, err = run(capsys, "ls", str(tmp_path / "ckpt"))
+    assert code == 2 and "rank-00001" in one_error_line(err) and "s3://" in err
+    with pytest.raises(CheckpointDirError, match="object store"):
+        load(str(root))

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 from .argtypes import int_arg
 from ..errors import NoSnapshotError
 from ..format.manifest import Manifest, SnapshotRecord
-from ..format.names import MANIFEST_NAME, SNAPSHOT_DIR, is_lock_file
+from ..format.names import MANIFEST_NAME, RANK_ROOT, SNAPSHOT_DIR, is_lock_file
 from ..storage.base import Storage
 from ..storage.open import open_storage
 from ..storage.remote import is_remote
@@ -118,6 +118,13 @@ def checkpoint_dir(location: str) -> Storage:
     that has not committed yet; a bucket has none)."""
     storage = open_storage(location)
     names = storage.list_root()
+    own_roots = sorted(n for n in names if RANK_ROOT.fullmatch(n))
+    if own_roots and MANIFEST_NAME not in names:
+        raise UsageError(f"{location} holds the ranks' own roots ({', '.join(own_roots[:4])}"
+                         f"{', ...' if len(own_roots) > 4 else ''}) of a job whose ranks shared no "
+                         "directory: its snapshots are in the object store given as remote= "
+                         f"(pass that s3:// URL), each rank's copy of its shards in "
+                         f"{os.path.join(location, own_roots[0])} and the like")
     if (MANIFEST_NAME in names or any(SNAPSHOT_DIR.fullmatch(n) for n in names)
             or any(map(is_lock_file, names))):
         return storage

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import os
+from typing import Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir,
                      size_text, when_text)
@@ -54,14 +55,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         doc = {"directory": root if is_remote(root) else os.path.abspath(root),
                "manifest": has_manifest,
                "newest_step": manifest.snapshots[-1].step if manifest.snapshots else None,
-               "snapshots": snapshots, "leftovers": stray}
+               "rank": manifest.rank, "snapshots": snapshots, "leftovers": stray}
         print(json.dumps(doc, indent=1))
         return EXIT_DAMAGE if failed else EXIT_OK
-    _print_ls(root, has_manifest, snapshots, stray)
+    _print_ls(root, has_manifest, snapshots, stray, manifest.rank)
     return EXIT_DAMAGE if failed else EXIT_OK
 
 
-def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[dict]) -> None:
+def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[dict],
+              own_rank: Optional[int]) -> None:
     if not snapshots:
         print(f"{root}: no committed snapshot"
               + ("" if has_manifest else f" ({MANIFEST_NAME} does not exist yet)"))
@@ -81,8 +83,12 @@ def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[
         for s in snapshots:
             for problem in s["problems"]:
                 print(f"  step {s['step']}: {problem}")
-        print(f"restore() loads the newest ({snapshots[-1]['step']}) if it verifies, else the one "
-              "before it, in commit order.")
+        if own_rank is None:
+            print(f"restore() loads the newest ({snapshots[-1]['step']}) if it verifies, else the "
+                  "one before it, in commit order.")
+        else:
+            print(f"rank {own_rank}'s own root: only its shards (the ranks shared no directory); "
+                  "the job restores from its object store's manifest.")
         print(f"files 'ok': present with the recorded size; `{PROG} verify` reads the checksums.")
     if stray:
         print(f"leftovers of snapshots that never committed (never restored; `{PROG} gc {root}` "
@@ -96,8 +102,6 @@ def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[
 def _shard_problems_quick(storage: Storage, record: SnapshotRecord) -> list[str]:
     """What a listing shows wrong with a committed snapshot's files (missing, wrong size)."""
     problems = []
-    if len(record.shards) != record.world_size:
-        problems.append(f"{len(record.shards)} of {record.world_size} shards recorded")
     sizes = dict(storage.list_snapshot(record.dir))
     for shard in record.shards:
         size = sizes.get(shard.file)
