@@ -6,11 +6,11 @@ The public names are imported lazily so that the writer process, which imports
 
 import importlib
 
-__all__ = ["CheckpointEngine", "load", "errors"]
+__all__ = ["CheckpointEngine", "Marker", "load", "errors"]
 __version__ = "0.1.0"
 
-_LAZY = {"CheckpointEngine": "async_ckpt.engine", "load": "async_ckpt.read.snapshot",
-         "errors": "async_ckpt.errors"}
+_LAZY = {"CheckpointEngine": "async_ckpt.engine", "Marker": "async_ckpt.write.protocol",
+         "load": "async_ckpt.read.snapshot", "errors": "async_ckpt.errors"}
 
 
 def __getattr__(name):

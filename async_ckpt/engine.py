@@ -21,7 +21,7 @@ import signal
 import time
 import warnings
 import weakref
-from typing import Any, MutableMapping, Optional
+from typing import Any, Iterable, MutableMapping, Optional
 
 import psutil
 
@@ -48,8 +48,8 @@ from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import StagingPool
 from .write.client import WriterClient
-from .write.protocol import (Abandoned, Committed, Failed, Released, RemoteStatus, SnapshotJob,
-                             WriterConfig, WriterEvent)
+from .write.protocol import (Abandoned, Committed, Dropped, Failed, Marker, Released,
+                             RemoteStatus, SnapshotJob, WriterConfig, WriterEvent)
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
@@ -140,17 +140,29 @@ class CheckpointEngine:
 
     # --- the training loop ------------------------------------------------------------------
 
-    def snapshot(self, step: int, *, force: bool = False) -> bool:
+    def snapshot(self, step: int, *, force: bool = False,
+                 state: Optional[MutableMapping[str, Any]] = None,
+                 markers: Iterable[Marker] = ()) -> bool:
         """Take a snapshot tagged ``step``; True if one was taken.
 
         Async mode returns as soon as the state sits in CPU staging memory: changes to the state
         made after the call returns never reach this snapshot. Raises the error of an earlier
         snapshot that failed to write (typed, see ``async_ckpt.errors``), or ``Preempted`` after a
         preemption signal once this step's snapshot is committed.
+
+        ``state``: snapshot this mapping (of the kinds the engine's ``state`` may hold) instead
+        of the registered one, for code that builds what it saves anew each time (a framework's
+        checkpoint dict); it is staged into the same reused slots. ``load()`` reads it back.
+        ``markers``: ``Marker`` files or directories the writer writes once this snapshot is
+        committed, never before (what a framework's own resume looks for).
         """
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
             raise ValueError(f"step must be an int in [0, 10**20), not {step!r}")
+        if state is None:
+            state = self.state
+        else:
+            self.options.check_state(state)
         if self._heartbeat is not None:
             self._heartbeat.beat(step)
         self._drain(block=False)
@@ -168,7 +180,7 @@ class CheckpointEngine:
                         self._counts.skipped)
             return False
         t_slot = time.perf_counter()
-        captured = capture(self.state if self._rng is None else {**self.state, RNG_KEY: self._rng},
+        captured = capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
                            self.options.allow_pickle)
         replica_of = [key if key in self.options.replicated else None for key in captured.entry_of]
         sharded = [d for d in captured.dtensors if d["tensor"] is not None
@@ -188,7 +200,7 @@ class CheckpointEngine:
                                                               self._attempts[step])
         refer = ({} if self._tracker is None else
                  self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory,
-                                         trainable_storages(self.state)))
+                                         trainable_storages(state)))
         self._pool.stage(plan, sources, slot, skip=refer)
         del sources, captured.tensors
         t_staged = time.perf_counter()
@@ -196,7 +208,8 @@ class CheckpointEngine:
         self._writer.submit(SnapshotJob(
             job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
             plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
-            refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors)))
+            refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
+            markers=tuple(markers)))
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
@@ -266,15 +279,57 @@ class CheckpointEngine:
         self._check_usable()
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
-        source = (self.root if self._remote is None
-                  else TieredStorage(LocalStorage(self.root), self._remote))
         record, loaded = read_committed(
-            source, step, self.rank, self.options.allow_pickle, self._coordinator,
-            lambda r: self.rank % r.world_size, self._check_loaded, mapped=True,
-            scratch=self._pool.scratch(), targets=self.state)
+            self._committed_source(), step, self.rank, self.options.allow_pickle,
+            self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded,
+            mapped=True, scratch=self._pool.scratch(), targets=self.state)
         if loaded is None:
             return None
         return self._load(record, loaded, strict, reshard)
+
+    def load(self, step: Optional[int] = None) -> Optional[tuple[int, dict]]:
+        """The newest committed snapshot that verifies (or ``step``), read as plain CPU tensors
+        and values without loading it into the registered objects: each object's entry as its
+        ``state_dict()`` was, each mapping given to ``snapshot(state=...)`` as it was given. For
+        code that applies what it saved itself (a framework's checkpoint dict). Falls back past
+        damage as ``restore()`` does and sets the global RNG states saved with it (``rng``).
+        Returns (step, state), or None when nothing was ever committed."""
+        self._check_usable()
+        self.wait()
+        self._next_snapshot_full()
+        record, loaded = read_committed(
+            self._committed_source(), step, self.rank, self.options.allow_pickle,
+            self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded)
+        if loaded is None:
+            return None
+        self._load_rng(record, loaded.value.pop(RNG_KEY, None))
+        return record.step, loaded.plain()
+
+    def drop(self, steps: Iterable[int]) -> list[int]:
+        """Take committed ``steps`` out of the manifest and delete their snapshots (one that a
+        kept snapshot refers to stays): retention decided outside the engine, such as a
+        framework's ``save_top_k`` or ``save_total_limit``. Snapshots in flight are committed
+        first, so a step still being written is dropped once whole, never raced. With several
+        ranks on a shared directory, rank 0's call drops (the others' do nothing). The bucket
+        of ``remote`` keeps its own retention (``remote_keep_last``). Returns the steps dropped."""
+        self._check_usable()
+        steps = tuple(sorted(set(steps)))
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise ValueError(f"steps must be ints, not {steps!r}")
+        self.wait()
+        self._writer.drop(steps)
+        while True:
+            event = self._writer_event(None)
+            if isinstance(event, Dropped):
+                if event.error is not None:
+                    raise event.error
+                return list(event.steps)
+            self._handle(event)
+
+    def _committed_source(self):
+        """Where committed snapshots are read: this rank's root, or it and the bucket."""
+        return (self.root if self._remote is None
+                else TieredStorage(LocalStorage(self.root), self._remote))
 
     def _check_loaded(self, loaded: Entry) -> None:
         """Damage that shows only against what is registered: the RNG states this engine would
@@ -323,12 +378,17 @@ class CheckpointEngine:
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")
         apply(state, loaded, step, strict)
+        self._load_rng(record, rng)
+        log.info("restored step %d", step)
+        return step
+
+    def _load_rng(self, record: SnapshotRecord, rng: Optional[Entry]) -> None:
+        """Set the global RNG states saved with ``record`` (a rank past its world size derives
+        streams of its own from them)."""
         if self._rng is not None and rng is not None:
             self._rng.load_state_dict(rng.value)
             if self.rank >= record.world_size:  # no saved stream of its own: derive one
                 self._rng.derive(rng.value, self.rank)
-        log.info("restored step %d", step)
-        return step
 
     def committed_steps(self) -> list[int]:
         """Steps committed in the local directory, in commit order, oldest first (read from the

@@ -24,6 +24,7 @@ import mmap
 import os
 import shutil
 import stat
+import tempfile
 from typing import Callable, Iterable, Optional, Type, Union
 
 from .base import ShardSink, ShardSource, Storage
@@ -104,6 +105,49 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(directory)
+
+
+def atomic_directory(path: str, files: Iterable[tuple[str, bytes]]) -> None:
+    """Make ``path`` a directory holding ``files`` ((name, bytes) pairs, names of one path
+    component), all at once and durably: readers, and a crash, see no directory (or the one it
+    replaces) or the whole new one. The files are written and fsynced in a fresh sibling, which
+    is then renamed to ``path``; a directory already at ``path`` is moved aside first and removed
+    after."""
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path)
+    make_dirs(parent)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    try:
+        for name, data in files:
+            if not name or name in (".", "..") or os.sep in name or "\0" in name:
+                raise ValueError(f"{name!r} is not a file name")
+            fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.chmod(tmp, 0o777 & ~umask())  # as mkdir would have made it, not mkdtemp's 0700
+        fsync_dir(tmp)
+        aside = None
+        if os.path.lexists(path):
+            aside = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
+            os.rename(path, os.path.join(aside, base))
+        os.rename(tmp, path)
+        fsync_dir(parent)
+    except BaseException:
+        _remove_tree(tmp)
+        raise
+    if aside is not None:
+        _remove_tree(aside)
+
+
+def umask() -> int:
+    """The process's umask: the permissions an ``open``/``mkdir`` would give, for files made with
+    ``tempfile``'s private ones first."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def ensure_writable_dir(path: str) -> str:

@@ -214,11 +214,3 @@ def count_tensors(state) -> tuple[int, int]:
     """How many tensors ``state`` holds, and their bytes."""
     tensors = list(iter_tensors(state))
     return len(tensors), sum(t.nbytes for t in tensors)
-
-
-def umask() -> int:
-    """The process's umask: the permissions an ``open``/``mkdir`` would give, for files made with
-    ``tempfile``'s private ones first."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -38,9 +38,9 @@ from ..errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
 from ..format.shard import MAX_DIMS, MAX_EXTENT, MAX_KEY_CHARS
 from ..read.memory import allocating, require_memory
 from ..read.reshard import exact_cover
-from ..storage.local import open_regular
+from ..storage.local import open_regular, umask
 from ..train.capture import ALL_DTYPES, DTYPES
-from .common import iter_tensors, umask
+from .common import iter_tensors
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 256 << 20  # ~a million chunk records; a larger file is refused unread

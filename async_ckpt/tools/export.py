@@ -11,10 +11,11 @@ import tempfile
 from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     count_tensors, pick_record, size_text, step_arg, umask)
+                     count_tensors, pick_record, size_text, step_arg)
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
 from ..read.memory import allocating, require_memory
+from ..storage.local import umask
 
 
 HELP = "write a snapshot as .pt, .safetensors or a PyTorch DCP checkpoint"

@@ -18,8 +18,8 @@ from typing import Optional
 import psutil
 
 from ..errors import WriterDiedError
-from .protocol import (Attach, Close, Detach, Ready, SnapshotJob, TrainerMessage, WriterConfig,
-                       WriterEvent)
+from .protocol import (Attach, Close, Detach, Drop, Ready, SnapshotJob, TrainerMessage,
+                       WriterConfig, WriterEvent)
 
 log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 120.0
@@ -59,6 +59,9 @@ class WriterClient:
 
     def submit(self, job: SnapshotJob) -> None:
         self._send(job)
+
+    def drop(self, steps: tuple[int, ...]) -> None:
+        self._send(Drop(steps))
 
     def _send(self, message: TrainerMessage) -> None:
         try:

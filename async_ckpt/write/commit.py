@@ -34,7 +34,7 @@ from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_checkpoint_error, as_storage
-from .protocol import Abandoned, Committed, Failed, WriterEvent
+from .protocol import Abandoned, Committed, Dropped, Failed, WriterEvent
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02
@@ -71,6 +71,9 @@ class CommitStage(Protocol):
     def poll(self, trainer_gone: bool) -> None:
         """Settle what can be settled now. ``trainer_gone``: the training process closed or died;
         the loop calls ``poll`` until nothing is pending."""
+
+    def drop(self, steps: tuple[int, ...]) -> Dropped:
+        """Take committed ``steps`` out of the manifest, where this stage writes it."""
 
 
 class Committer:
@@ -160,6 +163,18 @@ class Committer:
         if self.on_commit is not None:
             self.on_commit(manifest.find(attempt.step))
 
+    def drop(self, steps: tuple[int, ...]) -> Dropped:
+        """Take ``steps`` out of the manifest (but what a kept snapshot refers to), then delete
+        their snapshots; the manifest is unchanged when writing it fails."""
+        try:
+            manifest, dropped = self._manifest().without(steps)
+            if dropped:
+                write_manifest(self.storage, manifest)
+        except (CheckpointError, OSError) as e:
+            return Dropped((), as_checkpoint_error(e, f"dropping steps {list(steps)}"))
+        self.storage.remove([d.dir for d in dropped])
+        return Dropped(tuple(d.step for d in dropped))
+
     def _manifest(self) -> Manifest:
         """The manifest to commit into: the root's, or in a rank's own root a new one of that
         rank (a root holding another rank's snapshots, or the job's, is refused)."""
@@ -207,6 +222,10 @@ class CommitWatcher:
     def add(self, attempt: Attempt) -> None:
         self.pending.append(attempt)
         self.poll(trainer_gone=False)
+
+    def drop(self, steps: tuple[int, ...]) -> Dropped:
+        """Nothing: rank 0's writer alone writes the manifest (``Committer.drop``)."""
+        return Dropped(())
 
     def poll(self, trainer_gone: bool) -> None:
         """Report what rank 0 has committed or given up. Once the trainer is gone nobody is left

@@ -7,10 +7,11 @@ trainer raises the very class the writer saw and ``isinstance`` keeps working fo
 The writer's settings cross once, as the first message (``WriterConfig``): never on its command
 line, which every user of the machine can read, since they may hold the object store's keys.
 
-  trainer -> writer: WriterConfig; then Attach (then the memfd itself), Detach, SnapshotJob, Close
+  trainer -> writer: WriterConfig; then Attach (then the memfd itself), Detach, SnapshotJob, Drop,
+                     Close
   writer -> trainer: Ready once started; then per job Released, and one ``JobOutcome``:
-                     Committed, Abandoned or Failed; with a remote tier, RemoteStatus whenever
-                     the upload moves on
+                     Committed, Abandoned or Failed; per Drop, Dropped; with a remote tier,
+                     RemoteStatus whenever the upload moves on
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ class Detach:
 
 
 @dataclass(frozen=True)
+class Marker:
+    """What a snapshot makes visible outside the checkpoint directory once it is committed, and
+    never before: a file ``path`` holding ``content``, or, given ``files``, a directory ``path``
+    holding those (name, bytes) pairs. The writer writes it atomically and durably right after
+    the commit, even when the trainer is gone by then. For code that finds checkpoints by their
+    files (a framework's own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory)."""
+
+    path: str  # absolute
+    content: bytes = b""
+    files: Optional[tuple[tuple[str, bytes], ...]] = None
+
+
+@dataclass(frozen=True)
 class SnapshotJob:
     """Write the snapshot staged in buffer ``buffer_id`` into directory ``dir`` of the root."""
 
@@ -82,6 +96,16 @@ class SnapshotJob:
     refer: tuple[tuple[int, str], ...] = ()
     # Sharded tensors: the index's ``dtensors`` records (docs/FORMAT.md 3.6), in tree order.
     dtensors: tuple[dict, ...] = ()
+    markers: tuple[Marker, ...] = ()  # written once the snapshot is committed
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Take these committed steps out of the manifest and delete their snapshots (what a kept
+    snapshot refers to stays): retention decided by the caller (a framework's own), applied by
+    the writer, which alone writes the manifest."""
+
+    steps: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -142,16 +166,27 @@ class Failed(JobOutcome):
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """The answer to a Drop: the steps taken out of the manifest (the others it named were not
+    in it, or a kept snapshot refers to them), or the error that kept the manifest unchanged."""
+
+    steps: tuple[int, ...]
+    error: Optional[CheckpointError] = None
+
+
+@dataclass(frozen=True)
 class RemoteStatus:
     """Where this rank's uploads stand (``write/upload.py``), sent whenever that changes:
     ``figures`` holds ``remote_step`` (newest step the bucket's manifest names, as this rank
     knows), ``pending_since`` (the writer's ``time.monotonic()`` at the local commit of the
     oldest snapshot not uploaded, or None), ``pending_bytes``, ``uploaded_bytes``,
-    ``upload_retries`` (failures in a row), ``upload_skipped``, ``last_error`` (text or None)
-    and ``conflict`` (a RemoteConflictError once uploading stopped, else None)."""
+    ``upload_retries`` (failures in a row), ``upload_skipped``, ``last_error`` (text or None),
+    ``conflict`` (a RemoteConflictError once uploading stopped, else None), and ``rejected``
+    with ``rejections`` (the error of the last snapshot whose shards failed the checks before
+    publication, and how many have)."""
 
     figures: dict
 
 
-TrainerMessage = Union[Attach, Detach, SnapshotJob, Close]
-WriterEvent = Union[Ready, Released, Committed, Abandoned, Failed, RemoteStatus]
+TrainerMessage = Union[Attach, Detach, SnapshotJob, Drop, Close]
+WriterEvent = Union[Ready, Released, Committed, Abandoned, Failed, Dropped, RemoteStatus]

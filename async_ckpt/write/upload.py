@@ -177,8 +177,12 @@ class Uploader:
             shard = record.shard_of(self.rank)
             if (shard.file, shard.bytes) in self.remote.list_snapshot(record.dir):
                 continue  # uploaded before a retry or a restart
-            self.remote.upload_file(record.dir, shard.file,
-                                    self.local.location(record.dir, shard.file))
+            try:
+                self.remote.upload_file(record.dir, shard.file,
+                                        self.local.location(record.dir, shard.file))
+            except FileNotFoundError:  # dropped locally since (engine.drop): nothing to upload
+                log.info("remote: step %d was dropped before it was uploaded", record.step)
+                return "skip"
             self.uploaded_bytes += shard.bytes
         return "peers" if self.rank == 0 else "watch"
 

@@ -7,11 +7,12 @@ a Unix socketpair in the typed messages of ``protocol.py``:
 
   trainer -> writer: WriterConfig first; Attach(buffer_id, nbytes), then the buffer's memfd;
                      Detach(buffer_id); SnapshotJob(job, step, buffer_id, dir, tree, plan,
-                     submitted); Close()
+                     submitted); Drop(steps); Close()
   writer -> trainer: Ready(pid) once started; per job Released(buffer_id, step) as soon as the
                      staging buffer is no longer read, then one of Committed(job, figures),
                      Abandoned(job, message) (another rank never finished its shard) or
-                     Failed(job, error) (a CheckpointError object, raised in the trainer)
+                     Failed(job, error) (a CheckpointError object, raised in the trainer);
+                     Dropped(steps, error) per Drop
 
 For each job the writer encodes and writes the shard, releases the buffer, fsyncs, and hands the
 attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit;
@@ -39,13 +40,13 @@ from typing import Optional
 import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
-from .protocol import (Attach, Close, Detach, Failed, Ready, Released, SnapshotJob, WriterConfig,
-                       WriterEvent)
+from .protocol import (Attach, Close, Committed, Detach, Drop, Failed, JobOutcome, Marker, Ready,
+                       Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
 from ..errors import DiskFullError, SnapshotWriteError
 from ..format.references import References
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
-from ..storage.local import LocalStorage, as_checkpoint_error
+from ..storage.local import LocalStorage, as_checkpoint_error, atomic_directory, atomic_write, make_dirs
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
@@ -79,6 +80,7 @@ class SnapshotWriter:
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
+        self.markers: dict[int, tuple[Marker, ...]] = {}  # by job: written once it is committed
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -134,6 +136,8 @@ class SnapshotWriter:
                 self.buffers.pop(buffer_id).close()
             case SnapshotJob():
                 self.handle(message)
+            case Drop(steps):
+                self.send(self.commit.drop(steps))
             case Close():
                 return CLOSED
             case _:
@@ -141,12 +145,19 @@ class SnapshotWriter:
         return None
 
     def send(self, event: WriterEvent) -> None:
+        """Tell the trainer; a job's markers are written first, once it is committed."""
+        if isinstance(event, JobOutcome) and event.job in self.markers:
+            markers = self.markers.pop(event.job)
+            if isinstance(event, Committed):
+                event = _write_markers(event, markers)
         try:
             self.conn.send(event)
         except OSError:
             pass  # the trainer died; still finish and commit what it staged
 
     def handle(self, job: SnapshotJob) -> None:
+        if job.markers:
+            self.markers[job.job] = job.markers
         if job.plan is not None:
             self.plan = job.plan
             self.layout = shard_layout(self.plan, self.rank, self.world_size, self.spread_replicated)
@@ -247,6 +258,26 @@ class SnapshotWriter:
                 f"not enough space for a snapshot in {self.root}: about {need / 1e6:.0f} MB needed "
                 f"(incl. the {self.reserve_bytes / 1e6:.0f} MB reserve), {free / 1e6:.0f} MB free. "
                 "Free space or lower keep_last; committed snapshots are intact")
+
+
+def _write_markers(committed: Committed, markers: tuple[Marker, ...]) -> WriterEvent:
+    """Write the markers of a committed snapshot; the event to send: ``committed``, or Failed
+    when a marker could not be written (the snapshot stays committed, but whoever looks for
+    the marker will not see it)."""
+    for marker in markers:
+        try:
+            if marker.files is None:
+                make_dirs(os.path.dirname(marker.path))
+                atomic_write(marker.path, marker.content)
+            else:
+                atomic_directory(marker.path, marker.files)
+        except OSError as e:
+            log.error("could not write %s: %s", marker.path, e)
+            return Failed(committed.job, SnapshotWriteError(
+                f"the snapshot was committed, but {marker.path} could not be written "
+                f"({e.strerror or e}): what looks for it will not find it. Check that its "
+                "directory is writable"))
+    return committed
 
 
 def _lower_priority(nice: int, io_idle: bool) -> None:
