@@ -13,6 +13,7 @@ writer commits a step once every rank's shard of it is durable (see ``commit.py`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,13 +25,15 @@ import weakref
 from typing import Any, Iterable, MutableMapping, Optional
 
 import psutil
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import errors
 from .data import inexact_loader_warnings
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preempted,
-                     RemoteConflictError, RemoteStorageError, StateMismatchError,
-                     WorldSizeMismatchError, WriterDiedError)
+                     RemoteConflictError, RemoteStorageError, StagingRaceError,
+                     StateMismatchError, WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .options import EngineOptions, options_signature
@@ -41,12 +44,12 @@ from .storage.local import LocalStorage, ensure_writable_dir
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
 from .storage.locks import lock_path
-from .train.capture import capture, check_registrable, plan_layout
+from .train.capture import capture, check_registrable, plan_layout, registered_objects
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
 from .train.rng import GlobalRNG
 from .train.session import start_session
-from .train.staging import StagingPool
+from .train.staging import Copy, StagingPool
 from .write.client import WriterClient
 from .write.protocol import (Abandoned, Committed, Dropped, Failed, Marker, Released,
                              RemoteStatus, SnapshotJob, WriterConfig, WriterEvent)
@@ -97,6 +100,8 @@ class CheckpointEngine:
         self._coordinator = Coordinator(self.rank, self.world_size)
         self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
         self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
+        self._staging: Optional[_Staged] = None  # the snapshot whose copy fence() waits for
+        self._fences = _install_fences(self) if o.staging == "lazy" else []
         session = self._pool = None
         try:
             session = start_session(self.directory, self._coordinator, o.shared_settings(),
@@ -122,7 +127,7 @@ class CheckpointEngine:
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         session.lock_fd)
+                                         session.lock_fd, self._fences)
         self._old_handlers = self._install_preemption_handlers(o.preemption)
 
     # --- set-up -----------------------------------------------------------------------------
@@ -172,6 +177,7 @@ class CheckpointEngine:
         if not (force or preempting) and step % self.options.every:
             return False
         called_at, t0 = time.monotonic(), time.perf_counter()
+        self.fence()  # the previous snapshot's copy ends before this one is taken
         slot = self._acquire_slot(may_skip=not preempting)
         if slot is None:
             self._counts.skipped += 1
@@ -201,11 +207,17 @@ class CheckpointEngine:
         refer = ({} if self._tracker is None else
                  self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory,
                                          trainable_storages(state)))
-        self._pool.stage(plan, sources, slot, skip=refer)
+        lazy = (self.options.staging == "lazy" and self.options.mode == "async"
+                and not preempting)
+        now = _buffer_regions(sources, state) if lazy else set()
+        watched = [] if not lazy else [  # what must not change until the copy has ended
+            (captured.paths[i], t, t._version) for i, t in enumerate(captured.tensors)
+            if plan.tensors[i].region is not None and plan.tensors[i].region not in refer
+            and plan.tensors[i].region not in now and not t.is_inference()]
+        copy = self._pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
         del sources, captured.tensors
-        t_staged = time.perf_counter()
         slot.busy = True
-        self._writer.submit(SnapshotJob(
+        staged = _Staged(copy, slot, watched, SnapshotJob(
             job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
             plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
             refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
@@ -213,12 +225,15 @@ class CheckpointEngine:
         self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
-        record = SnapshotFigures(step, called_at, blocking_s=time.perf_counter() - t0,
-                                 wait_slot_s=t_slot - t0, capture_s=t_captured - t_slot,
-                                 staging_s=t_staged - t_captured,
+        record = SnapshotFigures(step, called_at, blocking_s=0.0, wait_slot_s=t_slot - t0,
+                                 capture_s=t_captured - t_slot, staging_s=0.0,
                                  staged_bytes=plan.raw_bytes - sum(plan.regions[k].nbytes
                                                                    for k in refer))
         self._pending[job] = record
+        self._staging = staged
+        if not lazy:
+            self.fence()
+        record.blocking_s = time.perf_counter() - t0
         if self.options.mode == "sync" or self._preempted_by is not None:
             self.wait()
             record.blocking_s = time.perf_counter() - t0  # the caller waited for the commit
@@ -229,6 +244,36 @@ class CheckpointEngine:
             raise Preempted(step, self._preempted_by)
         return True
 
+    def fence(self) -> None:
+        """Wait until the tensors of the last snapshot are copied (lazy staging; at once with
+        eager staging), and hand the snapshot to the writer. Call it before changing the state
+        in place by means the engine does not fence itself (it fences every optimizer's
+        ``step()``, registered modules' and optimizers' ``load_state_dict``, ``snapshot()``,
+        ``wait()``, ``restore()``, ``load()``, ``drop()`` and ``close()``). A staged tensor that
+        changed before its copy ended fails that snapshot: ``StagingRaceError`` at the next
+        call, naming it; the snapshot is not written, and the next one is unaffected."""
+        staged, self._staging = self._staging, None
+        if staged is None:
+            return
+        record = self._pending[staged.job.job]
+        record.staging_s = staged.copy.wait()
+        changed = [path for path, t, version in staged.watched if t._version != version]
+        if not changed:
+            self._writer.submit(staged.job)
+            return
+        staged.slot.busy = False  # the writer never saw it
+        self._pending.pop(staged.job.job)
+        self._counts.record_failure()
+        self._writer_plan = None  # the next job carries its plan: the writer never got this one
+        self._next_snapshot_full()
+        error = StagingRaceError(
+            f"step {staged.job.step} was not saved: {', '.join(changed[:3])}"
+            f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed while being "
+            "copied (lazy staging), by a write no fence saw. Call engine.fence() before changing "
+            "the state in place outside an optimizer's step(), or use staging='eager'")
+        log.error("%s", error)
+        self._failures.append(error)
+
     def wait(self, remote: bool = False, timeout: Optional[float] = None) -> None:
         """Block until every snapshot in flight is committed (or has failed, which raises, or was
         given up because another rank never finished its part, which is counted and logged).
@@ -237,6 +282,7 @@ class CheckpointEngine:
         (snapshots committed while an upload ran may be skipped: ``stats()["upload_skipped"]``),
         raising RemoteStorageError after ``timeout`` seconds (None: no limit)."""
         self._check_usable()
+        self.fence()
         while self._pending:
             self._handle(self._writer_event(None))
         self._raise_failures()
@@ -592,7 +638,49 @@ class CheckpointEngine:
 # (their one owner) rather than written out a second time in __init__'s parameter list.
 CheckpointEngine.__init__.__signature__ = options_signature(CheckpointEngine.__init__)
 
-def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int) -> None:
+def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
+                       fences: list) -> None:
+    for handle in fences:
+        handle.remove()
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A snapshot being copied into its slot: handed to the writer by ``fence()`` once the copy
+    is done and none of the ``watched`` (key path, tensor, version) tensors changed meanwhile."""
+
+    copy: Copy
+    slot: Any
+    watched: list
+    job: SnapshotJob
+
+
+def _buffer_regions(sources: list, state: Any) -> set[int]:
+    """The regions holding buffers of the registered modules (batch-norm statistics and the
+    like): the next forward pass updates them in place, before any fence, so lazy staging copies
+    them before ``snapshot()`` returns."""
+    buffers = {b.untyped_storage().data_ptr()
+               for module in registered_objects(state, (torch.nn.Module,))
+               for b in module.buffers()}
+    return {k for k, src in enumerate(sources) if src.untyped_storage().data_ptr() in buffers}
+
+
+def _install_fences(engine: CheckpointEngine) -> list:
+    """Hooks that call ``engine.fence()`` before anything the engine can see changes staged
+    tensors: every optimizer's ``step()`` (torch's global pre-hook: also optimizers that were
+    not registered), and ``load_state_dict`` of the registered modules and optimizers. They
+    hold the engine weakly; the handles are removed when it closes."""
+    ref = weakref.ref(engine)
+
+    def fence(*_args, **_kwargs) -> None:
+        live = ref()
+        if live is not None and not live._closed and live._broken is None:
+            live.fence()
+
+    handles = [register_optimizer_step_pre_hook(fence)]
+    for obj in registered_objects(engine.state, (torch.nn.Module, torch.optim.Optimizer)):
+        handles.append(obj.register_load_state_dict_pre_hook(fence))
+    return handles

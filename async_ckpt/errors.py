@@ -90,6 +90,11 @@ class WorldSizeMismatchError(StateMismatchError):
     """The snapshot was written by a different number of ranks than the job restoring it has."""
 
 
+class StagingRaceError(SnapshotWriteError):
+    """With lazy staging, a staged tensor changed before its copy finished, by a write no fence
+    saw: that snapshot was not taken (the next one is unaffected)."""
+
+
 class ReplicaMismatchError(SnapshotWriteError):
     """State declared replicated differs between ranks; the snapshot was not committed."""
 

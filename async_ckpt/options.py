@@ -32,6 +32,14 @@ class EngineOptions:
     Attributes:
         mode: "async" (``snapshot`` returns once the state is staged in CPU memory) or "sync"
             (returns once the snapshot is committed: the periodic blocking baseline).
+        staging: "eager" (``snapshot`` returns once the tensors are copied into the staging
+            slot) or "lazy" (it returns once the copy has started; the copy runs while training
+            goes on, and the engine waits for it before anything may change the staged tensors:
+            every optimizer's ``step()``, a registered module's or optimizer's
+            ``load_state_dict``, the next ``snapshot()``, ``wait()``, ``restore()``, ``close()``,
+            and ``fence()``, which code changing the state in place by other means calls first).
+            A change the fences missed fails that snapshot (``StagingRaceError``), never commits
+            a torn one. Async mode only; in sync mode staging is eager.
         every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``).
         keep_last: committed snapshots kept (newest by commit order); at least 1.
         keep_every: also keep every snapshot whose step is a multiple of this.
@@ -81,6 +89,7 @@ class EngineOptions:
     """
 
     mode: str = "async"
+    staging: str = "eager"
     every: int = 1
     keep_last: int = 3
     keep_every: Optional[int] = None
@@ -111,6 +120,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         _require(self.mode in ("async", "sync"),
                  f"mode must be 'async' or 'sync', not {self.mode!r}")
+        _require(self.staging in ("eager", "lazy"),
+                 f"staging must be 'eager' or 'lazy', not {self.staging!r}")
         _require(self.when_busy in ("wait", "skip"),
                  f"when_busy must be 'wait' or 'skip', not {self.when_busy!r}")
         _require(self.compression in (None, "zstd"),

@@ -3,6 +3,7 @@
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
 every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
+lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
 incremental snapshots of a LoRA-style state (``bench/incremental.py``) and the remote tier
 against a loopback S3 server (``bench/remote.py``), against the floors
 measured in the same run; then writes to
@@ -33,8 +34,8 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, figures, incremental, interval, plots, ranks, remote, report,
-               sharded, targets)
+from . import (article, dcp, figures, incremental, interval, lazy, plots, ranks, remote,
+               report, sharded, targets)
 from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -140,6 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"sweep done after {time.perf_counter() - start:.0f} s")
         training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"], args.rounds)
         log(f"training done after {time.perf_counter() - start:.0f} s")
+        lazy_raw = lazy.run(root, args.quick)
+        log(f"lazy staging done after {time.perf_counter() - start:.0f} s")
         dcp.shutdown()  # the two-rank run starts process groups of its own
         ranks_raw = ranks.run(root, args.quick, args.rounds)
         log(f"two ranks done after {time.perf_counter() - start:.0f} s")
@@ -155,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
                        started, time.perf_counter() - start)
     results["incremental"] = incremental_raw
+    results["lazy"] = lazy_raw
     results["remote"] = remote_raw
     results["sharded"] = sharded_raw
     results["loads"].update(sharded.loads(sharded_raw))

@@ -16,7 +16,7 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import article, incremental, remote, sharded
+from . import article, incremental, lazy, remote, sharded
 from .article import ASYNC, headline_case
 from .measure import RECLAIM_KEYS
 from .systems import NONE, SYSTEM_NAMES
@@ -28,7 +28,8 @@ FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
 def render(results: dict, image_dir: str = "bench/results") -> str:
     results = _compact(results)
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
-                _headline(results, image_dir), _training(results, image_dir), _memory(results),
+                _headline(results, image_dir), _training(results, image_dir), lazy.render(results),
+                _memory(results),
                 _ranks(results), sharded.render(results), incremental.render(results), remote.render(results),
                 _consistency(results),
                 _article(results), _advice(results), _per_size(results), _load(results),

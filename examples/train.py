@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--staging", choices=["eager", "lazy"], default="eager")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # the same kernels in every run, so results are bit-identical
@@ -86,7 +87,8 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
              "ema": ema, "sampler": sampler}
 
-    with CheckpointEngine(args.ckpt_dir, state, every=args.every, keep_last=3) as engine, \
+    with CheckpointEngine(args.ckpt_dir, state, every=args.every, keep_last=3,
+                          staging=args.staging) as engine, \
             open(args.log, "a") as log:
         restored = engine.restore()
         step = 0 if restored is None else restored + 1

@@ -290,6 +290,21 @@ def test_incremental_snapshots_are_measured_and_reported(quick_run):
     assert "## Incremental snapshots" in (out / "report.md").read_text()
 
 
+def test_lazy_staging_is_measured_and_reported(quick_run):
+    from bench import lazy
+
+    out, results, _ = quick_run
+    figures = results["lazy"]["figures"]
+    assert set(figures) == {spec.name for spec in lazy.SPECS}
+    for name in (lazy.OURS_ASYNC.name, lazy.LAZY, lazy.NICED, lazy.FEWER):
+        for k in ("1", "10"):
+            cell = figures[name]["ks"][k]
+            assert cell["overhead"]["median"] > 0 and cell["blocking_x_copy"]["median"] > 0
+    assert "overhead_vs_full_threads" in figures[lazy.FEWER]["ks"]["1"]
+    report = (out / "report.md").read_text()
+    assert "### Lazy staging in the training loop" in report and lazy.NICED in report
+
+
 def test_spread_and_pairwise_ratios():
     assert spread([3, 1, 2]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     # round by round: 2/1, 4/4, 9/3, not the ratio of the medians (4/3)

@@ -64,3 +64,26 @@ def test_report_device_to_host_bandwidth_and_blocking_time(ckpt_dir):
           f"{nbytes / floor / 1e9:.1f} GB/s; median blocking {blocking * 1e3:.1f} ms "
           f"({blocking / floor:.2f}x the copy)")
     assert staging > 0 and blocking >= staging
+
+
+def test_lazy_staging_on_cuda_fences_the_step_and_commits_the_image(ckpt_dir):
+    """The device-to-host copy of a lazy snapshot runs on the side stream while the compute
+    stream runs the next forward and backward (queued right after snapshot()); the optimizer's
+    step waits for it (the fence); the snapshot is the state at the snapshot() call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.BatchNorm1d(4096)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8192, 4096, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}, staging="lazy") as engine:
+        engine.snapshot(0)
+        staged = engine._staging
+        model(x).sum().backward()  # batch-norm statistics change: they were copied at once
+        assert staged is not None
+        opt.step()  # the fence: the copy is done before the weights change
+        assert all(e.query() for e in staged.copy._events)
+        engine.wait()
+        assert all(slot.pinned for slot in engine._pool.slots if slot.tensor is not None)
+    assert_same(load(ckpt_dir)[1]["model"], expected)

@@ -21,11 +21,12 @@ STEPS = 40
 BATCHES_PER_EPOCH = 12  # examples/train.py: 96 samples, batches of 8
 
 
-def train(ckpt_dir, log, every, kill_after_step=None):
+def train(ckpt_dir, log, every, kill_after_step=None, staging="eager"):
     """Run train.py; with ``kill_after_step``, SIGKILL it (and its writer and data workers) as soon
     as its log shows that step. Returns the exit code."""
     return run_killed([TRAIN, "--ckpt-dir", ckpt_dir, "--log", log, "--steps", str(STEPS),
-                       "--every", str(every), "--seed", "3"], kill_after_step, log)
+                       "--every", str(every), "--seed", "3", "--staging", staging],
+                      kill_after_step, log)
 
 
 def run_killed(argv, kill_after_step=None, log=None):
@@ -61,8 +62,8 @@ def uninterrupted(tmp_path_factory):
     return ckpt, log
 
 
-@pytest.mark.parametrize("every", [1, 5])
-def test_killed_runs_resume_bit_identical(tmp_path, uninterrupted, every):
+@pytest.mark.parametrize("every,staging", [(1, "eager"), (5, "eager"), (1, "lazy")])
+def test_killed_runs_resume_bit_identical(tmp_path, uninterrupted, every, staging):
     ref_ckpt, ref_log = uninterrupted
     reference = {r["step"]: r for r in read_log(ref_log)}
     assert sorted(reference) == list(range(STEPS))
@@ -73,8 +74,8 @@ def test_killed_runs_resume_bit_identical(tmp_path, uninterrupted, every):
                    2 * BATCHES_PER_EPOCH - 1,      # the last batch of an epoch
                    2 * BATCHES_PER_EPOCH + 7]      # right after logging: a snapshot is in flight
     for point in kill_points:
-        assert train(ckpt, log, every, kill_after_step=point) == -signal.SIGKILL
-    assert train(ckpt, log, every) == 0
+        assert train(ckpt, log, every, point, staging) == -signal.SIGKILL
+    assert train(ckpt, log, every, staging=staging) == 0
 
     records = read_log(log)
     assert {r["step"] for r in records} == set(range(STEPS))

@@ -39,6 +39,7 @@ class Captured:
     tree: dict
     tensors: list[torch.Tensor]
     entry_of: list[str]  # the top-level entry each tensor belongs to
+    paths: list[str]  # each tensor's key path, for messages
     # Sharded tensors (``DTensor``), one record each (docs/FORMAT.md 3.6), referenced from the
     # tree as {"$dtensor": k}; a record's "tensor" indexes ``tensors`` (its local piece), or is
     # None where another rank stores the same (replicated) piece.
@@ -53,19 +54,44 @@ def as_stateful(obj: Any) -> Any:
     return generator_adapter(obj)
 
 
+def registered_objects(state: Any, kinds: tuple[type, ...]) -> list:
+    """The objects of ``kinds`` in the registered ``state``: registered directly, in (nested)
+    dicts, or as attributes of a registered object (an ``AppState`` holding the model and the
+    optimizer); each once."""
+    found: dict[int, Any] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, kinds):
+            found.setdefault(id(value), value)
+        elif isinstance(value, Mapping) and depth < 8:
+            for item in value.values():
+                visit(item, depth + 1)
+        elif depth < 8 and hasattr(value, "state_dict") and hasattr(value, "__dict__"):
+            for item in vars(value).values():
+                if isinstance(item, kinds):
+                    found.setdefault(id(item), item)
+
+    visit(state, 0)
+    return list(found.values())
+
+
 def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     """Flatten the registered state. Raises EncodingError/LayoutError naming the key path of a
     value that cannot be saved safely."""
     tensors: list[torch.Tensor] = []
+    paths: list[str] = []
     dtensors: list[dict] = []
 
     def leaf(value: Any, path: str):
         if is_dtensor(value):
-            return {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
-        if isinstance(value, torch.Tensor):
+            encoded = {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
+        elif isinstance(value, torch.Tensor):
             tensors.append(_checked(value, path))
-            return {"$tensor": len(tensors) - 1}
-        return encode_torch_scalar(value)
+            encoded = {"$tensor": len(tensors) - 1}
+        else:
+            return encode_torch_scalar(value)
+        paths.extend([path] * (len(tensors) - len(paths)))
+        return encoded
 
     def encode(value: Any, path: str):
         return values.encode(value, allow_pickle=allow_pickle, leaf=leaf, path=path)
@@ -81,7 +107,7 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise LayoutError(f"two sharded tensors have the same key path {twice[0]!r}: their pieces "
                           "could not be told apart on restore; give the state dict distinct keys")
-    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of, dtensors)
+    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of, paths, dtensors)
 
 
 def is_dtensor(value: Any) -> bool:

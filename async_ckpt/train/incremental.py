@@ -20,7 +20,6 @@ committed: an in-flight snapshot may still fail, and then its bytes are written 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,28 +27,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..format.layout import Plan
+from .capture import registered_objects
 
 
 def trainable_storages(state: Any) -> set[int]:
-    """Storage addresses of the parameters that require grad of the modules in ``state``: found
-    registered directly, in dicts, or as attributes of a registered object (an ``AppState``
-    holding the model)."""
-    found: set[int] = set()
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.nn.Module):
-            found.update(p.untyped_storage().data_ptr() for p in value.parameters()
-                         if p.requires_grad)
-        elif isinstance(value, Mapping) and depth < 8:
-            for item in value.values():
-                visit(item, depth + 1)
-        elif hasattr(value, "state_dict") and hasattr(value, "__dict__"):  # e.g. an AppState
-            for item in vars(value).values():
-                if isinstance(item, torch.nn.Module):
-                    visit(item, depth + 1)
-
-    visit(state, 0)
-    return found
+    """Storage addresses of the parameters that require grad of the modules in ``state``
+    (``capture.registered_objects``: directly, in dicts, or attributes of an ``AppState``)."""
+    return {p.untyped_storage().data_ptr()
+            for module in registered_objects(state, (torch.nn.Module,))
+            for p in module.parameters() if p.requires_grad}
 
 
 @dataclass

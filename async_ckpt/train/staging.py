@@ -6,6 +6,12 @@ and no named file can leak in /dev/shm when a process dies. The first touch of f
 runs at ~0.7 GB/s against ~5 GB/s warm (measured), so slots are faulted in when allocated and kept
 for the engine's lifetime; they grow only when the state grows. With CUDA the slots are page-locked
 so device-to-host copies run at full speed and asynchronously.
+
+A copy into a slot (``Copy``) is started by ``start`` and runs in the background: CPU regions on
+the pool's copy thread, in pieces of ``PIECE_BYTES`` (torch's ``copy_`` releases the GIL), CUDA
+regions as non-blocking copies on a side stream ordered after the work already queued, with an
+event recorded after them. ``stage`` starts one and waits for it (eager staging); lazy staging
+lets training run on until a fence waits for it (``engine.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
@@ -23,6 +32,35 @@ from ..format.layout import Plan, align_up
 
 log = logging.getLogger(__name__)
 _GROWTH_ALIGNMENT = 2 << 20
+PIECE_BYTES = 64 << 20
+"""The copy thread copies a CPU region this many bytes at a time."""
+COPY_THREAD_NICE = 0
+"""Niceness added to the copy thread (Linux: threads have their own): 0 unless measurements
+(bench/lazy.py) show that training runs faster with the copy yielding the CPU."""
+
+
+class Copy:
+    """A copy into a slot in progress: CPU regions on the copy thread (``future``), CUDA regions
+    on side streams (``events``). ``wait`` returns once every byte is in the slot."""
+
+    def __init__(self, future: Optional[Future], events: list):
+        self._future, self._events = future, events
+        self.started = time.perf_counter()
+        self.finished = self.started  # when the CPU part ended (set by whoever copied it)
+        self.seconds: Optional[float] = None  # how long the copy ran, once waited for
+
+    def wait(self) -> float:
+        """Wait for the whole copy; the seconds from its start to its end (re-raises an error
+        of the copy thread)."""
+        if self.seconds is None:
+            if self._future is not None:
+                self.finished = max(self.finished, self._future.result())
+            for event in self._events:
+                event.synchronize()
+            if self._events:
+                self.finished = max(self.finished, time.perf_counter())
+            self.seconds = self.finished - self.started
+        return self.seconds
 
 
 @dataclass(eq=False)
@@ -65,6 +103,7 @@ class StagingPool:
         self.slots = [Slot(i) for i in range(slots)]
         self._next_buffer_id = 0
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
+        self._copier: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
 
     @property
     def nbytes(self) -> int:
@@ -109,21 +148,32 @@ class StagingPool:
         return replaced
 
     def stage(self, plan: Plan, sources: list[torch.Tensor], slot: Slot,
-              skip: Collection[int] = ()) -> None:
-        """Copy each region's bytes into the slot, except regions ``skip`` (an incremental
-        snapshot refers to them where they are stored already); returns once the slot holds them.
+              skip: Collection[int] = ()) -> float:
+        """Copy and wait for the copy (the CPU part on the calling thread): once this returns,
+        the caller may change its tensors. Returns the seconds the copy took."""
+        return self.start(plan, sources, slot, skip, background=False).wait()
 
-        CUDA regions are copied with non-blocking copies on a side stream that first waits for the
-        work already queued on the current stream (the values the caller sees), and the call waits
-        for those copies before returning, so the caller may modify its tensors as soon as it returns.
-        """
-        used_streams = []
+    def start(self, plan: Plan, sources: list[torch.Tensor], slot: Slot,
+              skip: Collection[int] = (), background: bool = True,
+              now: Collection[int] = ()) -> Copy:
+        """Start copying each region's bytes into the slot, except regions ``skip`` (an
+        incremental snapshot refers to them where they are stored already); returns at once
+        (unless not ``background``: then the CPU regions are copied before it returns), but
+        for regions ``now``, which nothing may change after the call returns (module buffers,
+        updated in the forward pass): CPU ones are copied before it returns, and the current
+        CUDA stream waits for the copy of CUDA ones before its next work.
+
+        The copy reads the tensors as they are while it runs: until ``Copy.wait`` returns, the
+        caller must not change them (lazy staging fences every write path it knows of). CUDA
+        regions are copied on a side stream that first waits for the work already queued on the
+        current stream (the values the caller sees)."""
+        cpu, inline, events, used_streams = [], [], [], []
         for k, (region, src) in enumerate(zip(plan.regions, sources)):
             if k in skip:
                 continue
             dst = slot.tensor[region.offset:region.offset + region.nbytes]
             if src.device.type != "cuda":
-                dst.copy_(src)
+                (inline if k in now or not background else cpu).append((dst, src))
                 continue
             stream = self._streams.get(src.device)
             if stream is None:
@@ -133,12 +183,44 @@ class StagingPool:
                 used_streams.append(stream)
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=slot.pinned)
+            if k in now:  # the compute stream's next work (a forward) may write it
+                torch.cuda.current_stream(src.device).wait_event(stream.record_event())
         for stream in used_streams:
-            stream.synchronize()
+            events.append(stream.record_event())
+        copy = Copy(self._copy_thread().submit(_copy_pieces, cpu) if cpu else None, events)
+        if inline:
+            copy.finished = _copy_pieces(inline)
+        return copy
+
+    def _copy_thread(self) -> ThreadPoolExecutor:
+        """The pool's one copy thread, made on first use (and anew in a forked child, which
+        inherits the executor but not its thread)."""
+        if self._copier is None or self._copier[0] != os.getpid():
+            self._copier = (os.getpid(), ThreadPoolExecutor(1, "async_ckpt-stage",
+                                                            initializer=_lower_thread_priority))
+        return self._copier[1]
 
     def close(self) -> None:
+        if self._copier is not None and self._copier[0] == os.getpid():
+            self._copier[1].shutdown(wait=True)
+        self._copier = None
         for slot in self.slots:
             slot.free_memory()
+
+
+def _copy_pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Copy each (destination, source) pair of byte views, ``PIECE_BYTES`` at a time; returns
+    when it finished (``time.perf_counter``)."""
+    for dst, src in pairs:
+        for start in range(0, dst.numel(), PIECE_BYTES):
+            dst[start:start + PIECE_BYTES].copy_(src[start:start + PIECE_BYTES])
+    return time.perf_counter()
+
+
+def _lower_thread_priority() -> None:
+    if COPY_THREAD_NICE:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COPY_THREAD_NICE)
 
 
 def _pin(slot: Slot) -> None:

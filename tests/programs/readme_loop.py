@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--log", required=True)
     parser.add_argument("--steps", type=int, default=18)
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--staging", choices=["eager", "lazy"], default="eager")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def main():
     loader = ResumableLoader(Noisy(48), batch_size=8, shuffle=True, seed=0, num_workers=2)
     engine = CheckpointEngine(args.ckpt_dir, {"model": model, "optimizer": opt,
                                               "scheduler": sched, "loader": loader},
-                              every=args.every, heartbeat_interval=None)
+                              every=args.every, heartbeat_interval=None, staging=args.staging)
     start = engine.restore()
     step = 0 if start is None else start + 1
     with open(args.log, "a") as log:

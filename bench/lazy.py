@@ -1,0 +1,174 @@
+"""Lazy staging in a training loop whose forward and backward take longer than one copy of the
+state: what snapshotting every step and every 10 steps costs each step, against eager staging and
+DCP ``async_save`` with its cached shared-memory stager.
+
+The loop is ``bench/training.py``'s (``run_training``: interleaved rounds, each system's loop
+right after a loop without checkpointing on the same state, one floor sample per round), with
+these systems:
+
+* ``async_ckpt async`` (eager staging: ``snapshot()`` returns once the copy is done);
+* ``async_ckpt async, lazy staging`` (it returns once the copy has started; the copy runs on the
+  engine's copy thread while the next forward and backward run, and the optimizer's step waits
+  for it);
+* the same with the copy thread niced (``train.staging.COPY_THREAD_NICE`` = 10), and with one
+  torch intra-op thread fewer for training (leaving a core to the copy): on a CPU the copy
+  competes with training for cores and memory bandwidth, so these say which default is best;
+* ``DCP async_save (cached shm stager)``.
+
+Per system and K: the step-time overhead against the paired loop without checkpointing (for the
+variant with one thread fewer, also against the full-thread loop of the eager system in the same
+round: what a user gives up by lowering the thread count), and ``snapshot()``'s blocking as a
+ratio to the ``copy_`` floor of the same round. Self-contained (``run`` and ``render``, from
+``bench/__main__.py`` and ``bench/report.py``). Run alone: ``python -m bench.lazy [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from async_ckpt.train import staging
+
+from .measure import ratio_spread, spread
+from .systems import DCP_CACHED, OURS_ASYNC, Engine, SystemSpec
+from .training import run_training
+
+FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10),
+        "steps": {1: 24, 10: 40}, "rounds": 3}
+QUICK = {"workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 10),
+         "steps": {1: 4, 10: 10}, "rounds": 1}
+NICE = 10
+LAZY = "async_ckpt async, lazy staging"
+NICED = "async_ckpt async, lazy, niced copy thread"
+FEWER = "async_ckpt async, lazy, one torch thread fewer"
+
+
+class _LazyEngine(Engine):
+    """The engine with lazy staging; ``nice`` and ``threads`` set the copy thread's niceness and
+    torch's intra-op threads while it is open."""
+
+    def __init__(self, state: dict, directory: str, name: str, nice: int = 0,
+                 fewer_threads: bool = False):
+        self._saved = (staging.COPY_THREAD_NICE, torch.get_num_threads())
+        staging.COPY_THREAD_NICE = nice
+        if fewer_threads:
+            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+        super().__init__(state, directory, name, "async", None, staging="lazy")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            staging.COPY_THREAD_NICE, threads = self._saved
+            torch.set_num_threads(threads)
+
+
+def _lazy(name: str, **options) -> SystemSpec:
+    return SystemSpec(name, lambda state, d: _LazyEngine(state, d, name, **options), ours=True,
+                      blocking=False)
+
+
+SPECS = (OURS_ASYNC, _lazy(LAZY), _lazy(NICED, nice=NICE), _lazy(FEWER, fewer_threads=True),
+         DCP_CACHED)
+
+
+def run(root: str, quick: bool) -> dict:
+    """The results block of results.json: ``run_training``'s, plus the figures ``render`` shows."""
+    config = QUICK if quick else FULL
+    raw = run_training(SPECS, root, config["ks"], config["steps"], config["workload"],
+                       config["rounds"])
+    copy_floor = [f["copy_s"] for f in raw["floors"]]
+    eager = raw["systems"][OURS_ASYNC.name]
+    figures = {}
+    for name, block in raw["systems"].items():
+        if not block["available"]:
+            figures[name] = {"available": False, "reason": block["reason"]}
+            continue
+        runs = block["runs"]
+        per_k = {}
+        for k in map(str, config["ks"]):
+            step = [r["loops"][k]["step_s"] for r in runs]
+            per_k[k] = {
+                "step_s": spread(step),
+                "overhead": ratio_spread(step, [r["loops"][k]["baseline"]["step_s"] for r in runs]),
+                "blocking_s": spread([float(np.median(r["loops"][k]["blocking_s"])) for r in runs]),
+                "blocking_x_copy": ratio_spread(
+                    [float(np.median(r["loops"][k]["blocking_s"])) for r in runs],
+                    [copy_floor[r["round"]] for r in runs])}
+            if name == FEWER and eager["available"]:
+                full = {r["round"]: r["loops"][k]["baseline"]["step_s"] for r in eager["runs"]}
+                per_k[k]["overhead_vs_full_threads"] = ratio_spread(
+                    step, [full[r["round"]] for r in runs])
+        figures[name] = {"available": True, "ks": per_k}
+    return {"config": {**config, "steps": {str(k): v for k, v in config["steps"].items()}},
+            "state_bytes": raw["state_bytes"], "copy_floor_s": spread(copy_floor),
+            "figures": figures, "raw": raw}
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("lazy")
+    if not block:
+        return ""
+    ks = list(block["figures"][OURS_ASYNC.name]["ks"]) if block["figures"][OURS_ASYNC.name][
+        "available"] else []
+    head = " | ".join(f"K={k}: step overhead · blocking ×copy" for k in ks)
+    rows = []
+    for name, f in block["figures"].items():
+        if not f["available"]:
+            rows.append(f"| {name} | n/a: {f['reason']} |")
+            continue
+        cells = []
+        for k in ks:
+            c = f["ks"][k]
+            extra = (f" ({_pct(c['overhead_vs_full_threads'])} against {torch_threads_note()})"
+                     if "overhead_vs_full_threads" in c else "")
+            cells.append(f"{_pct(c['overhead'])}{extra} · {_ratio(c['blocking_x_copy'])} "
+                         f"({c['blocking_s']['median'] * 1e3:.1f} ms)")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    floor = block["copy_floor_s"]
+    return "\n".join([
+        "### Lazy staging in the training loop", "",
+        f"A {block['state_bytes'] / 1e6:.3g} MB state (MLP + AdamW) whose forward and backward "
+        f"take longer than one `copy_` of it ({floor['median'] * 1e3:.1f} ms, "
+        f"{floor['min'] * 1e3:.1f}–{floor['max'] * 1e3:.1f}); a snapshot every K steps. Step "
+        "overhead: each round's loop over the loop without checkpointing just before it, median "
+        "(min–max) over the rounds; blocking: the median `snapshot()` call over the round's copy "
+        "floor.", "",
+        f"| system | {head} |", "|---|" + "---|" * len(ks), *rows])
+
+
+def torch_threads_note() -> str:
+    return "the full-thread loop without checkpointing"
+
+
+def _pct(r: dict) -> str:
+    return (f"{(r['median'] - 1) * 100:+.1f}% ({(r['min'] - 1) * 100:+.1f}%–"
+            f"{(r['max'] - 1) * 100:+.1f}%)")
+
+
+def _ratio(r: dict) -> str:
+    return f"×{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.lazy",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-lazy-", dir=args.dir)
+    try:
+        print(render({"lazy": run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
