@@ -15,6 +15,7 @@ import hashlib
 import math
 import operator
 import random
+import sys
 import warnings
 from collections.abc import Mapping, Sized
 from typing import Iterator, Optional, Union
@@ -23,8 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .errors import StateMismatchError, UnsupportedFormatError
+from .train.capture import registered_objects
 
 __all__ = ["ResumableLoader", "ResumableSampler", "DistributedResumableSampler", "EpochIndex",
            "sample_seed", "sample_generator"]
@@ -105,6 +108,21 @@ class EpochIndex(int):
         return f"EpochIndex({int(self)}, epoch={self.epoch})"
 
 
+def _calling_loader_iterator():
+    """The ``DataLoader`` iterator that is asking a sampler for its indices (a few frames up:
+    ``_next_index``, through a ``BatchSampler``), or None when the sampler is iterated otherwise.
+    What it reveals (workers, persistence, the dataset) decides what a sampler can make exact."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _BaseDataLoaderIter):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 # --- samplers ------------------------------------------------------------------------------------
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -167,6 +185,8 @@ class ResumableSampler(Sampler[int]):
         self._consumed = 0
         self._rolled = False  # advance() finished the epoch; no new iteration has started since
         self._cache: Optional[tuple[int, np.ndarray]] = None
+        self._restored_rng: Optional[torch.Tensor] = None  # see after_restore
+        self._checked_loader = False
 
     # --- position --------------------------------------------------------------------------
 
@@ -250,7 +270,63 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch, start = self._epoch, self._consumed * self.batch_size
         self._rolled = False
+        loader_iterator = _calling_loader_iterator()
+        if loader_iterator is not None:
+            if self._restored_rng is not None:
+                self._undo_the_loaders_draw(loader_iterator)
+            if not self._checked_loader:
+                self._checked_loader = True
+                self._warn_about_workers(loader_iterator)
+        self._restored_rng = None
         return self._indices(self._order(epoch), start, epoch)
+
+    def after_restore(self) -> None:
+        """Called by the engine once ``restore()`` has set the global RNG states (and this
+        sampler's position): the torch RNG state an uninterrupted run has at this point, which
+        the first iteration after the restore checks (``_undo_the_loaders_draw``)."""
+        self._restored_rng = torch.get_rng_state()
+
+    def _undo_the_loaders_draw(self, loader_iterator) -> None:
+        """A ``DataLoader`` without ``generator=`` draws its workers' base seed from the global
+        torch RNG whenever it starts an iteration (with ``persistent_workers``, only its first).
+        An uninterrupted run drew there only at an epoch's start (the run's first, with
+        persistent workers); the first iteration after a restore draws wherever the position
+        is. Where the uninterrupted run did not draw, that one draw is undone, so that every
+        later random draw (dropout) is the same; anything else that moved the RNG in between is
+        not touched, and said."""
+        persistent = loader_iterator._persistent_workers
+        drew_there = self._consumed == 0 and (not persistent or self._epoch == 0)
+        now = torch.get_rng_state()
+        if drew_there or torch.equal(now, self._restored_rng):  # a generator= draws elsewhere
+            return
+        after_one_draw = torch.Generator()
+        after_one_draw.set_state(self._restored_rng)
+        torch.empty((), dtype=torch.int64).random_(generator=after_one_draw)
+        if torch.equal(after_one_draw.get_state(), now):
+            torch.set_rng_state(self._restored_rng)
+        else:
+            warnings.warn(
+                "the global torch RNG was used between restore() and the first iteration of the "
+                f"{self._KIND}'s DataLoader, more than by the loader's own draw: the random "
+                "numbers after the resume may differ from an uninterrupted run's. Draw nothing "
+                "between restore() and iterating, or give the DataLoader generator=",
+                RuntimeWarning, stacklevel=3)
+
+    def _warn_about_workers(self, loader_iterator) -> None:
+        """Workers' RNGs are seeded when an iteration starts (``persistent_workers``: when the
+        first one does), so after a resume mid-epoch a sample is loaded by another worker at
+        another point of its stream: randomness drawn from the global RNGs in ``__getitem__``
+        differs. Said once, at the first iteration, unless the samples are seeded one by one."""
+        if (loader_iterator._num_workers > 0 and not self.with_epoch
+                and not isinstance(loader_iterator._dataset, _SeededPerSample)):
+            warnings.warn(
+                f"the {self._KIND}'s DataLoader has {loader_iterator._num_workers} workers: random "
+                "augmentation drawn in Dataset.__getitem__ from the global RNGs (torch.rand, "
+                "random, np.random) differs after a resume, since the workers' RNGs are seeded "
+                "when an iteration starts. Draw it from async_ckpt.data.sample_generator(seed, "
+                "index.epoch, index) with with_epoch=True (which also silences this), or use "
+                "async_ckpt.data.ResumableLoader, which seeds every sample",
+                RuntimeWarning, stacklevel=3)
 
     def _indices(self, order: np.ndarray, start: int, epoch: int) -> Iterator[int]:
         for lo in range(start, len(order), _CHUNK):
@@ -466,6 +542,27 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: Mapping) -> None:
         self.sampler.load_state_dict(state)
+
+
+_POSITION_WORDS = ("data", "loader", "sampler", "epoch", "position", "dataset")
+
+
+def after_restore(state: Mapping) -> Optional[str]:
+    """Once ``restore()`` has loaded ``state`` and set the global RNG states: tell the registered
+    samplers (``ResumableSampler.after_restore``), and say why the data order after the resume is
+    the user's to get right when nothing registered carries a data position (no sampler or
+    loader, in dicts or attributes, and no entry named for one: ``data``, ``loader``, ...)."""
+    positions = registered_objects(state, (Sampler, DataLoader))
+    for sampler in positions:
+        if isinstance(sampler, ResumableSampler):
+            sampler.after_restore()
+    if positions or any(word in key.lower() for key in state for word in _POSITION_WORDS):
+        return None
+    return ("the snapshot holds no data position (no registered sampler or loader): the data "
+            "order after the resume is up to your loop, and a DataLoader(shuffle=True) reshuffles "
+            "from the global RNG at whatever point it is created or iterated. Register an "
+            "async_ckpt.data.ResumableLoader (or a ResumableSampler and call advance() per batch) "
+            "for the order to continue exactly")
 
 
 def inexact_loader_warnings(state: Mapping) -> list[str]:

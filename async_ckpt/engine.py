@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import errors
-from .data import inexact_loader_warnings
+from .data import after_restore, inexact_loader_warnings
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preempted,
                      RemoteConflictError, RemoteStorageError, StagingRaceError,
@@ -425,6 +425,9 @@ class CheckpointEngine:
                                        f"step {step} does not fit the registered state")
         apply(state, loaded, step, strict)
         self._load_rng(record, rng)
+        no_position = after_restore(self.state)
+        if no_position is not None:
+            warnings.warn(f"restored step {step}, but {no_position}", RuntimeWarning, stacklevel=3)
         log.info("restored step %d", step)
         return step
 

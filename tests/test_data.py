@@ -548,3 +548,49 @@ def test_registered_loaders_that_cannot_resume_exactly_are_named_with_the_fix(ck
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CheckpointEngine(ckpt_dir, {"loader": exact}, heartbeat_interval=None).close()
+
+
+# --- the loader's draw after a restore -----------------------------------------------------------
+
+
+def _restored_sampler(epoch, consumed):
+    from async_ckpt.data import ResumableSampler
+
+    sampler = ResumableSampler(24, seed=1, batch_size=4)
+    state = sampler.state_dict()
+    sampler.load_state_dict({**state, "epoch": epoch, "consumed": consumed})
+    torch.manual_seed(123)  # what the engine restored
+    sampler.after_restore()
+    return sampler
+
+
+@pytest.mark.parametrize("epoch,consumed,persistent,undone", [
+    (1, 2, False, True),    # mid epoch: an uninterrupted run did not draw here
+    (1, 0, False, False),   # an epoch's start: it did
+    (1, 0, True, True),     # persistent workers draw only at the run's first iteration
+    (0, 0, True, False),
+])
+def test_the_loaders_draw_is_undone_where_an_uninterrupted_run_did_not_draw(
+        epoch, consumed, persistent, undone):
+    from torch.utils.data import DataLoader
+
+    sampler = _restored_sampler(epoch, consumed)
+    restored = torch.get_rng_state()
+    loader = DataLoader(list(range(24)), batch_size=4, sampler=sampler,
+                        num_workers=1 if persistent else 0, persistent_workers=persistent)
+    next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), restored) == undone
+
+
+def test_other_draws_between_restore_and_iterating_are_left_and_said():
+    from torch.utils.data import DataLoader
+
+    sampler = _restored_sampler(1, 2)
+    torch.rand(3)  # the user's own draw
+    moved = torch.get_rng_state()
+    with pytest.warns(RuntimeWarning, match="more than by the loader's own draw"):
+        next(iter(DataLoader(list(range(24)), batch_size=4, sampler=sampler)))
+    after_one_draw = torch.Generator()
+    after_one_draw.set_state(moved)
+    torch.empty((), dtype=torch.int64).random_(generator=after_one_draw)
+    assert torch.equal(torch.get_rng_state(), after_one_draw.get_state())
