@@ -108,6 +108,47 @@ def test_trainer_killed_mid_snapshot_lets_its_writer_finish(tmp_path):
     assert_every_committed_snapshot_exact(directory)
 
 
+_FORKING_TRAINER = """
+import sys, time, torch
+from async_ckpt import CheckpointEngine
+from async_ckpt.data import ResumableLoader
+loader = ResumableLoader(list(range(64)), batch_size=4, num_workers=2, seed=0)
+engine = CheckpointEngine(sys.argv[1], {"m": torch.nn.Linear(4, 4), "loader": loader},
+                          heartbeat_interval=None)
+batches = iter(loader)
+next(batches)  # the workers, forked from the trainer, now hold its end of the writer's socket
+engine.snapshot(0)
+engine.wait()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_trainers_writer_exits_though_its_forked_workers_hold_the_socket(tmp_path):
+    """Data loader workers forked from the trainer inherit its end of the writer's socket: the
+    writer must not wait for them to notice the trainer's death (they are stopped here, so
+    without the writer's own watch on the trainer it would wait for ever), and a restart must
+    not wait for the writer."""
+    trainer = subprocess.Popen([sys.executable, "-c", _FORKING_TRAINER, str(tmp_path / "ckpt")],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        children = psutil.Process(trainer.pid).children(recursive=True)
+        writer = next(c for c in children if "async_ckpt.write.writer" in " ".join(c.cmdline()))
+        workers = [c for c in children if c.pid != writer.pid]
+        assert workers
+        for worker in workers:
+            worker.suspend()
+        trainer.kill()
+        writer.wait(timeout=60)  # a hang, not a timing: without the watch it never ends
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+    with CheckpointEngine(tmp_path / "ckpt", {"m": torch.nn.Linear(4, 4)}, lock_timeout=0.5,
+                          heartbeat_interval=None) as engine:
+        assert engine.committed_steps() == [0]
+
+
 def test_writer_killed_mid_write_leaves_previous_snapshot_restorable(tmp_path):
     directory = str(tmp_path / "ckpt")
     process = start_loop(directory)

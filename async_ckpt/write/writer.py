@@ -69,6 +69,7 @@ class SnapshotWriter:
 
     def __init__(self, conn: Connection, config: WriterConfig):
         self.conn = conn
+        self.trainer_pid = os.getppid()  # the trainer started this process
         self.root = config.root
         self.storage = LocalStorage(self.root)
         self.rank = config.rank
@@ -100,12 +101,18 @@ class SnapshotWriter:
         poll. Once the trainer is gone, poll until the commit stage has nothing pending and the
         uploads are done (or given up); once it closed, stop uploading."""
         ended = None
+        trainer = _process_handle(self.trainer_pid)
+        watched = [self.conn] + ([trainer] if trainer is not None else [])
         while ended is None or self.commit.pending or self._uploading(ended):
             polling = bool(self.commit.pending) or self._uploading(ended)
             if ended is not None:
                 time.sleep(POLL_INTERVAL_S)
-            elif wait([self.conn], POLL_INTERVAL_S if polling else None):
-                ended = self.receive()
+            else:
+                ready = wait(watched, POLL_INTERVAL_S if polling else None)
+                if self.conn in ready:
+                    ended = self.receive()
+                elif ready:  # the trainer is gone, though processes it forked (data loader
+                    ended = GONE  # workers) may keep the socket open a while longer
             if self.commit.pending:
                 self.commit.poll(ended is not None)
             if self._uploading(ended):
@@ -258,6 +265,25 @@ class SnapshotWriter:
                 f"not enough space for a snapshot in {self.root}: about {need / 1e6:.0f} MB needed "
                 f"(incl. the {self.reserve_bytes / 1e6:.0f} MB reserve), {free / 1e6:.0f} MB free. "
                 "Free space or lower keep_last; committed snapshots are intact")
+
+
+class _Process:
+    """A process to ``wait()`` on: its pidfd becomes readable when it exits."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def _process_handle(pid: int) -> Optional[_Process]:
+    """A handle on process ``pid`` for ``wait()``, or None where pidfds are not available
+    (Linux before 5.3): then the trainer's death is noticed when its socket closes."""
+    try:
+        return _Process(os.pidfd_open(pid))
+    except (AttributeError, OSError):
+        return None
 
 
 def _write_markers(committed: Committed, markers: tuple[Marker, ...]) -> WriterEvent:
