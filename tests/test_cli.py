@@ -644,6 +644,17 @@ def test_compare_loss_identical_with_a_replayed_resume(capsys, tmp_path):
     assert "2 replayed lines" in out and "bit-identical" in out and out.rstrip().endswith("IDENTICAL")
 
 
+def test_compare_loss_compares_lr_when_asked(capsys, tmp_path):
+    a = write_log(tmp_path / "a.jsonl", [{"step": s, "loss": 0.5, "lr": 0.1} for s in range(4)])
+    b = write_log(tmp_path / "b.jsonl", [{"step": s, "loss": 0.5, "lr": 0.1 if s < 2 else 0.2}
+                                         for s in range(4)])
+    code, out, _ = run(capsys, "compare-loss", a, b)
+    assert code == 0 and "note: lr differs first at step 2" in out
+    code, out, _ = run(capsys, "compare-loss", "--lr", a, b)
+    assert code == 1 and "lr differs first at step 2: A 0.1, B 0.2" in out
+    assert out.rstrip().endswith("DIFFERENT")
+
+
 def test_compare_loss_reports_first_and_largest_difference(capsys, tmp_path):
     base = [0.5, 0.25, 0.125, 0.0625, 0.03125]
     other = list(base)

@@ -661,3 +661,25 @@ def test_stats_committed_at_is_unix_time_like_the_manifest(ckpt_dir):
         ours = engine.stats()["snapshots"][-1]["committed_at"]
     manifest = read_manifest(ckpt_dir).find(2).committed_at
     assert abs(ours - manifest) < 60  # same clock (a monotonic time would be decades off)
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mapped"])
+def test_damage_names_the_tensors_of_the_damaged_storage(ckpt_dir, mmap):
+    from async_ckpt.errors import ChecksumMismatchError
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with CheckpointEngine(ckpt_dir, {"model": model}, rng=False) as engine:
+        engine.snapshot(0)
+    from async_ckpt.format.shard import ShardReader
+
+    record = read_manifest(ckpt_dir).snapshots[-1]
+    shard = os.path.join(ckpt_dir, record.dir, record.shards[0].file)
+    with ShardReader(shard) as reader:
+        offset = reader.index["storages"][0]["chunks"][0]["offset"] + 100
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatchError, match=r'storage 0 .*\(it holds model\["0\.weight"\]\)'):
+        load(ckpt_dir, 0, mmap=mmap, verify=True)

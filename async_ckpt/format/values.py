@@ -198,10 +198,10 @@ class _Encoder:
                 items.sort(key=_canonical)
                 return {"$set" if t is set else "$frozenset": items}
             if all(type(k) is str and _is_utf8(k) for k in v):
-                return {_escape_key(k): self(x, _child(path, k), d) for k, x in v.items()}
+                return {_escape_key(k): self(x, child_path(path, k), d) for k, x in v.items()}
             return {
                 "$dict": [
-                    [self(k, _child(path, k) + " (dict key)", d), self(x, _child(path, k), d)]
+                    [self(k, child_path(path, k) + " (dict key)", d), self(x, child_path(path, k), d)]
                     for k, x in v.items()
                 ]
             }
@@ -586,7 +586,7 @@ def _canonical(encoded: Any) -> str:
     return json.dumps(encoded, sort_keys=True, separators=(",", ":"))
 
 
-def _child(path: str, key: Any) -> str:
+def child_path(path: str, key: Any) -> str:
     """Key path of ``key`` under ``path``: ``a.b``, ``a["weird key"]``, ``a[0]``, ``a[(1, 2)]``."""
     if type(key) is str:
         if key.isidentifier():
@@ -626,7 +626,7 @@ def _where(path) -> str:
         if type(key) is _KeyNumber:
             path = f"{path}[<key #{int(key)}>]"
         else:
-            path = _child(path, key[:57] + "..." if type(key) is str and len(key) > 60 else key)
+            path = child_path(path, key[:57] + "..." if type(key) is str and len(key) > 60 else key)
     return path or "<root>"
 
 

@@ -10,13 +10,14 @@ engine-free reader. Nothing here touches the user's objects (``restore.py`` does
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import warnings
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -103,8 +104,9 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         views = {key: reader.mapped_storage(i) for key, (reader, i) in sources.items()
                  if mapped and reader.index["storages"][i]["nbytes"]}
         views = {key: view for key, view in views.items() if view is not None}
+        held = _held_by(index.get("tree"), records, rank)
         if verify:
-            _run_checks([check for key in views for check in
+            _run_checks([_naming(check, held.get(key)) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
         _check_fits_in_memory([reader.index["storages"][i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
@@ -121,7 +123,7 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
             else:
                 buffers[key] = allocating(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes,
                                           f"step {record.step}'s storages")
-            reader.read_storage(i, buffers[key].numpy())
+            _naming(lambda: reader.read_storage(i, buffers[key].numpy()), held.get(key))()
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
                    for n, t in enumerate(records)]
         root_entry = _rebuild(index.get("tree"), tensors, dtensors, allow_pickle, path)
@@ -135,6 +137,45 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         # mapping) would live on until the cycle collector runs, not as long as the entries do
         root_entry.borrowed = frozenset(buffers[key].untyped_storage().data_ptr() for key in lent)
         return root_entry
+
+
+def _held_by(tree: Any, records: list, rank: int) -> dict[tuple[int, int], str]:
+    """For messages: (rank, storage) -> the key paths of the tensors of this shard's state tree
+    that view it (``model["0.weight"]``). Empty where the tree or the records are malformed: the
+    reads that follow say what is wrong with them."""
+    held: dict[tuple[int, int], list[str]] = {}
+    try:
+        for entry, node in tree["entries"].items():
+            for tensor, path in _tensor_paths(node, entry):
+                r = records[tensor]
+                held.setdefault((r.get("rank", rank), r["storage"]), []).append(path)
+    except (CorruptSnapshotError, KeyError, TypeError, IndexError, AttributeError):
+        return {}
+    return {key: ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            for key, paths in held.items()}
+
+
+def _tensor_paths(node: dict, path: str) -> Iterator[tuple[int, str]]:
+    """(tensor number, key path) of every ``$tensor`` under a state tree node."""
+    if node["kind"] == "dict":
+        for key, child in node["entries"].items():
+            yield from _tensor_paths(child, values.child_path(path, key))
+        return
+    for keys, kind, leaf in values.walk(node["state"]):
+        if kind == "$tensor":
+            yield leaf["$tensor"], functools.reduce(values.child_path, keys, path)
+
+
+def _naming(read: Callable[[], None], held: Optional[str]) -> Callable[[], None]:
+    """``read`` (a storage's read or check), whose damage also names the tensors it holds."""
+    def named() -> None:
+        try:
+            read()
+        except CorruptSnapshotError as e:
+            if held is None:
+                raise
+            raise type(e)(f"{e} (it holds {held})") from e
+    return named
 
 
 def _storages_viewed(records: list) -> set[int]:

@@ -19,7 +19,7 @@ Compare two training logs with one JSON object per line holding at least "step" 
 too, optionally). When a step appears more than once in a log (a resumed run replays steps), its
 last occurrence counts. Prints the first step whose losses differ, the largest absolute
 difference over the common steps, and the steps present in only one log. Exit 0 only when both
-logs have the same steps with bit-identical losses.
+logs have the same steps with bit-identical losses (and, with --lr, learning rates).
 """
 
 
@@ -27,6 +27,9 @@ def add(commands) -> None:
     sub = add_command(commands, "compare-loss", cmd_compare_loss, HELP, DESCRIPTION)
     sub.add_argument("a", metavar="A.jsonl", help="first log")
     sub.add_argument("b", metavar="B.jsonl", help="second log")
+    sub.add_argument("--lr", action="store_true",
+                     help='also require bit-identical "lr" where both logs have it (without it, '
+                          "a differing lr is only noted)")
 
 
 def cmd_compare_loss(args: argparse.Namespace) -> int:
@@ -58,11 +61,11 @@ def cmd_compare_loss(args: argparse.Namespace) -> int:
     lr_differs = [s for s in common if "lr" in a[s] and "lr" in b[s]
                   and not _same_number(a[s]["lr"], b[s]["lr"])]
     if lr_differs:
-        print(f"note: lr differs first at step {lr_differs[0]}: A {a[lr_differs[0]]['lr']!r}, "
-              f"B {b[lr_differs[0]]['lr']!r}")
+        print(f"{'lr' if args.lr else 'note: lr'} differs first at step {lr_differs[0]}: "
+              f"A {a[lr_differs[0]]['lr']!r}, B {b[lr_differs[0]]['lr']!r}")
     print(f"only in A: {_steps_text(only_a)}")
     print(f"only in B: {_steps_text(only_b)}")
-    same = first is None and not only_a and not only_b
+    same = first is None and not only_a and not only_b and not (args.lr and lr_differs)
     print("result: IDENTICAL" if same else "result: DIFFERENT")
     return EXIT_OK if same else EXIT_DAMAGE
 
