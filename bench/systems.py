@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from .measure import dir_bytes, fsync_dir, log, remove, timed
+from .workloads import restore_quietly
 
 KEEP_LAST = 3
 
@@ -179,7 +180,7 @@ class Engine(System):
         return self.newest_figures()["stored_bytes"]
 
     def restore(self) -> Optional[int]:
-        return self.engine.restore()
+        return restore_quietly(self.engine)
 
     def newest_path(self) -> str:
         from async_ckpt.format.manifest import read_manifest

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -119,3 +120,11 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
                        b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def restore_quietly(engine) -> Optional[int]:
+    """``engine.restore()`` of a benchmark state, which holds no data loader by design (restore()
+    would warn that the data order after it is the caller's)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*holds no data position")
+        return engine.restore()
