@@ -137,9 +137,6 @@ def _non_finite(literal: str) -> Any:
 # --------------------------------------------------------------------------------------- encoder
 
 
-_PLAIN = frozenset({type(None), bool, int, float, str})
-
-
 class _Encoder:
     def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[Any, str], Any]]) -> None:
         self.allow_pickle = allow_pickle
@@ -147,11 +144,11 @@ class _Encoder:
         self.open: set = set()  # ids of the containers being encoded, to detect cycles
 
     def __call__(self, v: Any, path: str, depth: int) -> Any:
-        t = type(v)
-        if self.leaf is not None and t not in _PLAIN:  # plain values never need the leaf hook
+        if self.leaf is not None:
             out = self.leaf(v, path)
             if out is not NotImplemented:
                 return out
+        t = type(v)
         if v is None or t is bool:
             return v
         if t is int:

@@ -29,6 +29,7 @@ DTYPES = {name: d for name, d in ALL_DTYPES.items() if not re.fullmatch(r"q\w+|u
 neither staged nor used once loaded."""
 _SAVEABLE_DTYPES = frozenset(DTYPES.values())
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset({type(None), bool, int, float, str})
 
 
 @dataclass
@@ -83,6 +84,8 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     dtensors: list[dict] = []
 
     def leaf(value: Any, path: str):
+        if type(value) in _PLAIN:  # most nodes (an RNG state is 625 ints): nothing of torch's
+            return NotImplemented
         if is_dtensor(value):
             encoded = {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
         elif isinstance(value, torch.Tensor):
