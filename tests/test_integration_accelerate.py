@@ -21,7 +21,7 @@ import pytest
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from async_ckpt import load
@@ -227,6 +227,10 @@ def test_what_it_refuses(ckpt_dir, monkeypatch):
     with accelerate_ckpt.engine(accelerator, ckpt_dir, dataloader=loader, heartbeat_interval=None):
         with pytest.raises(IntegrationError, match="another open engine"):
             accelerate_ckpt.engine(accelerator, ckpt_dir + "-2", dataloader=loader)
+    with monkeypatch.context() as patched:
+        patched.setattr(Accelerator, "distributed_type", DistributedType.FSDP)
+        with pytest.raises(IntegrationError, match="FSDP"):
+            accelerate_ckpt.engine(accelerator, ckpt_dir, model=model)
     monkeypatch.setattr("accelerate.__version__", "1.15.0")
     with pytest.raises(IntegrationError, match=r"accelerate>=1\.16,<2"):
         accelerate_ckpt._check_accelerate()
