@@ -110,6 +110,12 @@ class RemoteConflictError(RemoteStorageError):
     conditional write): this engine stops uploading, and nothing of the other's is replaced."""
 
 
+class IntegrationError(CheckpointError):
+    """A framework adapter (``async_ckpt.integrations``) cannot work with the framework installed
+    (a version outside the range it supports, a private piece it relies on missing) or with how
+    the framework was set up (a strategy whose state it cannot capture)."""
+
+
 class DistributedSetupError(CheckpointError):
     """The ranks of a job disagree about the checkpoint set-up (directory, arguments), or
     ``torch.distributed`` is not initialised where several ranks need it."""

@@ -1,0 +1,154 @@
+"""Accelerate: what a save costs the training process, the adapter against ``save_state()``.
+
+The same prepared training state (an MLP whose parameters and AdamW moments make about 200 MB;
+13 MB with ``--quick``, a scheduler, a prepared stateful loader) is saved by both, alternately,
+in interleaved rounds (the first round a warm-up, not reported):
+
+* **adapter**: ``engine.snapshot(step)`` of ``async_ckpt.integrations.accelerate``: the time the
+  call blocks (the copy into reused staging memory); the writer process then commits it in the
+  background, durable (fsync) once ``to_commit_s`` has passed, shown for reference;
+* **save_state**: ``accelerator.save_state(dir)``, which returns once every file is written
+  (safetensors for the model, ``torch.save`` for the rest; no fsync, so not yet durable).
+
+Each figure is the median of the measured rounds with its min-max spread; the ratio is taken
+round by round (``ratio_spread``). Self-contained (``run`` and ``render``). Run alone:
+``python -m bench.integrations_accelerate [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from .measure import log, ratio_spread, rotated, spread
+
+FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
+QUICK = {"width": 512, "layers": 4, "rounds": 2}
+SYSTEMS = ("adapter", "save_state")
+
+
+def _prepared(width: int, layers: int):
+    """An Accelerator and the model, AdamW, scheduler and stateful loader it prepared, after one
+    step (so that the optimizer holds its moments)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    loader = DataLoader(TensorDataset(torch.randn(64, width)), batch_size=8, shuffle=True)
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    return accelerator, model, opt, sched, loader
+
+
+def _train_step(accelerator, model, opt, sched, batches) -> None:
+    (x,) = next(batches)
+    accelerator.backward(model(x).square().mean())
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def run(root: str, quick: bool) -> dict:
+    """Measure the rounds; the results block of results.json."""
+    from async_ckpt.integrations import accelerate as accelerate_ckpt
+
+    config = QUICK if quick else FULL
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch 2.13
+        accelerator, model, opt, sched, loader = _prepared(config["width"], config["layers"])
+        engine = accelerate_ckpt.engine(accelerator, os.path.join(root, "adapter"), model=model,
+                                        optimizer=opt, scheduler=sched, dataloader=loader,
+                                        keep_last=2, heartbeat_interval=None)
+        rounds, step = [], 0
+        try:
+            batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+            _train_step(accelerator, model, opt, sched, batches)
+            state_bytes = sum(t.numel() * t.element_size() for t in
+                              [*model.parameters(), *(v for s in opt.state.values()
+                                                      for v in s.values() if torch.is_tensor(v))])
+            for n in range(config["rounds"]):
+                figures = {}
+                for system in rotated(SYSTEMS, n):
+                    _train_step(accelerator, model, opt, sched, batches)
+                    step += 1
+                    if system == "adapter":
+                        start = time.perf_counter()
+                        engine.snapshot(step)
+                        figures["adapter_blocking_s"] = time.perf_counter() - start
+                        engine.wait()
+                        figures["adapter_to_commit_s"] = engine.stats()["snapshots"][-1][
+                            "to_commit_s"]
+                    else:
+                        target = os.path.join(root, "save_state", f"step-{step}")
+                        start = time.perf_counter()
+                        accelerator.save_state(target)
+                        figures["save_state_s"] = time.perf_counter() - start
+                        shutil.rmtree(target)
+                rounds.append(figures)
+                log(f"integrations_accelerate: round {n + 1}/{config['rounds']}: adapter blocks "
+                    f"{figures['adapter_blocking_s'] * 1e3:.0f} ms (committed after "
+                    f"{figures['adapter_to_commit_s']:.2f} s), save_state "
+                    f"{figures['save_state_s']:.2f} s")
+        finally:
+            engine.close()
+    measured = rounds[1:] or rounds  # the first round allocates the staging memory
+    return {"config": config, "state_bytes": state_bytes,
+            "figures": {key: spread([r[key] for r in measured]) for key in
+                        ("adapter_blocking_s", "adapter_to_commit_s", "save_state_s")},
+            "ratios": {"blocking": ratio_spread([r["adapter_blocking_s"] for r in measured],
+                                                [r["save_state_s"] for r in measured])},
+            "rounds": rounds}
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("integrations_accelerate")
+    if not block:
+        return ""
+    f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
+
+    def cell(key: str) -> str:
+        s = f[key]
+        return f"{s['median'] * 1e3:.0f} ms ({s['min'] * 1e3:.0f}–{s['max'] * 1e3:.0f})"
+
+    blocking = r["blocking"]
+    return "\n".join([
+        "### Accelerate: a save's blocking time, the adapter against `save_state()`", "",
+        f"{mb:.0f} MB of model and AdamW state, a scheduler and a prepared stateful loader; "
+        f"median of {f['save_state_s']['n']} interleaved rounds after a warm-up (min–max).", "",
+        "| per save | adapter `snapshot()` | `accelerator.save_state()` | ratio |",
+        "|---|---|---|---|",
+        f"| training process blocked | {cell('adapter_blocking_s')} | {cell('save_state_s')} | "
+        f"×{blocking['median']:.3f} ({blocking['min']:.3f}–{blocking['max']:.3f}) |",
+        f"| durable | after {cell('adapter_to_commit_s')}, in the background (fsync, "
+        "committed) | never fsynced | |"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.integrations_accelerate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-accelerate-", dir=args.dir)
+    try:
+        print(render({"integrations_accelerate": run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""async_ckpt.integrations.accelerate with the real Accelerate, on CPU.
+
+The loop of tests/programs/accelerate_loop.py (an MLP with dropout, a shuffled prepared stateful
+loader), SIGKILLed at a random step and during a save, then resumed through the adapter, logs the
+same loss at every step as an uninterrupted run, bit for bit; the same at two ranks under torchrun.
+In-process: the prepared loader's one-batch look-ahead, the random state a resumed iteration
+starts from, the end of an epoch, every prepared object back after restore(), a loader that is
+not stateful (warned), fallback past a damaged snapshot, retention, the version checks.
+"""
+
+import copy
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.data_loader import DataLoaderShard
+from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from async_ckpt import load
+from async_ckpt.errors import IntegrationError
+from async_ckpt.integrations import accelerate as accelerate_ckpt
+from conftest import assert_same
+from test_resume import read_log, run_killed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOOP = os.path.join(HERE, "programs", "accelerate_loop.py")
+EPOCHS, BATCHES = 4, 7  # accelerate_loop.py: 52 samples in batches of 8
+
+
+@pytest.fixture(autouse=True)
+def no_torchdata_noise():
+    """torchdata 0.11 calls a deprecated torch function in every StatefulDataLoader."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        yield
+
+
+# --- in-process: a small prepared training state ---------------------------------------------
+
+def prepared(stateful=True, generator=False, workers=0, total_limit=None, samples=20):
+    """An Accelerator and the model, optimizer, scheduler and shuffled loader it prepared."""
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful),
+        project_config=ProjectConfiguration(total_limit=total_limit))
+    set_seed(0)
+    dataset = TensorDataset(torch.arange(samples, dtype=torch.float32).unsqueeze(1))
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(3) if generator else None)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return (accelerator, *accelerator.prepare(model, opt, sched, loader))
+
+
+def train(accelerator, model, opt, sched, batches, engine=None, first_step=0):
+    """One step per batch (snapshotted when an engine is given); each batch's samples and loss."""
+    record = []
+    for step, (x,) in enumerate(batches, first_step):
+        loss = model(x).square().mean()
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        record.append((x.flatten().tolist(), loss.item()))
+        if engine is not None:
+            engine.snapshot(step)
+    return record
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+@pytest.mark.parametrize("generator,workers", [(False, 0), (True, 0), (False, 2)])
+def test_a_restored_loader_continues_with_the_next_batch_and_the_same_random_draws(
+        ckpt_dir, generator, workers):
+    accelerator, model, opt, sched, loader = prepared(generator=generator, workers=workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # workers: augmentation would differ
+        engine = accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                        scheduler=sched, dataloader=loader, heartbeat_interval=None)
+    with engine:
+        batches = iter(loader)
+        train(accelerator, model, opt, sched, take(batches, 2), engine)  # snapshot 1: 2 batches
+        # The loader has fetched batch 3 already (its look-ahead): the snapshot must not count it.
+        expected = train(accelerator, model, opt, sched, batches)
+        expected += train(accelerator, model, opt, sched, loader)  # and a whole next epoch
+        assert len(expected) == 3 + 5
+        assert engine.restore() == 1 and engine.epoch == 0
+        again = train(accelerator, model, opt, sched, loader)
+        again += train(accelerator, model, opt, sched, loader)
+    assert again == expected  # the same samples in the same order, the same dropout: same losses
+    assert "__iter__" not in vars(loader.base_dataloader)  # close() gave it back
+
+
+def test_a_snapshot_at_the_last_batch_of_an_epoch_resumes_at_the_next_epoch(ckpt_dir):
+    accelerator, model, opt, sched, loader = prepared()
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader, keep_last=5,
+                                heartbeat_interval=None) as engine:
+        train(accelerator, model, opt, sched, loader, engine)  # steps 0-4, one epoch
+        engine.snapshot(100)  # after the loop ended
+        expected = train(accelerator, model, opt, sched, loader)
+        assert engine.restore(2) == 2 and engine.epoch == 0  # mid-epoch, then replaced unused
+        for step in (4, 100):
+            assert engine.restore(step) == step and engine.epoch == 1
+            assert train(accelerator, model, opt, sched, loader) == expected
+
+
+def test_restore_brings_back_every_prepared_object(ckpt_dir):
+    class Counter:
+        def __init__(self):
+            self.seen = 0
+
+        def state_dict(self):
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state):
+            self.seen = state["seen"]
+
+    accelerator, model, opt, sched, loader = prepared()
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # as fp16 on a GPU has
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        assert {"model", "optimizer", "scheduler", "scaler", "custom_0", "dataloader",
+                "accelerator"} == set(engine.state)
+        counter.seen, accelerator.step = 7, 3
+        train(accelerator, model, opt, sched, take(iter(loader), 2), engine)
+        saved = {name: copy.deepcopy(obj.state_dict()) for name, obj in
+                 [("model", model), ("optimizer", opt), ("scheduler", sched), ("custom", counter)]}
+        train(accelerator, model, opt, sched, loader)
+        counter.seen, accelerator.step = 99, 11
+        accelerator.scaler.update(new_scale=2.0)
+        engine.restore()
+        for name, obj in [("model", model), ("optimizer", opt), ("scheduler", sched),
+                          ("custom", counter)]:
+            assert_same(obj.state_dict(), saved[name], name)
+        assert accelerator.scaler.get_scale() == 1024.0 and accelerator.step == 3
+
+
+def test_a_loader_that_is_not_stateful_warns_once_and_restarts_the_epoch(ckpt_dir):
+    accelerator, model, opt, sched, loader = prepared(stateful=False)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        train(accelerator, model, opt, sched, loader)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.snapshot(4)  # between epochs: nothing is lost
+        with pytest.warns(RuntimeWarning, match="use_stateful_dataloader=True") as caught:
+            train(accelerator, model, opt, sched, take(iter(loader), 3), engine, first_step=5)
+        assert len(caught) == 1
+    accelerator, model, opt, sched, loader = prepared(stateful=False)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        with pytest.warns(RuntimeWarning, match="use_stateful_dataloader=True"):
+            assert engine.restore() == 7
+        assert engine.epoch == 1 and loader.iteration == 1
+        assert len(list(loader)) == 5  # the whole epoch again
+
+
+def test_a_damaged_newest_snapshot_falls_back_to_the_previous_one(ckpt_dir):
+    accelerator, model, opt, sched, loader = prepared()
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        batches = iter(loader)
+        train(accelerator, model, opt, sched, take(batches, 2), engine)
+        at_1 = copy.deepcopy(model.state_dict())
+        expected = train(accelerator, model, opt, sched, batches)
+        train(accelerator, model, opt, sched, take(iter(loader), 1), engine, first_step=2)
+    shard = _newest_shard(ckpt_dir)
+    with open(shard, "r+b") as f:  # flip a byte in the middle of the newest shard
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    accelerator, model, opt, sched, loader = prepared()
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        with pytest.warns(RuntimeWarning, match="step 2"):
+            assert engine.restore() == 1
+        assert_same(model.state_dict(), at_1)
+        assert train(accelerator, model, opt, sched, loader) == expected
+
+
+def _newest_shard(ckpt_dir):
+    from async_ckpt.format.manifest import read_manifest
+
+    record = read_manifest(ckpt_dir).snapshots[-1]
+    return os.path.join(ckpt_dir, record.dir, record.shards[0].file)
+
+
+def test_retention_follows_total_limit_unless_keep_last_is_given(ckpt_dir, tmp_path):
+    accelerator, model, opt, sched, loader = prepared(total_limit=2)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model,
+                                heartbeat_interval=None) as engine:
+        for step in range(5):
+            engine.snapshot(step)
+        engine.wait()
+        assert engine.committed_steps() == [3, 4]
+    with accelerate_ckpt.engine(accelerator, str(tmp_path / "other"), model=model, keep_last=4,
+                                heartbeat_interval=None) as engine:
+        for step in range(5):
+            engine.snapshot(step)
+        engine.wait()
+        assert engine.committed_steps() == [1, 2, 3, 4]
+
+
+def test_what_it_refuses(ckpt_dir, monkeypatch):
+    accelerator, model, opt, sched, loader = prepared()
+    with pytest.raises(IntegrationError, match="accelerator.prepare"):
+        accelerate_ckpt.engine(accelerator, ckpt_dir, dataloader=DataLoader(range(4)))
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, dataloader=loader, heartbeat_interval=None):
+        with pytest.raises(IntegrationError, match="another open engine"):
+            accelerate_ckpt.engine(accelerator, ckpt_dir + "-2", dataloader=loader)
+    with monkeypatch.context() as patched:
+        patched.setattr(Accelerator, "distributed_type", DistributedType.FSDP)
+        with pytest.raises(IntegrationError, match="FSDP"):
+            accelerate_ckpt.engine(accelerator, ckpt_dir, model=model)
+    monkeypatch.setattr("accelerate.__version__", "1.15.0")
+    with pytest.raises(IntegrationError, match=r"accelerate>=1\.16,<2"):
+        accelerate_ckpt._check_accelerate()
+    monkeypatch.setattr("accelerate.__version__", "2.0.0")
+    with pytest.warns(RuntimeWarning, match="tested with"):
+        accelerate_ckpt._check_accelerate()
+    monkeypatch.setattr("accelerate.__version__", "1.16.0")
+    monkeypatch.delattr(DataLoaderShard, "adjust_state_dict_for_prefetch")
+    with pytest.raises(IntegrationError, match="adjust_state_dict_for_prefetch"):
+        accelerate_ckpt._check_accelerate()
+
+
+# --- real processes, killed ------------------------------------------------------------------
+
+def loop(ckpt, log, *extra):
+    return [LOOP, "--ckpt-dir", ckpt, "--losses", log, "--epochs", str(EPOCHS), *extra]
+
+
+def steps_of(log):
+    return [r for r in read_log(log) if "step" in r]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    ckpt, log = str(root / "ckpt"), str(root / "loss.jsonl")
+    assert run_killed(loop(ckpt, log)) == 0
+    assert [r["step"] for r in steps_of(log)] == list(range(EPOCHS * BATCHES))
+    return ckpt, {r["step"]: r for r in steps_of(log)}
+
+
+@pytest.mark.slow
+def test_killed_at_a_random_step_and_during_a_save_it_resumes_bit_identical(tmp_path,
+                                                                             uninterrupted):
+    ref_ckpt, reference = uninterrupted
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    seed = int(time.time())
+    kill_at = random.Random(seed).randrange(2, 2 * BATCHES)
+    frozen_at = 3 * BATCHES - 4  # mid-epoch, after the first resume
+    context = f"(SIGKILL after step {kill_at}, seed {seed}; writer frozen at {frozen_at})"
+    assert run_killed(loop(ckpt, log), kill_after_step=kill_at, log=log) == -signal.SIGKILL, context
+    assert run_killed(loop(ckpt, log, "--freeze-writer-at", str(frozen_at))) == -signal.SIGKILL
+    # Step frozen_at was staged, never written: nothing of it is restorable, the step before is.
+    assert load(ckpt)[0] == frozen_at - 1, context
+    assert run_killed(loop(ckpt, log)) == 0, context
+
+    records = steps_of(log)
+    assert {r["step"] for r in records} == set(reference), context
+    for r in records:  # replayed steps included
+        assert r == reference[r["step"]], f"step {r['step']} differs after a resume {context}"
+    restored = [r["restored"] for r in read_log(log) if "restored" in r]
+    assert restored[-1] == frozen_at - 1 and restored[-1] % BATCHES, context  # mid-epoch
+    step, state = load(ckpt)
+    assert step == load(ref_ckpt)[0] == EPOCHS * BATCHES - 1
+    assert_same(load(ref_ckpt)[1], state)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_resume_bit_identical_after_a_kill_during_a_save(tmp_path):
+    def torchrun(run, *extra):
+        env = {**os.environ, "TORCH_GLOO_LAZY_INIT": "1"}  # gloo after a torchrun restart
+        with open(tmp_path / f"{run}.out", "wb") as out:
+            return subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=2", "--max-restarts=1", LOOP, "--ckpt-dir",
+                 str(tmp_path / run), "--losses", str(tmp_path / f"{run}.jsonl"), "--epochs", "3",
+                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env, timeout=300).returncode
+
+    assert torchrun("reference") == 0, (tmp_path / "reference.out").read_text()[-3000:]
+    # Each rank freezes its writer before snapshot(6), then kills itself and its writer;
+    # torchrun restarts both ranks, which resume from step 5 (epoch 1 of 4 batches per rank).
+    assert torchrun("killed", "--freeze-writer-at", "6") == 0, \
+        (tmp_path / "killed.out").read_text()[-3000:]
+    for rank in range(2):
+        reference = {r["step"]: r for r in steps_of(str(tmp_path / f"reference.jsonl.rank-{rank}"))}
+        log = str(tmp_path / f"killed.jsonl.rank-{rank}")
+        assert sorted(reference) == list(range(12))
+        assert [r["restored"] for r in read_log(log) if "restored" in r] == [5]
+        records = steps_of(log)
+        assert len(records) == 12 + 1  # step 6 twice: 5 was committed, 6 staged, never written
+        for r in records:
+            assert r == reference[r["step"]], f"rank {rank}: step {r['step']} differs"
+        assert_same(load(str(tmp_path / "killed"), rank=rank)[1],
+                    load(str(tmp_path / "reference"), rank=rank)[1])
