@@ -115,6 +115,12 @@ class DistributedSetupError(CheckpointError):
     ``torch.distributed`` is not initialised where several ranks need it."""
 
 
+class IntegrationError(CheckpointError, ImportError):
+    """A framework adapter (``async_ckpt.integrations``) cannot run with the installed framework:
+    the framework is missing, or a method the adapter overrides is gone or has changed. An
+    ImportError too, since it is raised when the adapter's module is imported."""
+
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; a supervisor does not restart on it
 
 
