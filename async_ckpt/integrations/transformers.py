@@ -125,12 +125,12 @@ class AsyncCkptTrainer(Trainer):
 
     def __init__(self, *args, async_ckpt_dir: Optional[str | os.PathLike] = None,
                  async_ckpt_options: Optional[dict] = None, **kwargs):
-        super().__init__(*args, **kwargs)
         options = dict(async_ckpt_options or {})
         owned = sorted(_OWNED_OPTIONS.keys() & options.keys())
         if owned:
             raise ValueError(f"async_ckpt_options {owned} are set by the Trainer's arguments ("
                              f"{', '.join(_OWNED_OPTIONS[k] for k in owned)}); leave them out")
+        super().__init__(*args, **kwargs)
         self.async_ckpt_options = options
         self._engine: Optional[CheckpointEngine] = None
         self._resume: Optional[_Resume] = None
@@ -164,16 +164,22 @@ class AsyncCkptTrainer(Trainer):
     @property
     def checkpoint_engine(self) -> Optional[CheckpointEngine]:
         """The engine of the ``train()`` call in progress (or of saves made outside one), for
-        ``stats()`` and ``wait()``; None when no save or resume has opened it."""
+        ``stats()`` and ``wait()``; None before the first save."""
         return self._engine
 
     def close_checkpoints(self) -> None:
         """Wait for the saves in flight to commit and stop the writer. ``train()`` does this when
         it returns; call it after saving outside ``train()``."""
+        self._close(None)
+
+    def _close(self, error: Optional[BaseException]) -> None:
+        """Close the engine (committing what is in flight); after ``error``, a failure to close
+        is logged rather than raised over it."""
         engine, self._engine = self._engine, None
-        self._last_snapshot_step = None
+        self._last_snapshot_step, self._resume = None, None
         if engine is not None:
-            engine.close()
+            engine.__exit__(None if error is None else type(error), error,
+                            None if error is None else error.__traceback__)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -185,13 +191,9 @@ class AsyncCkptTrainer(Trainer):
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as e:
-            self._resume = None
-            engine, self._engine = self._engine, None
-            if engine is not None:  # commits what is in flight; its own errors are logged
-                engine.__exit__(type(e), e, e.__traceback__)
+            self._close(e)
             raise
-        self._resume = None
-        self.close_checkpoints()
+        self._close(None)
         return output
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -321,7 +323,7 @@ class AsyncCkptTrainer(Trainer):
                               "the previous checkpoint", RuntimeWarning, stacklevel=3)
                 unusable.append(reason)
         if unusable:
-            raise NoSnapshotError("no checkpoint in " f"{self.args.output_dir} can be resumed: "
+            raise NoSnapshotError(f"no checkpoint in {self.args.output_dir} can be resumed: "
                                   + "; ".join(unusable))
         return None
 
