@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,22 @@ def train_in_process(output_dir, trainer_class=AsyncCkptTrainer, log=None, **arg
         warnings.simplefilter("ignore", FutureWarning)
         trainer.train()
     return trainer
+
+
+@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "global-rng-sampler"])
+def test_a_mid_epoch_resume_in_a_later_epoch_is_exact_with_either_sampler(tmp_path, seedable):
+    """accelerate's seedable sampler (the default) orders an epoch by its number, but its
+    skipping loader does not pass the epoch on to the dataset; the other sampler draws the order
+    from the global RNG at the epoch's start. Both are replayed."""
+    settings = dict(accelerator_config={"use_seedable_sampler": seedable})
+    ref_dir, ref_log = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
+    train_in_process(ref_dir, log=ref_log, **settings)
+    output_dir, log = str(tmp_path / "out"), str(tmp_path / "loss.jsonl")
+    for name in ("checkpoint-25", "async_ckpt"):  # checkpoint-25: step 1 of epoch 2's 12
+        shutil.copytree(os.path.join(ref_dir, name), os.path.join(output_dir, name))
+    build_trainer(output_dir, log=log, **settings).train(resume_from_checkpoint=True)
+    reference = {r["step"]: r for r in read_log(ref_log)}
+    assert [r for r in read_log(log)] == [reference[step] for step in range(26, STEPS + 1)]
 
 
 def test_a_damaged_newest_snapshot_falls_back_and_a_named_one_raises(tmp_path):

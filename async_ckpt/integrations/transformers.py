@@ -10,11 +10,13 @@ path reads everything back from the snapshot through the load methods overridden
 
 Exactness of a resume, measured on the stock Trainer (transformers 5.25, accelerate 1.16): its
 mid-epoch resume is bit-exact when the sampler is accelerate's seedable one (the default) and the
-data path draws no random numbers from the global RNGs. This adapter keeps that, and also
-replays an epoch's shuffle when the sampler draws it from the global torch RNG
-(``use_seedable_sampler=False``): it saves that RNG as it was at the epoch's start and sets it
-before the resumed loader starts. What it cannot replay (a dataset or collator drawing from the
-global RNGs, or dataset workers) is warned about when it happens.
+data path draws no random numbers. This adapter keeps that, and also makes exact what the stock
+resume gets wrong: an epoch's shuffle drawn from the global torch RNG
+(``use_seedable_sampler=False``; the RNG as it was at the epoch's start is saved and set before
+the resumed loader starts), and a dataset whose randomness depends on the epoch (accelerate's
+skipping loader does not pass the epoch on to the dataset; the adapter does). What it cannot
+replay (a dataset or collator drawing from the global RNGs, or dataset workers) is warned about
+when it happens.
 
 Unsupported set-ups (DeepSpeed, FSDP, several processes, ...) fall back to the Trainer's own
 checkpoints, with a warning at construction.
@@ -437,7 +439,8 @@ class _EpochStart(TrainerCallback):
 class _ResumedEpoch:
     """The rest of a resumed epoch: the Trainer's skipping loader, whose iterator starts with the
     global torch RNG set as it was at the interrupted epoch's start, so that it draws the same
-    shuffle and workers' seed. The Trainer then sets the saved RNG after the first batch. If
+    shuffle and workers' seed, and whose ``set_epoch`` reaches the dataset. The Trainer then sets
+    the saved RNG after the first batch. If
     fetching that batch drew other random numbers from the global RNGs (a dataset or collator
     that draws them), the data and the model's draws after it differ from the interrupted run's:
     that is warned about, naming the cause."""
@@ -446,8 +449,17 @@ class _ResumedEpoch:
         self._loader = loader
         self._epoch_start_rng = epoch_start_rng
 
-    def __getattr__(self, name):  # set_epoch, batch_sampler, dataset, ... of the Trainer's loader
+    def __getattr__(self, name):  # batch_sampler, dataset, ... of the Trainer's loader
         return getattr(self._loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's ``set_epoch``, and the dataset's: accelerate's skipping loader does not
+        forward the epoch to a dataset when its sampler takes one (the seedable sampler, the
+        default), so a dataset whose randomness depends on the epoch would draw that of another
+        epoch in the rest of a resumed one."""
+        self._loader.set_epoch(epoch)
+        if hasattr(self._loader.dataset, "set_epoch"):
+            self._loader.dataset.set_epoch(epoch)
 
     def __len__(self):
         return len(self._loader)
