@@ -8,6 +8,7 @@ steps; a damaged newest snapshot falls back to the previous one (an explicit pat
 ``save_total_limit`` and ``load_best_model_at_end`` behave as with the stock Trainer."""
 
 import glob
+import importlib
 import json
 import os
 import random
@@ -49,7 +50,8 @@ def run(output_dir, log, *extra, kill_when=None):
 
 
 def checkpoint_steps(output_dir):
-    return sorted(int(n.split("-")[1]) for n in os.listdir(output_dir) if n.startswith("checkpoint-"))
+    return sorted(int(name.split("-")[1]) for name in os.listdir(output_dir)
+                  if name.startswith("checkpoint-"))
 
 
 def snapshot_steps(output_dir):
@@ -220,6 +222,13 @@ def test_a_changed_trainer_is_refused_and_another_version_warned_about(monkeypat
     monkeypatch.delattr(transformers.Trainer, "_load_rng_state")
     with pytest.raises(IntegrationError, match="_load_rng_state"):
         hf._check_transformers()
+
+
+def test_without_transformers_the_import_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "async_ckpt.integrations.transformers")
+    with pytest.raises(IntegrationError, match=r"async_ckpt\[transformers\]"):
+        importlib.import_module("async_ckpt.integrations.transformers")
 
 
 def test_nothing_in_the_library_imports_the_integrations():

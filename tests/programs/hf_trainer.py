@@ -37,7 +37,8 @@ class TokenData(torch.utils.data.Dataset):
     generator seeded by (epoch, index), so it is the same after a resume."""
 
     def __init__(self, n: int = 48, length: int = 16, vocab: int = 64):
-        self.tokens = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(1))
+        generator = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(0, vocab, (n, length), generator=generator)
         self.epoch = 0
 
     def set_epoch(self, epoch: int):  # called by the Trainer's loader at each epoch
