@@ -216,10 +216,10 @@ class AsyncCkptTrainer(Trainer):
         self._apply_retention_if_idle(engine)
         pointer = json.dumps({"format": _POINTER_FORMAT, "step": step,
                               "directory": os.path.relpath(self.async_ckpt_dir, checkpoint)})
-        engine.snapshot(step, force=True, state=self._training_state(trainer_state), markers=[
-            Marker(checkpoint, files=((TRAINER_STATE_NAME, trainer_state.encode()),
-                                      (POINTER_NAME, pointer.encode())))])
-        self._last_snapshot_step = step
+        if engine.snapshot(step, force=True, state=self._training_state(trainer_state), markers=[
+                Marker(checkpoint, files=((TRAINER_STATE_NAME, trainer_state.encode()),
+                                          (POINTER_NAME, pointer.encode())))]):
+            self._last_snapshot_step = step  # else skipped (when_busy="skip"), and logged
 
     def _open_engine(self) -> CheckpointEngine:
         if self._engine is None:
