@@ -231,12 +231,10 @@ class AsyncCkptTrainer(Trainer):
         """What a checkpoint holds; its tensors are the live ones, staged by ``snapshot()``."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.lr_scheduler.state_dict(), "trainer_state": trainer_state,
-                 "rng": GlobalRNG()}
+                 "rng": GlobalRNG(), "epoch_start_rng": self._epoch_start.rng_state}
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
-        if self._epoch_start.rng_state is not None:
-            state["epoch_start_rng"] = self._epoch_start.rng_state
         return state
 
     def _track_best_checkpoint(self, step: int) -> None:
@@ -385,9 +383,7 @@ class AsyncCkptTrainer(Trainer):
         if self._resume is None:
             return loader
         self._resume.mid_epoch = True
-        epoch_start_rng = self._resume.state.get("epoch_start_rng")
-        if epoch_start_rng is None:
-            return loader
+        epoch_start_rng = self._resume.state["epoch_start_rng"]
         self._epoch_start.rng_state = epoch_start_rng  # and in this epoch's later snapshots
         if self.args.dataloader_num_workers > 0:
             warnings.warn(
@@ -541,14 +537,14 @@ def _read_checkpoint(checkpoint: str) -> Optional[dict]:
     if pointer is None:
         return None
     _, state = load(*pointer)
-    kinds = {"model": dict, "optimizer": dict, "scheduler": dict, "trainer_state": str}
+    kinds = {"model": dict, "optimizer": dict, "scheduler": dict, "trainer_state": str,
+             "epoch_start_rng": torch.Tensor}
     wrong = [key for key, kind in kinds.items() if not isinstance(state.get(key), kind)]
     if wrong:
         raise CorruptSnapshotError(f"the snapshot of {checkpoint} has no usable {wrong}: it was "
                                    "not written by AsyncCkptTrainer")
     GlobalRNG.check_state(state.get("rng"))
-    if "epoch_start_rng" in state:
-        check_torch_state(state["epoch_start_rng"], torch.device("cpu"))
+    check_torch_state(state["epoch_start_rng"], torch.device("cpu"))
     try:
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
             same = f.read() == state["trainer_state"]
