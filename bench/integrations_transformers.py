@@ -3,11 +3,12 @@
 Per save, the time the training process is blocked in ``Trainer._save_checkpoint``: the stock
 Trainer writes ``checkpoint-N/`` (safetensors weights, ``optimizer.pt``, ``scheduler.pt``,
 ``rng_state.pth``, ``trainer_state.json``) before returning; ``AsyncCkptTrainer`` returns once the
-same state is staged, and its writer commits it (fsynced) afterwards, shown as "to commit". Same
-model for both: a GPT-2 built from a config (about 17M parameters: 200 MB of state with AdamW's
-moments; a tiny one with ``--quick``), one real training step first so that the optimizer holds
-its state, ``save_total_limit=2`` on both (the stock rotation runs inside its save; the adapter's
-at the next save). Each figure is the median of interleaved rounds (the order rotating, the
+same state is staged (eager staging, the default: copied; ``staging="lazy"``: the copy started,
+the optimizer's next step waits for it), and its writer commits it (fsynced) afterwards, shown
+as "save → committed". Same model for all: a GPT-2 built from a config (about 17M parameters:
+200 MB of state with AdamW's moments; a tiny one with ``--quick``), one real training step first
+so that the optimizer holds its state, ``save_total_limit=2`` on all (the stock rotation runs
+inside its save; the adapter's at the next save, with ``engine.drop``). Each figure is the median of interleaved rounds (the order rotating, the
 first round a warm-up) with its min-max spread; the ratio is taken round by round. The stock
 Trainer does not fsync: its blocking time is to the page cache, the adapter's commit is durable.
 
@@ -33,9 +34,19 @@ QUICK = {"model": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512}, 
 KEY = "integrations_transformers"
 
 
-def _trained(output_dir: str, trainer_class, model_config: dict):
+VARIANTS = {  # name: (label, engine options); None: the stock Trainer
+    "stock": ("`Trainer._save_checkpoint` (stock, page cache, no fsync)", None),
+    "async": ("`AsyncCkptTrainer._save_checkpoint`", {}),
+    "lazy": ("`AsyncCkptTrainer`, `staging=\"lazy\"`", {"staging": "lazy"}),
+}
+
+
+def _trained(output_dir: str, engine_options, model_config: dict):
     """A trainer of the benchmark model after one training step (the optimizer has its state)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, TrainingArguments
+    from transformers import (GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer,
+                              TrainingArguments)
+
+    from async_ckpt.integrations.transformers import AsyncCkptTrainer
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=64, bos_token_id=0, eos_token_id=0,
@@ -45,59 +56,59 @@ def _trained(output_dir: str, trainer_class, model_config: dict):
     args = TrainingArguments(output_dir=output_dir, max_steps=1, per_device_train_batch_size=2,
                              save_strategy="no", save_total_limit=2, report_to="none",
                              disable_tqdm=True, use_cpu=True)
-    trainer = trainer_class(model=model, args=args, train_dataset=data)
+    trainer = (Trainer(model=model, args=args, train_dataset=data) if engine_options is None
+               else AsyncCkptTrainer(model=model, args=args, train_dataset=data,
+                                     async_ckpt_options=engine_options))
     trainer.remove_callback(PrinterCallback)  # stdout holds only the report
     trainer.train()
     return trainer
 
 
-def _save(trainer, step: int) -> dict:
+def _save(name: str, trainer, step: int) -> dict:
     """One save at ``step``: seconds blocked, and for the adapter the seconds to its commit and
     what ``snapshot()`` alone took."""
     trainer.state.global_step = step
     blocked = timed(lambda: trainer._save_checkpoint(trainer.model, trial=None))
     engine = getattr(trainer, "checkpoint_engine", None)
     if engine is None:
-        return {"stock_s": blocked}
+        return {f"{name}_s": blocked}
     committed = blocked + timed(engine.wait)
     figures = engine.stats()["snapshots"][-1]
-    return {"async_s": blocked, "async_commit_s": committed,
-            "async_snapshot_s": figures["blocking_s"], "state_bytes": figures["raw_bytes"]}
+    return {f"{name}_s": blocked, f"{name}_commit_s": committed,
+            f"{name}_snapshot_s": figures["blocking_s"], "state_bytes": figures["raw_bytes"]}
 
 
 def run(root: str, quick: bool) -> dict:
-    """Build both trainers, measure the rounds; the results block of results.json."""
+    """Build the trainers, measure the rounds; the results block of results.json."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import Trainer
     from transformers.utils import logging as hf_logging
-
-    from async_ckpt.integrations.transformers import AsyncCkptTrainer
 
     hf_logging.set_verbosity_error()
     config = QUICK if quick else FULL
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        trainers = {"stock": _trained(os.path.join(root, "stock"), Trainer, config["model"]),
-                    "async_ckpt": _trained(os.path.join(root, "async_ckpt"), AsyncCkptTrainer,
-                                           config["model"])}
+        trainers = {name: _trained(os.path.join(root, name), options, config["model"])
+                    for name, (_, options) in VARIANTS.items()}
     rounds = []
     try:
         for n in range(config["rounds"]):
             figures = {}
             for name in rotated(list(trainers), n):
-                figures.update(_save(trainers[name], step=n + 2))
+                figures.update(_save(name, trainers[name], step=n + 2))
             rounds.append(figures)
-            log(f"transformers: round {n + 1}/{config['rounds']}: stock save "
-                f"{figures['stock_s']:.3f} s, AsyncCkptTrainer {figures['async_s']:.3f} s "
-                f"(committed after {figures['async_commit_s']:.3f} s)")
+            log(f"transformers: round {n + 1}/{config['rounds']}: "
+                + ", ".join(f"{name} {figures[f'{name}_s']:.3f} s" for name in VARIANTS))
     finally:
-        trainers["async_ckpt"].close_checkpoints()
+        for trainer in trainers.values():
+            if hasattr(trainer, "close_checkpoints"):
+                trainer.close_checkpoints()
     measured = rounds[1:] or rounds  # the first round faults in the staging memory
+    keys = [key for key in rounds[0] if key.endswith("_s")]
     return {"config": config, "state_bytes": rounds[0]["state_bytes"], "rounds": rounds,
-            "figures": {key: spread([r[key] for r in measured]) for key in
-                        ("stock_s", "async_s", "async_commit_s", "async_snapshot_s")},
-            "ratios": {"blocking": ratio_spread([r["async_s"] for r in measured],
-                                                [r["stock_s"] for r in measured])}}
+            "figures": {key: spread([r[key] for r in measured]) for key in keys},
+            "ratios": {name: ratio_spread([r[f"{name}_s"] for r in measured],
+                                          [r["stock_s"] for r in measured])
+                       for name in VARIANTS if name != "stock"}}
 
 
 def render(results: dict) -> str:
@@ -105,24 +116,26 @@ def render(results: dict) -> str:
     block = results.get(KEY)
     if not block:
         return ""
-    f, ratio, mb = block["figures"], block["ratios"]["blocking"], block["state_bytes"] / 1e6
+    f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
     def cell(key: str) -> str:
         s = f[key]
         return f"{s['median'] * 1e3:.0f} ms ({s['min'] * 1e3:.0f}–{s['max'] * 1e3:.0f})"
 
-    return "\n".join([
-        "### Hugging Face Trainer: a checkpoint save", "",
-        f"GPT-2 from a config with AdamW, {mb:.0f} MB of state; median of {f['stock_s']['n']} "
-        "interleaved rounds after a warm-up (min–max).", "",
-        "| per save | blocks training | ratio |", "|---|---|---|",
-        f"| `Trainer._save_checkpoint` (stock, page cache, no fsync) | {cell('stock_s')} | ×1 |",
-        f"| `AsyncCkptTrainer._save_checkpoint` | {cell('async_s')} | "
-        f"×{ratio['median']:.3f} ({ratio['min']:.3f}–{ratio['max']:.3f}) |",
-        f"| of which `engine.snapshot()` (stage into reused memory) | {cell('async_snapshot_s')} "
-        "| |",
-        f"| AsyncCkptTrainer: save called → committed (fsynced), off the training path "
-        f"| {cell('async_commit_s')} | |"])
+    lines = ["### Hugging Face Trainer: a checkpoint save", "",
+             f"GPT-2 from a config with AdamW, {mb:.0f} MB of state; median of "
+             f"{f['stock_s']['n']} interleaved rounds after a warm-up (min–max); the ratio is "
+             "to the stock save, round by round.", "",
+             "| per save | blocks training | ratio | of which `snapshot()` | save → committed "
+             "(fsynced) |", "|---|---|---|---|---|",
+             f"| {VARIANTS['stock'][0]} | {cell('stock_s')} | ×1 | | |"]
+    for name, (label, _) in VARIANTS.items():
+        if name != "stock":
+            ratio = r[name]
+            lines.append(f"| {label} | {cell(f'{name}_s')} | ×{ratio['median']:.3f} "
+                         f"({ratio['min']:.3f}–{ratio['max']:.3f}) | "
+                         f"{cell(f'{name}_snapshot_s')} | {cell(f'{name}_commit_s')} |")
+    return "\n".join(lines)
 
 
 def main() -> int:

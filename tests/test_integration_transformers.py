@@ -121,12 +121,14 @@ def train_in_process(output_dir, trainer_class=AsyncCkptTrainer, log=None, **arg
     return trainer
 
 
-@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "global-rng-sampler"])
-def test_a_mid_epoch_resume_in_a_later_epoch_is_exact_with_either_sampler(tmp_path, seedable):
+@pytest.mark.parametrize("seedable, staging", [(True, "eager"), (False, "eager"), (True, "lazy")],
+                         ids=["seedable-sampler", "global-rng-sampler", "lazy-staging"])
+def test_a_mid_epoch_resume_in_a_later_epoch_is_exact(tmp_path, seedable, staging):
     """accelerate's seedable sampler (the default) orders an epoch by its number, but its
     skipping loader does not pass the epoch on to the dataset; the other sampler draws the order
-    from the global RNG at the epoch's start. Both are replayed."""
-    settings = dict(accelerator_config={"use_seedable_sampler": seedable})
+    from the global RNG at the epoch's start. Both are replayed; so with lazy staging."""
+    settings = dict(accelerator_config={"use_seedable_sampler": seedable},
+                    engine_options={"staging": staging})
     ref_dir, ref_log = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
     train_in_process(ref_dir, log=ref_log, **settings)
     output_dir, log = str(tmp_path / "out"), str(tmp_path / "loss.jsonl")

@@ -75,8 +75,9 @@ class LossLog(TrainerCallback):
 
 
 def build_trainer(output_dir: str, trainer_class=AsyncCkptTrainer, log=None, data=TokenData,
-                  **arguments):
-    """The tiny GPT-2 and its Trainer; ``arguments`` override the TrainingArguments below."""
+                  engine_options=None, **arguments):
+    """The tiny GPT-2 and its Trainer; ``arguments`` override the TrainingArguments below,
+    ``engine_options`` are AsyncCkptTrainer's ``async_ckpt_options``."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64,
                                        n_positions=16, bos_token_id=0, eos_token_id=0))
@@ -85,8 +86,9 @@ def build_trainer(output_dir: str, trainer_class=AsyncCkptTrainer, log=None, dat
                     disable_tqdm=True, use_cpu=True,
                     accelerator_config={"use_seedable_sampler": False})
     args = TrainingArguments(output_dir=output_dir, **{**settings, **arguments})
-    return trainer_class(model=model, args=args, train_dataset=data(),
-                         eval_dataset=TokenData(8), callbacks=[LossLog(log)] if log else None)
+    extra = {} if engine_options is None else {"async_ckpt_options": engine_options}
+    return trainer_class(model=model, args=args, train_dataset=data(), eval_dataset=TokenData(8),
+                         callbacks=[LossLog(log)] if log else None, **extra)
 
 
 class FreezingTrainer(AsyncCkptTrainer):
