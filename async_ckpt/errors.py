@@ -110,15 +110,17 @@ class RemoteConflictError(RemoteStorageError):
     conditional write): this engine stops uploading, and nothing of the other's is replaced."""
 
 
-class IntegrationError(CheckpointError):
-    """A framework adapter (``async_ckpt.integrations``) cannot work with the framework installed
-    (a version outside the range it supports, a private piece it relies on missing) or with how
-    the framework was set up (a strategy whose state it cannot capture)."""
-
-
 class DistributedSetupError(CheckpointError):
     """The ranks of a job disagree about the checkpoint set-up (directory, arguments), or
     ``torch.distributed`` is not initialised where several ranks need it."""
+
+
+class IntegrationError(CheckpointError, ImportError):
+    """A framework adapter (``async_ckpt.integrations``) cannot work with the framework installed
+    (missing, a version outside the range it supports, a private piece it relies on gone or
+    changed) or with how the framework was set up (a strategy whose state it cannot capture, or
+    that saves without the framework's checkpoint plugin); the message names what to do. An
+    ImportError too, since most are raised when the adapter's module is imported."""
 
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; a supervisor does not restart on it

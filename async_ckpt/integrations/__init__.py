@@ -1,4 +1,5 @@
 """Adapters that put async_ckpt under a training framework's own checkpointing, one module per
-framework (``async_ckpt.integrations.accelerate``, ...). Each is imported on demand and is the only
-place its framework is imported, so the library itself never needs any of them; the library never
-imports this package."""
+framework (``lightning``, ``transformers``, ``accelerate``). Each is imported on demand and is the
+only place its framework is imported: importing ``async_ckpt`` never imports a framework, nothing
+in the library imports this package, and a framework is needed only by its own module (an
+optional extra, e.g. ``pip install 'async_ckpt[transformers]'``)."""
