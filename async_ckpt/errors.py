@@ -131,3 +131,15 @@ class Preempted(SystemExit):
 
     def __reduce__(self):  # its args are the exit code, not what __init__ takes
         return type(self), (self.step, self.signal)
+
+
+class PointerFileError(CheckpointError):
+    """A file that stands for a snapshot in a framework's own layout (a Lightning ``.ckpt`` written
+    by ``async_ckpt.integrations``) is malformed, or names a snapshot of another checkpoint
+    directory or run. Not damage to a snapshot: nothing else is loaded in its place."""
+
+
+class IntegrationSetupError(CheckpointError):
+    """A framework is set up in a way its ``async_ckpt.integrations`` adapter cannot serve, such as
+    a training strategy that saves and loads checkpoints without the framework's checkpoint
+    plugin; the message names the setting and what to use instead."""
