@@ -342,12 +342,18 @@ def test_a_value_the_engine_cannot_encode_is_refused_at_save_naming_it(tmp_path)
     assert not (tmp_path / "ckpts" / "last.ckpt").exists()
 
 
-def test_strategies_that_bypass_checkpoint_io_are_refused():
+def test_strategies_that_bypass_checkpoint_io_are_refused_and_a_last_link_warns():
     io = AsyncCkptIO("unused")
     for strategy in (FSDPStrategy(), ModelParallelStrategy()):
-        trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn="fit"))
+        trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn="validate"),
+                                  checkpoint_callbacks=[])
         with pytest.raises(IntegrationSetupError, match=type(strategy).__name__):
-            io.callback.setup(trainer, None, "fit")
+            io.callback.setup(trainer, None, "validate")
+    trainer = SimpleNamespace(strategy=L.Trainer(logger=False).strategy,
+                              state=SimpleNamespace(fn="validate"),
+                              checkpoint_callbacks=[ModelCheckpoint(save_last="link")])
+    with pytest.warns(RuntimeWarning, match="save_last=True"):
+        io.callback.setup(trainer, None, "validate")
 
 
 def test_settings_the_adapter_owns_are_refused():

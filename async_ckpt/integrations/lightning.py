@@ -183,6 +183,7 @@ class AsyncCkptIO(CheckpointIO):
                             "settings to AsyncCkptIO(directory, **options)")
         path = self._local_path(path)
         engine = self._open()
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
         self._warn_if_data_position_is_lost(checkpoint)
         replaced = self._step_named_by(path)
@@ -391,6 +392,11 @@ class AsyncCkptIO(CheckpointIO):
                     "checkpoints it cannot load or never be called. Use it with a strategy that "
                     "saves through CheckpointIO (single device, DDP), or that strategy's own "
                     "checkpointing")
+        if any(getattr(c, "save_last", None) == "link" for c in trainer.checkpoint_callbacks):
+            self._warn_once("link", "ModelCheckpoint(save_last='link') links last.ckpt to a "
+                            "checkpoint that is committed only later: a run killed in between "
+                            "finds no last checkpoint (a dangling link) and ckpt_path='last' "
+                            "starts over from scratch. Use save_last=True")
         self._trainer_attached = True
         if trainer.state.fn == TrainerFn.FITTING and _global_rank() == 0:
             self._open()  # start the writer now rather than in the first save's blocking time
