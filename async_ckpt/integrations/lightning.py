@@ -167,6 +167,7 @@ class AsyncCkptIO(CheckpointIO):
         # checkpoint directory -> {path: (stat signature, step it names or None)} (_release)
         self._scanned: dict[str, dict[str, tuple]] = {}
         self._trainer_attached = False  # the callback is in the running Trainer's callbacks
+        self._resuming = False  # a fit on the saving rank, before its training starts
         self._rng_to_restore: Optional[dict] = None  # set back at on_train_start
         self._warned: set[str] = set()
         self.callback = AsyncCkptCallback(self)
@@ -213,10 +214,14 @@ class AsyncCkptIO(CheckpointIO):
         A damaged snapshot raises its typed error (``CorruptSnapshotError``...) naming the path,
         loading nothing, except for a ``last*.ckpt`` pointer (what ``ckpt_path="last"`` picks,
         standing for the newest state): then the newest committed snapshot that verifies is
-        loaded instead, with a RuntimeWarning."""
+        loaded instead, with a RuntimeWarning.
+
+        Resuming a fit with the callback, on the rank that saves, the snapshot is read through
+        the engine (opened at ``setup``, once a killed run's writer had finished), and its global
+        RNG is set back at ``on_train_start``; anywhere else (other ranks, ``validate``,
+        ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
+        """
         path = self._local_path(path)
-        if _global_rank() == 0:
-            self._open()  # first: a killed run's writer may still be writing this pointer
         pointer = read_pointer(path)
         if pointer is None:
             stock = {} if map_location is None else {"map_location": map_location}
@@ -226,7 +231,7 @@ class AsyncCkptIO(CheckpointIO):
         step, checkpoint = self._read_snapshot(pointer, path)
         if step == pointer.step:
             _check_saved_counts(pointer, checkpoint, path, self.directory)
-        if _global_rank() == 0 and self._trainer_attached:
+        if self._resuming:
             self._rng_to_restore = GlobalRNG().state_dict()  # as load() set it: set again later
         return _to_device(checkpoint, map_location)
 
@@ -272,11 +277,11 @@ class AsyncCkptIO(CheckpointIO):
         return self._engine
 
     def _read_snapshot(self, pointer: Pointer, path: str) -> tuple[int, dict]:
-        """Read the snapshot ``pointer`` names: rank 0 through the engine (which sets the saved
-        global RNG), other ranks with the engine-free reader; past damage only for a "last"
-        pointer, with the engine's own fallback rule on every rank (the same step)."""
+        """Read the snapshot ``pointer`` names, through the engine when resuming a fit (it sets
+        the saved global RNG), else with the engine-free reader; past damage only for a "last"
+        pointer, by the engine's own fallback rule (the same step on every rank)."""
         read: Callable[[Optional[int]], tuple[int, dict]]
-        if _global_rank() == 0:
+        if self._resuming:
             def read(step):
                 loaded = self._engine.load(step)
                 if loaded is None:
@@ -399,13 +404,15 @@ class AsyncCkptIO(CheckpointIO):
                             "starts over from scratch. Use save_last=True")
         self._trainer_attached = True
         if trainer.state.fn == TrainerFn.FITTING and _global_rank() == 0:
-            self._open()  # start the writer now rather than in the first save's blocking time
+            self._open()  # waits for a killed run's writer to finish; spares the first save
+            self._resuming = True
 
     def _detach(self) -> None:
-        self._trainer_attached = False
+        self._trainer_attached = self._resuming = False
         self._rng_to_restore = None
 
     def _restore_rng(self) -> None:
+        self._resuming = False
         if self._rng_to_restore is not None:
             GlobalRNG().load_state_dict(self._rng_to_restore)
             self._rng_to_restore = None
@@ -413,9 +420,9 @@ class AsyncCkptIO(CheckpointIO):
     def _warn_unless_attached(self) -> None:
         if not self._trainer_attached:
             self._warn_once("callback", "AsyncCkptIO.callback is not among the Trainer's "
-                            "callbacks: checkpoints are saved and loaded, but the global RNG is "
-                            "set back when the checkpoint is loaded, before Lightning builds and "
-                            "iterates the DataLoaders, which draw from it, so a resumed run "
+                            "callbacks: checkpoints are saved and loaded, but a resumed run does "
+                            "not get the saved global RNG back (it must be set after Lightning "
+                            "builds and iterates the DataLoaders, which draw from it), so it "
                             "draws other random numbers (dropout) than the run it continues; and "
                             "strategies that bypass CheckpointIO are not detected. Pass "
                             "Trainer(plugins=[io], callbacks=[io.callback, ...])")
