@@ -36,7 +36,7 @@ import torch
 from .measure import log, ratio_spread, rotated, spread
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
-QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 2, "saves": 3, "rounds": 2}
+QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
 SYSTEMS = ("AsyncCkptIO", "TorchCheckpointIO", "AsyncCheckpointIO")
 PEERS = SYSTEMS[1:]
 
