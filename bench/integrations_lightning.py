@@ -17,8 +17,8 @@ reuse, is reported apart); **fit time** is the whole run's wall time (a backgrou
 takes CPU from training on this 2-core machine). Each figure is the median of interleaved rounds
 (rotated order; the first round a warm-up, not reported) with its min-max spread; ratios are taken
 round by round against the two Lightning plugins and against the floor: one ``copy_`` of the
-same bytes into preallocated memory, measured in the same round. Self-contained (``run`` and ``render``). Run
-alone: ``python -m bench.integrations_lightning [--quick]``.
+same bytes into preallocated memory, measured in the same round. Self-contained (``run`` and
+``render``). Run alone: ``python -m bench.integrations_lightning [--quick]``.
 """
 
 from __future__ import annotations

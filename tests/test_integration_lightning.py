@@ -257,7 +257,8 @@ def test_a_replaced_pointer_drops_its_snapshot_unless_another_pointer_names_it(t
 def save_four(io, ckpts):
     """Two global steps saved as Lightning does: a top-k file, then last.ckpt (snapshots 0-3)."""
     for global_step in (2, 4):
-        io.save_checkpoint(plain_checkpoint(global_step), ckpts / f"epoch=0-step={global_step}.ckpt")
+        io.save_checkpoint(plain_checkpoint(global_step),
+                           ckpts / f"epoch=0-step={global_step}.ckpt")
         io.save_checkpoint(plain_checkpoint(global_step), ckpts / "last.ckpt")
     io.teardown()
 

@@ -97,7 +97,7 @@ class Pointer:
                             "global_step": self.global_step, "epoch": self.epoch}) + "\n").encode()
 
 
-def read_pointer(path: str) -> Optional[Pointer]:
+def read_pointer(path: PathLike) -> Optional[Pointer]:
     """The pointer at ``path``; None when there is no file or it is not a pointer (a checkpoint
     written by another CheckpointIO). The file is untrusted: a file that starts as a pointer and
     is not a valid one raises PointerFileError."""
@@ -121,8 +121,9 @@ def read_pointer(path: str) -> Optional[Pointer]:
             raise ValueError(f"pointer version {fields['version']!r}, this library reads "
                              f"{POINTER_VERSION}")
         step, directory = fields["step"], fields["directory"]
+        counts = (fields["global_step"], fields["epoch"])
         if not (_is_count(step) and step < MAX_STEP and type(directory) is str and directory
-                and all(v is None or _is_count(v) for v in (fields["global_step"], fields["epoch"]))):
+                and all(v is None or _is_count(v) for v in counts)):
             raise ValueError("a field of the wrong type or out of range")
     except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
         raise PointerFileError(f"{path} is a damaged async_ckpt pointer ({e}); it names no "

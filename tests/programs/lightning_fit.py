@@ -67,8 +67,9 @@ class LossLog(Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        record = {"step": trainer.global_step, "loss": outputs["loss"].item()}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": trainer.global_step, "loss": outputs["loss"].item()}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 class StopWriter(Callback):
