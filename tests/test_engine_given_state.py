@@ -76,8 +76,11 @@ def test_drop_takes_steps_out_once_committed_and_deletes_them(ckpt_dir):
         engine.drop([0])
 
 
-def test_a_queued_drop_returns_at_once_and_applies_after_the_snapshots_before_it(ckpt_dir):
-    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1000)}, keep_last=10) as engine:
+@pytest.mark.parametrize("staging", ["eager", "lazy"])
+def test_a_queued_drop_returns_at_once_and_applies_after_the_snapshots_before_it(ckpt_dir,
+                                                                                  staging):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1000)}, keep_last=10,
+                          staging=staging) as engine:
         for step in range(4):
             engine.snapshot(step)
             assert engine.drop([step - 1] if step else [], wait=False) is None
