@@ -85,6 +85,7 @@ class CheckpointEngine:
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
         self._pending: dict[int, SnapshotFigures] = {}  # job number -> figures, in submission order
+        self._drops_queued = 0  # drop(wait=False) calls the writer has not answered yet
         self._jobs = itertools.count()
         self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
         self._last_step_taken: Optional[int] = None
@@ -276,14 +277,15 @@ class CheckpointEngine:
 
     def wait(self, remote: bool = False, timeout: Optional[float] = None) -> None:
         """Block until every snapshot in flight is committed (or has failed, which raises, or was
-        given up because another rank never finished its part, which is counted and logged).
+        given up because another rank never finished its part, which is counted and logged), and
+        every ``drop(wait=False)`` is applied.
 
         ``remote``: then also until the bucket's manifest names the newest committed snapshot
         (snapshots committed while an upload ran may be skipped: ``stats()["upload_skipped"]``),
         raising RemoteStorageError after ``timeout`` seconds (None: no limit)."""
         self._check_usable()
         self.fence()
-        while self._pending:
+        while self._pending or self._drops_queued:
             self._handle(self._writer_event(None))
         self._raise_failures()
         if remote and self._remote is not None:
@@ -351,17 +353,31 @@ class CheckpointEngine:
         self._load_rng(record, loaded.value.pop(RNG_KEY, None))
         return record.step, loaded.plain()
 
-    def drop(self, steps: Iterable[int]) -> list[int]:
+    def drop(self, steps: Iterable[int], *, wait: bool = True) -> Optional[list[int]]:
         """Take committed ``steps`` out of the manifest and delete their snapshots (one that a
         kept snapshot refers to stays): retention decided outside the engine, such as a
         framework's ``save_top_k`` or ``save_total_limit``. Snapshots in flight are committed
         first, so a step still being written is dropped once whole, never raced. With several
         ranks on a shared directory, rank 0's call drops (the others' do nothing). The bucket
-        of ``remote`` keeps its own retention (``remote_keep_last``). Returns the steps dropped."""
+        of ``remote`` keeps its own retention (``remote_keep_last``). Returns the steps dropped.
+
+        ``wait=False`` (one rank only): queue the drop behind the snapshots already taken and
+        return None at once, so that retention applied right after a snapshot does not make
+        training wait for its commit; the writer, which commits each snapshot before it reads
+        the next message, applies it after them. A failure is raised by a later call, as a
+        failed write's is."""
         self._check_usable()
         steps = tuple(sorted(set(steps)))
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
             raise ValueError(f"steps must be ints, not {steps!r}")
+        if not wait:
+            if self.world_size > 1:  # rank 0's writer commits only once the others' shards are in
+                raise ValueError("drop(wait=False) needs a one-rank engine; with several ranks "
+                                 "call drop() (it waits for the snapshots in flight)")
+            self.fence()  # a lazily staged snapshot reaches the writer first
+            self._writer.drop(steps)
+            self._drops_queued += 1
+            return None
         self.wait()
         self._writer.drop(steps)
         while True:
@@ -563,6 +579,7 @@ class CheckpointEngine:
             self._broken = e
             self._counts.failed += len(self._pending)
             self._pending.clear()
+            self._drops_queued = 0
             raise
 
     def _acquire_slot(self, may_skip: bool):
@@ -624,6 +641,10 @@ class CheckpointEngine:
             if figures.get("rejections", 0) > before.get("rejections", 0):
                 self._failures.append(figures["rejected"])  # likewise, per snapshot refused
             self._remote_status = figures
+        elif isinstance(event, Dropped):  # the answer to a drop(wait=False)
+            self._drops_queued -= 1
+            if event.error is not None:
+                self._failures.append(event.error)
         elif isinstance(event, Failed):
             self._pending.pop(event.job)
             self._counts.record_failure()

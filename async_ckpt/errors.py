@@ -123,6 +123,12 @@ class IntegrationError(CheckpointError, ImportError):
     ImportError too, since most are raised when the adapter's module is imported."""
 
 
+class PointerFileError(CheckpointError):
+    """A file that stands for a snapshot in a framework's own layout (a Lightning ``.ckpt`` written
+    by ``async_ckpt.integrations``) is malformed, or names a snapshot of another checkpoint
+    directory or run. Not damage to a snapshot: nothing else is loaded in its place."""
+
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; a supervisor does not restart on it
 
 

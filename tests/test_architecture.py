@@ -75,3 +75,11 @@ def test_the_writer_side_imports_neither_torch_nor_the_training_or_read_side():
     code = ("import sys\n" + "".join(f"import {m}\n" for m in writer_side)
             + "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nothing_in_the_library_imports_the_framework_adapters():
+    """async_ckpt.integrations sits on top: a framework is needed only by its adapter's users."""
+    inside = [m for m in MODULES if m.split(".")[1:2] != ["integrations"]]
+    wrong = {m: sorted(n for n in GRAPH[m] if n.startswith("async_ckpt.integrations"))
+             for m in inside}
+    assert not {m: n for m, n in wrong.items() if n}

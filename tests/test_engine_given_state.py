@@ -76,6 +76,21 @@ def test_drop_takes_steps_out_once_committed_and_deletes_them(ckpt_dir):
         engine.drop([0])
 
 
+@pytest.mark.parametrize("staging", ["eager", "lazy"])
+def test_a_queued_drop_returns_at_once_and_applies_after_the_snapshots_before_it(ckpt_dir,
+                                                                                  staging):
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1000)}, keep_last=10,
+                          staging=staging) as engine:
+        for step in range(4):
+            engine.snapshot(step)
+            assert engine.drop([step - 1] if step else [], wait=False) is None
+        engine.wait()  # also waits for the queued drops
+        assert engine.committed_steps() == [3]
+        assert engine.drop([3], wait=False) is None
+    with CheckpointEngine(ckpt_dir, {}) as again:
+        assert again.committed_steps() == []  # close() applied the last drop too
+
+
 def test_markers_appear_once_the_snapshot_is_committed_and_never_for_a_failed_one(ckpt_dir,
                                                                                  tmp_path):
     from async_ckpt import Marker

@@ -1,0 +1,510 @@
+"""PyTorch Lightning saves through async_ckpt, and resumes through its own ``ckpt_path``.
+
+Lightning hands every checkpoint to the ``CheckpointIO`` plugin of the Trainer's strategy: its
+``ModelCheckpoint`` callback (``every_n_train_steps``, ``save_top_k``, ``save_last``) and
+``trainer.save_checkpoint`` call ``save_checkpoint(dict, path)``, retention calls
+``remove_checkpoint(path)``, and ``trainer.fit(ckpt_path="last" | path)`` calls
+``load_checkpoint(path)``. :class:`AsyncCkptIO` is such a plugin::
+
+    ckpt_io = AsyncCkptIO("ckpt/")
+    trainer = L.Trainer(plugins=[ckpt_io], callbacks=[ckpt_io.callback, ModelCheckpoint(...)])
+    trainer.fit(model, datamodule, ckpt_path="last")
+
+Each save is a snapshot of the engine (one copy of the dict's tensors into reused staging memory,
+then the call returns); the ``.ckpt`` file Lightning asked for is a small JSON *pointer* naming
+that snapshot, which the writer process writes only once the snapshot is committed. So every
+``.ckpt`` Lightning sees (its ``ckpt_path="last"`` search, ``best_model_path``, the files
+``save_top_k`` deletes) stands for a whole snapshot, whatever instant the job is killed at.
+
+The engine's steps are a save counter, not Lightning's global step: Lightning saves the same
+global step twice (a top-k file, then ``last.ckpt``, whose callback state differs). A snapshot is
+dropped once no pointer names it any more (deleted by ``save_top_k``, or replaced, as
+``last.ckpt`` is at every save), after the saves in flight, never racing a write.
+
+The global RNG (Python, NumPy, torch, CUDA) is saved with every snapshot, and the callback sets
+it back at ``on_train_start`` of the resumed fit: after Lightning has built and iterated the
+DataLoaders (which draw from it), before the first batch, which is where the interrupted run
+stood when it saved. Only global rank 0 saves (Lightning's rule); the engine is one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import stat
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+try:
+    import lightning
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning_utilities.core.apply_func import apply_to_collection
+except ImportError as e:  # the optional extra
+    raise ImportError("async_ckpt.integrations.lightning needs the lightning package: "
+                      "pip install 'async_ckpt[lightning]'") from e
+
+from .. import CheckpointEngine, Marker, load
+from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
+                      PointerFileError)
+from ..format.names import MAX_STEP
+from ..train.rng import GlobalRNG
+
+__all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
+
+PathLike = Union[str, os.PathLike]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ((2, 5), (2, 7))  # lightning >= 2.5, < 2.7 (tested with 2.6.6)
+_version = tuple(int(part) for part in re.findall(r"\d+", lightning.__version__)[:2])
+if not SUPPORTED_VERSIONS[0] <= _version < SUPPORTED_VERSIONS[1]:
+    warnings.warn(f"async_ckpt.integrations.lightning supports lightning >=2.5,<2.7; this is "
+                  f"{lightning.__version__}: its CheckpointIO, ModelCheckpoint or strategies may "
+                  "differ (pip install 'async_ckpt[lightning]' installs a supported version)",
+                  RuntimeWarning, stacklevel=2)
+
+POINTER_FORMAT = "async_ckpt.lightning"
+POINTER_VERSION = 1
+MAX_POINTER_BYTES = 4096
+_POINTER_PREFIX = b'{"format": "' + POINTER_FORMAT.encode() + b'"'
+_KEEP_ALL = 2**62  # the engine keeps every snapshot: Lightning's save_top_k decides
+# Engine settings the adapter decides: one rank saves, every save is taken, Lightning retains.
+_FIXED_OPTIONS = {"rank", "world_size", "every", "keep_last", "keep_every", "when_busy"}
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a ``.ckpt`` written by :class:`AsyncCkptIO` holds: the snapshot (engine step) it
+    stands for, in which checkpoint directory, and Lightning's global step and epoch saved in it
+    (checked against the snapshot when it is loaded)."""
+
+    step: int
+    directory: str  # the engine's directory, relative to the pointer's own directory
+    global_step: Optional[int]
+    epoch: Optional[int]
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps({"format": POINTER_FORMAT, "version": POINTER_VERSION,
+                            "step": self.step, "directory": self.directory,
+                            "global_step": self.global_step, "epoch": self.epoch}) + "\n").encode()
+
+
+def read_pointer(path: PathLike) -> Optional[Pointer]:
+    """The pointer at ``path``; None when there is no file or it is not a pointer (a checkpoint
+    written by another CheckpointIO). The file is untrusted: a file that starts as a pointer and
+    is not a valid one raises PointerFileError."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO, a dangling link
+            return None
+        with open(path, "rb") as f:
+            data = f.read(MAX_POINTER_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not data.startswith(_POINTER_PREFIX):
+        return None
+    try:
+        if len(data) > MAX_POINTER_BYTES:
+            raise ValueError(f"longer than {MAX_POINTER_BYTES} bytes")
+        fields = json.loads(data.decode("utf-8"))
+        if type(fields) is not dict or set(fields) != {"format", "version", "step", "directory",
+                                                       "global_step", "epoch"}:
+            raise ValueError("not the fields of a pointer")
+        if fields["version"] != POINTER_VERSION:
+            raise ValueError(f"pointer version {fields['version']!r}, this library reads "
+                             f"{POINTER_VERSION}")
+        step, directory = fields["step"], fields["directory"]
+        counts = (fields["global_step"], fields["epoch"])
+        if not (_is_count(step) and step < MAX_STEP and type(directory) is str and directory
+                and all(v is None or _is_count(v) for v in counts)):
+            raise ValueError("a field of the wrong type or out of range")
+    except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise PointerFileError(f"{path} is a damaged async_ckpt pointer ({e}); it names no "
+                               "snapshot that can be loaded") from e
+    return Pointer(step, directory, fields["global_step"], fields["epoch"])
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+class AsyncCkptIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` backed by a :class:`~async_ckpt.CheckpointEngine` writing
+    into ``directory``; pass it as ``Trainer(plugins=[io], callbacks=[io.callback, ...])``.
+
+    ``save_checkpoint`` returns once the dict's tensors are copied into staging memory (the
+    live parameters and optimizer state may change right after); the ``.ckpt`` pointer at
+    ``path`` appears once the snapshot is committed. ``load_checkpoint`` reads a pointer's
+    snapshot (any other file with Lightning's stock ``torch.load``, ``weights_only=True`` unless
+    asked otherwise); ``remove_checkpoint`` deletes a pointer and drops its snapshot once no
+    pointer names it; ``teardown`` waits for the saves in flight and stops the writer.
+
+    ``engine_options``: settings of the engine (``async_ckpt.options.EngineOptions``), such as
+    ``compression``, ``slots``, ``mode="sync"`` or ``remote``; the adapter sets ``rank``,
+    ``world_size``, ``every``, ``keep_last``, ``keep_every`` and ``when_busy`` itself.
+    """
+
+    def __init__(self, directory: PathLike, **engine_options: Any) -> None:
+        fixed = sorted(_FIXED_OPTIONS & set(engine_options))
+        if fixed:
+            raise ValueError(f"AsyncCkptIO sets {', '.join(fixed)} itself: Lightning's global "
+                             "rank 0 saves whenever ModelCheckpoint asks, and save_top_k decides "
+                             "what is kept")
+        super().__init__()
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._engine_options = {"heartbeat_interval": None, **engine_options, "rank": 0,
+                                "world_size": 1, "keep_last": _KEEP_ALL}
+        self._engine: Optional[CheckpointEngine] = None
+        self._next_step = 0
+        # pointer path -> step of the newest save to it: its pointer is there once it commits
+        self._saves: dict[str, int] = {}
+        # checkpoint directory -> {path: (stat signature, step it names or None)} (_release)
+        self._scanned: dict[str, dict[str, tuple]] = {}
+        self._trainer_attached = False  # the callback is in the running Trainer's callbacks
+        self._resuming = False  # a fit on the saving rank, before its training starts
+        self._rng_to_restore: Optional[dict] = None  # set back at on_train_start
+        self._warned: set[str] = set()
+        self.callback = AsyncCkptCallback(self)
+
+    # --- CheckpointIO -----------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike,
+                        storage_options: Optional[Any] = None) -> None:
+        """Snapshot ``checkpoint`` (one copy of its tensors) and have its pointer written at
+        ``path`` once it is committed; the snapshot that ``path`` named before is dropped after,
+        unless another pointer names it."""
+        if storage_options is not None:
+            raise TypeError("AsyncCkptIO.save_checkpoint takes no storage_options; pass engine "
+                            "settings to AsyncCkptIO(directory, **options)")
+        path = self._local_path(path)
+        engine = self._open()
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
+        self._warn_unless_attached()
+        self._warn_if_data_position_is_lost(checkpoint)
+        replaced = self._step_named_by(path)
+        step = self._next_step
+        pointer = Pointer(step, os.path.relpath(self.directory, os.path.dirname(path)),
+                          _count_or_none(checkpoint.get("global_step")),
+                          _count_or_none(checkpoint.get("epoch")))
+        try:
+            engine.snapshot(step, state=checkpoint, force=True,
+                            markers=[Marker(path, pointer.to_bytes())])
+        except EncodingError as e:
+            raise EncodingError(
+                f"{e}. In a Lightning checkpoint such a value is most often a hyperparameter "
+                "(save_hyperparameters) or a callback's state: give it as a str, number, list or "
+                "dict, or create AsyncCkptIO(directory, allow_pickle=True) to pickle it (loading "
+                "it then runs code stored in the file)") from e
+        self._next_step += 1
+        self._saves[path] = step
+        if replaced is not None:
+            self._release(replaced, path)
+
+    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's checkpoint dict: the snapshot a pointer names, or any other checkpoint file
+        read by Lightning's stock ``TorchCheckpointIO`` (``weights_only=True`` unless given).
+
+        A damaged snapshot raises its typed error (``CorruptSnapshotError``...) naming the path,
+        loading nothing, except for a ``last*.ckpt`` pointer (what ``ckpt_path="last"`` picks,
+        standing for the newest state): then the newest committed snapshot that verifies is
+        loaded instead, with a RuntimeWarning.
+
+        Resuming a fit with the callback, on the rank that saves, the snapshot is read through
+        the engine (opened at ``setup``, once a killed run's writer had finished), and its global
+        RNG is set back at ``on_train_start``; anywhere else (other ranks, ``validate``,
+        ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
+        """
+        path = self._local_path(path)
+        pointer = read_pointer(path)
+        if pointer is None:
+            stock = {} if map_location is None else {"map_location": map_location}
+            return TorchCheckpointIO().load_checkpoint(
+                path, weights_only=True if weights_only is None else weights_only, **stock)
+        self._check_directory(pointer, path)
+        step, checkpoint = self._read_snapshot(pointer, path)
+        if step == pointer.step:
+            _check_saved_counts(pointer, checkpoint, path, self.directory)
+        if self._resuming:
+            self._rng_to_restore = GlobalRNG().state_dict()  # as load() set it: set again later
+        return _to_device(checkpoint, map_location)
+
+    def export(self, path: PathLike, destination: PathLike) -> None:
+        """Write the checkpoint ``path`` stands for as a stock Lightning ``.ckpt`` (``torch.save``)
+        at ``destination``: for what reads checkpoint files without the Trainer's CheckpointIO,
+        such as ``LightningModule.load_from_checkpoint``."""
+        TorchCheckpointIO().save_checkpoint(self.load_checkpoint(path), os.fspath(destination))
+
+    def remove_checkpoint(self, path: PathLike) -> None:
+        """Delete the pointer at ``path`` (a save to it still in flight is waited for: its
+        pointer is written at its commit) and drop its snapshot unless another pointer names
+        it. Any other file is removed as Lightning's stock IO removes it."""
+        path = self._local_path(path)
+        engine = self._open()
+        pending = self._saves.pop(path, None)
+        pointer = self._own_pointer(path)
+        if pending is not None and (pointer is None or pointer.step != pending):
+            engine.wait()
+            pointer = self._own_pointer(path)
+        if pointer is None:
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
+        os.remove(path)
+        self._release(pointer.step, path)
+
+    def teardown(self) -> None:
+        """Wait for the saves in flight (their pointers are written), then stop the writer."""
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            self._saves.clear()
+            self._scanned.clear()
+            engine.close()
+
+    # --- the engine and its steps -----------------------------------------------------------
+
+    def _open(self) -> CheckpointEngine:
+        """The engine, started on first use (on the rank that saves): numbering of saves goes
+        on past the snapshots already committed in the directory."""
+        if self._engine is None:
+            self._engine = CheckpointEngine(self.directory, {}, **self._engine_options)
+            self._next_step = max(self._engine.committed_steps(), default=-1) + 1
+        return self._engine
+
+    def _read_snapshot(self, pointer: Pointer, path: str) -> tuple[int, dict]:
+        """Read the snapshot ``pointer`` names, through the engine when resuming a fit (it sets
+        the saved global RNG), else with the engine-free reader; past damage only for a "last"
+        pointer, by the engine's own fallback rule (the same step on every rank)."""
+        read: Callable[[Optional[int]], tuple[int, dict]]
+        if self._resuming:
+            def read(step):
+                loaded = self._engine.load(step)
+                if loaded is None:
+                    raise NoSnapshotError(f"{self.directory} holds no committed snapshot")
+                return loaded
+        else:
+            def read(step):
+                return load(self.directory, step, allow_pickle=self._engine_options.get(
+                    "allow_pickle", False))
+        try:
+            return read(pointer.step)
+        except CheckpointError as e:
+            if not (e.is_damage or isinstance(e, NoSnapshotError)):
+                raise
+            cause = e
+        where = f"{path} names snapshot {pointer.step} of {self.directory}, which {_why(cause)}"
+        if not _is_last_checkpoint(path):
+            raise type(cause)(f"{where}. Lightning asked for this checkpoint, so no other is "
+                              "loaded in its place: resume with ckpt_path='last' (which falls "
+                              "back to the newest snapshot that verifies) or pass another "
+                              "checkpoint's path") from cause
+        step, checkpoint = read(None)
+        warnings.warn(f"{where}; it stands for the newest state, so the newest committed "
+                      f"snapshot that verifies was loaded instead: snapshot {step} (global step "
+                      f"{checkpoint.get('global_step')})", RuntimeWarning, stacklevel=3)
+        return step, checkpoint
+
+    def _step_named_by(self, path: str) -> Optional[int]:
+        """The snapshot the pointer at ``path`` names, or will once the saves in flight commit."""
+        if path in self._saves:
+            return self._saves[path]
+        pointer = self._own_pointer(path)
+        return None if pointer is None else pointer.step
+
+    def _own_pointer(self, path: str) -> Optional[Pointer]:
+        """The pointer at ``path`` if it names a snapshot of this directory, else None: a file of
+        another IO, another directory's pointer or a damaged one names nothing of this engine
+        (a save replaces it, a removal deletes it)."""
+        try:
+            pointer = read_pointer(path)
+        except (PointerFileError, OSError) as e:
+            log.warning("%s", e)
+            return None
+        if pointer is None or not self._names_this_directory(pointer, path):
+            return None
+        return pointer
+
+    def _release(self, step: int, path: str) -> None:
+        """Drop snapshot ``step``, whose pointer at ``path`` is gone (or being replaced), unless
+        another pointer in that directory names it (a copy, or a symlink to a pointer that is
+        still there); queued behind the saves in flight, so never before they are written."""
+        directory = os.path.dirname(path)
+        known, self._scanned[directory] = self._scanned.get(directory, {}), {}
+        named_elsewhere = False
+        for entry in os.scandir(directory):
+            if entry.path != path:
+                named_elsewhere |= self._step_of(entry, known, self._scanned[directory]) == step
+        if not named_elsewhere:
+            self._engine.drop([step], wait=False)
+
+    def _step_of(self, entry: os.DirEntry, known: dict, seen: dict) -> Optional[int]:
+        """The step ``entry`` names if it is a pointer of this directory. A pointer this engine
+        saves names the step of its newest save (or will, once that commits); any other file is
+        read again only when it changed, since a directory of thousands of checkpoints
+        (``save_top_k=-1``) is scanned at every save that replaces ``last.ckpt``."""
+        if entry.path in self._saves:
+            return self._saves[entry.path]
+        try:
+            info = entry.stat()  # through a symlink: the pointer it links to
+        except OSError:
+            return None  # a dangling symlink
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_POINTER_BYTES:
+            return None
+        signature = (info.st_ino, info.st_mtime_ns, info.st_size)
+        cached = known.get(entry.path)
+        if cached is None or cached[0] != signature:
+            pointer = self._own_pointer(entry.path)
+            cached = (signature, None if pointer is None else pointer.step)
+        seen[entry.path] = cached
+        return cached[1]
+
+    def _names_this_directory(self, pointer: Pointer, path: str) -> bool:
+        named = os.path.join(os.path.dirname(path), pointer.directory)
+        return os.path.realpath(named) == os.path.realpath(self.directory)
+
+    def _check_directory(self, pointer: Pointer, path: str) -> None:
+        if not self._names_this_directory(pointer, path):
+            named = os.path.normpath(os.path.join(os.path.dirname(path), pointer.directory))
+            raise PointerFileError(
+                f"{path} names snapshot {pointer.step} of the checkpoint directory {named}, "
+                f"and this AsyncCkptIO writes to {self.directory}: load it with "
+                f"AsyncCkptIO({named!r})")
+
+    @staticmethod
+    def _local_path(path: PathLike) -> str:
+        path = os.fspath(path)
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
+            raise ValueError(f"AsyncCkptIO writes its .ckpt pointers on a local file system, not "
+                             f"{path}; for an object store give AsyncCkptIO(directory, "
+                             "remote='s3://bucket/prefix') and a local ModelCheckpoint dirpath")
+        return os.path.abspath(path.removeprefix("file://"))
+
+    # --- the callback's part: the right moment for the RNG, strategies, warnings -------------
+
+    def _attach(self, trainer: "lightning.Trainer") -> None:
+        strategy = type(trainer.strategy)
+        for method in ("save_checkpoint", "load_checkpoint"):
+            if getattr(strategy, method) is not getattr(Strategy, method):
+                raise IntegrationError(
+                    f"{strategy.__name__} has a {method} of its own that does not (only) go "
+                    "through the CheckpointIO plugin (FSDP, ModelParallel, DeepSpeed and XLA "
+                    "strategies save sharded or with their own library): AsyncCkptIO would save "
+                    "checkpoints it cannot load or never be called. Use it with a strategy that "
+                    "saves through CheckpointIO (single device, DDP), or that strategy's own "
+                    "checkpointing")
+        if any(getattr(c, "save_last", None) == "link" for c in trainer.checkpoint_callbacks):
+            self._warn_once("link", "ModelCheckpoint(save_last='link') links last.ckpt to a "
+                            "checkpoint that is committed only later: a run killed in between "
+                            "finds no last checkpoint (a dangling link) and ckpt_path='last' "
+                            "starts over from scratch. Use save_last=True")
+        self._trainer_attached = True
+        if trainer.state.fn == TrainerFn.FITTING and _global_rank() == 0:
+            self._open()  # waits for a killed run's writer to finish; spares the first save
+            self._resuming = True
+
+    def _detach(self) -> None:
+        self._trainer_attached = self._resuming = False
+        self._rng_to_restore = None
+
+    def _restore_rng(self) -> None:
+        self._resuming = False
+        if self._rng_to_restore is not None:
+            GlobalRNG().load_state_dict(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def _warn_unless_attached(self) -> None:
+        if not self._trainer_attached:
+            self._warn_once("callback", "AsyncCkptIO.callback is not among the Trainer's "
+                            "callbacks: checkpoints are saved and loaded, but a resumed run does "
+                            "not get the saved global RNG back (it must be set after Lightning "
+                            "builds and iterates the DataLoaders, which draw from it), so it "
+                            "draws other random numbers (dropout) than the run it continues; and "
+                            "strategies that bypass CheckpointIO are not detected. Pass "
+                            "Trainer(plugins=[io], callbacks=[io.callback, ...])")
+
+    def _warn_if_data_position_is_lost(self, checkpoint: dict) -> None:
+        """A save in the middle of an epoch whose training DataLoader cannot save its position:
+        Lightning resumes it with a fresh pass over the data, not the batches that were left."""
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = fit_loop.get("epoch_loop.batch_progress", {})
+        mid_epoch = (not progress.get("is_last_batch", True)
+                     and progress.get("current", {}).get("processed", 0) > 0)
+        if mid_epoch and "combined_loader" not in fit_loop.get("state_dict", {}):
+            self._warn_once("data", "a checkpoint is saved in the middle of an epoch, and the "
+                            "training DataLoader cannot save its position (it has no "
+                            "state_dict/load_state_dict): a run resumed from it goes on with a "
+                            "fresh, reshuffled pass over the data instead of the batches that "
+                            "were left, and ends that epoch early. Use torchdata's "
+                            "StatefulDataLoader (or give the loader state_dict/load_state_dict), "
+                            "or save at epoch ends only")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+class AsyncCkptCallback(Callback):
+    """The part of :class:`AsyncCkptIO` a plugin cannot do: check the strategy at ``setup`` and
+    set the resumed run's global RNG back at ``on_train_start`` (exact resume of random draws)."""
+
+    def __init__(self, io: AsyncCkptIO) -> None:
+        self.io = io
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.io._attach(trainer)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.io._restore_rng()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.io._detach()
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _count_or_none(value) -> Optional[int]:
+    return value if _is_count(value) else None
+
+
+def _is_last_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a file that Lightning's ``ckpt_path="last"`` search picks from."""
+    stem, suffix = os.path.splitext(os.path.basename(path))
+    return (suffix == ModelCheckpoint.FILE_EXTENSION
+            and re.match(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?", stem) is not None)
+
+
+def _why(error: CheckpointError) -> str:
+    return ("is not committed (dropped or never written)" if isinstance(error, NoSnapshotError)
+            else f"is damaged: {error}")
+
+
+def _check_saved_counts(pointer: Pointer, checkpoint: dict, path: str, directory: str) -> None:
+    """The snapshot holds the global step and epoch its pointer was written with; else the
+    pointer belongs to another run that used a directory of the same name."""
+    for key, saved in (("global_step", pointer.global_step), ("epoch", pointer.epoch)):
+        if saved is not None and checkpoint.get(key) != saved:
+            raise PointerFileError(
+                f"{path} names snapshot {pointer.step} of {directory} as {key} {saved}, but that "
+                f"snapshot holds {key} {checkpoint.get(key)!r}: the pointer was written by "
+                "another run into a checkpoint directory of the same name")
+
+
+def _to_device(checkpoint: dict, map_location: Optional[Any]) -> dict:
+    """The snapshot's tensors (CPU) moved to ``map_location`` (a device or a device string);
+    Lightning itself passes none and moves the state when it loads it into the model."""
+    if map_location is None:
+        return checkpoint
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError("AsyncCkptIO.load_checkpoint takes map_location as a device or a device "
+                        f"string, not {type(map_location).__name__}")
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))

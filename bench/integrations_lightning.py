@@ -1,0 +1,199 @@
+"""Lightning: what a checkpoint costs the training process, per save, by checkpoint IO plugin.
+
+The same Lightning run (an MLP, ``--quick``: a small one; Adam; 100-250 MB of state in all) is
+trained with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=1)`` through each of:
+
+* ``AsyncCkptIO`` (async_ckpt.integrations.lightning, with its callback): one copy of the state
+  into reused staging memory, the writer process does the rest;
+* ``TorchCheckpointIO``, Lightning's default: ``torch.save`` into memory, then the file, on the
+  training thread;
+* ``AsyncCheckpointIO``, Lightning's own asynchronous plugin: every tensor cloned on the training
+  thread, then ``TorchCheckpointIO`` in a thread.
+
+**Blocking per save** is the time the training loop spends in ``ModelCheckpoint``'s hook at a save
+step (Lightning's ``dump_checkpoint``, the plugin's save, the removal of the previous checkpoint),
+the median of a run's saves after its first (the first one, which allocates what later saves
+reuse, is reported apart); **fit time** is the whole run's wall time (a background writer still
+takes CPU from training on this 2-core machine). Each figure is the median of interleaved rounds
+(rotated order; the first round a warm-up, not reported) with its min-max spread; ratios are taken
+round by round against the two Lightning plugins and against the floor: one ``copy_`` of the
+same bytes into preallocated memory, measured in the same round. Self-contained (``run`` and
+``render``). Run alone: ``python -m bench.integrations_lightning [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from .measure import log, ratio_spread, rotated, spread
+
+FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
+QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
+SYSTEMS = ("AsyncCkptIO", "TorchCheckpointIO", "AsyncCheckpointIO")
+PEERS = SYSTEMS[1:]
+
+
+def _fit(system: str, directory: Path, config: dict) -> dict:
+    """One Lightning run of ``config["saves"]`` saves through ``system``'s plugin."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from async_ckpt.integrations.lightning import AsyncCkptIO
+
+    every = config["every"]
+
+    class TimedCheckpoint(ModelCheckpoint):
+        """ModelCheckpoint whose hook is timed at the steps it saves."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.blocking = []
+
+        def on_train_batch_end(self, trainer, *args):
+            start = time.perf_counter()
+            super().on_train_batch_end(trainer, *args)
+            if trainer.global_step % every == 0:
+                self.blocking.append(time.perf_counter() - start)
+
+    class MLP(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            width = config["width"]
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width)
+                                             for _ in range(config["layers"])])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    steps = every * config["saves"]
+    data = torch.utils.data.TensorDataset(torch.randn(steps * config["batch"], config["width"]))
+    loader = torch.utils.data.DataLoader(data, batch_size=config["batch"])
+    checkpoint = TimedCheckpoint(dirpath=directory / "ckpts", every_n_train_steps=every,
+                                 save_top_k=1)
+    callbacks = [checkpoint]
+    if system == "AsyncCkptIO":
+        plugin = AsyncCkptIO(directory / "engine")
+        callbacks.append(plugin.callback)
+    else:
+        plugin = TorchCheckpointIO() if system == "TorchCheckpointIO" else AsyncCheckpointIO()
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = L.Trainer(max_steps=steps, plugins=[plugin], callbacks=callbacks, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", num_sanity_val_steps=0)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's hints about workers and logging intervals
+        trainer.fit(model, train_dataloaders=loader)
+    fit_s = time.perf_counter() - start  # teardown included: every plugin waited for its writes
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # + Adam
+    return {"blocking_s": checkpoint.blocking, "fit_s": fit_s, "state_bytes": state_bytes}
+
+
+def _copy_floor(config: dict) -> float:
+    """One warm ``copy_`` of the state's bytes (weights, biases, two Adam moments) into
+    preallocated memory: what no plugin can beat without copying less."""
+    width, layers = config["width"], config["layers"]
+    state = [torch.randn(width, width) for _ in range(3 * layers)]
+    state += [torch.randn(width) for _ in range(3 * layers)]
+    staging = [torch.empty_like(t) for t in state]
+    for _ in range(2):  # the first touches the pages; the second is timed
+        start = time.perf_counter()
+        for src, dst in zip(state, staging):
+            dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def run(root: str, quick: bool) -> dict:
+    """The rounds, each system once per round in rotating order; the results block."""
+    config = QUICK if quick else FULL
+    rounds = []
+    for n in range(config["rounds"]):
+        results = {}
+        for system in rotated(SYSTEMS, n):
+            directory = Path(root) / f"lightning-{system}-{n}"
+            results[system] = _fit(system, directory, config)
+            shutil.rmtree(directory, ignore_errors=True)
+        results["copy_floor_s"] = _copy_floor(config)
+        rounds.append(results)
+        log("integrations_lightning: round {}/{}: blocking per save {}".format(
+            n + 1, config["rounds"], ", ".join(
+                f"{s} {spread(results[s]['blocking_s'][1:])['median']:.3f} s" for s in SYSTEMS)))
+    measured = rounds[1:] or rounds  # the first round warms up the page cache and allocations
+    steady = {s: [spread(r[s]["blocking_s"][1:])["median"] for r in measured] for s in SYSTEMS}
+    floors = [r["copy_floor_s"] for r in measured]
+    figures = {s: {"blocking_s": spread(steady[s]),
+                   "blocking_x_floor": ratio_spread(steady[s], floors),
+                   "first_save_s": spread([r[s]["blocking_s"][0] for r in measured]),
+                   "fit_s": spread([r[s]["fit_s"] for r in measured])} for s in SYSTEMS}
+    figures["copy_floor_s"] = spread(floors)
+    ratios = {peer: {"blocking": ratio_spread(steady["AsyncCkptIO"], steady[peer]),
+                     "fit": ratio_spread([r["AsyncCkptIO"]["fit_s"] for r in measured],
+                                         [r[peer]["fit_s"] for r in measured])}
+              for peer in PEERS}
+    return {"config": config, "state_bytes": rounds[0]["AsyncCkptIO"]["state_bytes"],
+            "figures": figures, "ratios": ratios, "rounds": rounds}
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("integrations_lightning")
+    if not block:
+        return ""
+    f, r, config = block["figures"], block["ratios"], block["config"]
+
+    def seconds(s: dict) -> str:
+        return f"{s['median']:.3g} ({s['min']:.3g}–{s['max']:.3g})"
+
+    def ratio(peer: str, key: str) -> str:
+        x = r[peer][key]
+        return f"{x['median']:.2g}× ({x['min']:.2g}×–{x['max']:.2g}×)"
+
+    lines = [
+        "### Lightning: blocking time per save, by checkpoint IO plugin", "",
+        f"An MLP of {config['layers']} × {config['width']}² + Adam: "
+        f"{block['state_bytes'] / 1e6:.0f} MB of state; `ModelCheckpoint(every_n_train_steps="
+        f"{config['every']}, save_top_k=1)`, {config['saves']} saves per run. Blocking: the "
+        "median of a run's saves after its first (Lightning's dump_checkpoint, the plugin's save, "
+        "the removal of the previous checkpoint); medians (min–max) of "
+        f"{f['AsyncCkptIO']['blocking_s']['n']} interleaved rounds after a warm-up; ratios "
+        "round by round. Floor: one `copy_` of the state into preallocated memory, "
+        f"{seconds(f['copy_floor_s'])} s.", "",
+        "| plugin | blocking per save s · ×floor | first save s | fit s |", "|---|---|---|---|"]
+    for system in SYSTEMS:
+        s, x = f[system], f[system]["blocking_x_floor"]
+        lines.append(f"| {system} | {seconds(s['blocking_s'])} · {x['median']:.2g}× | "
+                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} |")
+    lines += ["", "| AsyncCkptIO against | blocking per save | fit time |", "|---|---|---|"]
+    lines += [f"| {peer} | {ratio(peer, 'blocking')} | {ratio(peer, 'fit')} |" for peer in PEERS]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.integrations_lightning",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-lightning-", dir=args.dir)
+    try:
+        print(render({"integrations_lightning": run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""The Lightning adapter (async_ckpt.integrations.lightning), with the real framework on CPU.
+
+Resume through Lightning's own entry point: a run killed with SIGKILL at a random step and
+resumed with ``trainer.fit(ckpt_path="last")``, or from a given ``.ckpt`` path, logs the same
+loss at every step as an uninterrupted run, bit for bit (dropout and in-process augmentation
+draw from the global RNG). ``save_top_k`` deletions drop exactly the snapshots no pointer
+names, never before a save in flight is written; a damaged snapshot fails a given path with a
+typed error and makes ``last`` fall back; a killed save leaves no pointer.
+"""
+
+import copy
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+pytest.importorskip("torchdata")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+from async_ckpt import load  # noqa: E402
+from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
+                               IntegrationError, NoSnapshotError, PointerFileError)
+from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
+from conftest import assert_same  # noqa: E402
+from test_resume import read_log, run_killed  # noqa: E402
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_fit.py")
+STEPS, EVERY, BATCHES_PER_EPOCH = 30, 4, 12  # as programs/lightning_fit.py trains
+
+
+def fit(root, log, *extra, kill_after_step=None):
+    return run_killed([PROGRAM, "--root", str(root), "--log", str(log), "--steps", str(STEPS),
+                       "--every", str(EVERY), *extra], kill_after_step, str(log))
+
+
+def last_state(root):
+    """The checkpoint dict ``last.ckpt`` of a run stands for, read through the adapter."""
+    io = AsyncCkptIO(root / "engine")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no Trainer here: the callback is not attached
+            return io.load_checkpoint(root / "ckpts" / "last.ckpt")
+    finally:
+        io.teardown()
+
+
+def assert_same_training_state(a, b):
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "epoch",
+                "global_step", "hyper_parameters"):
+        assert_same(a[key], b[key], key)
+
+
+def assert_matches(records, reference):
+    assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+    for r in records:
+        assert r == reference[r["step"]], f"step {r['step']} differs after a resume"
+
+
+def resumed_at(records):
+    """The first step each restarted run logged (the log goes back when a run resumes)."""
+    return [b["step"] for a, b in zip(records, records[1:]) if b["step"] <= a["step"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    assert fit(root, root / "loss.jsonl") == 0
+    records = read_log(root / "loss.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return root, {r["step"]: r for r in records}
+
+
+# --- resume through Lightning, in real processes ----------------------------------------------
+
+@pytest.mark.slow
+def test_a_run_killed_mid_epoch_resumes_from_last_bit_identical(tmp_path, reference):
+    ref_root, ref_records = reference
+    kill_at = random.choice([s for s in range(EVERY + 2, STEPS - EVERY)
+                             if s % BATCHES_PER_EPOCH])  # mid-epoch, after a save was taken
+    log = tmp_path / "loss.jsonl"
+    assert fit(tmp_path, log, kill_after_step=kill_at) == -signal.SIGKILL, kill_at
+    assert fit(tmp_path, log, "--resume", "last") == 0
+    records = read_log(log)
+    assert_matches(records, ref_records)
+    assert len(resumed_at(records)) == 1, kill_at
+    assert_same_training_state(last_state(tmp_path), last_state(ref_root))
+
+
+@pytest.mark.slow
+def test_a_killed_save_leaves_no_pointer_and_a_given_path_resumes_exactly(tmp_path, reference):
+    _, ref_records = reference
+    stopped = 16  # the writer is stopped just before the saves of this step, the run killed after
+    killed = tmp_path / "killed"
+    assert fit(killed, tmp_path / "killed.jsonl", "--stop-writer-at", str(stopped),
+               kill_after_step=stopped + 1) == -signal.SIGKILL
+    pointers = {p.name: read_pointer(str(p)) for p in (killed / "ckpts").iterdir()}
+    assert "last.ckpt" in pointers and not [n for n in pointers if f"step={stopped}" in n]
+    assert all(p.global_step < stopped for p in pointers.values())
+    for pointer in pointers.values():  # every pointer there stands for a committed snapshot
+        assert load(killed / "engine", pointer.step)[1]["global_step"] == pointer.global_step
+
+    root = tmp_path / "moved"
+    shutil.copytree(killed, root)  # pointers name their directory relatively: a copy works
+    given = min((p for p in (root / "ckpts").iterdir() if p.name != "last.ckpt"),
+                key=lambda p: read_pointer(str(p)).global_step)
+    log = tmp_path / "loss.jsonl"
+    assert fit(root, log, "--resume", str(given)) == 0
+    records = read_log(log)
+    assert records[0]["step"] == read_pointer(str(given)).global_step + 1
+    assert records[-1]["step"] == STEPS
+    for r in records:
+        assert r == ref_records[r["step"]], f"step {r['step']} differs after resuming {given}"
+
+
+# --- in this process: what is saved, retention, damage ----------------------------------------
+
+class TinyModel(L.LightningModule):
+    def __init__(self, hidden: int = 8, dims: tuple = (1, 2), extra=None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.BatchNorm1d(hidden),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=50)]
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=g),
+                                              torch.randn(40, 1, generator=g))
+        return StatefulDataLoader(data, batch_size=4, shuffle=True)
+
+
+class SavedDicts(AsyncCkptIO):
+    """Keeps a deep copy of every dict Lightning hands over, by path."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.saved = {}
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.saved[os.path.abspath(path)] = copy.deepcopy(checkpoint)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def train(root, io, steps=16, precision=None, callback=True, model=None, **checkpoint_args):
+    L.seed_everything(0, verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpts", **{
+        "monitor": "loss", "save_top_k": 2, "every_n_train_steps": 2, "save_last": True,
+        **checkpoint_args})
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu",
+                        plugins=[io] + ([precision] if precision else []),
+                        callbacks=([io.callback] if callback and hasattr(io, "callback") else [])
+                        + [checkpoint])
+    trainer.fit(model or TinyModel())
+    return checkpoint
+
+
+def test_every_entry_of_lightning_s_checkpoint_round_trips(tmp_path):
+    io = SavedDicts(tmp_path / "engine")
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    train(tmp_path, io, precision=scaler)
+    assert io._engine is None  # torn down with the Trainer
+    for path, saved in io.saved.items():
+        if os.path.exists(path):
+            loaded = io.load_checkpoint(path)
+            assert_same(loaded, saved)
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch",
+            "hyper_parameters", "hparams_name", "global_step", "pytorch-lightning_version",
+            "MixedPrecision"} <= set(loaded)
+    io.export(path, tmp_path / "exported.ckpt")  # for readers that bypass CheckpointIO
+    model = TinyModel.load_from_checkpoint(tmp_path / "exported.ckpt")
+    assert_same(dict(model.state_dict()), dict(loaded["state_dict"]))
+    io.teardown()
+
+
+def test_save_top_k_keeps_the_files_the_stock_io_keeps_and_drops_the_other_snapshots(tmp_path):
+    io = AsyncCkptIO(tmp_path / "async" / "engine")
+    kept = train(tmp_path / "async", io)
+    stock = train(tmp_path / "stock", TorchCheckpointIO())
+    files = sorted(os.listdir(tmp_path / "async" / "ckpts"))
+    assert files == sorted(os.listdir(tmp_path / "stock" / "ckpts"))
+    assert len(files) == 3
+    assert sorted(map(os.path.basename, kept.best_k_models)) == sorted(
+        map(os.path.basename, stock.best_k_models))
+    named = {read_pointer(str(tmp_path / "async" / "ckpts" / f)).step for f in files}
+    engine = io._open()
+    assert sorted(engine.committed_steps()) == sorted(named)  # nothing else is kept
+    io.teardown()
+
+
+def plain_checkpoint(global_step, value=1.0):
+    return {"state_dict": {"w": torch.full((4,), value)}, "global_step": global_step, "epoch": 0}
+
+
+def test_removing_a_save_still_in_flight_waits_for_its_pointer_then_deletes_it(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    path = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
+    engine = io._open()
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits until the wait below
+    waited = []
+    real_wait = engine.wait
+
+    def wait(*args, **kwargs):
+        waited.append(True)
+        os.kill(engine._writer.pid, signal.SIGCONT)
+        real_wait(*args, **kwargs)
+
+    engine.wait = wait
+    io.save_checkpoint(plain_checkpoint(2), path)
+    io.remove_checkpoint(path)
+    assert waited and not path.exists()
+    io.teardown()
+    assert not path.exists()  # no pointer written after the removal
+    assert io._open().committed_steps() == []  # and its snapshot dropped
+    io.teardown()
+
+
+def test_a_replaced_pointer_drops_its_snapshot_unless_another_pointer_names_it(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    last, copied = tmp_path / "ckpts" / "last.ckpt", tmp_path / "ckpts" / "kept.ckpt"
+    io.save_checkpoint(plain_checkpoint(1), last)
+    io._engine.wait()
+    shutil.copy(last, copied)  # a second pointer to snapshot 0
+    io.save_checkpoint(plain_checkpoint(2), last)  # replaces last.ckpt: snapshot 0 stays
+    io.save_checkpoint(plain_checkpoint(3), last)  # snapshot 1 is named by nothing: dropped
+    io._engine.wait()
+    assert read_pointer(str(last)).step == 2 and io._engine.committed_steps() == [0, 2]
+    io.remove_checkpoint(copied)
+    io._engine.wait()
+    assert io._engine.committed_steps() == [2] and not copied.exists()
+    io.teardown()
+
+
+def save_four(io, ckpts):
+    """Two global steps saved as Lightning does: a top-k file, then last.ckpt (snapshots 0-3)."""
+    for global_step in (2, 4):
+        io.save_checkpoint(plain_checkpoint(global_step),
+                           ckpts / f"epoch=0-step={global_step}.ckpt")
+        io.save_checkpoint(plain_checkpoint(global_step), ckpts / "last.ckpt")
+    io.teardown()
+
+
+def damage(engine_dir, step):
+    (shard,) = glob.glob(os.path.join(engine_dir, f"step-{step:020d}.*", "rank-*.ackpt"))
+    os.truncate(shard, os.path.getsize(shard) // 2)
+
+
+def test_a_damaged_snapshot_fails_its_own_path_and_last_falls_back(tmp_path):
+    ckpts, engine_dir = tmp_path / "ckpts", tmp_path / "engine"
+    io = AsyncCkptIO(engine_dir)
+    save_four(io, ckpts)
+    damage(engine_dir, 3)  # last.ckpt's
+    damage(engine_dir, 2)  # epoch=0-step=4.ckpt's
+    with pytest.raises(CorruptSnapshotError, match="Lightning asked for this checkpoint"):
+        io.load_checkpoint(ckpts / "epoch=0-step=4.ckpt")
+    with pytest.warns(RuntimeWarning, match="newest committed snapshot that verifies"):
+        loaded = io.load_checkpoint(ckpts / "last.ckpt")
+    assert loaded["global_step"] == 2  # snapshot 1: the newest one that is whole
+    io.teardown()
+
+
+def test_ckpt_path_last_resumes_past_a_damaged_newest_snapshot(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    train(tmp_path, io, steps=6)
+    damage(tmp_path / "engine", read_pointer(str(tmp_path / "ckpts" / "last.ckpt")).step)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[io],
+                        callbacks=[io.callback, ModelCheckpoint(dirpath=tmp_path / "ckpts")])
+    with pytest.warns(RuntimeWarning, match="newest committed snapshot that verifies"):
+        trainer.fit(TinyModel(), ckpt_path="last")
+    assert trainer.global_step == 8
+
+
+def test_a_pointer_is_untrusted_input(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    save_four(io, tmp_path / "ckpts")
+    good = json.loads((tmp_path / "ckpts" / "last.ckpt").read_text())
+    bad = tmp_path / "ckpts" / "bad.ckpt"
+    for change in ({"step": -1}, {"step": "3"}, {"step": 1.0}, {"step": True},
+                   {"step": 10**20}, {"version": 2}, {"directory": 7}, {"global_step": "x"},
+                   {"extra": 1}):
+        bad.write_text(json.dumps({**good, **change}))
+        with pytest.raises(PointerFileError):
+            io.load_checkpoint(bad)
+    bad.write_text(json.dumps(good)[:-2])  # cut short
+    with pytest.raises(PointerFileError):
+        io.load_checkpoint(bad)
+    bad.write_text(json.dumps(good) + " " * 5000)
+    with pytest.raises(PointerFileError, match="longer than"):
+        io.load_checkpoint(bad)
+    bad.write_text(json.dumps({**good, "directory": "../elsewhere"}))
+    with pytest.raises(PointerFileError, match="AsyncCkptIO"):
+        io.load_checkpoint(bad)
+    bad.write_text(json.dumps({**good, "global_step": 99}))
+    with pytest.raises(PointerFileError, match="another run"):
+        io.load_checkpoint(bad)
+    bad.write_text(json.dumps({**good, "step": 17}))
+    with pytest.raises(NoSnapshotError, match="not committed"):
+        io.load_checkpoint(bad)
+    io.teardown()
+
+
+def test_a_checkpoint_of_the_stock_io_loads_with_weights_only(tmp_path):
+    path = tmp_path / "plain.ckpt"
+    TorchCheckpointIO().save_checkpoint({**plain_checkpoint(3), "where": Path("x")}, path)
+    io = AsyncCkptIO(tmp_path / "engine")
+    with pytest.raises(Exception, match="weights_only"):
+        io.load_checkpoint(path)  # a pickled Path is not allowed by weights_only=True
+    assert io.load_checkpoint(path, weights_only=False)["where"] == Path("x")
+    io.teardown()
+
+
+def test_a_value_the_engine_cannot_encode_is_refused_at_save_naming_it(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    with pytest.raises(EncodingError, match=r"hyper_parameters\.data_dir.*save_hyperparameters"):
+        io.save_checkpoint({**plain_checkpoint(1), "hyper_parameters": {"data_dir": Path("d")}},
+                           tmp_path / "ckpts" / "last.ckpt")
+    io.teardown()
+    assert not (tmp_path / "ckpts" / "last.ckpt").exists()
+
+
+def test_strategies_that_bypass_checkpoint_io_are_refused_and_a_last_link_warns():
+    io = AsyncCkptIO("unused")
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        trainer = SimpleNamespace(strategy=strategy, state=SimpleNamespace(fn="validate"),
+                                  checkpoint_callbacks=[])
+        with pytest.raises(IntegrationError, match=type(strategy).__name__):
+            io.callback.setup(trainer, None, "validate")
+    trainer = SimpleNamespace(strategy=L.Trainer(logger=False).strategy,
+                              state=SimpleNamespace(fn="validate"),
+                              checkpoint_callbacks=[ModelCheckpoint(save_last="link")])
+    with pytest.warns(RuntimeWarning, match="save_last=True"):
+        io.callback.setup(trainer, None, "validate")
+
+
+def test_settings_the_adapter_owns_are_refused():
+    with pytest.raises(ValueError, match="keep_last"):
+        AsyncCkptIO("unused", keep_last=3)
+
+
+def test_warnings_name_a_missing_callback_and_a_loader_that_cannot_resume(tmp_path):
+    class PlainLoader(TinyModel):
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+            return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+
+    io = AsyncCkptIO(tmp_path / "engine")
+    with pytest.warns(RuntimeWarning) as caught:
+        train(tmp_path, io, steps=6, callback=False, model=PlainLoader())
+    messages = [str(w.message) for w in caught if "AsyncCkptIO" in str(w.message)
+                or "StatefulDataLoader" in str(w.message)]
+    assert len(messages) == 2  # each once, though three saves were taken
+    assert any("io.callback" in m for m in messages)
+    assert any("StatefulDataLoader" in m for m in messages)
