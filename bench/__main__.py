@@ -34,8 +34,9 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, figures, incremental, interval, lazy, plots, ranks, remote,
-               report, sharded, targets)
+from . import (article, dcp, figures, incremental, integrations_accelerate,
+               integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
+               remote, report, sharded, targets)
 from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
@@ -48,6 +49,8 @@ QUICK = {"sizes": (0.008,), "bf16_sizes": (), "rounds": 2,
          "workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 3)}
 KS = FULL["ks"]
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
+INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate)
+"""Each framework adapter against that framework's own save (results key: the module's name)."""
 
 
 def loop_steps(k: int, quick: bool) -> int:
@@ -152,6 +155,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"incremental done after {time.perf_counter() - start:.0f} s")
         remote_raw = remote.run(root, args.quick)
         log(f"remote tier done after {time.perf_counter() - start:.0f} s")
+        frameworks = {}
+        for module in INTEGRATIONS:
+            frameworks[module.__name__.rsplit(".", 1)[1]] = module.run(root, args.quick)
+            log(f"{module.__name__} done after {time.perf_counter() - start:.0f} s")
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
@@ -160,6 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results["incremental"] = incremental_raw
     results["lazy"] = lazy_raw
     results["remote"] = remote_raw
+    results.update(frameworks)
     results["sharded"] = sharded_raw
     results["loads"].update(sharded.loads(sharded_raw))
     write_outputs(results, args.out)

@@ -16,7 +16,8 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import article, incremental, lazy, remote, sharded
+from . import (article, incremental, integrations_accelerate, integrations_lightning,
+               integrations_transformers, lazy, remote, sharded)
 from .article import ASYNC, headline_case
 from .measure import RECLAIM_KEYS
 from .systems import NONE, SYSTEM_NAMES
@@ -31,6 +32,8 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
                 _headline(results, image_dir), _training(results, image_dir), lazy.render(results),
                 _memory(results),
                 _ranks(results), sharded.render(results), incremental.render(results), remote.render(results),
+                integrations_lightning.render(results), integrations_transformers.render(results),
+                integrations_accelerate.render(results),
                 _consistency(results),
                 _article(results), _advice(results), _per_size(results), _load(results),
                 _notes(results)]

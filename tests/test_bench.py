@@ -305,6 +305,16 @@ def test_lazy_staging_is_measured_and_reported(quick_run):
     assert "### Lazy staging in the training loop" in report and lazy.NICED in report
 
 
+def test_every_framework_adapter_is_measured_and_reported(quick_run):
+    out, results, _ = quick_run
+    report = (out / "report.md").read_text()
+    for key, heading in (("integrations_lightning", "Lightning"),
+                         ("integrations_transformers", "Hugging Face Trainer"),
+                         ("integrations_accelerate", "Accelerate")):
+        assert results[key]["figures"], key
+        assert heading in report, heading
+
+
 def test_spread_and_pairwise_ratios():
     assert spread([3, 1, 2]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     # round by round: 2/1, 4/4, 9/3, not the ratio of the medians (4/3)
