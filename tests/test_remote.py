@@ -349,6 +349,23 @@ def test_rank0_publishes_only_once_every_rank_shard_is_in_the_bucket(tmp_path):
     assert [e.figures["remote_step"] for e in sent if isinstance(e, RemoteStatus)][-1] == 5
 
 
+def test_rank0_moves_on_at_once_when_another_rank_uploaded_a_newer_snapshot(tmp_path):
+    """Each rank uploads the newest snapshot it has seen committed: rank 0 started on step 1,
+    rank 1 saw steps 1 and 2 committed before it started and uploaded 2. Step 1 can never
+    complete; rank 0 moves on without waiting PEER_WAIT_S, and step 2 is published."""
+    local, store, clock, sent, (rank0, rank1) = uploaders(tmp_path)
+    first, second = committed_record(local, 1, 2), committed_record(local, 2, 2)
+    settle(clock, rank0, rank1)
+    rank0.committed(first)
+    settle(clock, rank0, rounds=2)  # uploaded its shard of step 1; waits for rank 1's
+    rank1.queue.extend([(first, clock.now), (second, clock.now)])  # both seen before it starts
+    rank1.pending_since = clock.now
+    rank0.committed(second)
+    settle(clock, rank0, rank1, rounds=12)  # 3 s of listings, far below PEER_WAIT_S
+    assert store.published == [[2]] and not rank0.busy and not rank1.busy
+    assert rank0.skipped == 1 and rank1.skipped == 1
+
+
 def test_failed_requests_back_off_and_then_succeed(tmp_path):
     local, store, clock, sent, (rank0,) = uploaders(tmp_path, world_size=1, fail=4)
     settle(clock, rank0)

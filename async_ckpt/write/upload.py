@@ -58,7 +58,8 @@ LISTING_INTERVAL_S = 0.25
 other ranks read the remote manifest while waiting for rank 0 to publish."""
 PEER_WAIT_S = 60.0
 """Rank 0 gives up waiting for the other ranks' shards of a snapshot after this long once a newer
-snapshot is committed (they moved on to it), and uploads that one."""
+snapshot is committed (a rank that died, or fell far behind), and uploads that one; a rank seen to
+have uploaded a newer snapshot's shard instead is not waited for at all (``_moved_on``)."""
 ORPHAN_UPLOAD_S = 60.0
 """Once the training process is gone (killed, or it exited without ``close()``), the writer goes
 on uploading until the uploads are done or have failed for this long."""
@@ -192,12 +193,28 @@ class Uploader:
                    if not _uploaded(upload.record, rank, present)]
         if not missing:
             return "publish"
+        if self._moved_on(missing):
+            log.info("remote: rank(s) %s moved on past step %d (each uploads the newest it has "
+                     "committed); moving on to step %d", missing, upload.record.step,
+                     self.queue[-1][0].step)
+            return "skip"
         now = self.clock()
         if self.queue and now - upload.waited_since > PEER_WAIT_S:
             log.warning("remote: rank(s) %s never uploaded step %d; moving on to step %d",
                         missing, upload.record.step, self.queue[-1][0].step)
             return "skip"
         return "peers"
+
+    def _moved_on(self, missing: list[int]) -> bool:
+        """Whether one of the ``missing`` ranks has uploaded its shard of a snapshot committed
+        after the one rank 0 waits for: each rank uploads the newest snapshot it has seen
+        committed and never goes back, so that one cannot complete any more (waiting for it
+        would hold every later upload back by ``PEER_WAIT_S``)."""
+        for record, _ in self.queue:
+            present = dict(self.remote.list_snapshot(record.dir))
+            if any(shard_file_name(rank) in present for rank in missing):
+                return True
+        return False
 
     def _complete(self, record: SnapshotRecord) -> SnapshotRecord:
         """``record`` with every rank's shard: as committed locally in a shared directory, else
