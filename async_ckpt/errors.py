@@ -37,6 +37,12 @@ class SnapshotWriteError(CheckpointError):
     """Writing a snapshot failed; the snapshot was discarded and committed ones are untouched."""
 
 
+class InternalError(CheckpointError):
+    """A bug in async_ckpt: something other than an I/O error failed inside the library (the
+    writer process's log holds the traceback). Not an I/O error, so not a ``SnapshotWriteError``:
+    please report it."""
+
+
 class DiskFullError(SnapshotWriteError):
     """The file system ran out of space (ENOSPC/EDQUOT) while writing a snapshot."""
 

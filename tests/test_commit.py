@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
 from async_ckpt.write.protocol import Abandoned, Committed, Failed
-from async_ckpt.errors import CorruptSnapshotError, ReplicaMismatchError
+from async_ckpt.errors import (CorruptSnapshotError, InternalError, ReplicaMismatchError,
+                               SnapshotWriteError)
 from async_ckpt.format.shard import ChunkEncoder, ShardWriter
 from async_ckpt.format.names import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.format.manifest import ShardRecord, read_manifest
@@ -208,6 +209,28 @@ def test_differing_replicas_are_not_committed(tmp_path, committer):
     assert type(event.error) is ReplicaMismatchError
     assert "'model' differs between rank 0 and rank 2" in str(event.error)
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
+
+
+@pytest.mark.parametrize("raised, expected", [(KeyError("shards"), InternalError),
+                                             (OSError(5, "Input/output error"), SnapshotWriteError)])
+def test_a_bug_in_the_commit_is_not_passed_off_as_an_i_o_error(tmp_path, committer, monkeypatch,
+                                                                caplog, raised, expected):
+    def broken(*args):
+        raise raised
+
+    monkeypatch.setattr(commit, "write_manifest", broken)
+    a = attempt(str(tmp_path), 0, step=4)
+    committer.add(a)
+    for rank in (1, 2):
+        write_shard(str(tmp_path), a.dir, rank, 4)
+    committer.poll(trainer_gone=False)
+    (event,) = committer.events
+    assert isinstance(event, Failed) and type(event.error) is expected
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == (
+        [KeyError] if expected is InternalError else [])
+    assert not os.path.exists(os.path.join(tmp_path, a.dir))
+    monkeypatch.setattr(commit.Manifest, "without", broken)
+    assert type(committer.drop((4,)).error) is expected
 
 
 def test_a_rank_with_a_root_of_its_own_commits_its_shard_alone(tmp_path, clock):

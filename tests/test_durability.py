@@ -20,12 +20,14 @@ from typing import Optional
 import pytest
 
 from async_ckpt.storage import local as fsutil
-from async_ckpt.errors import CheckpointDirError
+from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DiskFullError,
+                               InternalError, SnapshotWriteError)
+from async_ckpt.format.layout import Plan
 from async_ckpt.format.manifest import ShardRecord
 from async_ckpt.format.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
-from async_ckpt.write.protocol import Attach, WriterConfig
+from async_ckpt.write.protocol import Attach, Failed, Released, SnapshotJob, WriterConfig
 from async_ckpt.write.writer import GONE, SnapshotWriter
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
@@ -269,4 +271,50 @@ def test_once_the_trainer_is_gone_another_rank_s_writer_returns_at_once(tmp_path
         writer.serve()  # nobody is left to tell; rank 0 commits the shard without this writer
         assert writer.commit.pending == []
     finally:
+        writer.conn.close()
+
+
+def job_of(buffer_id):
+    return SnapshotJob(job=3, step=1, buffer_id=buffer_id, dir=snapshot_dir_name(1, "session", 0),
+                       tree={"kind": "dict", "entries": {}}, plan=Plan((), (), 0), submitted=0.0)
+
+
+def test_a_bug_in_the_writer_reaches_the_trainer_as_an_internal_error(tmp_path, caplog):
+    """A job naming a buffer that was never attached: a KeyError in the writer, which is a bug,
+    not an I/O error; the writer logs its traceback and goes on serving."""
+    trainer, writer = connected_writer(tmp_path)
+    try:
+        writer.handle(job_of(buffer_id=9))
+        assert trainer.recv() == Released(9, 1)
+        failed = trainer.recv()
+        assert isinstance(failed, Failed) and failed.job == 3
+        assert type(failed.error) is InternalError and "KeyError" in str(failed.error)
+        (record,) = [r for r in caplog.records if r.exc_info]
+        assert record.exc_info[0] is KeyError  # the traceback is in the writer's log
+        assert os.listdir(tmp_path) == []
+    finally:
+        trainer.close()
+        writer.conn.close()
+
+
+@pytest.mark.parametrize("raised, expected", [
+    (OSError(5, "Input/output error"), SnapshotWriteError),
+    (OSError(28, "No space left on device"), DiskFullError),
+    (CorruptSnapshotError("a referred shard is damaged"), CorruptSnapshotError),
+    (TypeError("unsupported operand"), InternalError),
+], ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else v.__name__)
+def test_only_i_o_errors_become_write_errors(tmp_path, monkeypatch, raised, expected):
+    trainer, writer = connected_writer(tmp_path)
+
+    def write(job, buf, release):
+        raise raised
+
+    monkeypatch.setattr(writer, "write", write)
+    writer.buffers[0] = b""
+    try:
+        writer.handle(job_of(buffer_id=0))
+        assert isinstance(trainer.recv(), Released)
+        assert type(trainer.recv().error) is expected
+    finally:
+        trainer.close()
         writer.conn.close()

@@ -180,15 +180,6 @@ def write_error(exc: OSError, what: str) -> SnapshotWriteError:
         "check the file system, then snapshot again")
 
 
-def as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
-    """The typed error to report for an exception raised while writing or committing ``what``."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, OSError):
-        return write_error(exc, what)
-    return SnapshotWriteError(f"writing {what} failed: {exc!r}")
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

@@ -27,13 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Protocol
 
-from ..errors import CheckpointError, CorruptSnapshotError, ManifestError, ReplicaMismatchError
+from ..errors import (CheckpointError, CorruptSnapshotError, InternalError, ManifestError,
+                      ReplicaMismatchError)
 from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
                                write_manifest)
 from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
-from ..storage.local import as_checkpoint_error, as_storage
+from ..storage.local import as_storage, write_error
 from .protocol import Abandoned, Committed, Dropped, Failed, WriterEvent
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,7 @@ class Committer:
                 record, self.keep_last, self.keep_every, self.keep() if self.keep else ())
             write_manifest(self.storage, manifest)  # the commit point
         except Exception as e:  # this attempt fails; the writer and older commits are unaffected
-            error = as_checkpoint_error(e, f"step {attempt.step}")
-            log.error("committing step %d failed: %s", attempt.step, error)
+            error = failure(e, "committing", f"step {attempt.step}")
             self.storage.remove([attempt.dir])
             self.send(Failed(attempt.job, error))
             return
@@ -170,8 +170,8 @@ class Committer:
             manifest, dropped = self._manifest().without(steps)
             if dropped:
                 write_manifest(self.storage, manifest)
-        except (CheckpointError, OSError) as e:
-            return Dropped((), as_checkpoint_error(e, f"dropping steps {list(steps)}"))
+        except Exception as e:
+            return Dropped((), failure(e, "dropping", f"steps {list(steps)}"))
         self.storage.remove([d.dir for d in dropped])
         return Dropped(tuple(d.step for d in dropped))
 
@@ -274,6 +274,25 @@ class CommitWatcher:
         self._committed = {s.dir: s for s in (*manifest.snapshots, *manifest.dropped)}
         self._manifest_id, self._manifest_changed = manifest_id, self.clock()
         return True
+
+
+def failure(exc: Exception, doing: str, what: str) -> CheckpointError:
+    """The error the trainer is sent, and the writer logs, for ``exc`` raised while ``doing``
+    ``what`` ("writing", "step 3"): a ``CheckpointError`` as it is, an ``OSError`` as a write
+    error; anything else is a bug, never passed off as an I/O error: an ``InternalError``, its
+    traceback in the writer's log."""
+    if isinstance(exc, CheckpointError):
+        error = exc
+    elif isinstance(exc, OSError):
+        error = write_error(exc, what)
+    else:
+        log.error("%s %s failed on a bug", doing, what, exc_info=exc)
+        return InternalError(
+            f"{doing} {what} failed on a bug in async_ckpt ({type(exc).__name__}: {exc}); "
+            "committed snapshots are intact. Please report it with the writer's log, which holds "
+            "its traceback")
+    log.error("%s %s failed: %s", doing, what, error)
+    return error
 
 
 def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,

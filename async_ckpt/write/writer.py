@@ -39,14 +39,14 @@ from typing import Optional
 
 import psutil
 
-from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
+from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher, failure
 from .protocol import (Attach, Close, Committed, Detach, Drop, Failed, JobOutcome, Marker, Ready,
                        Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
 from ..errors import DiskFullError, SnapshotWriteError
 from ..format.references import References
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
-from ..storage.local import LocalStorage, as_checkpoint_error, atomic_directory, atomic_write, make_dirs
+from ..storage.local import LocalStorage, atomic_directory, atomic_write, make_dirs
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
@@ -181,9 +181,7 @@ class SnapshotWriter:
             attempt = self.write(job, memoryview(self.buffers[buffer_id]), release)
         except Exception as e:  # a failed snapshot must not stop the writer; the trainer decides
             release()
-            error = as_checkpoint_error(e, f"step {step}")
-            log.error("snapshot of step %d failed: %s", step, error)
-            self.send(Failed(job.job, error))
+            self.send(Failed(job.job, failure(e, "writing", f"step {step}")))
             return
         self.commit.add(attempt)  # rank 0 commits; the others watch for it
 
