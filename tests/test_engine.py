@@ -279,8 +279,8 @@ def test_mismatched_state_is_refused_before_anything_loads(ckpt_dir):
         with pytest.raises(StateMismatchError) as info:
             engine.restore()
     message = str(info.value)
-    assert "model.3.weight" in message and "new" in message  # missing from the checkpoint
-    assert "model.0.weight" in message  # shape mismatch
+    assert 'model["3.weight"]' in message and "new" in message  # missing from the checkpoint
+    assert 'model["0.weight"]' in message  # shape mismatch
     assert_same(before, other.state_dict())  # nothing half-loaded
 
     # strict=False loads what fits.

@@ -15,6 +15,7 @@ import torch
 
 from ..data import ResumableLoader, ResumableSampler
 from ..errors import CheckpointError, StateMismatchError
+from ..format.values import child_path
 from ..train.capture import as_stateful, is_dtensor
 from ..train.rng import NumpyGenerator, TorchGenerator
 from .snapshot import Entry
@@ -98,12 +99,12 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
             return
         for key in saved.value.keys() - current.keys():
             if strict and saved.value[key].kind != "value":  # plain values are simply assigned
-                mismatch.unexpected.append(_join(path, key))
+                mismatch.unexpected.append(child_path(path, key))
         for key in current.keys() - saved.value.keys():
             if strict:
-                mismatch.missing.append(_join(path, key))
+                mismatch.missing.append(child_path(path, key))
         for key in saved.value.keys() & current.keys():
-            _check(_join(path, key), current[key], saved.value[key], mismatch, strict)
+            _check(child_path(path, key), current[key], saved.value[key], mismatch, strict)
     elif saved.kind == "object":
         if as_stateful(current) is None:
             mismatch.mismatched.append(f"{where} (saved a state_dict, registered a {type(current).__name__})")
@@ -138,13 +139,13 @@ def _check_module(path: str, module: torch.nn.Module, saved: Any, mismatch: _Mis
         return
     current = module.state_dict()
     if strict:
-        mismatch.missing += [_join(path, k) for k in current if k not in saved]
-        mismatch.unexpected += [_join(path, k) for k in saved if k not in current]
+        mismatch.missing += [child_path(path, k) for k in current if k not in saved]
+        mismatch.unexpected += [child_path(path, k) for k in saved if k not in current]
     for key in current.keys() & saved.keys():
         if isinstance(current[key], torch.Tensor):
             problem = _tensor_mismatch(current[key], saved[key])
             if problem and strict:
-                mismatch.mismatched.append(f"{_join(path, key)} ({problem})")
+                mismatch.mismatched.append(f"{child_path(path, key)} ({problem})")
 
 
 # Per-parameter state of torch's optimizers that has the parameter's shape.
@@ -347,7 +348,3 @@ def _matching(module: torch.nn.Module, saved: Mapping) -> dict:
     return {k: v for k, v in saved.items()
             if k not in current or not isinstance(current[k], torch.Tensor)
             or _tensor_mismatch(current[k], v) is None}
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key

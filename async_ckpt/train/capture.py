@@ -170,14 +170,16 @@ def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any],
         node = {"kind": "object", "state": encode(state_dict, path)}
         metadata = getattr(state_dict, "_metadata", None)
         if isinstance(obj, torch.nn.Module) and metadata is not None:
-            node["metadata"] = encode(dict(metadata), _join(path, "_metadata"))  # module versions
+            # module versions
+            node["metadata"] = encode(dict(metadata), values.child_path(path, "_metadata"))
         return node
     if isinstance(obj, torch.Tensor):
         return {"kind": "tensor", "state": encode(obj, path)}
     _refuse_stock_loader(obj, path)
     if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
-        return {"kind": "dict", "entries": {k: _capture_entry(v, _join(path, k), encode, objects)
-                                            for k, v in obj.items()}}
+        return {"kind": "dict", "entries": {
+            k: _capture_entry(v, values.child_path(path, k), encode, objects)
+            for k, v in obj.items()}}
     return {"kind": "value", "state": encode(obj, path)}
 
 
@@ -203,10 +205,6 @@ def check_registrable(state: Mapping[str, Any], allow_pickle: bool = False) -> N
 
     for key, obj in state.items():
         _capture_entry(obj, key, encode, objects=False)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 def encode_torch_scalar(value: Any):
