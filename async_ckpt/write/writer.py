@@ -3,16 +3,7 @@
 The training process starts it once per engine as ``python -m async_ckpt.write.writer`` (a fresh
 interpreter: never a fork of a CUDA process, and unlike multiprocessing's spawn it does not re-import
 the user's ``__main__``), through ``client.WriterClient``. It never imports torch. The two talk over
-a Unix socketpair in the typed messages of ``protocol.py``:
-
-  trainer -> writer: WriterConfig first; Attach(buffer_id, nbytes), then the buffer's memfd;
-                     Detach(buffer_id); SnapshotJob(job, step, buffer_id, dir, tree, plan,
-                     submitted); Drop(steps); Close()
-  writer -> trainer: Ready(pid) once started; per job Released(buffer_id, step) as soon as the
-                     staging buffer is no longer read, then one of Committed(job, figures),
-                     Abandoned(job, message) (another rank never finished its shard) or
-                     Failed(job, error) (a CheckpointError object, raised in the trainer);
-                     Dropped(steps, error) per Drop
+a Unix socketpair in the typed messages of ``protocol.py``, whose docstring lists them in order.
 
 For each job the writer encodes and writes the shard, releases the buffer, fsyncs, and hands the
 attempt to its commit stage (``commit.py``: rank 0 commits, the other ranks watch for the commit;
