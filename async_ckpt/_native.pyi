@@ -1,4 +1,4 @@
-"""C byte-shuffle filter; use async_ckpt.filters, which falls back to numpy without it."""
+"""C byte-shuffle filter; use async_ckpt.format.filters, which falls back to numpy without it."""
 
 from typing_extensions import Buffer
 
