@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from async_ckpt.tools import advise, supervisor
-from async_ckpt.tools.argtypes import DURATION_FORMS, duration_arg, int_arg, is_number, parse_duration
+from async_ckpt.checks import is_number
+from async_ckpt.tools.argtypes import DURATION_FORMS, duration_arg, int_arg, parse_duration
 from async_ckpt.tools.cli import build_parser
 
 

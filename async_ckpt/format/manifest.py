@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -22,6 +21,8 @@ from ..errors import CheckpointError, ManifestError, SnapshotWriteError, Unsuppo
 from ..storage.base import Storage
 from ..storage.local import as_storage
 from . import values
+from .shard import is_checksum
+from ..checks import is_int, short_repr
 from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,6 @@ READABLE_MANIFEST_VERSIONS = (1, 2, 3)  # which one a manifest is written as: Ma
 MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is refused unread
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
 _MAX_RANKS = 1 << 20
-_XXH3_HEX = re.compile(r"[0-9a-f]{16}")
 _LATEST_TIME = 253402300799  # 9999-12-31T23:59:59Z: any later Unix time cannot be shown as a date
 
 
@@ -226,7 +226,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         raise ManifestError(f"{path} is not an async_ckpt manifest; point the engine at its own directory")
     if type(doc.get("version")) is not int or doc["version"] not in READABLE_MANIFEST_VERSIONS:
         raise UnsupportedFormatError(
-            f"{path} has manifest version {_short(doc.get('version'))}; this async_ckpt reads "
+            f"{path} has manifest version {short_repr(doc.get('version'), 40)}; this async_ckpt reads "
             f"versions {', '.join(map(str, READABLE_MANIFEST_VERSIONS))}. Upgrade async_ckpt to "
             "read it")
     try:
@@ -246,7 +246,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
 
 
 def _int(lo: int, hi: int = _MAX_INT):
-    return lambda v: type(v) is int and lo <= v <= hi
+    return lambda v: is_int(v, lo, hi)
 
 
 def _of_type(kind):
@@ -263,7 +263,7 @@ _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_ty
                     "raw_bytes": _int(0), "stored_bytes": _int(0),
                     "refers": lambda v: type(v) is list and 0 < len(v) == len(set(map(str, v)))}
 _SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes": _int(0),
-                 "index_xxh3": lambda v: type(v) is str and _XXH3_HEX.fullmatch(v) is not None}
+                 "index_xxh3": is_checksum}
 
 
 def _check_fields(doc, fields: dict, what: str, closed: bool = True,
@@ -331,11 +331,6 @@ def _check_order(snapshots: tuple, next_seq: int) -> None:
     seqs = [s.seq for s in snapshots] + [next_seq]
     if any(a >= b for a, b in zip(seqs, seqs[1:])):
         raise ManifestError("commit sequence numbers do not increase")
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def write_manifest(root: str | Storage, manifest: Manifest) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import re
 from typing import Optional, Type
 
+from ..checks import short_repr
 from ..errors import CheckpointError
 
 
@@ -86,7 +87,6 @@ def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointErr
     """``name`` if it is a string matching ``pattern`` exactly, else ``error``: the one gate between a
     name read from a file and a path."""
     if type(name) is not str or not pattern.fullmatch(name):
-        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
-        raise error(f"{what} {shown} is not a valid name (docs/FORMAT.md section 1); the file was "
+        raise error(f"{what} {short_repr(name, 80)} is not a valid name (docs/FORMAT.md section 1); the file was "
                     "damaged or crafted, and nothing it names is used")
     return name

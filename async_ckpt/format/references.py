@@ -48,11 +48,11 @@ class References:
                                            f"of rank {rank}")
             reader = ShardReader(self.storage.open_shard(directory, shard.file), shard.bytes,
                                  shard.index_xxh3)
-            if reader.index.get("step") != record.step:
+            try:
+                reader.check_step(record.step)
+            except CorruptSnapshotError:
                 reader.close()
-                raise CorruptSnapshotError(f"{reader.path} holds step "
-                                           f"{reader.index.get('step')!r}, the manifest says "
-                                           f"{record.step}")
+                raise
             self._readers[key] = reader
         return self._readers[key]
 

@@ -28,6 +28,7 @@ import xxhash
 import zstandard
 
 from . import filters, values
+from ..checks import is_int, short_repr
 from .names import SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.base import ShardSink, ShardSource
@@ -97,6 +98,14 @@ def checksum(*buffers) -> str:
     for b in buffers:
         h.update(b)
     return h.hexdigest()
+
+
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+
+
+def is_checksum(value) -> bool:
+    """Whether ``value`` (read from a file) is a checksum as ``checksum`` writes it."""
+    return type(value) is str and _CHECKSUM.fullmatch(value) is not None
 
 
 class ChunkEncoder:
@@ -302,6 +311,15 @@ class ShardReader:
         if got != n:
             raise CorruptSnapshotError(f"{self.path}: short read at offset {offset} (truncated?)")
         return data
+
+    def check_step(self, step: int) -> None:
+        """CorruptSnapshotError unless this shard holds ``step``, the step of the snapshot it was
+        found in (by the manifest, or by its directory's name): a shard moved between
+        snapshots."""
+        if self.index.get("step") != step:
+            raise CorruptSnapshotError(f"{self.path} holds step "
+                                       f"{short_repr(self.index.get('step'), 40)}, not the step "
+                                       f"{step} of the snapshot it is in")
 
     def _read_index(self, expected_xxh3: Optional[str]) -> dict:
         if self.size < HEADER_SIZE + TRAILER_SIZE:
@@ -543,9 +561,6 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(f"{path}: invalid index: {why}")
 
-    def is_int(v, lo=0, hi=None):
-        return type(v) is int and v >= lo and (hi is None or v <= hi)
-
     if not isinstance(index, dict):
         raise bad("not an object")
     if type(index.get("format_version")) is not int or index["format_version"] != version:
@@ -632,7 +647,6 @@ def _validate_dtensors(dtensors, bad) -> None:
             tensors.add(d["tensor"])
 
 
-_XXH3_HEX = re.compile(r"[0-9a-f]{16}")
 _REF_FIELDS = {"dir", "file", "storage", "index_xxh3", "chunks_xxh3"}
 
 
@@ -640,9 +654,8 @@ def _validate_reference(ref, bad, where: str) -> None:
     """A reference's fields: names that match docs/FORMAT.md section 1 before anything uses them
     as paths, a storage number, checksums."""
     if not (isinstance(ref, dict) and ref.keys() == _REF_FIELDS and type(ref["storage"]) is int
-            and ref["storage"] >= 0 and type(ref["index_xxh3"]) is str
-            and _XXH3_HEX.fullmatch(ref["index_xxh3"]) and type(ref["chunks_xxh3"]) is list
-            and all(type(x) is str and _XXH3_HEX.fullmatch(x) for x in ref["chunks_xxh3"])):
+            and ref["storage"] >= 0 and is_checksum(ref["index_xxh3"])
+            and type(ref["chunks_xxh3"]) is list and all(map(is_checksum, ref["chunks_xxh3"]))):
         raise bad(f"{where}: malformed reference")
     checked_name(ref["dir"], SNAPSHOT_DIR, f"{where}: referenced directory", CorruptSnapshotError)
     checked_name(ref["file"], SHARD_FILE, f"{where}: referenced shard", CorruptSnapshotError)

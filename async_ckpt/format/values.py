@@ -71,6 +71,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 
+from ..checks import short_repr
 from ..errors import CorruptSnapshotError, EncodingError
 
 __all__ = ["encode", "decode", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
@@ -191,7 +192,7 @@ class _Encoder:
             if t is tuple:
                 return {"$tuple": [self(x, f"{path}[{i}]", d) for i, x in enumerate(v)]}
             if t is set or t is frozenset:
-                items = [self(x, f"{path}{{{_short_repr(x)}}}", d) for x in v]
+                items = [self(x, f"{path}{{{short_repr(x)}}}", d) for x in v]
                 items.sort(key=_canonical)
                 return {"$set" if t is set else "$frozenset": items}
             if all(type(k) is str and _is_utf8(k) for k in v):
@@ -589,21 +590,13 @@ def child_path(path: str, key: Any) -> str:
         if key.isidentifier():
             return f"{path}.{key}" if path else key
         return f"{path}[{json.dumps(key)}]"
-    return f"{path}[{_short_repr(key)}]"
-
-
-def _short_repr(v: Any) -> str:
-    try:
-        r = repr(v)
-    except Exception:  # a user object whose __repr__ fails must not hide the real error
-        r = f"<{type(v).__name__}>"
-    return r if len(r) <= 60 else r[:57] + "..."
+    return f"{path}[{short_repr(key)}]"
 
 
 def _show(p: Any) -> str:
     """Short description of a payload for messages (no repr of deep or huge structures)."""
     if type(p) is str:
-        return repr(p) if len(p) <= 40 else repr(p[:40]) + "..."
+        return short_repr(p, 45)
     return f"a {type(p).__name__}"
 
 

@@ -42,7 +42,8 @@ import json
 import math
 from typing import Optional
 
-from .argtypes import DURATION_FORMS, duration_arg, int_arg, is_number
+from .argtypes import DURATION_FORMS, duration_arg, duration_text, int_arg
+from ..checks import is_int, is_number
 
 __all__ = ["advise", "expected_loss", "format_advice", "add_arguments", "advise_from_args",
            "render", "CLI_HELP", "CLI_DESCRIPTION"]
@@ -120,7 +121,7 @@ def expected_loss(step_time_s: float, snapshot_cost_s: float, mtbf_s: float, int
     ``fraction_lost`` and ``fraction_lost_exponential``."""
     blocking = snapshot_cost_s if blocking_s is None else blocking_s
     _check(step_time_s, snapshot_cost_s, mtbf_s, blocking, None, restart_s)
-    if not _is_positive_int(interval_steps):
+    if not is_int(interval_steps, 1):
         raise ValueError(f"interval_steps must be a positive int, not {interval_steps!r}")
     model = _Model(step_time_s, blocking, snapshot_cost_s - blocking, mtbf_s, restart_s)
     return model.price(interval_steps)
@@ -143,12 +144,8 @@ def _check(step_time_s, snapshot_cost_s, mtbf_s, blocking, total_steps, restart_
         raise ValueError(f"the mean time between failures ({mtbf_s} s) must be longer than the "
                          f"snapshot cost ({snapshot_cost_s} s): the job would fail before a "
                          "snapshot commits; make snapshots cheaper or the job more reliable")
-    if total_steps is not None and not _is_positive_int(total_steps):
+    if total_steps is not None and not is_int(total_steps, 1):
         raise ValueError(f"total_steps must be a positive int, not {total_steps!r}")
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _daly(blocking: float, mtbf: float) -> float:
@@ -188,43 +185,43 @@ class _Model:
 
 def format_advice(result: dict) -> str:
     """The advice as a few lines of text (what ``async-ckpt advise`` prints)."""
-    r = result
+    r, t = result, duration_text
     b, c, lag = r["blocking_s"], r["snapshot_cost_s"], r["durability_lag_s"]
-    lines = [f"step time {_duration(r['step_time_s'])}; MTBF {_duration(r['mtbf_s'])}"
-             + (f"; restart {_duration(r['restart_s'])}" if r["restart_s"] else "")]
+    lines = [f"step time {t(r['step_time_s'])}; MTBF {t(r['mtbf_s'])}"
+             + (f"; restart {t(r['restart_s'])}" if r["restart_s"] else "")]
     if lag > 0:
-        lines.append(f"snapshot: blocks training {_duration(b)}, durable after {_duration(c)} "
-                     f"({_duration(lag)} in flight while training goes on)")
+        lines.append(f"snapshot: blocks training {t(b)}, durable after {t(c)} "
+                     f"({t(lag)} in flight while training goes on)")
     else:
-        lines.append(f"snapshot: blocks training {_duration(b)} until durable")
-    lines.append(f"Young: sqrt(2 x {_duration(b)} x {_duration(r['mtbf_s'])}) = "
-                 f"{_duration(r['young_interval_s'])}; Daly: {_duration(r['daly_interval_s'])} "
+        lines.append(f"snapshot: blocks training {t(b)} until durable")
+    lines.append(f"Young: sqrt(2 x {t(b)} x {t(r['mtbf_s'])}) = "
+                 f"{t(r['young_interval_s'])}; Daly: {t(r['daly_interval_s'])} "
                  "of training between snapshots")
     bound = {"one step": " (at least one step)",
              "time to durable": " (no sooner than the previous snapshot is durable)"}.get(
                  r["limited_by"], "")
     every = "every step" if r["interval_steps"] == 1 else f"every {r['interval_steps']} steps"
-    lines.append(f"recommended: {every} ({_duration(r['interval_s'])}){bound}")
+    lines.append(f"recommended: {every} ({t(r['interval_s'])}){bound}")
     lines.append("  expected time lost: " + _losses(r))
     rule = r["rule_of_thumb"]
     if rule is None:
         lines.append("article's rule of thumb (interval = 1-5% of the run): give the total steps "
                      "to compare")
     else:
-        lines.append(f"article's rule of thumb, interval = 1-5% of the {_duration(rule['run_s'])} "
+        lines.append(f"article's rule of thumb, interval = 1-5% of the {t(rule['run_s'])} "
                      f"run: every {rule['interval_steps'][0]}-{rule['interval_steps'][1]} steps "
-                     f"({_duration(rule['interval_s'][0])}-{_duration(rule['interval_s'][1])})")
+                     f"({t(rule['interval_s'][0])}-{t(rule['interval_s'][1])})")
         lines.append("  expected time lost: " + _losses(rule))
     cluster = r["cluster_rule"]
     lines.append(f"article's cluster habit, every {cluster['interval_steps'][0]}-"
-                 f"{cluster['interval_steps'][1]} steps ({_duration(cluster['interval_s'][0])}-"
-                 f"{_duration(cluster['interval_s'][1])})")
+                 f"{cluster['interval_steps'][1]} steps ({t(cluster['interval_s'][0])}-"
+                 f"{t(cluster['interval_s'][1])})")
     lines.append("  expected time lost: " + _losses(cluster))
     totals = r["totals"]
     if totals is not None:
         lines.append(f"over the run at the recommended interval: {totals['snapshots']} snapshots, "
-                     f"{totals['failures']:.1f} expected failures, {_duration(totals['lost_s'])} "
-                     f"lost of {_duration(totals['wall_s'])} wall time")
+                     f"{totals['failures']:.1f} expected failures, {t(totals['lost_s'])} "
+                     f"lost of {t(totals['wall_s'])} wall time")
     return "\n".join(lines)
 
 
@@ -248,15 +245,6 @@ def _percent(x: float) -> str:
     if x >= 0.001:
         return f"{x:.1g}%"
     return "<0.001%" if x > 0 else "0%"
-
-
-def _duration(seconds: float) -> str:
-    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    if seconds >= 1 or seconds == 0:
-        return f"{seconds:.3g} s"
-    return f"{seconds * 1000:.3g} ms"
 
 
 # --- command line -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The argument types the command line's options share, so that every command reads a number or a
-duration by the same rules (``async-ckpt advise --mtbf 24h`` and ``supervise --grace 30s`` alike).
+duration by the same rules (``async-ckpt advise --mtbf 24h`` and ``supervise --grace 30s`` alike),
+and shows a duration in the units it reads.
 """
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-__all__ = ["DURATION_FORMS", "duration_arg", "int_arg", "is_number", "parse_duration"]
+__all__ = ["DURATION_FORMS", "duration_arg", "duration_text", "int_arg", "parse_duration"]
 
 # What every DURATION option accepts, said once: in the --help of each command that has one (advise,
 # supervise) and in docs/cli.md.
@@ -19,11 +20,6 @@ DURATION_FORMS = ("a number with a unit: 350ms, 2.5s, 10min (or 10m), 24h, 7d; a
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0,
           "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(.*?)\s*([a-z]*)\s*")  # a number as float() reads it, then a unit
-
-
-def is_number(value: Any) -> bool:
-    """An int or a float, and not a bool (which Python counts as an int)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_duration(text: str) -> float:
@@ -39,6 +35,17 @@ def parse_duration(text: str) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"not a duration: {text!r} is too long")
     return seconds
+
+
+def duration_text(seconds: float) -> str:
+    """``seconds`` for people, in the largest unit it reaches: ``350 ms``, ``2.5 s``, ``10 min``,
+    ``24 h``, ``7 d`` (three significant digits)."""
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1000:.3g} ms"
 
 
 def duration_arg(positive: bool = False) -> Callable[[str], float]:

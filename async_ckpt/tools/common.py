@@ -13,7 +13,7 @@ import textwrap
 import time
 from typing import Callable, Iterator, Optional
 
-from .argtypes import int_arg
+from .argtypes import duration_text, int_arg
 from ..errors import NoSnapshotError
 from ..format.manifest import Manifest, SnapshotRecord
 from ..format.names import MANIFEST_NAME, RANK_ROOT, SNAPSHOT_DIR, is_lock_file
@@ -153,11 +153,7 @@ def when_text(ts: float) -> str:
     age = time.time() - ts
     if age < -60:
         return f"{stamp} (in the future: clock skew?)"
-    age = max(age, 0.0)
-    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
-        if age >= scale:
-            return f"{stamp} ({age / scale:.0f} {unit} ago)"
-    return f"{stamp} ({age:.0f} s ago)"
+    return f"{stamp} ({duration_text(max(age, 0.0))} ago)"
 
 
 def _committed_steps(manifest: Manifest) -> str:

@@ -9,7 +9,7 @@ import os
 import struct
 from typing import Optional, Sequence
 
-from .argtypes import is_number
+from ..checks import is_number
 from .common import EXIT_DAMAGE, EXIT_OK, UsageError, add_command
 
 

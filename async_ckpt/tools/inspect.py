@@ -49,9 +49,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                      shard.index_xxh3) as reader:
         index = reader.index
-    if index.get("step") != record.step:
-        raise CorruptSnapshotError(
-            f"{path} holds step {str(index.get('step'))[:40]!r}, the manifest says {record.step}")
+        reader.check_step(record.step)
     _check_tensor_table(index, path)
     walk = _TreeWalk(index, path)
     walk.run()

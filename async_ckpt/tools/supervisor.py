@@ -54,7 +54,8 @@ from typing import Optional, Sequence
 
 import psutil
 
-from .argtypes import DURATION_FORMS, duration_arg, int_arg, is_number
+from .argtypes import DURATION_FORMS, duration_arg, int_arg
+from ..checks import is_int, is_number
 from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
 from ..train.heartbeat import read_heartbeats
 from ..format.manifest import SnapshotRecord, read_manifest
@@ -78,15 +79,11 @@ def _fresh_beats(directory: str, since: float) -> dict[int, dict]:
     ``time``) are left out."""
     beats = {}
     for beat in read_heartbeats(directory):
-        if (isinstance(beat, dict) and _is_int(beat.get("rank")) and _is_int(beat.get("step"))
+        if (isinstance(beat, dict) and is_int(beat.get("rank")) and is_int(beat.get("step"))
                 and is_number(beat.get("time")) and math.isfinite(beat["time"])
                 and beat["time"] >= since):
             beats[beat["rank"]] = beat
     return beats
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # --- the job's processes -----------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, fail,
                      pick_record, progress, step_arg)
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError, CorruptSnapshotError, ManifestError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, snapshot_dirs
 from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
@@ -129,9 +129,11 @@ def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
     try:
         with ShardReader(storage.open_shard(dir, file), expected_bytes, expected_xxh3) as reader:
             problems = []
-            if step is not None and reader.index.get("step") != step:
-                problems.append(f"{path} holds step {reader.index.get('step')!r}, the manifest "
-                                f"says {step}")
+            if step is not None:
+                try:
+                    reader.check_step(step)
+                except CorruptSnapshotError as e:
+                    problems.append(str(e))
             largest = max((c["raw"] for s in reader.index["storages"] for c in s.get("chunks", ())),
                           default=0)  # decoded one at a time, byte planes into scratch of their own
             require_memory(2 * largest, f"verifying {path}", "free memory, or verify on a larger "

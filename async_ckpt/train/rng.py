@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..checks import is_int
 from ..errors import CorruptSnapshotError, StateMismatchError
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,6 @@ def _bad(what: str) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"the saved {what} is malformed; the snapshot was damaged or crafted")
 
 
-def _is_int(v, lo: int, hi: int) -> bool:
-    """An int (not a bool, not a NumPy scalar) in [lo, hi)."""
-    return type(v) is int and lo <= v < hi
-
-
 def _is_array(v, dtype, shape: tuple) -> bool:
     return type(v) is np.ndarray and v.dtype == np.dtype(dtype) and v.shape == shape
 
@@ -48,8 +44,8 @@ def check_python_state(state) -> None:
     """A ``random.getstate()`` value: (3, 624 words and an index in [0, 624], None or a float)."""
     if not (type(state) is tuple and len(state) == 3 and type(state[0]) is int and state[0] == 3
             and type(state[1]) is tuple and len(state[1]) == _MT_N + 1
-            and all(_is_int(w, 0, _UINT32) for w in state[1][:_MT_N])
-            and _is_int(state[1][_MT_N], 0, _MT_N + 1)
+            and all(is_int(w, 0, _UINT32 - 1) for w in state[1][:_MT_N])
+            and is_int(state[1][_MT_N], 0, _MT_N)
             and (state[2] is None or type(state[2]) is float)):
         raise _bad("Python random state")
 
@@ -59,30 +55,30 @@ def check_numpy_legacy_state(state) -> None:
     has_gauss 0/1, the cached Gaussian)."""
     if not (type(state) is tuple and len(state) == 5 and type(state[0]) is str
             and state[0] == "MT19937"
-            and _is_array(state[1], np.uint32, (_MT_N,)) and _is_int(state[2], 0, _MT_N + 1)
-            and _is_int(state[3], 0, 2) and type(state[4]) is float):
+            and _is_array(state[1], np.uint32, (_MT_N,)) and is_int(state[2], 0, _MT_N)
+            and is_int(state[3], 0, 1) and type(state[4]) is float):
         raise _bad("NumPy RandomState state")
 
 
 def _flags_ok(state: dict) -> bool:
-    return _is_int(state.get("has_uint32"), 0, 2) and _is_int(state.get("uinteger"), 0, _UINT32)
+    return is_int(state.get("has_uint32"), 0, 1) and is_int(state.get("uinteger"), 0, _UINT32 - 1)
 
 
 # The ``bit_generator.state`` dict of each NumPy bit generator, key by key.
 _BIT_GENERATOR_STATES = {
     "MT19937": lambda s: set(s) == {"bit_generator", "state"} and type(s["state"]) is dict
     and set(s["state"]) == {"key", "pos"} and _is_array(s["state"]["key"], np.uint32, (_MT_N,))
-    and _is_int(s["state"]["pos"], 0, _MT_N + 1),
+    and is_int(s["state"]["pos"], 0, _MT_N),
     "PCG64": lambda s: set(s) == {"bit_generator", "state", "has_uint32", "uinteger"}
     and type(s["state"]) is dict and set(s["state"]) == {"state", "inc"}
-    and _is_int(s["state"]["state"], 0, _UINT128) and _is_int(s["state"]["inc"], 0, _UINT128)
+    and is_int(s["state"]["state"], 0, _UINT128 - 1) and is_int(s["state"]["inc"], 0, _UINT128 - 1)
     and _flags_ok(s),
     "Philox": lambda s: set(s) == {"bit_generator", "state", "buffer", "buffer_pos", "has_uint32",
                                    "uinteger"}
     and type(s["state"]) is dict and set(s["state"]) == {"counter", "key"}
     and _is_array(s["state"]["counter"], np.uint64, (4,))
     and _is_array(s["state"]["key"], np.uint64, (2,)) and _is_array(s["buffer"], np.uint64, (4,))
-    and _is_int(s["buffer_pos"], 0, 5) and _flags_ok(s),
+    and is_int(s["buffer_pos"], 0, 4) and _flags_ok(s),
     "SFC64": lambda s: set(s) == {"bit_generator", "state", "has_uint32", "uinteger"}
     and type(s["state"]) is dict and set(s["state"]) == {"state"}
     and _is_array(s["state"]["state"], np.uint64, (4,)) and _flags_ok(s),
