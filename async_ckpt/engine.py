@@ -22,7 +22,7 @@ import signal
 import time
 import warnings
 import weakref
-from typing import Any, Iterable, MutableMapping, Optional
+from typing import Any, Collection, Iterable, Literal, MutableMapping, Optional, Union
 
 import psutil
 import torch
@@ -36,7 +36,7 @@ from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preem
                      StateMismatchError, WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
-from .options import EngineOptions, options_signature
+from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
@@ -61,6 +61,9 @@ _REMOTE_CLOSE_TIMEOUT_S = 600.0
 _WAIT_BEAT_MIN_S = 0.05  # while waiting for the writer, heartbeats at most this often
 
 
+_O = EngineOptions  # its class attributes are the defaults in CheckpointEngine's signature
+
+
 class CheckpointEngine:
     """Asynchronous snapshots of a training state into ``directory``.
 
@@ -68,19 +71,41 @@ class CheckpointEngine:
         directory: where snapshots and the manifest live; created if missing.
         state: name -> object with ``state_dict()``/``load_state_dict()``, a tensor, or a plain dict
             of those (a dict may also hold plain values such as counters).
-        **options: keyword arguments of ``async_ckpt.options.EngineOptions`` (``mode``, ``every``,
-            ``keep_last``, ...), documented and validated there; ``self.options`` holds them.
+        mode, every, keep_last, ... (keyword-only): the fields of
+            ``async_ckpt.options.EngineOptions``, with its defaults, documented and validated
+            there; ``self.options`` holds them.
     """
 
-    def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], **options):
-        self.options = o = EngineOptions(**options)
+    def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
+                 mode: Literal["async", "sync"] = _O.mode,
+                 staging: Literal["eager", "lazy"] = _O.staging, every: int = _O.every,
+                 keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
+                 slots: int = _O.slots, when_busy: Literal["wait", "skip"] = _O.when_busy,
+                 compression: Optional[Literal["zstd"]] = _O.compression, level: int = _O.level,
+                 allow_pickle: bool = _O.allow_pickle, rng: bool = _O.rng,
+                 rank: Optional[int] = _O.rank, world_size: Optional[int] = _O.world_size,
+                 replicated: Union[str, Collection[str]] = _O.replicated,
+                 spread_replicated: bool = _O.spread_replicated,
+                 commit_timeout: float = _O.commit_timeout,
+                 writer_nice: Optional[int] = _O.writer_nice,
+                 writer_low_io: bool = _O.writer_low_io, reserve_bytes: int = _O.reserve_bytes,
+                 lock_timeout: float = _O.lock_timeout,
+                 preemption: Union[bool, None, Collection[int]] = _O.preemption,
+                 heartbeat_interval: Optional[float] = _O.heartbeat_interval,
+                 slow_writer_s: float = _O.slow_writer_s, incremental: bool = _O.incremental,
+                 full_every: int = _O.full_every, remote: Optional[str] = _O.remote,
+                 remote_options: Optional[dict] = _O.remote_options,
+                 remote_keep_last: Optional[int] = _O.remote_keep_last):
+        given = locals()  # the parameters: every option by name, checked by EngineOptions
+        self.options = o = _O(**{f.name: given[f.name] for f in dataclasses.fields(_O)})
+        r = o.resolved
         o.check_state(state)
         check_registrable(state, o.allow_pickle)
         for message in inexact_loader_warnings(state):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.directory = ensure_writable_dir(directory)
         self.state = state
-        self.rank, self.world_size = o.rank, o.world_size  # as resolved from torch.distributed
+        self.rank, self.world_size = r.rank, r.world_size  # as resolved from torch.distributed
         self._rng = GlobalRNG() if o.rng else None
         self._closed = False
         self._broken: Optional[WriterDiedError] = None
@@ -111,14 +136,14 @@ class CheckpointEngine:
             self.root = session.root  # where this rank's snapshots go: DIR, or DIR/rank-RRRRR
             self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
-                root=self.root, own_root=session.own_root, rank=o.rank, world_size=o.world_size,
+                root=self.root, own_root=session.own_root, rank=r.rank, world_size=r.world_size,
                 spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
                 keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
-                level=o.level, reserve_bytes=o.reserve_bytes, nice=o.writer_nice,
-                low_io_priority=o.writer_low_io, lock=lock_path(self.directory, o.rank),
+                level=o.level, reserve_bytes=o.reserve_bytes, nice=r.writer_nice,
+                low_io_priority=o.writer_low_io, lock=lock_path(self.directory, r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
                 remote=o.remote, remote_options=o.remote_options,
-                remote_keep_last=o.remote_keep_last))
+                remote_keep_last=r.remote_keep_last))
         except BaseException:
             if self._pool is not None:
                 self._pool.close()
@@ -129,7 +154,7 @@ class CheckpointEngine:
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
                                          session.lock_fd, self._fences)
-        self._old_handlers = self._install_preemption_handlers(o.preemption)
+        self._old_handlers = self._install_preemption_handlers(r.preemption)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -189,7 +214,7 @@ class CheckpointEngine:
         t_slot = time.perf_counter()
         captured = capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
                            self.options.allow_pickle)
-        replica_of = [key if key in self.options.replicated else None for key in captured.entry_of]
+        replica_of = [key if key in self.options.resolved.replicated else None for key in captured.entry_of]
         sharded = [d for d in captured.dtensors if d["tensor"] is not None
                    and replica_of[d["tensor"]] is not None]
         if sharded:
@@ -408,7 +433,7 @@ class CheckpointEngine:
         """At another world size: the entries that held per-rank state, which cannot be split or
         merged without knowing what they mean. Raises WorldSizeMismatchError on every rank,
         unless ``reshard``, which leaves them as they are."""
-        per_rank = sorted((loaded.differing & self.state.keys()) - self.options.replicated)
+        per_rank = sorted((loaded.differing & self.state.keys()) - self.options.resolved.replicated)
         problem = None
         if per_rank and not reshard:
             problem = (f"step {record.step} in {self.directory} was written by "
@@ -657,10 +682,6 @@ class CheckpointEngine:
             self._tracker.reset()
 
 
-
-# help(CheckpointEngine) and editors' signature hints list every option, taken from EngineOptions
-# (their one owner) rather than written out a second time in __init__'s parameter list.
-CheckpointEngine.__init__.__signature__ = options_signature(CheckpointEngine.__init__)
 
 def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
                        fences: list) -> None:

@@ -16,6 +16,11 @@ class CheckpointError(Exception):
     is_damage = False
 
 
+class InvalidOptionError(CheckpointError, ValueError):
+    """A setting of ``CheckpointEngine`` (``EngineOptions``) is invalid; refused before the
+    directory is touched. A ValueError too, as Python's own argument checks raise."""
+
+
 class CheckpointDirError(CheckpointError):
     """The checkpoint directory is missing, not a directory, or not writable."""
 

@@ -1,33 +1,48 @@
 """The engine's settings: every ``CheckpointEngine`` keyword argument, its default, what it means,
 and its validation, in one place.
 
-``CheckpointEngine(directory, state, **options)`` builds ``EngineOptions(**options)``, so an
-invalid or unknown setting is refused before the engine touches the directory.
+``CheckpointEngine``'s keyword-only parameters are these fields, with these defaults (so type
+checkers see them; tests/test_options.py keeps the two one for one). The engine builds an
+``EngineOptions`` from them first, which checks every setting (``_RULES``) before the engine
+touches the directory: a bad value is an ``InvalidOptionError`` (a ValueError).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import signal
 import threading
-from typing import Any, Callable, Iterable, MutableMapping, Optional, Union
+from typing import Any, Callable, Collection, Literal, MutableMapping, Optional, Union
 
+from .checks import is_int, is_number, short_repr
 from .distributed import resolve_ranks
-from .errors import DistributedSetupError
+from .errors import DistributedSetupError, InvalidOptionError
 from .format.names import RNG_KEY
+from .format.shard import COMPRESSIONS, ZSTD_LEVELS
 from .storage.remote import check_remote_url
 
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_CATCHABLE = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What the settings given as None or True stand for, fixed when the options are built."""
+
+    rank: int
+    world_size: int
+    replicated: frozenset[str]
+    preemption: tuple[int, ...]  # the signals handled; empty: none
+    writer_nice: int
+    remote_keep_last: int
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """The settings of a ``CheckpointEngine`` (all keyword arguments of the engine).
-
-    Settings given as None or True that stand for a choice made at construction hold that choice
-    afterwards: ``rank`` and ``world_size`` are ints, ``writer_nice`` an int, ``replicated`` a
-    frozenset, ``preemption`` the tuple of signals handled (empty: none).
+    """The settings of a ``CheckpointEngine`` (all keyword arguments of the engine), as given;
+    ``resolved`` holds what those given as None or True stand for (``rank`` and ``world_size``
+    from ``torch.distributed``, the signals of ``preemption=True``, ...).
 
     Attributes:
         mode: "async" (``snapshot`` returns once the state is staged in CPU memory) or "sync"
@@ -88,27 +103,27 @@ class EngineOptions:
             referenced.
     """
 
-    mode: str = "async"
-    staging: str = "eager"
+    mode: Literal["async", "sync"] = "async"
+    staging: Literal["eager", "lazy"] = "eager"
     every: int = 1
     keep_last: int = 3
     keep_every: Optional[int] = None
     slots: int = 2
-    when_busy: str = "wait"
-    compression: Optional[str] = None
+    when_busy: Literal["wait", "skip"] = "wait"
+    compression: Optional[Literal["zstd"]] = None
     level: int = 1
     allow_pickle: bool = False
     rng: bool = True
     rank: Optional[int] = None
     world_size: Optional[int] = None
-    replicated: Union[str, Iterable[str]] = frozenset()
+    replicated: Union[str, Collection[str]] = frozenset()
     spread_replicated: bool = False
     commit_timeout: float = 120.0
     writer_nice: Optional[int] = None
     writer_low_io: bool = True
     reserve_bytes: int = 0
     lock_timeout: float = 60.0
-    preemption: Union[bool, Iterable[int]] = False
+    preemption: Union[bool, None, Collection[int]] = False
     heartbeat_interval: Optional[float] = 10.0
     slow_writer_s: float = 30.0
     incremental: bool = False
@@ -118,55 +133,40 @@ class EngineOptions:
     remote_keep_last: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _require(self.mode in ("async", "sync"),
-                 f"mode must be 'async' or 'sync', not {self.mode!r}")
-        _require(self.staging in ("eager", "lazy"),
-                 f"staging must be 'eager' or 'lazy', not {self.staging!r}")
-        _require(self.when_busy in ("wait", "skip"),
-                 f"when_busy must be 'wait' or 'skip', not {self.when_busy!r}")
-        _require(self.compression in (None, "zstd"),
-                 f"compression must be None or 'zstd', not {self.compression!r}")
-        _require(isinstance(self.every, int) and self.every >= 1, "every must be an int >= 1")
-        _require(isinstance(self.keep_last, int) and self.keep_last >= 1,
-                 "keep_last must be an int >= 1")
-        _require(self.keep_every is None
-                 or (isinstance(self.keep_every, int) and self.keep_every >= 1),
-                 "keep_every must be None or an int >= 1")
-        rank, world_size = resolve_ranks(self.rank, self.world_size)
-        _require(0 <= rank < world_size, "rank must be in [0, world_size)")
-        _require(self.commit_timeout > 0, "commit_timeout must be positive")
-        _require(world_size == 1 or self.when_busy == "wait", "when_busy='skip' needs one rank: "
-                 "ranks would skip different steps, which then never commit; use when_busy='wait'")
-        _require(isinstance(self.incremental, bool), "incremental must be True or False")
-        _require(isinstance(self.full_every, int) and self.full_every >= 1,
-                 "full_every must be an int >= 1")
-        if self.incremental and world_size > 1:
+        for name, (ok, expected) in _RULES.items():
+            value = getattr(self, name)
+            _require(ok(value), f"{name} must be {expected}, not {short_repr(value)}")
+        resolved = self.resolved  # computed once, here, and kept
+        _require(resolved.rank < resolved.world_size, "rank must be in [0, world_size)")
+        _require(resolved.world_size == 1 or self.when_busy == "wait",
+                 "when_busy='skip' needs one rank: ranks would skip different steps, which then "
+                 "never commit; use when_busy='wait'")
+        if self.incremental and resolved.world_size > 1:
             raise DistributedSetupError(
-                f"incremental=True works with one rank; this job has {world_size}. Per-rank "
-                "references would need every rank to agree on the checksums of replicated state "
-                "it did not stage; create the engine with incremental=False")
-        _require(self.remote_keep_last is None
-                 or (isinstance(self.remote_keep_last, int) and self.remote_keep_last >= 1),
-                 "remote_keep_last must be None or an int >= 1")
-        _require(self.remote_options is None or isinstance(self.remote_options, dict),
-                 "remote_options must be a dict of the object store's settings")
+                f"incremental=True works with one rank; this job has {resolved.world_size}. "
+                "Per-rank references would need every rank to agree on the checksums of "
+                "replicated state it did not stage; create the engine with incremental=False")
+        if resolved.preemption and threading.current_thread() is not threading.main_thread():
+            raise InvalidOptionError(
+                "preemption handlers can only be installed from the main thread; create the "
+                "engine there or pass preemption=False")
         if self.remote is not None:
             check_remote_url(self.remote)
-        preemption = self.preemption
-        signals = (() if preemption is False or preemption is None else
-                   DEFAULT_PREEMPTION_SIGNALS if preemption is True else tuple(preemption))
-        if signals and threading.current_thread() is not threading.main_thread():
-            raise ValueError("preemption handlers can only be installed from the main thread; "
-                             "create the engine there or pass preemption=False")
-        replicated = self.replicated
-        resolved = {
-            "rank": rank, "world_size": world_size, "preemption": signals,
-            "replicated": frozenset([replicated] if isinstance(replicated, str) else replicated),
-            "remote_keep_last": self.remote_keep_last or self.keep_last,
-            "writer_nice": self.writer_nice if self.writer_nice is not None else
-            (10 if self.mode == "async" else 0)}
-        for name, value in resolved.items():
-            object.__setattr__(self, name, value)
+
+    @functools.cached_property  # computed once, by __post_init__; not a field
+    def resolved(self) -> Resolved:
+        """What the settings given as None or True stand for."""
+        rank, world_size = resolve_ranks(self.rank, self.world_size)
+        signals = (() if self.preemption is False or self.preemption is None else
+                   DEFAULT_PREEMPTION_SIGNALS if self.preemption is True
+                   else tuple(self.preemption))
+        return Resolved(
+            rank, world_size,
+            frozenset([self.replicated] if isinstance(self.replicated, str) else self.replicated),
+            signals,
+            writer_nice=(self.writer_nice if self.writer_nice is not None
+                         else 10 if self.mode == "async" else 0),
+            remote_keep_last=self.remote_keep_last or self.keep_last)
 
     def check_state(self, state: Any) -> None:
         """Refuse a ``state`` these options cannot snapshot: not a dict, holding the engine's own
@@ -174,28 +174,67 @@ class EngineOptions:
         if not isinstance(state, MutableMapping):
             raise TypeError("state must be a dict of name -> stateful object, tensor or dict")
         _require(RNG_KEY not in state, f"{RNG_KEY!r} is reserved for the engine's RNG entry")
-        _require(self.replicated <= state.keys(), "replicated names entries that are not in "
-                 f"state: {sorted(self.replicated - state.keys())}")
+        replicated = self.resolved.replicated
+        _require(replicated <= state.keys(), "replicated names entries that are not in "
+                 f"state: {sorted(replicated - state.keys())}")
 
     def shared_settings(self) -> dict:
         """The settings every rank's engine must be created with alike (checked at start-up): the
         ranks of one job write and commit the same snapshots."""
         return {"every": self.every, "keep_last": self.keep_last, "keep_every": self.keep_every,
-                "replicated": sorted(self.replicated), "spread_replicated": self.spread_replicated,
-                "rng": self.rng, "mode": self.mode, "remote": self.remote,
-                "remote_keep_last": self.remote_keep_last}
+                "replicated": sorted(self.resolved.replicated),
+                "spread_replicated": self.spread_replicated, "rng": self.rng, "mode": self.mode,
+                "remote": self.remote, "remote_keep_last": self.resolved.remote_keep_last}
 
 
+def _one_of(*allowed) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in allowed), " or ".join(map(repr, allowed))
 
-def options_signature(function: Callable) -> inspect.Signature:
-    """``function``'s signature with its ``**options`` replaced by every EngineOptions field as a
-    keyword-only parameter with its default."""
-    signature = inspect.signature(function)
-    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                annotation=f.type) for f in dataclasses.fields(EngineOptions)]
-    kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    return signature.replace(parameters=kept + fields)
+
+def _int(lo: int, hi: Optional[int] = None,
+         optional: bool = False) -> tuple[Callable[[Any], bool], str]:
+    bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+    return ((lambda v: (optional and v is None) or is_int(v, lo, hi)),
+            f"{'None or ' * optional}an int {bounds}")
+
+
+def _seconds(zero: bool = False, optional: bool = False) -> tuple[Callable[[Any], bool], str]:
+    return ((lambda v: (optional and v is None) or (is_number(v) and (v >= 0 if zero else v > 0))),
+            f"{'None or ' * optional}a number of seconds {'>= 0' if zero else '> 0'}")
+
+
+def _names(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, _COLLECTIONS) and all(type(n) is str for n in v))
+
+
+def _signals(v: Any) -> bool:
+    return v is None or type(v) is bool or (isinstance(v, _COLLECTIONS) and all(
+        not isinstance(s, bool) and s in _CATCHABLE for s in v))
+
+
+_COLLECTIONS = (list, tuple, set, frozenset)
+_BOOL = (lambda v: type(v) is bool, "True or False")
+
+# What each setting must be: checked in this order, every one before the engine touches anything.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "every": _int(1),
+    "keep_last": _int(1), "keep_every": _int(1, optional=True), "slots": _int(1),
+    "when_busy": _one_of("wait", "skip"), "compression": _one_of(*COMPRESSIONS),
+    "level": _int(ZSTD_LEVELS[0], ZSTD_LEVELS[-1]), "allow_pickle": _BOOL, "rng": _BOOL,
+    "rank": _int(0, optional=True), "world_size": _int(1, optional=True),
+    "replicated": (_names, "an entry name or a list of them"), "spread_replicated": _BOOL,
+    "commit_timeout": _seconds(), "writer_nice": _int(0, 19, optional=True),
+    "writer_low_io": _BOOL, "reserve_bytes": _int(0), "lock_timeout": _seconds(zero=True),
+    "preemption": (_signals, "True, False or a list of signals that can be caught (not SIGKILL "
+                             "or SIGSTOP)"),
+    "heartbeat_interval": _seconds(optional=True), "slow_writer_s": _seconds(),
+    "incremental": _BOOL, "full_every": _int(1),
+    "remote": (lambda v: v is None or isinstance(v, str), "None or an s3://bucket/prefix URL"),
+    "remote_options": (lambda v: v is None or isinstance(v, dict),
+                       "None or a dict of the object store's settings"),
+    "remote_keep_last": _int(1, optional=True)}
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise InvalidOptionError(message)

@@ -1,6 +1,7 @@
 """EngineOptions: every engine setting's default, resolution and validation, in one place."""
 
 import dataclasses
+import inspect
 import signal
 import threading
 
@@ -8,42 +9,79 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine
+from async_ckpt.errors import InvalidOptionError
 from async_ckpt.format.names import RNG_KEY
-from async_ckpt.options import DEFAULT_PREEMPTION_SIGNALS, EngineOptions
+from async_ckpt.options import _RULES, DEFAULT_PREEMPTION_SIGNALS, EngineOptions
 
 
-def test_defaults_are_resolved_at_construction():
+def test_defaults_are_resolved_at_construction_and_the_settings_kept_as_given():
     options = EngineOptions()
-    assert (options.rank, options.world_size) == (0, 1)
-    assert options.writer_nice == 10  # async mode leaves the CPU to training
-    assert EngineOptions(mode="sync").writer_nice == 0
-    assert EngineOptions(writer_nice=3).writer_nice == 3
-    assert options.replicated == frozenset() and options.preemption == ()
+    assert (options.resolved.rank, options.resolved.world_size) == (0, 1)
+    assert options.resolved.writer_nice == 10  # async mode leaves the CPU to training
+    assert EngineOptions(mode="sync").resolved.writer_nice == 0
+    assert EngineOptions(writer_nice=3).resolved.writer_nice == 3
+    assert options.resolved.replicated == frozenset() and options.resolved.preemption == ()
+    assert options.resolved.remote_keep_last == options.keep_last
+    assert (options.rank, options.writer_nice, options.preemption) == (None, None, False)
 
 
 def test_replicated_and_preemption_are_normalised():
-    assert EngineOptions(replicated="model").replicated == frozenset({"model"})
-    assert EngineOptions(replicated=["a", "b", "a"]).replicated == frozenset({"a", "b"})
-    assert EngineOptions(preemption=True).preemption == DEFAULT_PREEMPTION_SIGNALS
-    assert EngineOptions(preemption=[signal.SIGUSR2]).preemption == (signal.SIGUSR2,)
-    assert EngineOptions(preemption=None).preemption == ()
+    assert EngineOptions(replicated="model").resolved.replicated == frozenset({"model"})
+    assert EngineOptions(replicated=["a", "b", "a"]).resolved.replicated == frozenset({"a", "b"})
+    assert EngineOptions(preemption=True).resolved.preemption == DEFAULT_PREEMPTION_SIGNALS
+    assert EngineOptions(preemption=[signal.SIGUSR2]).resolved.preemption == (signal.SIGUSR2,)
+    assert EngineOptions(preemption=None).resolved.preemption == ()
+
+
+def test_every_setting_has_a_rule():
+    assert list(_RULES) == [f.name for f in dataclasses.fields(EngineOptions)]
+
+
+# Refused values, setting by setting: each is an InvalidOptionError naming the setting and the value.
+REFUSED = {
+    "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
+    "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
+    "when_busy": ["drop"], "compression": ["lz4", True], "level": [23, 1.5, None, True],
+    "allow_pickle": [1, "yes", None], "rng": [0], "rank": [-1, 0.0, "0"], "world_size": [0],
+    "replicated": [3, ["a", 1], {"a": 1}, (n for n in "ab")], "spread_replicated": [None],
+    "commit_timeout": [0, -1, float("nan"), "60"], "writer_nice": [-1, 20, 2.5],
+    "writer_low_io": [1], "reserve_bytes": [-1, 1.5, "1G"],
+    "lock_timeout": [-1, float("nan"), None], "preemption": [signal.SIGKILL, [signal.SIGSTOP],
+                                                           [True], ["SIGTERM"], [0]],
+    "heartbeat_interval": [0, -5, float("nan"), "10"], "slow_writer_s": [0, None],
+    "incremental": [1], "full_every": [0], "remote": [3], "remote_options": [[("region", "x")]],
+    "remote_keep_last": [0],
+}
+
+
+def test_every_setting_has_refused_values():
+    assert REFUSED.keys() == _RULES.keys()
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, values in REFUSED.items() for v in values],
+                         ids=lambda v: v if isinstance(v, str) else repr(v)[:20])
+def test_each_refused_value_is_refused_before_the_directory_is_touched(tmp_path, name, value):
+    directory = tmp_path / "ckpt"
+    with pytest.raises(InvalidOptionError, match=f"^{name} must be"):
+        CheckpointEngine(directory, {"t": torch.zeros(1)}, **{name: value})
+    assert not directory.exists()
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "fast"}, "mode must be 'async' or 'sync', not 'fast'"),
     ({"when_busy": "drop"}, "when_busy must be 'wait' or 'skip'"),
     ({"compression": "lz4"}, "compression must be None or 'zstd'"),
-    ({"every": 0}, "every must be an int >= 1"),
-    ({"every": 1.5}, "every must be an int >= 1"),
+    ({"every": 0}, "every must be an int >= 1, not 0"),
+    ({"every": 1.5}, "every must be an int >= 1, not 1.5"),
     ({"keep_last": 0}, "keep_last must be an int >= 1"),
     ({"keep_every": 0}, "keep_every must be None or an int >= 1"),
     ({"rank": 1}, "both rank and world_size"),
     ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size\)"),
-    ({"commit_timeout": 0}, "commit_timeout must be positive"),
+    ({"commit_timeout": 0}, "commit_timeout must be a number of seconds > 0"),
     ({"rank": 0, "world_size": 2, "when_busy": "skip"}, "when_busy='skip' needs one rank"),
 ])
 def test_invalid_settings_are_refused_with_a_message(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidOptionError, match=message):
         EngineOptions(**kwargs)
 
 
@@ -67,7 +105,7 @@ def test_preemption_needs_the_main_thread():
     def build():
         try:
             EngineOptions(preemption=True)
-        except ValueError as e:
+        except InvalidOptionError as e:
             errors.append(e)
         EngineOptions(preemption=False)  # nothing to install: fine from any thread
 
@@ -82,9 +120,9 @@ def test_check_state_refuses_what_cannot_be_snapshotted():
     options.check_state({"model": torch.zeros(1)})
     with pytest.raises(TypeError, match="state must be a dict"):
         options.check_state([torch.zeros(1)])
-    with pytest.raises(ValueError, match="reserved"):
+    with pytest.raises(InvalidOptionError, match="reserved"):
         EngineOptions().check_state({RNG_KEY: 1})
-    with pytest.raises(ValueError, match=r"not in state: \['model'\]"):
+    with pytest.raises(InvalidOptionError, match=r"not in state: \['model'\]"):
         options.check_state({"optimizer": torch.zeros(1)})
 
 
@@ -96,15 +134,14 @@ def test_shared_settings_are_what_every_rank_must_agree_on():
     assert EngineOptions(lock_timeout=1, slots=4).shared_settings() == EngineOptions().shared_settings()
 
 
-def test_the_engine_signature_lists_every_option_with_its_default():
-    import dataclasses
-    import inspect
-
-    from async_ckpt import CheckpointEngine
-    from async_ckpt.options import EngineOptions
-
+def test_the_engine_signature_lists_every_option_with_its_default_and_type():
+    """The engine's keyword-only parameters are EngineOptions' fields, one for one: what type
+    checkers and help() see is what EngineOptions checks."""
     parameters = inspect.signature(CheckpointEngine).parameters
     assert list(parameters)[:2] == ["directory", "state"]
-    for field in dataclasses.fields(EngineOptions):
-        assert parameters[field.name].kind is inspect.Parameter.KEYWORD_ONLY
-        assert parameters[field.name].default == field.default
+    options = [p for name, p in parameters.items() if name not in ("directory", "state")]
+    fields = dataclasses.fields(EngineOptions)
+    assert [p.name for p in options] == [f.name for f in fields]
+    for parameter, field in zip(options, fields):
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert (parameter.default, parameter.annotation) == (field.default, field.type)

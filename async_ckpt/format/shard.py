@@ -108,6 +108,10 @@ def is_checksum(value) -> bool:
     return type(value) is str and _CHECKSUM.fullmatch(value) is not None
 
 
+COMPRESSIONS = (None, "zstd")
+ZSTD_LEVELS = range(-(1 << 17), zstandard.MAX_COMPRESSION_LEVEL + 1)  # zstd's fastest to smallest
+
+
 class ChunkEncoder:
     """Turns a chunk of raw bytes into what is stored, spending CPU only where it pays.
 
@@ -118,8 +122,8 @@ class ChunkEncoder:
     """
 
     def __init__(self, compression: Optional[str], level: int = 1):
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+        """``compression`` and ``level`` as ``EngineOptions`` checked them: one of
+        ``COMPRESSIONS``, a level in ``ZSTD_LEVELS``."""
         self.compression, self.level = compression, level
         self._zstd = zstandard.ZstdCompressor(level=level) if compression else None
         self._scratch = bytearray()

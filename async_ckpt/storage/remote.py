@@ -32,7 +32,7 @@ from typing import Hashable, Iterable, Optional, Type
 
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointError, CheckpointDirError, CorruptSnapshotError,
-                      RemoteConflictError, RemoteStorageError)
+                      InvalidOptionError, RemoteConflictError, RemoteStorageError)
 from ..format.names import MANIFEST_NAME, is_ours
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def check_remote_url(url) -> None:
     """Refuse, before anything starts, a ``remote`` that is not a valid URL or cannot be used
     because the optional client is not installed."""
     if not is_remote(url):
-        raise ValueError(f"remote must be an s3://bucket/prefix URL, not {url!r}")
+        raise InvalidOptionError(f"remote must be an s3://bucket/prefix URL, not {url!r}")
     parse_url(url)
     if importlib.util.find_spec("obstore") is None:
         raise RemoteStorageError("remote= needs the object store client: pip install "

@@ -98,8 +98,6 @@ class StagingPool:
     "released" message frees it."""
 
     def __init__(self, slots: int):
-        if slots < 1:
-            raise ValueError("the staging pool needs at least one slot")
         self.slots = [Slot(i) for i in range(slots)]
         self._next_buffer_id = 0
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
