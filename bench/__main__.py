@@ -75,7 +75,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="snapshot intervals of the training loop (default 1,10,100; "
                              "--quick: 1,3)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds of every part (default 3; --quick: 2)")
+                        help="interleaved rounds of every part (default 3; --quick: 2, and 1 for the "
+                             "torchrun parts)")
     parser.add_argument("--out", default=None,
                         help="where results.json, the PNGs and report.md go (default: "
                              f"{COMMITTED_RESULTS} for a full run with the default sizes and "
@@ -95,6 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.sizes = preset["sizes"] if args.sizes is None else args.sizes
     args.bf16_sizes = preset["bf16_sizes"] if args.bf16_sizes is None else args.bf16_sizes
     args.ks = preset["ks"] if args.ks is None else args.ks
+    args.rounds_given = args.rounds is not None  # else --quick runs torchrun parts once
     args.rounds = preset["rounds"] if args.rounds is None else args.rounds
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -147,9 +149,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lazy_raw = lazy.run(root, args.quick)
         log(f"lazy staging done after {time.perf_counter() - start:.0f} s")
         dcp.shutdown()  # the two-rank run starts process groups of its own
-        ranks_raw = ranks.run(root, args.quick, args.rounds)
+        subprocess_rounds = None if args.quick and not args.rounds_given else args.rounds
+        ranks_raw = ranks.run(root, args.quick, subprocess_rounds)
         log(f"two ranks done after {time.perf_counter() - start:.0f} s")
-        sharded_raw = sharded.run(root, args.quick, args.rounds)
+        sharded_raw = sharded.run(root, args.quick, subprocess_rounds)
         log(f"sharded state done after {time.perf_counter() - start:.0f} s")
         incremental_raw = incremental.run(root, args.quick)
         log(f"incremental done after {time.perf_counter() - start:.0f} s")

@@ -44,7 +44,7 @@ from .workloads import build_state
 
 RANKS = 2
 FULL = {"size_gb": 0.5, "rounds": 3}
-QUICK = {"size_gb": 0.008, "rounds": 2}
+QUICK = {"size_gb": 0.008, "rounds": 1}  # a smoke test: torchrun runs cost seconds each
 REPLICATED = ("model", "optimizer")
 
 

@@ -61,7 +61,7 @@ from .systems import Engine
 from .workloads import layer_bytes, width_for
 
 FULL = {"size_gb": 0.5, "rounds": 3}
-QUICK = {"size_gb": 0.008, "rounds": 2}
+QUICK = {"size_gb": 0.008, "rounds": 1}  # a smoke test: torchrun runs cost seconds each
 PLAN = ((2, None, True), (4, 2, True), (2, 4, False))
 """The torchrun runs in order: (world size, world size of the kept snapshots it restores, whether
 it measures saving and keeps snapshots for a later run)."""

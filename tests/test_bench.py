@@ -27,9 +27,10 @@ from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
 from bench.floors import FLOOR_KEYS  # noqa: E402
 from bench.measure import ratio_spread, rotated, spread  # noqa: E402
-from bench.ranks import SYSTEMS as RANK_SYSTEMS  # noqa: E402
+from bench.ranks import QUICK as RANKS_QUICK, SYSTEMS as RANK_SYSTEMS  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
 from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
+from bench.sharded import QUICK as SHARDED_QUICK  # noqa: E402
 from bench.sharded import SAVE_SYSTEMS as SHARDED_SYSTEMS  # noqa: E402
 from bench.targets import TARGETS  # noqa: E402
 
@@ -129,7 +130,7 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
                 "fp32", QUICK["sizes"][0])]
             assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
             assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
-    assert len(results["ranks"]["raw"]["floors"]) == rounds
+    assert len(results["ranks"]["raw"]["floors"]) == RANKS_QUICK["rounds"]
     assert set(results["loads"]) >= {"training loop", "two ranks"}
 
 
@@ -161,7 +162,7 @@ def test_two_ranks_against_dcp(quick_run):
         assert s["available"], name
         for key in ("blocking", "to_commit"):
             assert s[f"{key}_s"]["median"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
-            assert s[f"{key}_s"]["n"] == QUICK["rounds"], (name, key)
+            assert s[f"{key}_s"]["n"] == RANKS_QUICK["rounds"], (name, key)
         assert len(s["bytes_per_rank"]) == 2 and s["stored_bytes"] >= sum(s["bytes_per_rank"])
     ours = ranks["systems"]["async_ckpt async, replicated written by rank 0"]
     # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
@@ -174,7 +175,8 @@ def test_sharded_state_against_dcp(quick_run):
     block = results["sharded"]
     assert set(block["save"]) == {str(world) for world, _, save in SHARDED_PLAN if save} == {"2", "4"}
     for world, w in block["save"].items():
-        assert w["ranks"] == int(world) == len(w["rank_bytes"]) and w["rounds"] == QUICK["rounds"]
+        assert w["ranks"] == int(world) == len(w["rank_bytes"])
+        assert w["rounds"] == SHARDED_QUICK["rounds"]
         assert set(w["floors"]) == {"copy_s", "dd_s"}
         assert set(w["systems"]) == {name for name, _, _ in SHARDED_SYSTEMS}
         for name, ours, _ in SHARDED_SYSTEMS:
@@ -184,7 +186,8 @@ def test_sharded_state_against_dcp(quick_run):
                 continue
             assert s["available"], (world, name)
             for key in ("blocking", "to_commit"):
-                assert s[f"{key}_s"]["n"] == QUICK["rounds"] and s[f"{key}_s"]["median"] > 0
+                assert s[f"{key}_s"]["n"] == SHARDED_QUICK["rounds"]
+                assert s[f"{key}_s"]["median"] > 0
                 assert s[f"{key}_x_floor"]["median"] > 0, (world, name, key)
             assert len(s["bytes_per_rank"]) == int(world), (world, name)
         ours = w["systems"][SHARDED_OURS]
@@ -196,9 +199,9 @@ def test_sharded_state_against_dcp(quick_run):
     assert set(block["restore"]) == {"2->4", "4->2"}
     for pair, r in block["restore"].items():
         assert f"{r['saved_at']}->{r['restored_at']}" == pair
-        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == QUICK["rounds"], pair
+        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == SHARDED_QUICK["rounds"], pair
         if r["systems"]["DCP load"]["available"]:
-            assert r["x_dcp"]["n"] == QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
+            assert r["x_dcp"]["n"] == SHARDED_QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
     assert {"sharded, 4 ranks saving", "sharded, restore 4->2"} <= set(results["loads"])
     report = (out / "report.md").read_text()
     assert "### Sharded state (FSDP2) under torchrun" in report

@@ -1,7 +1,7 @@
 """Every data-loading setup a user is likely to write either resumes bit for bit after SIGKILLs
-or says at run time why it cannot: each setup trains uninterrupted, then is killed twice (mid
-epoch, then in the second epoch) and resumed, and the two loss logs are compared with
-``async-ckpt compare-loss``.
+or says at run time why it cannot: each setup trains uninterrupted, then is killed (twice, mid
+epoch and in the second epoch, where it should be exact; once where a warning is expected) and
+resumed, and the two loss logs are compared with ``async-ckpt compare-loss``.
 
 The runs are children of a fork server that imported torch once (a training process per run
 would spend most of the test importing torch); each child starts a session of its own, so the
@@ -176,7 +176,7 @@ def test_a_setup_resumes_exactly_or_says_why(tmp_path, context, setup):
     reference.mkdir()
     resumed.mkdir()
     assert run(context, setup, str(reference)) == 0
-    for point in KILLS:
+    for point in KILLS if SETUPS[setup] == EXACT else KILLS[:1]:  # one resume shows a warning
         assert run(context, setup, str(resumed), kill_after=point) == -signal.SIGKILL
     assert run(context, setup, str(resumed)) == 0
     logged = [json.loads(line) for line in (resumed / "loss.jsonl").read_text().splitlines()]
