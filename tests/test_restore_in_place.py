@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.errors import NoSnapshotError
+from async_ckpt.errors import NoSnapshotError, StateMismatchError
 from conftest import assert_same, bit_equal, make_training_state, train_step
 
 
@@ -205,3 +205,70 @@ def test_compressed_storages_are_decoded_into_a_free_staging_slot_and_never_kept
         engine.snapshot(1, force=True)  # overwrites a slot: the restored table must not change
         engine.wait()
         assert bit_equal(holder.table, saved)
+
+
+class Refusing:
+    """A registered object whose load_state_dict refuses what its state_dict gave."""
+
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        raise RuntimeError("not today")
+
+
+class FailingCopy(torch.nn.Linear):
+    """A module whose copy in place fails (as a device error would), after the checks passed."""
+
+    fail = False
+
+    def load_state_dict(self, state, strict=True):
+        if self.fail:
+            raise RuntimeError("device error")
+        return super().load_state_dict(state, strict=strict)
+
+
+def state_of(model, opt, other):
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                          "other": other.state_dict()})
+
+
+def test_an_object_that_refuses_its_state_puts_every_object_back(ckpt_dir):
+    """README "Guarantees": an object's own load_state_dict refusing leaves nothing loaded."""
+    model, opt, sched = make_training_state(seed=1)
+    refusing = Refusing()
+    with CheckpointEngine(ckpt_dir, {"optimizer": opt, "model": model, "x": refusing}) as engine:
+        engine.snapshot(0, force=True)
+        engine.wait()
+        train_step(model, opt, sched)
+        current = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        with pytest.raises(StateMismatchError, match="nothing was loaded"):
+            engine.restore()
+        assert_same(current, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+def test_a_failed_copy_in_place_is_not_undone_and_says_so(ckpt_dir):
+    """README "Guarantees": the copies into modules and tensors are not undone; a module copied
+    before the failure keeps the snapshot's values, objects are put back, and the error says
+    to restore again."""
+    model, opt, sched = make_training_state(seed=1)
+    other = FailingCopy(4, 4)
+    state = {"model": model, "other": other, "optimizer": opt}
+    with CheckpointEngine(ckpt_dir, state) as engine:
+        engine.snapshot(0, force=True)
+        engine.wait()
+        saved = state_of(model, opt, other)
+        train_step(model, opt, sched)
+        with torch.no_grad():
+            other.weight.add_(1)
+        current = state_of(model, opt, other)
+        other.fail = True
+        with pytest.raises(StateMismatchError, match="restore again before training"):
+            engine.restore()
+        after = state_of(model, opt, other)
+        assert_same(saved["model"], after["model"])  # copied before the failure
+        assert_same(current["other"], after["other"])
+        assert_same(current["optimizer"], after["optimizer"])  # an object: put back
+        other.fail = False
+        assert engine.restore() == 0
+        assert_same(saved, state_of(model, opt, other))

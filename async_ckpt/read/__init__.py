@@ -1,2 +1,2 @@
 """The read side: reading and verifying committed snapshots (``snapshot``), and loading them into
-the registered objects all or nothing (``restore``). See docs/ARCHITECTURE.md."""
+the registered objects once all of it is checked (``restore``). See docs/ARCHITECTURE.md."""

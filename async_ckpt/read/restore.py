@@ -1,8 +1,9 @@
 """Loading a snapshot that was read (``snapshot.py``) into the registered objects.
 
-Loading is all-or-nothing: the snapshot is checked against the registered state first (missing,
+Everything is checked before anything loads: the snapshot against the registered state (missing,
 unexpected and mismatched keys are listed together), and only then is anything written into the
-user's objects; an object that still refuses its state puts every object back.
+user's objects. An object that still refuses its state puts every object back; the copies into
+modules and tensors that follow are not undone (``_load`` says what a failure there leaves).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _scheduler_mismatch(scheduler: Any, saved: Any) -> Optional[str]:
 
 def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset(),
           borrowed: frozenset = frozenset()) -> None:
-    """Load into the registered objects, once every check passed, all or nothing as far as it can.
+    """Load into the registered objects, once every check passed.
 
     Objects whose own ``load_state_dict`` may still refuse a value no check foresees (optimizers,
     schedulers, your classes; torch's optimizers half-apply a state they then refuse) go first,
