@@ -5,6 +5,14 @@ The public names are imported lazily so that the writer process, which imports
 """
 
 import importlib
+import sys
+
+if sys.platform != "linux":  # refused here, not by a missing os function at the first snapshot
+    from .errors import UnsupportedPlatformError
+
+    raise UnsupportedPlatformError(
+        f"async_ckpt needs Linux (memfd staging buffers, flock, preadv, sync_file_range); this is "
+        f"{sys.platform}. Run it on Linux, or in a Linux container")
 
 __all__ = ["CheckpointEngine", "Marker", "load", "errors"]
 __version__ = "0.1.0"

@@ -16,6 +16,11 @@ class CheckpointError(Exception):
     is_damage = False
 
 
+class UnsupportedPlatformError(CheckpointError, ImportError):
+    """async_ckpt runs on Linux only; raised when the package is imported anywhere else. An
+    ImportError too, as it is raised by ``import async_ckpt``."""
+
+
 class InvalidOptionError(CheckpointError, ValueError):
     """A setting of ``CheckpointEngine`` (``EngineOptions``) is invalid; refused before the
     directory is touched. A ValueError too, as Python's own argument checks raise."""

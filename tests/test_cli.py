@@ -337,6 +337,22 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, ckpt):
         assert code == 2 and "error:" in err and "Traceback" not in err, argv
 
 
+@pytest.mark.parametrize("module, extra, argv", [
+    ("tqdm", "cli", ["verify", "{ckpt}"]),
+    ("tqdm", "cli", ["gc", "{ckpt}", "--keep-last", "1"]),
+    ("safetensors", "safetensors", ["export", "{ckpt}", "--to", "{out}/x.safetensors"]),
+])
+def test_a_command_whose_extra_is_missing_says_what_to_install(capsys, ckpt, tmp_path, monkeypatch,
+                                                               module, extra, argv):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it fails
+    before = sorted(os.listdir(ckpt))
+    code, out, err = run(capsys, *[a.format(ckpt=ckpt, out=tmp_path) for a in argv])
+    assert code == 2
+    assert f"needs {module}, which is not installed: pip install 'async_ckpt[{extra}]'" in (
+        one_error_line(err))
+    assert sorted(os.listdir(ckpt)) == before and not os.path.exists(tmp_path / "x.safetensors")
+
+
 def test_help_documents_every_command_and_the_exit_codes(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0

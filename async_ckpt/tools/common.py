@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import io
 import os
 import sys
@@ -181,9 +182,19 @@ def _is_tty(stream) -> bool:
         return False
 
 
+def optional_module(name: str, extra: str, what: str):
+    """The optional dependency ``name``, which ``what`` needs; a UsageError saying which extra
+    installs it when it is missing."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise UsageError(f"{what} needs {name}, which is not installed: pip install "
+                         f"'async_ckpt[{extra}]'") from None
+
+
 def progress(total: int, desc: str):
     """A byte progress bar on stderr; silent when stderr is not a terminal."""
-    from tqdm import tqdm
+    tqdm = optional_module("tqdm", "cli", "the progress bar").tqdm
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
                 file=sys.stderr, leave=False, disable=not _is_tty(sys.stderr))
 

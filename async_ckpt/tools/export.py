@@ -11,7 +11,7 @@ import tempfile
 from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     count_tensors, pick_record, size_text, step_arg)
+                     count_tensors, optional_module, pick_record, size_text, step_arg)
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
 from ..read.memory import allocating, require_memory
@@ -98,6 +98,8 @@ def _check_target(target: str, args: argparse.Namespace) -> None:
                              "the format)")
         if os.path.isdir(target):
             raise UsageError(f"{target} is a directory; pass a file name")
+        if target.lower().endswith(".safetensors"):
+            optional_module("safetensors", "safetensors", "a .safetensors export")
     elif os.path.lexists(target):  # never removed: --force does not reach a directory
         raise UsageError(f"{target} exists; pass a new directory for the DCP checkpoint")
     if os.path.lexists(target) and not args.force:
