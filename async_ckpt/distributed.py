@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .errors import DistributedSetupError, InvalidOptionError
+from .errors import DistributedSetupError, InvalidArgumentError
 
 
 def _initialized() -> bool:
@@ -30,7 +30,7 @@ def resolve_ranks(rank: Optional[int], world_size: Optional[int]) -> tuple[int, 
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
     if rank is None or world_size is None:
-        raise InvalidOptionError("pass both rank and world_size, or neither (then they come "
+        raise InvalidArgumentError("pass both rank and world_size, or neither (then they come "
                                  "from torch.distributed)")
     return rank, world_size
 

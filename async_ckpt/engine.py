@@ -30,12 +30,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import errors
 from .data import after_restore, inexact_loader_warnings
+from .checks import is_int, short_repr
 from .distributed import Coordinator
-from .errors import (CorruptSnapshotError, EngineClosedError, LayoutError, Preempted,
-                     RemoteConflictError, RemoteStorageError, StagingRaceError,
+from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, LayoutError,
+                     Preempted, RemoteConflictError, RemoteStorageError, StagingRaceError,
                      StateMismatchError, WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
-from .format.names import MAX_STEP, RNG_KEY, snapshot_dir_name
+from .storage.names import MAX_STEP, RNG_KEY, snapshot_dir_name
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
@@ -188,8 +189,9 @@ class CheckpointEngine:
         committed, never before (what a framework's own resume looks for).
         """
         self._check_usable()
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
-            raise ValueError(f"step must be an int in [0, 10**20), not {step!r}")
+        if not is_int(step, 0, MAX_STEP - 1):
+            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP - 1}, not "
+                                       f"{short_repr(step)}")
         if state is None:
             state = self.state
         else:
@@ -214,7 +216,8 @@ class CheckpointEngine:
         t_slot = time.perf_counter()
         captured = capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
                            self.options.allow_pickle)
-        replica_of = [key if key in self.options.resolved.replicated else None for key in captured.entry_of]
+        replicated = self.options.resolved.replicated
+        replica_of = [key if key in replicated else None for key in captured.entry_of]
         sharded = [d for d in captured.dtensors if d["tensor"] is not None
                    and replica_of[d["tensor"]] is not None]
         if sharded:
@@ -393,12 +396,13 @@ class CheckpointEngine:
         failed write's is."""
         self._check_usable()
         steps = tuple(sorted(set(steps)))
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-            raise ValueError(f"steps must be ints, not {steps!r}")
+        if not all(is_int(s) for s in steps):
+            raise InvalidArgumentError(f"steps must be ints >= 0, not {short_repr(steps)}")
         if not wait:
             if self.world_size > 1:  # rank 0's writer commits only once the others' shards are in
-                raise ValueError("drop(wait=False) needs a one-rank engine; with several ranks "
-                                 "call drop() (it waits for the snapshots in flight)")
+                raise InvalidArgumentError("drop(wait=False) needs a one-rank engine; with "
+                                           "several ranks call drop() (it waits for the "
+                                           "snapshots in flight)")
             self.fence()  # a lazily staged snapshot reaches the writer first
             self._writer.drop(steps)
             self._drops_queued += 1

@@ -21,9 +21,10 @@ class UnsupportedPlatformError(CheckpointError, ImportError):
     ImportError too, as it is raised by ``import async_ckpt``."""
 
 
-class InvalidOptionError(CheckpointError, ValueError):
-    """A setting of ``CheckpointEngine`` (``EngineOptions``) is invalid; refused before the
-    directory is touched. A ValueError too, as Python's own argument checks raise."""
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument is invalid: a setting of ``CheckpointEngine`` (``EngineOptions``, refused
+    before the directory is touched), a step. A ValueError too, as Python's own argument checks
+    raise."""
 
 
 class CheckpointDirError(CheckpointError):

@@ -4,7 +4,7 @@ and its validation, in one place.
 ``CheckpointEngine``'s keyword-only parameters are these fields, with these defaults (so type
 checkers see them; tests/test_options.py keeps the two one for one). The engine builds an
 ``EngineOptions`` from them first, which checks every setting (``_RULES``) before the engine
-touches the directory: a bad value is an ``InvalidOptionError`` (a ValueError).
+touches the directory: a bad value is an ``InvalidArgumentError`` (a ValueError).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable, Collection, Literal, MutableMapping, Optional,
 
 from .checks import is_int, is_number, short_repr
 from .distributed import resolve_ranks
-from .errors import DistributedSetupError, InvalidOptionError
-from .format.names import RNG_KEY
+from .errors import DistributedSetupError, InvalidArgumentError
+from .storage.names import RNG_KEY
 from .format.shard import COMPRESSIONS, ZSTD_LEVELS
 from .storage.remote import check_remote_url
 
@@ -147,7 +147,7 @@ class EngineOptions:
                 "Per-rank references would need every rank to agree on the checksums of "
                 "replicated state it did not stage; create the engine with incremental=False")
         if resolved.preemption and threading.current_thread() is not threading.main_thread():
-            raise InvalidOptionError(
+            raise InvalidArgumentError(
                 "preemption handlers can only be installed from the main thread; create the "
                 "engine there or pass preemption=False")
         if self.remote is not None:
@@ -227,7 +227,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "writer_low_io": _BOOL, "reserve_bytes": _int(0), "lock_timeout": _seconds(zero=True),
     "preemption": (_signals, "True, False or a list of signals that can be caught (not SIGKILL "
                              "or SIGSTOP)"),
-    "heartbeat_interval": _seconds(optional=True), "slow_writer_s": _seconds(),
+    "heartbeat_interval": _seconds(zero=True, optional=True), "slow_writer_s": _seconds(zero=True),
     "incremental": _BOOL, "full_every": _int(1),
     "remote": (lambda v: v is None or isinstance(v, str), "None or an s3://bucket/prefix URL"),
     "remote_options": (lambda v: v is None or isinstance(v, dict),
@@ -237,4 +237,4 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise InvalidOptionError(message)
+        raise InvalidArgumentError(message)

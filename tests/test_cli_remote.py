@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
-from async_ckpt.format.names import MANIFEST_NAME
+from async_ckpt.storage.names import MANIFEST_NAME
 from async_ckpt.format.shard import ShardReader
 from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.tools.cli import main

@@ -14,7 +14,7 @@ from async_ckpt.write.protocol import Abandoned, Committed, Failed
 from async_ckpt.errors import (CorruptSnapshotError, InternalError, ReplicaMismatchError,
                                SnapshotWriteError)
 from async_ckpt.format.shard import ChunkEncoder, ShardWriter
-from async_ckpt.format.names import PARTIAL_SUFFIX, shard_file_name
+from async_ckpt.storage.names import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.format.manifest import ShardRecord, read_manifest
 from async_ckpt.format.layout import Plan, Region, TensorRecord
 from async_ckpt.format.layout import owners, shard_layout
@@ -211,8 +211,8 @@ def test_differing_replicas_are_not_committed(tmp_path, committer):
     assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
-@pytest.mark.parametrize("raised, expected", [(KeyError("shards"), InternalError),
-                                             (OSError(5, "Input/output error"), SnapshotWriteError)])
+@pytest.mark.parametrize("raised, expected", [
+    (KeyError("shards"), InternalError), (OSError(5, "Input/output error"), SnapshotWriteError)])
 def test_a_bug_in_the_commit_is_not_passed_off_as_an_i_o_error(tmp_path, committer, monkeypatch,
                                                                 caplog, raised, expected):
     def broken(*args):

@@ -24,7 +24,7 @@ from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DiskFul
                                InternalError, SnapshotWriteError)
 from async_ckpt.format.layout import Plan
 from async_ckpt.format.manifest import ShardRecord
-from async_ckpt.format.names import shard_file_name, snapshot_dir_name
+from async_ckpt.storage.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
 from async_ckpt.write.protocol import Attach, Failed, Released, SnapshotJob, WriterConfig

@@ -17,7 +17,7 @@ from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError,
                                UnsupportedFormatError)
 from async_ckpt.format.manifest import (Manifest, ShardRecord, SnapshotRecord, leftovers, read_manifest,
                                  write_manifest)
-from async_ckpt.format.names import MANIFEST_NAME, snapshot_dir_name
+from async_ckpt.storage.names import MANIFEST_NAME, snapshot_dir_name
 from async_ckpt.storage.local import remove_entries
 
 _attempts = iter(range(10**9))
@@ -234,7 +234,7 @@ def test_a_non_finite_literal_is_not_json(tmp_path, literal):
 def test_a_directory_name_with_other_digits_is_not_a_snapshot(name):
     """Issue 28: `\\d` also matches Arabic-Indic and full-width digits, so such a directory was
     taken as step 5 (and deleted by retention); FORMAT.md says [0-9]."""
-    from async_ckpt.format.names import snapshot_dir_step
+    from async_ckpt.storage.names import snapshot_dir_step
 
     assert snapshot_dir_step(name) is None
     assert snapshot_dir_step("step-" + "0" * 19 + "5.20ce24e5") == 5
@@ -480,7 +480,7 @@ def test_snapshot_dirs_lists_every_snapshot_dir_committed_or_not(tmp_path):
 
 
 def test_lock_files_are_recognised_by_their_exact_name():
-    from async_ckpt.format.names import is_lock_file, lock_file_name
+    from async_ckpt.storage.names import is_lock_file, lock_file_name
 
     assert is_lock_file(lock_file_name(0)) and is_lock_file(lock_file_name(12345))
     for name in (".lock-rank", ".lock-rank1", ".lock-rank00000.tmp", "x.lock-rank00000", None, 3):

@@ -13,7 +13,8 @@ import torch
 
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import PREEMPTED_EXIT_CODE, Preempted
-from async_ckpt.train.heartbeat import heartbeat_path, read_heartbeats
+from async_ckpt.tools.supervisor import read_heartbeats
+from async_ckpt.train.heartbeat import heartbeat_path
 from async_ckpt.format.manifest import read_manifest
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "preemptible.py")

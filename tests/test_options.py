@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import InvalidOptionError
-from async_ckpt.format.names import RNG_KEY
+from async_ckpt.errors import InvalidArgumentError
+from async_ckpt.storage.names import RNG_KEY
 from async_ckpt.options import _RULES, DEFAULT_PREEMPTION_SIGNALS, EngineOptions
 
 
@@ -37,7 +37,7 @@ def test_every_setting_has_a_rule():
     assert list(_RULES) == [f.name for f in dataclasses.fields(EngineOptions)]
 
 
-# Refused values, setting by setting: each is an InvalidOptionError naming the setting and the value.
+# Refused values, setting by setting: each an InvalidArgumentError naming the setting and value.
 REFUSED = {
     "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
     "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
@@ -48,7 +48,7 @@ REFUSED = {
     "writer_low_io": [1], "reserve_bytes": [-1, 1.5, "1G"],
     "lock_timeout": [-1, float("nan"), None], "preemption": [signal.SIGKILL, [signal.SIGSTOP],
                                                            [True], ["SIGTERM"], [0]],
-    "heartbeat_interval": [0, -5, float("nan"), "10"], "slow_writer_s": [0, None],
+    "heartbeat_interval": [-5, float("nan"), "10"], "slow_writer_s": [-1, None],
     "incremental": [1], "full_every": [0], "remote": [3], "remote_options": [[("region", "x")]],
     "remote_keep_last": [0],
 }
@@ -62,7 +62,7 @@ def test_every_setting_has_refused_values():
                          ids=lambda v: v if isinstance(v, str) else repr(v)[:20])
 def test_each_refused_value_is_refused_before_the_directory_is_touched(tmp_path, name, value):
     directory = tmp_path / "ckpt"
-    with pytest.raises(InvalidOptionError, match=f"^{name} must be"):
+    with pytest.raises(InvalidArgumentError, match=f"^{name} must be"):
         CheckpointEngine(directory, {"t": torch.zeros(1)}, **{name: value})
     assert not directory.exists()
 
@@ -81,7 +81,7 @@ def test_each_refused_value_is_refused_before_the_directory_is_touched(tmp_path,
     ({"rank": 0, "world_size": 2, "when_busy": "skip"}, "when_busy='skip' needs one rank"),
 ])
 def test_invalid_settings_are_refused_with_a_message(kwargs, message):
-    with pytest.raises(InvalidOptionError, match=message):
+    with pytest.raises(InvalidArgumentError, match=message):
         EngineOptions(**kwargs)
 
 
@@ -105,7 +105,7 @@ def test_preemption_needs_the_main_thread():
     def build():
         try:
             EngineOptions(preemption=True)
-        except InvalidOptionError as e:
+        except InvalidArgumentError as e:
             errors.append(e)
         EngineOptions(preemption=False)  # nothing to install: fine from any thread
 
@@ -120,9 +120,9 @@ def test_check_state_refuses_what_cannot_be_snapshotted():
     options.check_state({"model": torch.zeros(1)})
     with pytest.raises(TypeError, match="state must be a dict"):
         options.check_state([torch.zeros(1)])
-    with pytest.raises(InvalidOptionError, match="reserved"):
+    with pytest.raises(InvalidArgumentError, match="reserved"):
         EngineOptions().check_state({RNG_KEY: 1})
-    with pytest.raises(InvalidOptionError, match=r"not in state: \['model'\]"):
+    with pytest.raises(InvalidArgumentError, match=r"not in state: \['model'\]"):
         options.check_state({"optimizer": torch.zeros(1)})
 
 

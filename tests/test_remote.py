@@ -19,7 +19,7 @@ import async_ckpt
 from async_ckpt import CheckpointEngine
 from async_ckpt.errors import RemoteConflictError, RemoteStorageError, ReplicaMismatchError
 from async_ckpt.format.manifest import SnapshotRecord, ShardRecord, read_manifest
-from async_ckpt.format.names import shard_file_name
+from async_ckpt.storage.names import shard_file_name
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.write import upload

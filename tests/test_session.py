@@ -7,7 +7,7 @@ import pytest
 
 from async_ckpt.distributed import Coordinator
 from async_ckpt.errors import CheckpointDirError, DirectoryInUseError, DistributedSetupError
-from async_ckpt.format.names import SESSION_NAME
+from async_ckpt.storage.names import SESSION_NAME
 from async_ckpt.storage.locks import take_rank_lock
 from async_ckpt.train import session
 from async_ckpt.train.session import start_session

@@ -14,7 +14,7 @@ import pytest
 from async_ckpt.errors import CorruptSnapshotError, ManifestError
 from async_ckpt.format.manifest import (Manifest, ShardRecord, leftovers, read_manifest,
                                         recover_manifest, write_manifest)
-from async_ckpt.format.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
+from async_ckpt.storage.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.read.snapshot import read_snapshot
 from async_ckpt.storage.base import ShardSink, ShardSource, Storage

@@ -23,7 +23,8 @@ from ..storage.local import as_storage
 from . import values
 from .shard import is_checksum
 from ..checks import is_int, short_repr
-from .names import MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step
+from ..storage.names import (MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR,
+                             checked_name, shard_file_name, snapshot_dir_step)
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +227,9 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         raise ManifestError(f"{path} is not an async_ckpt manifest; point the engine at its own directory")
     if type(doc.get("version")) is not int or doc["version"] not in READABLE_MANIFEST_VERSIONS:
         raise UnsupportedFormatError(
-            f"{path} has manifest version {short_repr(doc.get('version'), 40)}; this async_ckpt reads "
-            f"versions {', '.join(map(str, READABLE_MANIFEST_VERSIONS))}. Upgrade async_ckpt to "
-            "read it")
+            f"{path} has manifest version {short_repr(doc.get('version'), 40)}; this async_ckpt "
+            f"reads versions {', '.join(map(str, READABLE_MANIFEST_VERSIONS))}. Upgrade "
+            "async_ckpt to read it")
     try:
         _check_fields(doc, _MANIFEST_FIELDS, "manifest", closed=False,
                       optional=("extra", "dropped", "rank"))

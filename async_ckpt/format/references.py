@@ -2,7 +2,7 @@
 
 A storage of a version-3 shard may be a reference (``ref``, docs/FORMAT.md 3.4) to a storage of
 the same rank's shard in an earlier committed snapshot. The names in it come from an untrusted
-file: they were matched against the patterns of ``names.py`` when the index was validated, and
+file: they were matched against the patterns of ``storage.names`` when the index was validated, and
 here the directory must also be one the manifest names, committed before the referencing
 snapshot and listed in its ``refers`` (so retention keeps it), and the target must be the very
 storage that was referred to (``shard.check_reference``). Anything else is damage of the
@@ -17,7 +17,7 @@ from typing import Iterable
 from ..errors import CorruptSnapshotError
 from ..storage.base import Storage
 from .manifest import SnapshotRecord
-from .names import shard_file_name
+from ..storage.names import shard_file_name
 from .shard import ShardReader, check_reference
 
 

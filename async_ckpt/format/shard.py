@@ -29,7 +29,7 @@ import zstandard
 
 from . import filters, values
 from ..checks import is_int, short_repr
-from .names import SHARD_FILE, SNAPSHOT_DIR, checked_name
+from ..storage.names import SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
 from ..storage.base import ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file

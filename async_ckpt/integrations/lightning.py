@@ -54,7 +54,7 @@ except ImportError as e:  # the optional extra
 from .. import CheckpointEngine, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError)
-from ..format.names import MAX_STEP
+from ..storage.names import MAX_STEP
 from ..train.rng import GlobalRNG
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]

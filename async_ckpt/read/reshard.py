@@ -265,10 +265,11 @@ class _Target:
 
 class Resolver:
     """Replaces the ``ShardedRef``s of decoded trees by tensors, in three steps that read and
-    check every piece before a restore loads anything: ``collect`` (per tree, beside what the registered objects hold at the
-    same places) finds the box each needs, ``read`` checks every box is covered, that memory
-    suffices, and reads and verifies them all, and ``fill`` (per tree, in the same order) puts
-    them in: a DTensor laid out like the registered one, else the whole tensor."""
+    check every piece before a restore loads anything: ``collect`` (per tree, beside what the
+    registered objects hold at the same places) finds the box each needs, ``read`` checks every
+    box is covered, that memory suffices, and reads and verifies them all, and ``fill`` (per
+    tree, in the same order) puts them in: a DTensor laid out like the registered one, else the
+    whole tensor."""
 
     def __init__(self, pieces: Callable[[], PieceIndex], where: str):
         self._pieces, self._index, self.where = pieces, None, where

@@ -26,7 +26,7 @@ from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, 
 from ..format import values
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
-from ..format.names import RNG_KEY
+from ..storage.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
 from .memory import allocating, require_memory

@@ -3,7 +3,7 @@ through a ``Storage``, so that a new backend (an object store) is one more imple
 
 A storage is one checkpoint root. Names are relative to it: a snapshot directory ``dir`` (or the
 manifest) at the top, a file inside one as ``(dir, file)``. Every name is a single path component
-that the caller has already checked against ``format.names`` (names read from files pass
+that the caller has already checked against ``storage.names`` (names read from files pass
 ``checked_name`` first); implementations never interpret separators.
 
 Call order of one snapshot, and what each step guarantees when it returns:
@@ -137,7 +137,7 @@ class Storage(ABC):
     @abstractmethod
     def remove(self, names: Iterable[str]) -> None:
         """Delete the named root entries (a directory with what it holds); missing ones are fine.
-        Only names of ours (``format.names.is_ours``) are deleted; others are logged and kept."""
+        Only names of ours (``storage.names.is_ours``) are deleted; others are logged and kept."""
 
     @abstractmethod
     def free_bytes(self) -> int:

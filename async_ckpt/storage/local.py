@@ -10,7 +10,7 @@ contents only once the file is. Every commit path goes through these helpers so 
 
 Untrusted directories (docs/SECURITY.md): files are opened only when they are regular files,
 checked without blocking (a FIFO would hang the reader, a device could act); deletion removes only
-entries whose names are ours (``format.names.is_ours``), directly inside the given directory,
+entries whose names are ours (``storage.names.is_ours``), directly inside the given directory,
 without following symlinks.
 """
 
@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Optional, Type, Union
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
-from ..format.names import PARTIAL_SUFFIX, is_ours, replacement_name
+from .names import PARTIAL_SUFFIX, is_ours, replacement_name
 
 log = logging.getLogger(__name__)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}

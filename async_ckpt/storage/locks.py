@@ -1,4 +1,4 @@
-"""The directory lock protocol: one lock file per rank, ``DIR/.lock-rankNNNNN`` (``format.names``).
+"""The directory lock protocol: one lock file per rank, ``DIR/.lock-rankNNNNN`` (``storage.names``).
 
 Who holds what, and why:
 
@@ -24,7 +24,7 @@ import time
 from typing import Callable, Iterator
 
 from ..errors import CheckpointDirError, DirectoryInUseError
-from ..format.names import LOCK_FILE, lock_file_name
+from .names import LOCK_FILE, lock_file_name
 from .local import open_regular
 
 _RETRY_S = 0.05

@@ -2,7 +2,7 @@
 
 ``ObjectStorage`` is the ``storage.base.Storage`` of a bucket prefix. Objects are named as the
 local files are (``PREFIX/manifest.json``, ``PREFIX/step-.../rank-NNNNN.ackpt``): a name becomes a
-key only after ``format.names`` checked it, and only keys of ours under the prefix are deleted.
+key only after ``storage.names`` checked it, and only keys of ours under the prefix are deleted.
 
 The client is obstore (the Rust ``object_store`` crate), chosen by measurement against a moto
 server on loopback on the 2-core VM (256 MB objects, median of 3 after a warm-up): uploads
@@ -32,8 +32,8 @@ from typing import Hashable, Iterable, Optional, Type
 
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointError, CheckpointDirError, CorruptSnapshotError,
-                      InvalidOptionError, RemoteConflictError, RemoteStorageError)
-from ..format.names import MANIFEST_NAME, is_ours
+                      InvalidArgumentError, RemoteConflictError, RemoteStorageError)
+from .names import MANIFEST_NAME, is_ours
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def check_remote_url(url) -> None:
     """Refuse, before anything starts, a ``remote`` that is not a valid URL or cannot be used
     because the optional client is not installed."""
     if not is_remote(url):
-        raise InvalidOptionError(f"remote must be an s3://bucket/prefix URL, not {url!r}")
+        raise InvalidArgumentError(f"remote must be an s3://bucket/prefix URL, not {url!r}")
     parse_url(url)
     if importlib.util.find_spec("obstore") is None:
         raise RemoteStorageError("remote= needs the object store client: pip install "

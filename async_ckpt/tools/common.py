@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from .argtypes import duration_text, int_arg
 from ..errors import NoSnapshotError
 from ..format.manifest import Manifest, SnapshotRecord
-from ..format.names import MANIFEST_NAME, RANK_ROOT, SNAPSHOT_DIR, is_lock_file
+from ..storage.names import MANIFEST_NAME, RANK_ROOT, SNAPSHOT_DIR, is_lock_file
 from ..storage.base import Storage
 from ..storage.open import open_storage
 from ..storage.remote import is_remote

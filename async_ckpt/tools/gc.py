@@ -12,7 +12,7 @@ from .common import (EXIT_OK, PROG, NotDone, UsageError, add_dir_command, checkp
                      positive_arg, progress, size_text)
 from .verify import verify_record
 from ..format.manifest import Manifest, leftovers, recover_manifest, write_manifest
-from ..format.names import snapshot_dir_step
+from ..storage.names import snapshot_dir_step
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
 from ..storage.locks import every_rank_exclusively

@@ -9,7 +9,7 @@ from .argtypes import int_arg
 from .common import (EXIT_DAMAGE, EXIT_OK, UsageError, add_command, count_tensors, fail,
                      size_text)
 from ..errors import CorruptSnapshotError, EncodingError, StateMismatchError
-from ..format.names import MAX_STEP
+from ..storage.names import MAX_STEP
 
 HELP = "write a PyTorch DCP checkpoint as an async_ckpt snapshot"
 DESCRIPTION = """\

@@ -11,7 +11,7 @@ from typing import Optional
 from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir,
                      size_text, when_text)
 from ..format.manifest import SnapshotRecord, leftovers, read_manifest
-from ..format.names import MANIFEST_NAME, snapshot_dir_step
+from ..storage.names import MANIFEST_NAME, snapshot_dir_step
 from ..storage.base import Storage
 from ..storage.remote import is_remote
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import math
 import os
 import shlex
@@ -56,9 +57,10 @@ import psutil
 
 from .argtypes import DURATION_FORMS, duration_arg, int_arg
 from ..checks import is_int, is_number
-from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
-from ..train.heartbeat import read_heartbeats
+from ..errors import PREEMPTED_EXIT_CODE, CheckpointDirError, CheckpointError
 from ..format.manifest import SnapshotRecord, read_manifest
+from ..storage.local import read_regular
+from ..storage.names import HEARTBEAT_FILE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "MAX_BACKOFF_S", "supervise", "add_arguments", "run_from_args",
            "main"]
@@ -68,9 +70,29 @@ PROG = "async-ckpt supervise"
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _KILL_WAIT_S = 10.0  # how long to wait for SIGKILLed processes to disappear before saying so
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+_MAX_HEARTBEAT_BYTES = 4096
 
 
 # --- heartbeats --------------------------------------------------------------------------------
+
+
+def read_heartbeats(directory: str) -> list[dict]:
+    """Every rank's latest heartbeat under ``directory``, as the engine writes them
+    (``train/heartbeat.py``); unreadable or half-replaced files are skipped: the next beat
+    replaces them."""
+    beats = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return beats
+    for name in sorted(names):
+        if HEARTBEAT_FILE.fullmatch(name):
+            try:
+                beats.append(json.loads(read_regular(os.path.join(directory, name),
+                                                     _MAX_HEARTBEAT_BYTES, CheckpointDirError)))
+            except (OSError, ValueError, RecursionError, CheckpointDirError):
+                continue
+    return beats
 
 
 def _fresh_beats(directory: str, since: float) -> dict[int, dict]:

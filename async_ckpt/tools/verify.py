@@ -10,7 +10,7 @@ from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, fail
                      pick_record, progress, step_arg)
 from ..errors import CheckpointError, CorruptSnapshotError, ManifestError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, snapshot_dirs
-from ..format.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
+from ..storage.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
 from ..read.memory import require_memory

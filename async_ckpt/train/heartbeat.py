@@ -3,7 +3,8 @@
 The engine replaces ``DIR/heartbeat.rankNNNNN.json`` from the training loop's ``snapshot()`` calls,
 at most once per interval, so a loop that hangs stops beating even while other threads (the
 writer's, a data loader's) still run. A supervisor reads the files to tell a hung job from a slow
-one. Replaced atomically but not fsynced: a heartbeat is about liveness now, not durability.
+one (``tools.supervisor.read_heartbeats``). Replaced atomically but not fsynced: a heartbeat is
+about liveness now, not durability.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import socket
 import time
 from typing import Optional
 
-from ..errors import CheckpointDirError
-from ..format.names import HEARTBEAT_FILE, heartbeat_file_name
-from ..storage.local import atomic_write, read_regular
+from ..storage.names import heartbeat_file_name
+from ..storage.local import atomic_write
 
 log = logging.getLogger(__name__)
-_MAX_HEARTBEAT_BYTES = 4096
 
 
 def heartbeat_path(directory: str, rank: int) -> str:
@@ -60,20 +59,3 @@ class Heartbeat:
                             "but a supervisor watching it will think this rank hung: remove "
                             "what is in its way", self.path, e.strerror or e)
 
-
-def read_heartbeats(directory: str) -> list[dict]:
-    """Every rank's latest heartbeat under ``directory`` (unreadable or half-replaced files are
-    skipped: the next beat replaces them)."""
-    beats = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return beats
-    for name in sorted(names):
-        if HEARTBEAT_FILE.fullmatch(name):
-            try:
-                beats.append(json.loads(read_regular(os.path.join(directory, name),
-                                                     _MAX_HEARTBEAT_BYTES, CheckpointDirError)))
-            except (OSError, ValueError, RecursionError, CheckpointDirError):
-                continue
-    return beats

@@ -1,6 +1,6 @@
 """A rank's session on a checkpoint directory: its lock held, and the token of this run.
 
-The token names the run's snapshot directories (``format.names.snapshot_dir_name``), so that a
+The token names the run's snapshot directories (``storage.names.snapshot_dir_name``), so that a
 restarted job never writes into a directory an earlier run left. Rank 0 draws it once no writer of
 an earlier run can be active, and with several ranks publishes it in ``session.json``: every other
 rank reading the same token is the proof that all of them share one directory. When some rank
@@ -23,7 +23,7 @@ from typing import Optional
 from ..distributed import Coordinator
 from ..errors import CheckpointDirError, DistributedSetupError
 from ..format.manifest import leftovers, recover_manifest
-from ..format.names import SESSION_NAME, rank_root_name
+from ..storage.names import SESSION_NAME, rank_root_name
 from ..storage.local import atomic_write, ensure_writable_dir, read_regular, remove_entries
 from ..storage.locks import take_rank_lock
 

@@ -31,7 +31,7 @@ from ..errors import (CheckpointError, CorruptSnapshotError, InternalError, Mani
                       ReplicaMismatchError)
 from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
                                write_manifest)
-from ..format.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
+from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_storage, write_error

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteConflictError, SnapshotWriteError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
-from ..format.names import MANIFEST_NAME, shard_file_name
+from ..storage.names import MANIFEST_NAME, shard_file_name
 from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.remote import ObjectStorage

@@ -41,7 +41,7 @@ from ..storage.local import LocalStorage, atomic_directory, atomic_write, make_d
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
-from ..format.names import shard_file_name
+from ..storage.names import shard_file_name
 from ..format.layout import Plan, Region, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,9 @@ section 1).
 A checkpoint directory is untrusted input (docs/SECURITY.md). So a name read from a file becomes a
 path only after it matches one of the exact patterns below (one path component, no separator, no
 ``.``/``..``, no NUL, bounded length), through ``checked_name``; and only names of ours are ever
-deleted (``is_ours``). How files are opened and deleted is ``storage.local``'s business.
+deleted (``is_ours``). It lives at the bottom of the layers, in storage/, because the storages
+need it (what they may delete, the names they write under) as much as format/ and everything
+above; it imports nothing of the library but the errors and checks.
 """
 
 from __future__ import annotations
@@ -87,6 +89,6 @@ def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointErr
     """``name`` if it is a string matching ``pattern`` exactly, else ``error``: the one gate between a
     name read from a file and a path."""
     if type(name) is not str or not pattern.fullmatch(name):
-        raise error(f"{what} {short_repr(name, 80)} is not a valid name (docs/FORMAT.md section 1); the file was "
-                    "damaged or crafted, and nothing it names is used")
+        raise error(f"{what} {short_repr(name, 80)} is not a valid name (docs/FORMAT.md section "
+                    "1); the file was damaged or crafted, and nothing it names is used")
     return name
