@@ -35,6 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
                                IntegrationError, NoSnapshotError, PointerFileError)
+from async_ckpt.format.names import replacement_name  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from test_resume import read_log, run_killed  # noqa: E402
@@ -300,6 +301,26 @@ def test_a_replaced_pointer_drops_its_snapshot_unless_another_pointer_names_it(t
     io.remove_checkpoint(copied)
     io._engine.wait()
     assert io._engine.committed_steps() == [2] and not copied.exists()
+    io.teardown()
+
+
+def test_a_pointer_the_writer_is_writing_keeps_no_snapshot(tmp_path):
+    """The writer writes a pointer as NAME.tmp-PID, then renames it over NAME. Replacing
+    last.ckpt while the writer is between the two (or was killed there) must still drop the
+    snapshot last.ckpt named: that file is not a pointer that names it."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    last = tmp_path / "ckpts" / "last.ckpt"
+    io.save_checkpoint(plain_checkpoint(1), last)
+    engine = io._engine
+    engine.wait()
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing is written until it goes on
+    try:
+        shutil.copy(last, last.with_name(replacement_name(last.name, engine._writer.pid)))
+        io.save_checkpoint(plain_checkpoint(2), last)  # replaces last.ckpt: snapshot 0 goes
+    finally:
+        os.kill(engine._writer.pid, signal.SIGCONT)
+    engine.wait()
+    assert read_pointer(str(last)).step == 1 and engine.committed_steps() == [1]
     io.teardown()
 
 
