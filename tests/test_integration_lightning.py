@@ -1,10 +1,10 @@
 """The Lightning adapter (async_ckpt.integrations.lightning), with the real framework on CPU.
 
-Resume through Lightning's own entry point: a run killed with SIGKILL in the middle of an
-epoch and resumed with ``trainer.fit(ckpt_path="last")``, or from a given ``.ckpt`` path, logs the
-same loss at every step as an uninterrupted run, bit for bit (dropout and in-process augmentation
-draw from the global RNG); from a save at an epoch's last batch, it counts epochs as Lightning's
-own resume does. ``save_top_k`` deletions drop exactly the snapshots no pointer
+Resume through Lightning's own entry point: a run killed with SIGKILL in the middle of an epoch
+and resumed with ``trainer.fit(ckpt_path="last")``, or from a given ``.ckpt`` path, logs the same
+loss at every step as an uninterrupted run, bit for bit (dropout and in-process augmentation
+draw from the global RNG); resumed from a save at an epoch's last batch, it counts epochs as
+Lightning's own resume does. ``save_top_k`` deletions drop exactly the snapshots no pointer
 names, never before a save in flight is written; a damaged snapshot fails a given path with a
 typed error and makes ``last`` fall back; a killed save leaves no pointer.
 """
@@ -41,7 +41,7 @@ from conftest import assert_same  # noqa: E402
 from test_resume import read_log, run_killed  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_fit.py")
-STEPS, EVERY, BATCHES_PER_EPOCH = 30, 4, 12  # as programs/lightning_fit.py trains
+STEPS, EVERY = 30, 4  # as programs/lightning_fit.py trains, 12 batches per epoch
 KILLED = 20  # the global step in whose saves the run of the first test is killed: mid-epoch 1
 
 
@@ -230,10 +230,11 @@ def test_save_top_k_keeps_the_files_the_stock_io_keeps_and_drops_the_other_snaps
 
 
 def progress(checkpoint):
-    """What a checkpoint says of where training stands: the loops' counters, the epoch and the
-    global step (not the data loader's position, which depends on the global RNG)."""
-    loops = {name: {key: value for key, value in loop.items() if not key.endswith("state_dict")}
-             for name, loop in checkpoint["loops"].items()}
+    """Where a checkpoint says training stands: every counter of the loops, the epoch and the
+    global step; not the data loader's position (its shuffling generator draws from the global
+    RNG, which only the adapter sets back on resume)."""
+    loops = copy.deepcopy(checkpoint["loops"])
+    del loops["fit_loop"]["state_dict"]["combined_loader"]
     return {"loops": loops, "epoch": checkpoint["epoch"], "global_step": checkpoint["global_step"]}
 
 
