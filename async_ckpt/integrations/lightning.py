@@ -54,7 +54,7 @@ except ImportError as e:  # the optional extra
 from .. import CheckpointEngine, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError)
-from ..format.names import MAX_STEP
+from ..format.names import MAX_STEP, REPLACEMENT_FILE
 from ..train.rng import GlobalRNG
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
@@ -333,12 +333,15 @@ class AsyncCkptIO(CheckpointIO):
     def _release(self, step: int, path: str) -> None:
         """Drop snapshot ``step``, whose pointer at ``path`` is gone (or being replaced), unless
         another pointer in that directory names it (a copy, or a symlink to a pointer that is
-        still there); queued behind the saves in flight, so never before they are written."""
+        still there); queued behind the saves in flight, so never before they are written. A
+        pointer the writer is writing (``NAME.tmp-PID``, renamed over NAME once written; left
+        there if the writer was killed in between) names nothing: the pointer it replaces, or
+        the one it becomes, does."""
         directory = os.path.dirname(path)
         known, self._scanned[directory] = self._scanned.get(directory, {}), {}
         named_elsewhere = False
         for entry in os.scandir(directory):
-            if entry.path != path:
+            if entry.path != path and not REPLACEMENT_FILE.fullmatch(entry.name):
                 named_elsewhere |= self._step_of(entry, known, self._scanned[directory]) == step
         if not named_elsewhere:
             self._engine.drop([step], wait=False)
