@@ -34,7 +34,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
-                               IntegrationError, NoSnapshotError, PointerFileError)
+                               IntegrationError, NoSnapshotError, PointerFileError,
+                               WriterDiedError)
 from async_ckpt.format.names import replacement_name  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
 from conftest import assert_same  # noqa: E402
@@ -266,26 +267,44 @@ def plain_checkpoint(global_step, value=1.0):
     return {"state_dict": {"w": torch.full((4,), value)}, "global_step": global_step, "epoch": 0}
 
 
-def test_removing_a_save_still_in_flight_waits_for_its_pointer_then_deletes_it(tmp_path):
+def test_removing_a_save_still_in_flight_does_not_wait_and_leaves_neither_pointer_nor_snapshot(
+        tmp_path):
     io = AsyncCkptIO(tmp_path / "engine")
     path = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
     engine = io._open()
-    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits until the wait below
-    waited = []
-    real_wait = engine.wait
-
-    def wait(*args, **kwargs):
-        waited.append(True)
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits while the writer is stopped
+    try:
+        io.save_checkpoint(plain_checkpoint(2), path)
+        io.remove_checkpoint(path)  # returns although the save is not committed
+        assert not path.exists()
+    finally:
         os.kill(engine._writer.pid, signal.SIGCONT)
-        real_wait(*args, **kwargs)
-
-    engine.wait = wait
-    io.save_checkpoint(plain_checkpoint(2), path)
-    io.remove_checkpoint(path)
-    assert waited and not path.exists()
     io.teardown()
-    assert not path.exists()  # no pointer written after the removal
-    assert io._open().committed_steps() == []  # and its snapshot dropped
+    assert not path.exists()  # the pointer, written at the commit, went with the drop
+    assert io._open().committed_steps() == []  # and its snapshot with it
+    io.teardown()
+
+
+def test_a_removal_queued_when_the_job_is_killed_keeps_the_pointer_and_its_snapshot(tmp_path):
+    """save_top_k removes the old best after saving the new one; killed before the writer got
+    to the removal, both pointers and both snapshots stay (never a snapshot nothing names, as
+    when the pointer was deleted at once and the drop lost)."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    old, new = tmp_path / "ckpts" / "epoch=0-step=2.ckpt", tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    io.save_checkpoint(plain_checkpoint(2), old)
+    engine = io._open()
+    engine.wait()
+    writer = engine._writer.pid
+    os.kill(writer, signal.SIGSTOP)
+    io.save_checkpoint(plain_checkpoint(4), new)
+    io.remove_checkpoint(old)
+    os.kill(writer, signal.SIGKILL)  # the new save and the removal never reach the manifest
+    engine._writer.process.wait()
+    with pytest.raises(WriterDiedError):
+        io.teardown()
+    io = AsyncCkptIO(tmp_path / "engine")
+    assert old.exists() and not new.exists()
+    assert read_pointer(old).step in io._open().committed_steps()
     io.teardown()
 
 
