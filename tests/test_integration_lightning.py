@@ -36,7 +36,7 @@ from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
                                IntegrationError, NoSnapshotError, PointerFileError,
                                WriterDiedError)
-from async_ckpt.format.names import replacement_name  # noqa: E402
+from async_ckpt.storage.names import replacement_name  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from test_resume import read_log, run_killed  # noqa: E402
