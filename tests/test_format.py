@@ -205,12 +205,6 @@ def test_writer_never_overwrites_an_existing_file(tmp_path):
     assert path.read_bytes() == b"precious"
 
 
-@pytest.mark.parametrize("compression", ["lz4", "ZSTD", "", "gzip", True, 1])
-def test_chunk_encoder_refuses_unknown_compression(compression):
-    with pytest.raises(ValueError):
-        ChunkEncoder(compression)
-
-
 # --- golden bytes and layout ---------------------------------------------------------------------
 
 def test_golden_bytes_of_a_tiny_raw_file(tmp_path):

@@ -41,7 +41,7 @@ def test_every_setting_has_a_rule():
 REFUSED = {
     "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
     "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
-    "when_busy": ["drop"], "compression": ["lz4", True], "level": [23, 1.5, None, True],
+    "when_busy": ["drop"], "compression": ["lz4", "ZSTD", "", "gzip", True, 1], "level": [23, 1.5, None, True],
     "allow_pickle": [1, "yes", None], "rng": [0], "rank": [-1, 0.0, "0"], "world_size": [0],
     "replicated": [3, ["a", 1], {"a": 1}, (n for n in "ab")], "spread_replicated": [None],
     "commit_timeout": [0, -1, float("nan"), "60"], "writer_nice": [-1, 20, 2.5],
