@@ -205,13 +205,15 @@ def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine
 
 
 def _loads(sweep_raw: dict, training_raw: dict, ranks_raw: dict) -> dict:
-    """Per part of the run: loadavg at the start and end of each round, and the reclaim counters'
-    movement over the part (the two-rank part: per round only)."""
+    """Per part of the run: loadavg at the start and end of each round, the reclaim counters'
+    movement over the part (the two-rank part: per round only), and the disk-settle waits before
+    each system."""
     parts = {f"sweep {label}": case for label, case in sweep_raw.items()}
     parts["training loop"] = training_raw
-    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"]}
-             for label, part in parts.items()}
-    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None}
+    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
+                     "settle": part["settle"]} for label, part in parts.items()}
+    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None,
+                          "settle": ranks_raw["raw"]["settle"]}
     return loads
 
 

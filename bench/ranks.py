@@ -142,7 +142,8 @@ def worker(directory: str, out: str, size_gb: float, rounds: int) -> None:
             log(f"  {name}: blocking {run['blocking_s']:.3f} s, to commit {run['to_commit_s']} s")
         return run
 
-    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0])
+    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0],
+                        settle_bytes=nbytes)
     if rank == 0:
         floors.close()
         with open(out, "w", encoding="utf-8") as f:

@@ -19,7 +19,7 @@ from async_ckpt.tools.advise import format_advice
 from . import (article, incremental, integrations_accelerate, integrations_lightning,
                integrations_transformers, lazy, remote, sharded)
 from .article import ASYNC, headline_case
-from .measure import RECLAIM_KEYS
+from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .systems import NONE, SYSTEM_NAMES
 
 FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
@@ -145,7 +145,8 @@ def _loads(loads) -> str:
 def _legend(results: dict) -> str:
     rounds = results["config"].get("rounds")
     return (f"Cells read `median (min–max) · ×floor · ×best peer`: the median of {rounds} "
-            "interleaved rounds (every system once per round, in rotating order) and its range; "
+            "interleaved rounds (every system once per round, in rotating order, reversed in odd "
+            "rounds) and its range; "
             "the floor is the physical limit of this machine for the same bytes, measured in the "
             "same run, one sample per round, and ×floor is the median of each round's value over "
             "that round's floor; the best peer is the best (by median) of the systems other than "
@@ -407,7 +408,8 @@ def _load(results: dict) -> str:
                            for r in load["rounds"])
         delta = load["vmstat_delta"]
         rows.append([part, rounds, "–" if delta is None else
-                     " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS)])
+                     " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS),
+                     _settled(load.get("settle"))])
     total = results["vmstat_delta"]
     return ("### Machine load\n\n"
             "The 1-minute load average at the start → end of each round (the machine has "
@@ -415,8 +417,24 @@ def _load(results: dict) -> str:
             f"counters ({', '.join(RECLAIM_KEYS)}) moved during each part; over the whole run: "
             + " / ".join(f"{total.get(k, 0):,}" for k in RECLAIM_KEYS)
             + ". Moving counters mean memory pressure slowed page-cache writes, the floors' and "
-            "the systems' alike.\n\n"
-            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS)], rows))
+            "the systems' alike. Before each system the run waited for the kernel's dirty and "
+            "writeback pages to fall under "
+            f"{SETTLE_BELOW_BYTES >> 20} MiB, at most as long as the disk takes to write the "
+            f"state at {SETTLE_BYTES_PER_S / 1e6:g} MB/s; a wait that ran out means other "
+            "writes kept the disk busy.\n\n"
+            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
+                      "disk settle before a system: median (max) s"], rows))
+
+
+def _settled(rounds: Optional[list]) -> str:
+    """The settle waits of a part's slots: median (max), and how many ran out."""
+    slots = [slot for r in rounds or () for slot in r]
+    if not slots:
+        return "–"
+    waits = spread([slot["waited_s"] for slot in slots])
+    out = sum(slot["timed_out"] for slot in slots)
+    return (f"{_num(waits['median'])} ({_num(waits['max'])})"
+            + (f", {out} of {len(slots)} ran out" if out else ""))
 
 
 def _big_note(results: dict) -> str:
@@ -433,9 +451,12 @@ def _notes(results: dict) -> str:
         "### How these were measured",
         "",
         f"- Sweep: per state, {results['config'].get('rounds')} interleaved rounds; in each round "
-        "every system runs once, in an order rotated from round to round, one system open at a "
-        "time: open, a warm-up snapshot (excluded), one measured snapshot followed by a wait for "
-        "durability, a warm restore, a cold restore, close." + _big_note(results)
+        "every system runs once, in an order rotated from round to round and reversed in odd "
+        "rounds (so that no system always follows the same neighbour), one system open at a "
+        "time, each after the disk settled (the kernel's dirty and writeback pages drained, a "
+        "bounded wait: the Machine load table): open, a warm-up snapshot (excluded), one "
+        "measured snapshot followed by a wait for durability, a warm restore, a cold restore, "
+        "close." + _big_note(results)
         + " Each round takes one floor sample next to its first system, after its restores and "
         "before its cleanup (never right after a large deletion), and every ratio to a floor or "
         "a peer pairs values of the same round.",

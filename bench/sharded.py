@@ -207,8 +207,8 @@ def loads(block: dict) -> dict:
     """The machine's load per round of each run, for the report's "Machine load" table."""
     parts = {f"sharded, {w} ranks saving": raw for w, raw in block["raw"]["save"].items()}
     parts.update({f"sharded, restore {pair}": raw for pair, raw in block["raw"]["restore"].items()})
-    return {label: {"rounds": raw["loads"], "vmstat_delta": raw["load"]["vmstat_delta"]}
-            for label, raw in parts.items()}
+    return {label: {"rounds": raw["loads"], "vmstat_delta": raw["load"]["vmstat_delta"],
+                    "settle": raw["settle"]} for label, raw in parts.items()}
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -351,7 +351,8 @@ def save_rounds(state: dict, directory: str, rank_bytes: list[int], rounds: int)
         return run
 
     try:
-        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0])
+        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0],
+                          settle_bytes=sum(rank_bytes))
     finally:
         if floors is not None:
             floors.close()

@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as a script, ``python bench/stall.py``: imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.floors import Floors  # noqa: E402
-from bench.measure import log, machine, paired_ratio, rss, spread, vmstat  # noqa: E402
+from bench.measure import log, machine, paired_ratio, rotated, rss, spread, vmstat  # noqa: E402
 from bench.sweep import measure_snapshot  # noqa: E402
 from bench.systems import OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, System  # noqa: E402
 from bench.workloads import WIDTH, build_state  # noqa: E402
@@ -98,8 +98,7 @@ def run_rounds(systems: list, floors: Floors, repeats: int) -> dict:
         results[system.name] = {"warmup": measure_snapshot(system, 0), "runs": []}
     previous = None
     for step in range(1, repeats + 1):
-        shift = (step - 1) % len(systems)
-        for system in systems[shift:] + systems[:shift]:
+        for system in rotated(systems, step - 1):
             sample = floors.measure()
             if previous is not None:
                 previous["floor_after"] = sample

@@ -26,7 +26,7 @@ from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args 
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
 from bench.floors import FLOOR_KEYS  # noqa: E402
-from bench.measure import ratio_spread, rotated, spread  # noqa: E402
+from bench.measure import Settled, ratio_spread, rotated, settle, spread  # noqa: E402
 from bench.ranks import QUICK as RANKS_QUICK, SYSTEMS as RANK_SYSTEMS  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
 from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
@@ -114,10 +114,15 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
     _, results, _ = quick_run
     rounds = QUICK["rounds"]
     assert rounds >= 2 and results["config"]["rounds"] == rounds
-    for label, case in results["raw"]["sweep"].items():
+    for shift, (label, case) in enumerate(results["raw"]["sweep"].items()):
         assert len(case["order"]) == len(case["floors"]) == len(case["loads"]) == rounds, label
         firsts = [order[0] for order in case["order"]]
         assert len(set(firsts)) == rounds, (label, firsts)  # the order rotates
+        for index, order in enumerate(case["order"]):  # and walks backward in odd rounds
+            assert order == [n for n in rotated(SYSTEM_NAMES, shift + index) if n in order], label
+        for order, settled in zip(case["order"], case["settle"], strict=True):
+            assert [slot["name"] for slot in settled] == order, label  # a settle before each
+            assert all(slot["waited_s"] >= 0 for slot in settled), label
         for spec in SYSTEMS:
             block = case["systems"][spec.name]
             if spec.ours:
@@ -325,10 +330,62 @@ def test_spread_and_pairwise_ratios():
     with pytest.raises(ValueError):
         ratio_spread([1, 2], [1])
     assert [rotated("abc", shift) for shift in range(4)] == [
-        list("abc"), list("bca"), list("cab"), list("abc")]
+        list("abc"), list("bac"), list("cab"), list("acb")]
 
 
-def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_the_order_rule_starts_each_round_elsewhere_and_reverses_odd_rounds(n):
+    items = list(range(n))
+    for index in range(2 * n):
+        order = rotated(items, index)
+        assert sorted(order) == items and order[0] == items[index % n]  # all, from a new first
+        step = -1 if index % 2 else 1
+        assert all(b == (a + step) % n for a, b in zip(order, order[1:]))  # forward or backward
+    if n >= 3:  # every item follows one neighbour in even rounds and the other in odd rounds
+        orders = [rotated(items, parity) for parity in (0, 1)]
+        before = [{b: a for a, b in zip(order, order[1:])} for order in orders]
+        assert all(before[0].get(i) != before[1].get(i) for i in items)
+
+
+class FakeDisk:
+    """/proc/meminfo's unwritten bytes, a reading per call, on a clock that only ``sleep`` moves."""
+
+    def __init__(self, readings):
+        self.readings, self.now, self.sleeps = list(readings), 0.0, 0
+
+    def unwritten(self) -> int:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+
+
+def test_settle_waits_until_the_kernel_has_written_back(monkeypatch):
+    from bench import measure
+
+    disk = FakeDisk([500 << 20, 200 << 20, 40 << 20, 1 << 20])
+    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    settled = settle(10**9, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
+    assert settled == Settled(disk.now, 500 << 20, 1 << 20, False) and disk.sleeps == 3
+
+
+def test_settle_gives_up_after_the_time_the_disk_needs_for_the_bytes(monkeypatch):
+    from bench import measure
+
+    disk = FakeDisk([500 << 20])  # another job keeps the disk busy
+    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    settled = settle(50 * 10**6, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
+    limit = 50 * 10**6 / measure.SETTLE_BYTES_PER_S
+    assert settled.timed_out and settled.unwritten_after == 500 << 20
+    assert limit <= settled.waited_s < limit + measure.SETTLE_POLL_S * 1.5
+    clean = FakeDisk([0])
+    monkeypatch.setattr(measure, "unwritten_bytes", clean.unwritten)
+    assert settle(10**9, clock=lambda: clean.now, sleep=clean.sleep) == Settled(0.0, 0, 0, False)
+    assert clean.sleeps == 0  # a settled disk costs one reading
+
+
+def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_cleanup():
     events = []
 
     def run_slot(index, item, floor_hook):
@@ -346,7 +403,8 @@ def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
         return {"dd_s": len(events)}
 
     record = run_rounds(["a", "b", "c"], 3, 0, measure_floor, run_slot, name=str)
-    assert record["order"] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a"]]
+    assert record["order"] == [["a", "b", "c"], ["b", "a", "c"], ["c", "a"]]
+    assert [[slot["name"] for slot in r] for r in record["settle"]] == record["order"]
     assert len(record["floors"]) == len(record["loads"]) == 3 and "load" in record
     assert events[:3] == [("run", 0, "a"), ("floor",), ("cleanup", 0, "a")]  # before cleanup
     second = events[events.index(("run", 1, "b")):]
