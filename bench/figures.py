@@ -41,11 +41,12 @@ class Figure:
 SWEEP_FIGURES = (
     Figure("blocking_s", "blocking time per snapshot", "s", "one copy_ of the state's bytes"),
     Figure("to_durable_s", "time from snapshot() to durable commit", "s",
-           "dd conv=fsync of the state's bytes"),
+           "the fastest way to make the state's bytes durable"),
     Figure("restore_s", "warm restore time into the live model and optimizer (files in the page "
-           "cache)", "s", "read of the state's bytes from the page cache"),
+           "cache)", "s", "the fastest read of the state's bytes from the page cache"),
     Figure("restore_cold_s", "cold restore time into the live model and optimizer (files evicted "
-           "from the page cache)", "s", "cold sequential read of the state's bytes"),
+           "from the page cache)", "s", "the fastest sequential read of the state's bytes from "
+           "the disk"),
     Figure("stored_bytes", "bytes written per snapshot", "B", "the state's tensor bytes"),
     Figure("compression_ratio", "compression ratio (tensor bytes / bytes written)", "x",
            "1 (stored raw)", lower_is_better=False),
@@ -69,7 +70,7 @@ FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
 SWEEP_SOURCES = {  # figure: (the key of a sweep run, the floor key it is paired with)
-    "blocking_s": ("blocking_s", "copy_s"), "to_durable_s": ("to_commit_s", "dd_s"),
+    "blocking_s": ("blocking_s", "copy_s"), "to_durable_s": ("to_commit_s", "durable_s"),
     "restore_s": ("restore_s", "read_cache_s"), "restore_cold_s": ("restore_cold_s", "read_cold_s"),
 }
 

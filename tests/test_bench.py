@@ -10,6 +10,7 @@ anything.
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
 from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args  # noqa: E402
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
-from bench.floors import FLOOR_KEYS  # noqa: E402
+from bench import floors as floors_module  # noqa: E402
+from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
 from bench.measure import Settled, ratio_spread, rotated, settle, spread  # noqa: E402
 from bench.ranks import QUICK as RANKS_QUICK, SYSTEMS as RANK_SYSTEMS  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
@@ -108,6 +110,11 @@ def test_comparison_advice_and_floors(quick_run):
         assert set(FLOOR_KEYS) <= set(floors), label
         for key in FLOOR_KEYS:
             assert floors[key]["min"] <= floors[key]["median"] <= floors[key]["max"], (label, key)
+        for key in ("durable_s", "read_cache_s", "read_cold_s"):  # the fastest way, every round
+            ways = {"durable_s": WRITE_WAYS}.get(key, READ_WAYS)
+            for fastest, times in zip(floors[key]["fastest"], floors[key]["ways"], strict=True):
+                assert set(times) == set(ways) and fastest in ways, (label, key)
+                assert times[fastest] == min(t for t in times.values() if not isinstance(t, str))
 
 
 def test_rounds_are_interleaved_with_a_floor_each(quick_run):
@@ -157,7 +164,9 @@ def test_targets(quick_run):
 def test_two_ranks_against_dcp(quick_run):
     _, results, _ = quick_run
     ranks = results["ranks"]
-    assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "dd_s"}
+    assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "durable_s"}
+    assert len(ranks["floor_ways"]) == RANKS_QUICK["rounds"]
+    assert set(ranks["floor_ways"]) <= set(WRITE_WAYS)
     assert set(ranks["systems"]) == {name for name, _, _ in RANK_SYSTEMS}
     for name, ours, _ in RANK_SYSTEMS:
         s = ranks["systems"][name]
@@ -182,7 +191,8 @@ def test_sharded_state_against_dcp(quick_run):
     for world, w in block["save"].items():
         assert w["ranks"] == int(world) == len(w["rank_bytes"])
         assert w["rounds"] == SHARDED_QUICK["rounds"]
-        assert set(w["floors"]) == {"copy_s", "dd_s"}
+        assert set(w["floors"]) == {"copy_s", "durable_s"}
+        assert len(w["floor_ways"]) == SHARDED_QUICK["rounds"]
         assert set(w["systems"]) == {name for name, _, _ in SHARDED_SYSTEMS}
         for name, ours, _ in SHARDED_SYSTEMS:
             s = w["systems"][name]
@@ -229,15 +239,17 @@ def test_report_has_the_tables(quick_run):
     with open(out / "report.md") as f:
         report = f.read()
     for heading in ("### Targets", "### Floors", "### Saving and restoring", "### Training loop",
+                    "Per round the fastest way (bold, the floor)",
                     "### Memory in the training loop", "### Recovery consistency",
                     "### Periodic vs asynchronous saves", "### Snapshot interval advice",
                     "### Every state size", "### 2 ranks under torchrun", "### Machine load"):
         assert heading in report, heading
     for target in TARGETS:
         assert f"| {target.title} |" in report, target.key
-    for column in ("blocking s (min–max)", "to durable s (min–max)", "warm restore s",
-                   "cold restore s · ×cold read", "read (cold, from disk)",
-                   "Cold restore time into the live model"):
+    for column in ("blocking s (min–max)", "to durable s (min–max) · ×disk floor",
+                   "warm restore s", "cold restore s · ×cold read",
+                   "cold read (fastest, from disk)", "Cold restore time into the live model",
+                   "disk settle before a system"):
         assert column in report, column
     assert "(p95" not in report
     for name in SYSTEM_NAMES:
@@ -383,6 +395,33 @@ def test_settle_gives_up_after_the_time_the_disk_needs_for_the_bytes(monkeypatch
     monkeypatch.setattr(measure, "unwritten_bytes", clean.unwritten)
     assert settle(10**9, clock=lambda: clean.now, sleep=clean.sleep) == Settled(0.0, 0, 0, False)
     assert clean.sleeps == 0  # a settled disk costs one reading
+
+
+def test_a_floor_is_the_fastest_of_its_ways(tmp_path, monkeypatch):
+    assert Fastest.of({"a": 2.0, "b": 1.0, "c": "n/a (absent)"}).fields("durable_s") == {
+        "durable_s": 1.0, "durable_way": "b",
+        "durable_ways": {"a": 2.0, "b": 1.0, "c": "n/a (absent)"}}
+    monkeypatch.setattr(floors_module, "FIO_MIN_BYTES", 0)  # fio too, where it is installed
+    floors = Floors(str(tmp_path), 3 << 20)
+    try:
+        first, second = floors.measure(), floors.measure()
+    finally:
+        floors.close()
+    assert list(first["durable_ways"]) == list(WRITE_WAYS)  # the ways' order rotates by sample
+    assert list(second["durable_ways"]) == [WRITE_WAYS[1], WRITE_WAYS[0], *WRITE_WAYS[:1:-1]]
+    for key, ways in (("durable", WRITE_WAYS), ("read_cache", READ_WAYS),
+                      ("read_cold", READ_WAYS)):
+        times = first[f"{key}_ways"]
+        ran = {w: t for w, t in times.items() if not isinstance(t, str)}
+        assert set(times) == set(ways) and first[f"{key}_s"] == min(ran.values()) > 0, key
+        assert ran[first[f"{key}_way"]] == first[f"{key}_s"], key
+    for way in ("fio direct", "fio buffered"):
+        t = first["durable_ways"][way]
+        if shutil.which("fio") is None:
+            assert t == "n/a (fio is not installed: apt-get install fio)"
+        else:  # only O_DIRECT on a file system without it may fail, and says so
+            assert isinstance(t, float) and t > 0 or t.startswith("n/a (fio failed here"), way
+    assert os.listdir(tmp_path) == []  # every way's file is gone
 
 
 def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_cleanup():
