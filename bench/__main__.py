@@ -44,7 +44,7 @@ from .systems import SYSTEMS
 from .training import run_training
 
 SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
-# 3: floors as the fastest of several ways (durable_s), settle waits
+# 3: floors as the fastest of several ways (durable_s), settle waits, step_overhead_pct
 FULL = {"sizes": (0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "rounds": 3,
         "workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10, 100)}
 QUICK = {"sizes": (0.008,), "bf16_sizes": (), "rounds": 2,

@@ -94,8 +94,8 @@ def _code_lines(directory: str, suffix: str) -> int:
 
 
 def _overheads(results: dict, name: str, ks: list) -> dict:
-    return {k: e["overhead_pct"] for k in ks
-            if (e := _value(results, "throughput_steps_s", name, k)) is not None}
+    return {k: e["median"] for k in ks
+            if (e := _value(results, "step_overhead_pct", name, k)) is not None}
 
 
 def _loss(results: dict, name: str, ks: list, step_s: float) -> str:

@@ -111,8 +111,9 @@ def _throughput_vs_k(results: dict, plt):
         style = _style(spec, index)
         axes[0].plot([k for k, _ in points], [e["median"] for _, e in points], label=spec.name,
                      **style)
-        axes[1].plot([k for k, _ in points], [1 + e["overhead_pct"] / 100 for _, e in points],
-                     label=spec.name, **style)
+        overhead = results["figures"]["step_overhead_pct"]["values"][spec.name]
+        axes[1].plot([k for k, _ in points], [1 + overhead[f"K={k}"]["median"] / 100
+                                              for k, _ in points], label=spec.name, **style)
     axes[0].set_ylabel("training steps/s (higher is better)")
     axes[1].set_ylabel("training time vs no checkpointing (log scale)")
     axes[1].set_yscale("log")

@@ -4,9 +4,10 @@ re-rendered from any saved results: ``python -m bench --render results.json``).
 Every cell that holds a measured figure is the median over the interleaved rounds with its min-max
 spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
 ×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
-opening paragraph and its "Targets", "Saving and restoring", "2 ranks", "Sharded state",
-"Incremental snapshots" and "Periodic vs asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
-directory relative to the repository root).
+headline (``overhead_headline``), its opening paragraph and its "Targets", "Saving and restoring",
+"2 ranks", "Sharded state", "Incremental snapshots" and "Periodic vs asynchronous saves" sections,
+pasted as they are (images are linked from ``image_dir``, the plots' directory relative to the
+repository root).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from async_ckpt.tools.advise import format_advice
 
 from . import (article, incremental, integrations_accelerate, integrations_lightning,
                integrations_transformers, lazy, remote, sharded)
-from .article import ASYNC, headline_case
+from .article import ASYNC, PERIODIC, headline_case
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .systems import NONE, SYSTEM_NAMES
 
@@ -124,9 +125,11 @@ def _header(results: dict) -> str:
     ran = [s["name"] for s in results["systems"] if s["ran"]]
     not_ran = [f"{s['name']}: {s['reason']}" for s in results["systems"] if not s["ran"]]
     when = datetime.datetime.fromtimestamp(results["started_at"]).strftime("%Y-%m-%d %H:%M")
+    headline = overhead_headline(results)
     lines = [
         "## Performance",
         "",
+        *([headline, ""] if headline else []),
         f"Measured {when} with `{config['command']}` in {results['runtime_s'] / 60:.1f} min on "
         f"{m['nproc']} CPUs ({m['cpu_model']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, no GPU, "
         f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']} ({m['torch_threads']} "
@@ -138,6 +141,47 @@ def _header(results: dict) -> str:
     if not_ran:
         lines += ["", "Not run: " + "; ".join(not_ran) + "."]
     return "\n".join(lines)
+
+
+def overhead_headline(results: dict) -> str:
+    """The README's headline in one sentence: async_ckpt async's per-step time overhead at every
+    K against torch.save + fsync's and the best peer's, from the training loop."""
+    figure = results["figures"].get("step_overhead_pct")
+    ours = figure and figure["values"].get(ASYNC)
+    if not ours or not all(isinstance(e, dict) for e in ours.values()):
+        return ""
+    ks, best = figure["cases"], figure["best_peer"]
+
+    def pct(name: Optional[str], k: str) -> str:
+        e = figure["values"].get(name, {}).get(k)
+        return _pct_points(e["median"]) if isinstance(e, dict) else "n/a"
+
+    runs: list[tuple[str, list[str]]] = []  # consecutive intervals with the same best peer
+    for k in (k for k in ks if best.get(k)):
+        if runs and runs[-1][0] == best[k]:
+            runs[-1][1].append(pct(best[k], k))
+        else:
+            runs.append((best[k], [pct(best[k], k)]))
+    others = f"{_and([pct(PERIODIC, k) for k in ks])} for {PERIODIC}"
+    if {name for name, _ in runs} == {PERIODIC}:
+        others += ", the best other system"
+    elif runs:
+        others += "; the best other system: " + _and([f"{_and(cells)} for {name}"
+                                                      for name, cells in runs])
+    training = results["raw"]["training"]
+    return (f"Per training step, a snapshot every {_and([k.split('=')[1] for k in ks])} steps "
+            f"costs async_ckpt async {_and([_spread(ours[k], fmt=_pct_points) for k in ks])} "
+            f"against the same loop without checkpointing, {others} (medians (min–max) of "
+            f"{training['rounds']} interleaved rounds, {_num(training['state_bytes'] / 1e6)} MB "
+            "state).")
+
+
+def _pct_points(x: float) -> str:
+    return f"{x:+.2g}%" if abs(x) < 10 else f"{x:+.0f}%"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _loads(loads) -> str:
@@ -257,28 +301,30 @@ def _training(results: dict, image_dir: str) -> str:
     f = results["figures"]
     training = results["raw"]["training"]
     throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
+    overhead = f["step_overhead_pct"]
     ks = throughput["cases"]
     none = throughput["values"][NONE.name]
     step_ms = 1000 / none[ks[-1]]["median"]
+    overhead_rows = [[name] + [_spread(e, fmt=_pct_points) if isinstance(e, dict) else str(e)
+                               for e in (overhead["values"][name][k] for k in ks)]
+                     for name in SYSTEM_NAMES]
     rows = [[NONE.name] + [_spread(none[k]) for k in ks]]
-    for name in SYSTEM_NAMES:
-        row = [name]
-        for k in ks:
-            e = throughput["values"][name][k]
-            row.append(_cell(e, extra=f" ({e['overhead_pct']:+.1f}%)") if isinstance(e, dict)
-                       else str(e))
-        rows.append(row)
+    rows += [[name] + [_cell(throughput["values"][name][k]) for k in ks] for name in SYSTEM_NAMES]
     blocking_rows = [[name] + [_cell(blocking["values"][name][k]) for k in ks]
                      for name in SYSTEM_NAMES]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
     return (f"### Training loop: {_num(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
             f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
             f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's "
-            "loop is timed against a loop without checkpointing run just before it (the median "
-            "overhead in parentheses); the first row is every such loop together. "
+            "loop is timed against a loop without checkpointing run just before it. "
             f"{_noise(training)}\n\n"
-            + _table(["system", *(f"{k} steps/s (min–max) (time overhead) · ×no ckpt · "
-                                  "×best peer" for k in ks)], rows)
+            "Per-step time overhead against that loop without checkpointing, median (min–max) "
+            "over the rounds (lower is better):\n\n"
+            + _table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows)
+            + "\n\nThroughput (steps/s; ×no ckpt: over the paired loop without checkpointing; "
+            "the first row is every such loop together):\n\n"
+            + _table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)],
+                     rows)
             + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
             + "Blocking time per snapshot in the loop (s; per round the median of its "
             "snapshots):\n\n"

@@ -239,6 +239,7 @@ def test_report_has_the_tables(quick_run):
     with open(out / "report.md") as f:
         report = f.read()
     for heading in ("### Targets", "### Floors", "### Saving and restoring", "### Training loop",
+                    "Per-step time overhead against that loop without checkpointing",
                     "Per round the fastest way (bold, the floor)",
                     "### Memory in the training loop", "### Recovery consistency",
                     "### Periodic vs asynchronous saves", "### Snapshot interval advice",
@@ -249,6 +250,7 @@ def test_report_has_the_tables(quick_run):
     for column in ("blocking s (min–max)", "to durable s (min–max) · ×disk floor",
                    "warm restore s", "cold restore s · ×cold read",
                    "cold read (fastest, from disk)", "Cold restore time into the live model",
+                   "step time overhead",
                    "disk settle before a system"):
         assert column in report, column
     assert "(p95" not in report
@@ -258,6 +260,23 @@ def test_report_has_the_tables(quick_run):
         assert f"| {aspect} |" in report, aspect
     assert "blocking_vs_size.png" in report and "throughput_vs_k.png" in report
     assert "### Floors" in proc.stdout  # the tables are printed too
+    assert "Per training step, a snapshot every 1 and 3 steps costs async_ckpt async" in report
+
+
+def test_step_time_overhead_is_a_figure_of_every_system(quick_run):
+    _, results, _ = quick_run
+    figure = results["figures"]["step_overhead_pct"]
+    assert figure["cases"] == [f"K={k}" for k in QUICK["ks"]] and figure["unit"] == "%"
+    for name, block in results["raw"]["training"]["systems"].items():
+        for k in QUICK["ks"]:
+            entry = figure["values"][name][f"K={k}"]
+            if not block["available"]:
+                assert entry.startswith("n/a ("), (name, k)
+                continue
+            loops = [run["loops"][str(k)] for run in block["runs"]]
+            paired = [(lp["step_s"] / lp["baseline"]["step_s"] - 1) * 100 for lp in loops]
+            assert entry["n"] == QUICK["rounds"] and entry["median"] == spread(paired)["median"]
+            assert entry["min"] == min(paired) and entry["max"] == max(paired), (name, k)
 
 
 def test_render_from_saved_results(quick_run, tmp_path):
