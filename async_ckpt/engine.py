@@ -353,7 +353,8 @@ class CheckpointEngine:
         self._load_rng(record, loaded.value.pop(RNG_KEY, None))
         return record.step, loaded.plain()
 
-    def drop(self, steps: Iterable[int], *, wait: bool = True) -> Optional[list[int]]:
+    def drop(self, steps: Iterable[int], *, wait: bool = True,
+             files: Iterable[str] = ()) -> Optional[list[int]]:
         """Take committed ``steps`` out of the manifest and delete their snapshots (one that a
         kept snapshot refers to stays): retention decided outside the engine, such as a
         framework's ``save_top_k`` or ``save_total_limit``. Snapshots in flight are committed
@@ -365,9 +366,15 @@ class CheckpointEngine:
         return None at once, so that retention applied right after a snapshot does not make
         training wait for its commit; the writer, which commits each snapshot before it reads
         the next message, applies it after them. A failure is raised by a later call, as a
-        failed write's is."""
+        failed write's is.
+
+        ``files``: files outside the engine's directory that stand for these snapshots in a
+        framework's layout (what ``Marker``s wrote); the writer deletes them just before it drops
+        the steps, in the same turn, so that a job killed with the drop still queued keeps both
+        the files and the snapshots, never a snapshot that nothing names."""
         self._check_usable()
         steps = tuple(sorted(set(steps)))
+        files = tuple(os.path.abspath(os.fspath(f)) for f in files)
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
             raise ValueError(f"steps must be ints, not {steps!r}")
         if not wait:
@@ -375,11 +382,11 @@ class CheckpointEngine:
                 raise ValueError("drop(wait=False) needs a one-rank engine; with several ranks "
                                  "call drop() (it waits for the snapshots in flight)")
             self.fence()  # a lazily staged snapshot reaches the writer first
-            self._writer.drop(steps)
+            self._writer.drop(steps, files)
             self._drops_queued += 1
             return None
         self.wait()
-        self._writer.drop(steps)
+        self._writer.drop(steps, files)
         while True:
             event = self._writer_event(None)
             if isinstance(event, Dropped):

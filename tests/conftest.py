@@ -83,3 +83,15 @@ def fsynced(monkeypatch):
 
     monkeypatch.setattr(local, "fsync_dir", recording)
     return calls
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real S3-protocol server on loopback (bench/s3server.py: moto), one per test module;
+    a test may kill it (a store that is down) and start it again."""
+    from bench.s3server import S3Server
+
+    s3 = S3Server()
+    s3.start()
+    yield s3
+    s3.kill()

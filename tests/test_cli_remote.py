@@ -21,21 +21,12 @@ from async_ckpt.format.names import MANIFEST_NAME
 from async_ckpt.format.shard import ShardReader
 from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.tools.cli import main
-from bench.s3server import S3Server
 from conftest import assert_same, make_training_state, train_step
 
 obstore = pytest.importorskip("obstore")
 
 STEPS = [0, 10, 20, 30]
 LEFTOVER = "step-00000000000000000099.0badf00d"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s3 = S3Server()
-    s3.start()
-    yield s3
-    s3.kill()
 
 
 @pytest.fixture(scope="module")

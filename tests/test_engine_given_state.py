@@ -124,3 +124,16 @@ def test_a_marker_directory_is_replaced_whole(tmp_path):
         with pytest.raises(ValueError):
             atomic_directory(str(target), [(bad, b"")])
     assert sorted(os.listdir(target)) == ["c"] and os.listdir(tmp_path) == ["checkpoint-3"]
+
+
+def test_a_drop_deletes_its_files_in_the_same_turn(ckpt_dir, tmp_path):
+    from async_ckpt import Marker
+
+    pointer = tmp_path / "out" / "a.ckpt"
+    with CheckpointEngine(ckpt_dir, {}, keep_last=5) as engine:
+        engine.snapshot(1, state={"v": torch.ones(2)}, markers=[Marker(str(pointer), b"1")])
+        engine.drop([1], wait=False, files=[pointer])  # queued behind the save: it goes after
+        engine.wait()
+        assert engine.committed_steps() == [] and not pointer.exists()
+        engine.snapshot(2, state={"v": torch.ones(2)})
+        assert engine.drop([2], files=[tmp_path / "never-there"]) == [2]  # a missing file: fine

@@ -581,9 +581,10 @@ def test_a_read_is_bounded_by_the_process_limit_not_only_by_free_memory(tmp_path
     done = subprocess.run([sys.executable, "-c", LIMITED_LOAD, str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    # usable: the 8 MB of room, less what the process mapped since the limit was set
-    assert re.search(r"refused: restoring step 1 needs 0\.03 GB of host memory, 0\.0[01] GB is "
-                     "usable now", done.stdout), done.stdout
+    # usable: the 8 MB of room, less what the process mapped since the limit was set (what the
+    # read needs counts a decoding scratch per read thread: it depends on the machine's cores)
+    assert re.search(r"refused: restoring step 1 needs 0\.[0-9]+ GB of host memory, 0\.0[01] GB "
+                     "is usable now", done.stdout), done.stdout
 
 
 def test_every_snapshot_damaged_says_so(pristine, root):

@@ -1,9 +1,10 @@
 """The Lightning adapter (async_ckpt.integrations.lightning), with the real framework on CPU.
 
-Resume through Lightning's own entry point: a run killed with SIGKILL at a random step and
-resumed with ``trainer.fit(ckpt_path="last")``, or from a given ``.ckpt`` path, logs the same
+Resume through Lightning's own entry point: a run killed with SIGKILL in the middle of an epoch
+and resumed with ``trainer.fit(ckpt_path="last")``, or from a given ``.ckpt`` path, logs the same
 loss at every step as an uninterrupted run, bit for bit (dropout and in-process augmentation
-draw from the global RNG). ``save_top_k`` deletions drop exactly the snapshots no pointer
+draw from the global RNG); resumed from a save at an epoch's last batch, it counts epochs as
+Lightning's own resume does. ``save_top_k`` deletions drop exactly the snapshots no pointer
 names, never before a save in flight is written; a damaged snapshot fails a given path with a
 typed error and makes ``last`` fall back; a killed save leaves no pointer.
 """
@@ -12,7 +13,6 @@ import copy
 import glob
 import json
 import os
-import random
 import shutil
 import signal
 import warnings
@@ -34,13 +34,16 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
-                               IntegrationError, NoSnapshotError, PointerFileError)
+                               IntegrationError, NoSnapshotError, PointerFileError,
+                               WriterDiedError)
+from async_ckpt.format.names import replacement_name  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from test_resume import read_log, run_killed  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_fit.py")
-STEPS, EVERY, BATCHES_PER_EPOCH = 30, 4, 12  # as programs/lightning_fit.py trains
+STEPS, EVERY = 30, 4  # as programs/lightning_fit.py trains, 12 batches per epoch
+KILLED = 20  # the global step in whose saves the run of the first test is killed: mid-epoch 1
 
 
 def fit(root, log, *extra, kill_after_step=None):
@@ -89,16 +92,31 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_killed_mid_epoch_resumes_from_last_bit_identical(tmp_path, reference):
+    """Killed (SIGKILL, its writer too) between the two saves of global step 20, in the middle
+    of epoch 1: its top-k file is there, ``last.ckpt`` still names the save of step 16 (as with
+    Lightning's stock IO, which saves them in that order); ``ckpt_path="last"`` resumes from
+    step 16, replaces the killed run's top-k file, and ends in the uninterrupted run's state.
+
+    Deterministic: the run kills itself once its saves are committed, so the resume point is
+    known. A kill from outside at a random step resumes from whichever ``last.ckpt`` the writer
+    had committed by then, which depends on the machine's load, and sometimes is a save at an
+    epoch's last batch (global step 12 or 24): Lightning's own resume counts that epoch twice
+    (see test_a_resume_from_an_epoch_s_last_batch_counts_epochs_as_lightning_s_own_does), so the
+    loop counters at the end differ from an uninterrupted run's, whatever the CheckpointIO."""
     ref_root, ref_records = reference
-    kill_at = random.choice([s for s in range(EVERY + 2, STEPS - EVERY)
-                             if s % BATCHES_PER_EPOCH])  # mid-epoch, after a save was taken
-    log = tmp_path / "loss.jsonl"
-    assert fit(tmp_path, log, kill_after_step=kill_at) == -signal.SIGKILL, kill_at
+    log, ckpts = tmp_path / "loss.jsonl", tmp_path / "ckpts"
+    assert fit(tmp_path, log, "--kill-before-last", str(KILLED)) == -signal.SIGKILL
+    assert read_pointer(str(ckpts / "last.ckpt")).global_step == KILLED - EVERY
+    assert read_pointer(str(ckpts / f"epoch=1-step={KILLED}.ckpt")).global_step == KILLED
     assert fit(tmp_path, log, "--resume", "last") == 0
     records = read_log(log)
     assert_matches(records, ref_records)
-    assert len(resumed_at(records)) == 1, kill_at
+    assert resumed_at(records) == [KILLED - EVERY + 1]
     assert_same_training_state(last_state(tmp_path), last_state(ref_root))
+    named = {read_pointer(str(p)).step for p in ckpts.iterdir()}
+    io = AsyncCkptIO(tmp_path / "engine")
+    assert sorted(io._open().committed_steps()) == sorted(named)  # the replaced one was dropped
+    io.teardown()
 
 
 @pytest.mark.slow
@@ -164,7 +182,8 @@ class SavedDicts(AsyncCkptIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
-def train(root, io, steps=16, precision=None, callback=True, model=None, **checkpoint_args):
+def train(root, io, steps=16, precision=None, callback=True, model=None, ckpt_path=None,
+          **checkpoint_args):
     L.seed_everything(0, verbose=False)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpts", **{
         "monitor": "loss", "save_top_k": 2, "every_n_train_steps": 2, "save_last": True,
@@ -174,7 +193,7 @@ def train(root, io, steps=16, precision=None, callback=True, model=None, **check
                         plugins=[io] + ([precision] if precision else []),
                         callbacks=([io.callback] if callback and hasattr(io, "callback") else [])
                         + [checkpoint])
-    trainer.fit(model or TinyModel())
+    trainer.fit(model or TinyModel(), ckpt_path=ckpt_path)
     return checkpoint
 
 
@@ -211,30 +230,81 @@ def test_save_top_k_keeps_the_files_the_stock_io_keeps_and_drops_the_other_snaps
     io.teardown()
 
 
+def progress(checkpoint):
+    """Where a checkpoint says training stands: every counter of the loops, the epoch and the
+    global step; not the data loader's position (its shuffling generator draws from the global
+    RNG, which only the adapter sets back on resume)."""
+    loops = copy.deepcopy(checkpoint["loops"])
+    del loops["fit_loop"]["state_dict"]["combined_loader"]
+    return {"loops": loops, "epoch": checkpoint["epoch"], "global_step": checkpoint["global_step"]}
+
+
+def test_a_resume_from_an_epoch_s_last_batch_counts_epochs_as_lightning_s_own_does(tmp_path):
+    """``every_n_train_steps`` saves at an epoch's last batch (step 10: TinyModel has 10 batches
+    per epoch). Lightning (2.6) resuming such a checkpoint with its stock IO counts that epoch
+    twice: from there on its epoch counters (``current_epoch``, ``epoch_progress``) are one ahead
+    of an uninterrupted run's, and a ``max_epochs`` run trains one epoch less. Through the
+    adapter, the same checkpoint resumes with the same counters as through the stock IO."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    train(tmp_path, io, steps=10, save_top_k=-1)
+    at_epoch_end = tmp_path / "ckpts" / "epoch=0-step=10.ckpt"
+    saved = io.load_checkpoint(at_epoch_end)
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]
+    io.export(at_epoch_end, tmp_path / "stock.ckpt")
+    resumed = AsyncCkptIO(tmp_path / "engine")
+    train(tmp_path, resumed, steps=14, ckpt_path=at_epoch_end, save_top_k=-1)
+    train(tmp_path / "stock", TorchCheckpointIO(), steps=14, ckpt_path=tmp_path / "stock.ckpt",
+          save_top_k=-1)
+    stock = TorchCheckpointIO().load_checkpoint(tmp_path / "stock" / "ckpts" / "last.ckpt",
+                                                weights_only=False)
+    assert stock["global_step"] == 14
+    assert_same(progress(resumed.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")),
+                progress(stock))
+    resumed.teardown()
+
+
 def plain_checkpoint(global_step, value=1.0):
     return {"state_dict": {"w": torch.full((4,), value)}, "global_step": global_step, "epoch": 0}
 
 
-def test_removing_a_save_still_in_flight_waits_for_its_pointer_then_deletes_it(tmp_path):
+def test_removing_a_save_still_in_flight_does_not_wait_and_leaves_neither_pointer_nor_snapshot(
+        tmp_path):
     io = AsyncCkptIO(tmp_path / "engine")
     path = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
     engine = io._open()
-    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits until the wait below
-    waited = []
-    real_wait = engine.wait
-
-    def wait(*args, **kwargs):
-        waited.append(True)
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits while the writer is stopped
+    try:
+        io.save_checkpoint(plain_checkpoint(2), path)
+        io.remove_checkpoint(path)  # returns although the save is not committed
+        assert not path.exists()
+    finally:
         os.kill(engine._writer.pid, signal.SIGCONT)
-        real_wait(*args, **kwargs)
-
-    engine.wait = wait
-    io.save_checkpoint(plain_checkpoint(2), path)
-    io.remove_checkpoint(path)
-    assert waited and not path.exists()
     io.teardown()
-    assert not path.exists()  # no pointer written after the removal
-    assert io._open().committed_steps() == []  # and its snapshot dropped
+    assert not path.exists()  # the pointer, written at the commit, went with the drop
+    assert io._open().committed_steps() == []  # and its snapshot with it
+    io.teardown()
+
+
+def test_a_removal_queued_when_the_job_is_killed_keeps_the_pointer_and_its_snapshot(tmp_path):
+    """save_top_k removes the old best after saving the new one; killed before the writer got
+    to the removal, both pointers and both snapshots stay (never a snapshot nothing names, as
+    when the pointer was deleted at once and the drop lost)."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    old, new = tmp_path / "ckpts" / "epoch=0-step=2.ckpt", tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    io.save_checkpoint(plain_checkpoint(2), old)
+    engine = io._open()
+    engine.wait()
+    writer = engine._writer.pid
+    os.kill(writer, signal.SIGSTOP)
+    io.save_checkpoint(plain_checkpoint(4), new)
+    io.remove_checkpoint(old)
+    os.kill(writer, signal.SIGKILL)  # the new save and the removal never reach the manifest
+    engine._writer.process.wait()
+    with pytest.raises(WriterDiedError):
+        io.teardown()
+    io = AsyncCkptIO(tmp_path / "engine")
+    assert old.exists() and not new.exists()
+    assert read_pointer(old).step in io._open().committed_steps()
     io.teardown()
 
 
@@ -251,6 +321,26 @@ def test_a_replaced_pointer_drops_its_snapshot_unless_another_pointer_names_it(t
     io.remove_checkpoint(copied)
     io._engine.wait()
     assert io._engine.committed_steps() == [2] and not copied.exists()
+    io.teardown()
+
+
+def test_a_pointer_the_writer_is_writing_keeps_no_snapshot(tmp_path):
+    """The writer writes a pointer as NAME.tmp-PID, then renames it over NAME. Replacing
+    last.ckpt while the writer is between the two (or was killed there) must still drop the
+    snapshot last.ckpt named: that file is not a pointer that names it."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    last = tmp_path / "ckpts" / "last.ckpt"
+    io.save_checkpoint(plain_checkpoint(1), last)
+    engine = io._engine
+    engine.wait()
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing is written until it goes on
+    try:
+        shutil.copy(last, last.with_name(replacement_name(last.name, engine._writer.pid)))
+        io.save_checkpoint(plain_checkpoint(2), last)  # replaces last.ckpt: snapshot 0 goes
+    finally:
+        os.kill(engine._writer.pid, signal.SIGCONT)
+    engine.wait()
+    assert read_pointer(str(last)).step == 1 and engine.committed_steps() == [1]
     io.teardown()
 
 

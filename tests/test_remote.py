@@ -25,17 +25,8 @@ from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.write import upload
 from async_ckpt.write.protocol import RemoteStatus
 from conftest import assert_same
-from bench.s3server import S3Server
 
 obstore = pytest.importorskip("obstore")
-
-
-@pytest.fixture(scope="module")
-def server():
-    s3 = S3Server()
-    s3.start()
-    yield s3
-    s3.kill()
 
 
 @pytest.fixture

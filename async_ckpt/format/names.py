@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 MANIFEST_NAME = "manifest.json"
 _REPLACEMENT = ".tmp-"  # a file's replacement being written: NAME.tmp-PID, renamed over NAME
 MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"[0-9]{1,10}")
+REPLACEMENT_FILE = re.compile(r".+" + re.escape(_REPLACEMENT) + r"[0-9]{1,10}")  # of any file
 SNAPSHOT_DIR = re.compile(r"step-([0-9]{20})\.([0-9a-f]{8})")
 SHARD_FILE = re.compile(r"rank-([0-9]{5})\.ackpt")
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable

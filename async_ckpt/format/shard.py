@@ -337,17 +337,27 @@ class ShardReader:
 
     def read_storage(self, i: int, out) -> None:
         """Fill ``out`` (a writable buffer of the storage's size) with storage ``i``, verified."""
+        for read in self.storage_reads(i, out):
+            read()
+
+    def storage_reads(self, i: int, out) -> list[Callable[[], None]]:
+        """One read per chunk of storage ``i`` into its part of ``out`` (a writable buffer of the
+        storage's size), each verified and decoded, each raising for its chunk's damage;
+        independent, so callers may run them on several threads (reading, checksums and zstd
+        all release the GIL: a compressed storage decodes on every core)."""
         storage = self.index["storages"][i]
         if "ref" in storage:  # the caller follows it (format/references.py)
             raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
         view = memoryview(out).cast("B")
         if len(view) != storage["nbytes"]:
             raise ValueError(f"buffer has {len(view)} bytes, storage {i} has {storage['nbytes']}")
-        position = 0
+        reads, position = [], 0
         for chunk_no, chunk in enumerate(storage["chunks"]):
-            target = view[position:position + chunk["raw"]]
-            self._read_chunk(chunk, storage["itemsize"], target, f"storage {i} chunk {chunk_no}")
+            reads.append(functools.partial(
+                self._read_chunk, chunk, storage["itemsize"],
+                view[position:position + chunk["raw"]], f"storage {i} chunk {chunk_no}"))
             position += chunk["raw"]
+        return reads
 
     def read_range(self, i: int, start: int, stop: int, out,
                    cache: Optional["ChunkCache"] = None) -> None:

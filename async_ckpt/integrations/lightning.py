@@ -54,7 +54,7 @@ except ImportError as e:  # the optional extra
 from .. import CheckpointEngine, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError)
-from ..format.names import MAX_STEP
+from ..format.names import MAX_STEP, REPLACEMENT_FILE
 from ..train.rng import GlobalRNG
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
@@ -165,6 +165,8 @@ class AsyncCkptIO(CheckpointIO):
         self._next_step = 0
         # pointer path -> step of the newest save to it: its pointer is there once it commits
         self._saves: dict[str, int] = {}
+        # pointers removed whose deletion is queued with their snapshot's drop: they name nothing
+        self._removing: set[str] = set()
         # checkpoint directory -> {path: (stat signature, step it names or None)} (_release)
         self._scanned: dict[str, dict[str, tuple]] = {}
         self._trainer_attached = False  # the callback is in the running Trainer's callbacks
@@ -188,7 +190,8 @@ class AsyncCkptIO(CheckpointIO):
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
         self._warn_if_data_position_is_lost(checkpoint)
-        replaced = self._step_named_by(path)
+        replaced = None if path in self._removing else self._step_named_by(path)
+        self._removing.discard(path)
         step = self._next_step
         pointer = Pointer(step, os.path.relpath(self.directory, os.path.dirname(path)),
                           _count_or_none(checkpoint.get("global_step")),
@@ -243,27 +246,28 @@ class AsyncCkptIO(CheckpointIO):
         TorchCheckpointIO().save_checkpoint(self.load_checkpoint(path), os.fspath(destination))
 
     def remove_checkpoint(self, path: PathLike) -> None:
-        """Delete the pointer at ``path`` (a save to it still in flight is waited for: its
-        pointer is written at its commit) and drop its snapshot unless another pointer names
-        it. Any other file is removed as Lightning's stock IO removes it."""
+        """Have the writer delete the pointer at ``path`` and drop its snapshot unless another
+        pointer names it, in one turn queued behind the saves in flight (a save to ``path``
+        still in flight is committed, its pointer written, and then both go): training does
+        not wait, and a kill leaves a pointer with its snapshot or neither. Any other file is
+        removed as Lightning's stock IO removes it."""
         path = self._local_path(path)
-        engine = self._open()
+        self._open()
         pending = self._saves.pop(path, None)
-        pointer = self._own_pointer(path)
-        if pending is not None and (pointer is None or pointer.step != pending):
-            engine.wait()
-            pointer = self._own_pointer(path)
-        if pointer is None:
+        pointer = self._own_pointer(path) if pending is None else None
+        step = pending if pending is not None else pointer.step if pointer is not None else None
+        if step is None:
             TorchCheckpointIO().remove_checkpoint(path)
             return
-        os.remove(path)
-        self._release(pointer.step, path)
+        self._removing.add(path)
+        self._release(step, path, remove=True)
 
     def teardown(self) -> None:
         """Wait for the saves in flight (their pointers are written), then stop the writer."""
         if self._engine is not None:
             engine, self._engine = self._engine, None
             self._saves.clear()
+            self._removing.clear()
             self._scanned.clear()
             engine.close()
 
@@ -330,18 +334,24 @@ class AsyncCkptIO(CheckpointIO):
             return None
         return pointer
 
-    def _release(self, step: int, path: str) -> None:
-        """Drop snapshot ``step``, whose pointer at ``path`` is gone (or being replaced), unless
-        another pointer in that directory names it (a copy, or a symlink to a pointer that is
-        still there); queued behind the saves in flight, so never before they are written."""
+    def _release(self, step: int, path: str, remove: bool = False) -> None:
+        """Drop snapshot ``step``, whose pointer at ``path`` is being replaced (or, ``remove``,
+        deleted: by the writer, in the drop's turn, so that a kill leaves the pointer and its
+        snapshot together), unless another pointer in that directory names it (a copy, or a
+        symlink to a pointer that is still there); queued behind the saves in flight, so never
+        before they are written. A pointer the writer is writing (``NAME.tmp-PID``, renamed over
+        NAME once written; left there if the writer was killed in between) names nothing: the
+        pointer it replaces, or the one it becomes, does."""
         directory = os.path.dirname(path)
         known, self._scanned[directory] = self._scanned.get(directory, {}), {}
         named_elsewhere = False
         for entry in os.scandir(directory):
-            if entry.path != path:
+            if (entry.path != path and entry.path not in self._removing
+                    and not REPLACEMENT_FILE.fullmatch(entry.name)):
                 named_elsewhere |= self._step_of(entry, known, self._scanned[directory]) == step
-        if not named_elsewhere:
-            self._engine.drop([step], wait=False)
+        if remove or not named_elsewhere:
+            self._engine.drop([] if named_elsewhere else [step], wait=False,
+                              files=[path] if remove else [])
 
     def _step_of(self, entry: os.DirEntry, known: dict, seen: dict) -> Optional[int]:
         """The step ``entry`` names if it is a pointer of this directory. A pointer this engine

@@ -106,12 +106,12 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         views = {key: view for key, view in views.items() if view is not None}
         held = _held_by(index.get("tree"), records, rank)
         if verify:
-            _run_checks([_naming(check, held.get(key)) for key in views for check in
+            _in_parallel([_naming(check, held.get(key)) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
         _check_fits_in_memory([reader.index["storages"][i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
                               len(scratch) if scratch is not None else 0)
-        buffers, lent, used = {}, set(views), 0
+        buffers, lent, used, reads = {}, set(views), 0, []
         for key, (reader, i) in sources.items():
             nbytes = reader.index["storages"][i]["nbytes"]
             if key in views:
@@ -123,7 +123,9 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
             else:
                 buffers[key] = allocating(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes,
                                           f"step {record.step}'s storages")
-            _naming(lambda: reader.read_storage(i, buffers[key].numpy()), held.get(key))()
+            reads += [_naming(read, held.get(key))
+                      for read in reader.storage_reads(i, buffers[key].numpy())]
+        _in_parallel(reads)
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
                    for n, t in enumerate(records)]
         root_entry = _rebuild(index.get("tree"), tensors, dtensors, allow_pickle, path)
@@ -185,19 +187,21 @@ def _storages_viewed(records: list) -> set[int]:
 
 
 _SCRATCH_ALIGNMENT = 64  # storages decoded into scratch start on cache lines, as allocations do
-VERIFY_THREADS = 2
-"""Threads that checksum mapped chunks: a chunk's first read through a mapping costs its page
-faults more than its checksum, and faults on two cores take about 0.7x the time of one."""
+VERIFY_THREADS = min(8, max(2, os.cpu_count() or 2))
+"""Threads that checksum mapped chunks, and read, check and decode the others: a chunk's first
+read through a mapping costs its page faults more than its checksum, and faults on two cores take
+about 0.7x the time of one; zstd decodes on every core it is given."""
 
 
 _verify_pool: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
 
 
-def _run_checks(checks: list[Callable[[], None]]) -> None:
-    """Run every check: in ``VERIFY_THREADS`` contiguous runs, each on a thread of its own (one
-    task per thread: a task per chunk costs more in hand-offs than it balances). The threads are
-    kept between restores (starting two costs ~5 ms here, a fifth of a 256 MB restore), and made
-    anew in a forked child, which inherits the pool but not its threads."""
+def _in_parallel(checks: list[Callable[[], None]]) -> None:
+    """Run every task (a chunk's check, or its read): in ``VERIFY_THREADS`` contiguous runs, each
+    on a thread of its own (one task per thread: a task per chunk costs more in hand-offs than it
+    balances). The threads are kept between restores (starting two costs ~5 ms here, a fifth of a
+    256 MB restore), and made anew in a forked child, which inherits the pool but not its
+    threads."""
     global _verify_pool
 
     def run(group: list[Callable[[], None]]) -> None:
@@ -245,10 +249,11 @@ def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
 def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
     """Refuse, before allocating, to read more than the memory available now: the storages (less
     the ``lent`` bytes of scratch memory they may go into), plus scratch for decoding the largest
-    chunk (twice its size for byte planes)."""
+    chunk (twice its size for byte planes) on each of the ``VERIFY_THREADS``."""
     storages = list(storages)
     largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
-    need = max(0, sum(s["nbytes"] for s in storages) - lent) + 2 * largest_chunk
+    need = (max(0, sum(s["nbytes"] for s in storages) - lent)
+            + 2 * largest_chunk * VERIFY_THREADS)
     require_memory(need, f"restoring step {step}", "free memory (or restore on a larger "
                    "machine). The snapshot was not checked for damage, and nothing was loaded")
 

@@ -60,8 +60,8 @@ class WriterClient:
     def submit(self, job: SnapshotJob) -> None:
         self._send(job)
 
-    def drop(self, steps: tuple[int, ...]) -> None:
-        self._send(Drop(steps))
+    def drop(self, steps: tuple[int, ...], files: tuple[str, ...] = ()) -> None:
+        self._send(Drop(steps, files))
 
     def _send(self, message: TrainerMessage) -> None:
         try:

@@ -40,8 +40,8 @@ from typing import Optional
 import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher
-from .protocol import (Attach, Close, Committed, Detach, Drop, Failed, JobOutcome, Marker, Ready,
-                       Released, SnapshotJob, WriterConfig, WriterEvent)
+from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, JobOutcome, Marker,
+                       Ready, Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
 from ..errors import DiskFullError, SnapshotWriteError
 from ..format.references import References
@@ -143,8 +143,8 @@ class SnapshotWriter:
                 self.buffers.pop(buffer_id).close()
             case SnapshotJob():
                 self.handle(message)
-            case Drop(steps):
-                self.send(self.commit.drop(steps))
+            case Drop(steps, files):
+                self.send(_unlink(files) or self.commit.drop(steps))
             case Close():
                 return CLOSED
             case _:
@@ -284,6 +284,19 @@ def _process_handle(pid: int) -> Optional[_Process]:
         return _Process(os.pidfd_open(pid))
     except (AttributeError, OSError):
         return None
+
+
+def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
+    """Delete the files a Drop names (gone already: fine); the failed Drop when one cannot be."""
+    for path in files:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return Dropped((), SnapshotWriteError(
+                f"cannot delete {path} ({e.strerror}); the snapshots to drop with it are kept"))
+    return None
 
 
 def _write_markers(committed: Committed, markers: tuple[Marker, ...]) -> WriterEvent:

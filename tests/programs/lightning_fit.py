@@ -9,9 +9,13 @@ equal records mean bit-identical losses).
 ``--resume`` is passed to ``trainer.fit(ckpt_path=...)``. ``--stop-writer-at N`` waits for the
 saves before global step N to commit, then stops the writer process (SIGSTOP) just before the
 saves of step N, so that they are staged but never committed: the test then kills the run.
+``--kill-before-last N`` kills the run at a known point, in the middle of the saves of global
+step N: after its top-k file is saved, before its ``last.ckpt`` is (which then still names the
+save before), it waits for every save taken to commit (their pointers are written), then
+SIGKILLs its whole process group (the writer too).
 
 Usage: lightning_fit.py --root DIR --log FILE [--steps N] [--every K] [--resume last|PATH]
-                        [--stop-writer-at N]
+                        [--stop-writer-at N] [--kill-before-last N]
 """
 
 import argparse
@@ -84,6 +88,22 @@ class StopWriter(Callback):
             os.kill(self.io._engine._writer.pid, signal.SIGSTOP)
 
 
+class KillBeforeLast(AsyncCkptIO):
+    """Lightning saves a global step's top-k file, then its last.ckpt: this IO dies in between,
+    once the saves taken are committed, with its whole session (the tests start this program in
+    a session of its own), as a SIGKILL from outside would."""
+
+    def __init__(self, directory: str, step: int):
+        super().__init__(directory)
+        self.step = step
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if os.path.basename(path) == "last.ckpt" and checkpoint["global_step"] == self.step:
+            self._engine.wait()
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
@@ -92,10 +112,13 @@ def main():
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--stop-writer-at", type=int, default=None)
+    parser.add_argument("--kill-before-last", type=int, default=None)
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
-    io = AsyncCkptIO(os.path.join(args.root, "engine"))
+    engine_dir = os.path.join(args.root, "engine")
+    io = (AsyncCkptIO(engine_dir) if args.kill_before_last is None
+          else KillBeforeLast(engine_dir, args.kill_before_last))
     callbacks = [LossLog(args.log), io.callback,
                  ModelCheckpoint(dirpath=os.path.join(args.root, "ckpts"), monitor="train_loss",
                                  every_n_train_steps=args.every, save_top_k=3, save_last=True)]
