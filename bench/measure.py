@@ -278,3 +278,23 @@ def fsync_tree(path: str) -> None:
         fsync_dir(parent)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
+
+def standalone(module: str, key: str, run: Callable[[str, bool], dict],
+               render: Callable[[dict], str], doc: str) -> int:
+    """``python -m bench.MODULE [--quick] [--dir D]``: one benchmark alone, its report section on
+    stdout (results under ``key``, as ``python -m bench`` stores them), nothing written under
+    bench/results; the scratch directory is removed afterwards."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{module}",
+                                     description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix=f"bench-{module}-", dir=args.dir)
+    try:
+        print(render({key: run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
