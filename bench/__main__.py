@@ -37,12 +37,14 @@ from async_ckpt.tools.argtypes import parse_duration
 from . import (article, dcp, figures, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
                remote, report, sharded, targets)
+from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
 from .sweep import run_sweep
 from .systems import SYSTEMS
 from .training import run_training
 
-SCHEMA = 2  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets
+SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
+# 3: floors as the fastest of several ways (durable_s), settle waits, step_overhead_pct
 FULL = {"sizes": (0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "rounds": 3,
         "workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10, 100)}
 QUICK = {"sizes": (0.008,), "bf16_sizes": (), "rounds": 2,
@@ -205,13 +207,15 @@ def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine
 
 
 def _loads(sweep_raw: dict, training_raw: dict, ranks_raw: dict) -> dict:
-    """Per part of the run: loadavg at the start and end of each round, and the reclaim counters'
-    movement over the part (the two-rank part: per round only)."""
+    """Per part of the run: loadavg at the start and end of each round, the reclaim counters'
+    movement over the part (the two-rank part: per round only), and the disk-settle waits before
+    each system."""
     parts = {f"sweep {label}": case for label, case in sweep_raw.items()}
     parts["training loop"] = training_raw
-    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"]}
-             for label, part in parts.items()}
-    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None}
+    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
+                     "settle": part["settle"]} for label, part in parts.items()}
+    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None,
+                          "settle": ranks_raw["raw"]["settle"]}
     return loads
 
 
@@ -236,9 +240,13 @@ def _floor_summary(sweep_raw: dict, training_raw: dict) -> dict:
     summary = {}
     for label, (samples, nbytes) in groups.items():
         summary[label] = {}
-        for key in samples[0]:
+        for key in FLOOR_KEYS:
             stats = spread([s[key] for s in samples])
-            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9}
+            stem = key.removesuffix("_s")  # the fastest way of each round, where there are several
+            ways = ({"fastest": [s[f"{stem}_way"] for s in samples],
+                     "ways": [s[f"{stem}_ways"] for s in samples]}
+                    if f"{stem}_way" in samples[0] else {})
+            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9, **ways}
     return summary
 
 

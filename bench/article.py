@@ -94,8 +94,8 @@ def _code_lines(directory: str, suffix: str) -> int:
 
 
 def _overheads(results: dict, name: str, ks: list) -> dict:
-    return {k: e["overhead_pct"] for k in ks
-            if (e := _value(results, "throughput_steps_s", name, k)) is not None}
+    return {k: e["median"] for k in ks
+            if (e := _value(results, "step_overhead_pct", name, k)) is not None}
 
 
 def _loss(results: dict, name: str, ks: list, step_s: float) -> str:
@@ -132,7 +132,7 @@ def _io(results: dict, name: str, case: Optional[str]) -> str:
     return (f"{case} state: training stops {blocking['median']:.3f} s per snapshot "
             f"({blocking['x_floor']:.1f}x the copy floor); the {stored['median'] / 1e9:.2f} GB "
             f"write and fsync ({durable['median']:.2f} s, {gbps:.2f} GB/s, "
-            f"{durable['x_floor']:.1f}x dd) overlap training")
+            f"{durable['x_floor']:.1f}x the disk floor) overlap training")
 
 
 def _fit(results: dict, name: str, ks: list, case: Optional[str], step_s: float) -> str:

@@ -13,6 +13,10 @@ intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory
   ``floor`` is the median of those floors.
 * ``x_best_peer``: the value / the best peer's value for the same case, peers being every system
   but async_ckpt's. Below 1 is better for times and bytes, above 1 for throughput and compression.
+
+``step_overhead_pct`` is the training loop's headline: per round, the per-step time of a system's
+loop over that of the loop without checkpointing run just before it, minus 1, in percent; it has
+no floor (the paired loop is its zero) and no ratio to the best peer (overheads near zero).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from .training import GROWTH_SKIP
 @dataclass(frozen=True)
 class Figure:
     """``min_best_of_floor``: no ratio to a best peer whose value is below this fraction of its
-    floor (a peer that allocates nothing is no yardstick for memory: the ratio would be noise)."""
+    floor (a peer that allocates nothing is no yardstick for memory: the ratio would be noise).
+    ``peer_ratio``: False where a ratio of two values means nothing (of two overheads near zero,
+    or of opposite signs); the best peer is still named."""
 
     key: str
     title: str
@@ -36,16 +42,18 @@ class Figure:
     floor: str
     lower_is_better: bool = True
     min_best_of_floor: float = 0.0
+    peer_ratio: bool = True
 
 
 SWEEP_FIGURES = (
     Figure("blocking_s", "blocking time per snapshot", "s", "one copy_ of the state's bytes"),
     Figure("to_durable_s", "time from snapshot() to durable commit", "s",
-           "dd conv=fsync of the state's bytes"),
+           "the fastest way to make the state's bytes durable"),
     Figure("restore_s", "warm restore time into the live model and optimizer (files in the page "
-           "cache)", "s", "read of the state's bytes from the page cache"),
+           "cache)", "s", "the fastest read of the state's bytes from the page cache"),
     Figure("restore_cold_s", "cold restore time into the live model and optimizer (files evicted "
-           "from the page cache)", "s", "cold sequential read of the state's bytes"),
+           "from the page cache)", "s", "the fastest sequential read of the state's bytes from "
+           "the disk"),
     Figure("stored_bytes", "bytes written per snapshot", "B", "the state's tensor bytes"),
     Figure("compression_ratio", "compression ratio (tensor bytes / bytes written)", "x",
            "1 (stored raw)", lower_is_better=False),
@@ -53,6 +61,9 @@ SWEEP_FIGURES = (
 TRAINING_FIGURES = (
     Figure("throughput_steps_s", "training throughput", "steps/s", "no checkpointing",
            lower_is_better=False),
+    Figure("step_overhead_pct", "per-step time overhead against the same loop without "
+           "checkpointing run just before it", "%", "0 (the paired loop without checkpointing)",
+           peer_ratio=False),
     Figure("loop_blocking_s", "blocking time per snapshot in the training loop", "s",
            "one copy_ of the state's bytes"),
 )
@@ -69,7 +80,7 @@ FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
 SWEEP_SOURCES = {  # figure: (the key of a sweep run, the floor key it is paired with)
-    "blocking_s": ("blocking_s", "copy_s"), "to_durable_s": ("to_commit_s", "dd_s"),
+    "blocking_s": ("blocking_s", "copy_s"), "to_durable_s": ("to_commit_s", "durable_s"),
     "restore_s": ("restore_s", "read_cache_s"), "restore_cold_s": ("restore_cold_s", "read_cold_s"),
 }
 
@@ -107,7 +118,8 @@ def _figure(figure: Figure, by_case: dict) -> dict:
         pick = min if figure.lower_is_better else max
         best[case] = pick(peers, key=lambda n: peers[n]["median"])
         reference = peers[best[case]]["median"]
-        meaningful = reference > figure.min_best_of_floor * (peers[best[case]]["floor"] or 0)
+        meaningful = figure.peer_ratio and \
+            reference > figure.min_best_of_floor * (peers[best[case]]["floor"] or 0)
         for entry in entries.values():
             if isinstance(entry, dict):
                 entry["x_best_peer"] = entry["median"] / reference if meaningful and reference > 0 \
@@ -164,18 +176,20 @@ def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rat
     if name == NONE.name:
         if key != "throughput_steps_s" or not none_rates[k]:
             return "n/a (no snapshots)"
-        return _entry(none_rates[k], none_rates[k], overhead_pct=0.0, drain_s=0.0)
+        return _entry(none_rates[k], none_rates[k], drain_s=0.0)
     missing = _na(block)
     if missing:
         return missing
     rounds = block["runs"]
     loops = [r["loops"][k] for r in rounds]
     if key == "throughput_steps_s":
-        overhead = spread([(lp["loop_s"] / lp["baseline"]["loop_s"] - 1) * 100 for lp in loops])
         return _entry([lp["steps_per_s"] for lp in loops],
                       [lp["baseline"]["steps_per_s"] for lp in loops],
-                      overhead_pct=overhead["median"], overhead_pct_spread=overhead,
                       drain_s=spread([lp["drain_s"] for lp in loops])["median"])
+    if key == "step_overhead_pct":  # no floor to divide by: the loop's own baseline is its 0
+        return _entry([(lp["step_s"] / lp["baseline"]["step_s"] - 1) * 100 for lp in loops], 0.0,
+                      step_s=spread([lp["step_s"] for lp in loops]),
+                      baseline_step_s=spread([lp["baseline"]["step_s"] for lp in loops]))
     return _entry([spread(lp["blocking_s"])["median"] for lp in loops],
                   [floors[r["round"]]["copy_s"] for r in rounds],
                   snapshots=sum(len(lp["blocking_s"]) for lp in loops))

@@ -4,44 +4,85 @@ systems so that every figure can be read as a multiple of what the hardware allo
 * copy (``copy_s``): one ``copy_`` of the byte count into a preallocated, pre-faulted CPU buffer. An
   asynchronous checkpoint must copy the state at least once before training may modify it, so this
   bounds blocking time from below.
-* dd (``dd_s``): ``dd if=/dev/zero bs=1M conv=fsync`` of the byte count. Nothing makes those bytes
-  durable faster than the disk, so this bounds time-to-durable from below (compression off).
-* read (``read_cache_s``): reading the dd file straight back, from the page cache; the floor for a
-  restore of a checkpoint that was just written (also read from the page cache).
-* cold read (``read_cold_s``): the dd file's pages evicted (``measure.evict``: fsync, then
-  ``POSIX_FADV_DONTNEED``), then read sequentially from the disk; the floor for a cold restore,
-  whose snapshot files are evicted the same way.
+* disk (``durable_s``): the fastest of several ways to make the byte count durable in the same
+  directory (``WRITE_WAYS``), each into a file of its own: ``dd conv=fsync`` with 1 MiB and with
+  8 MiB blocks, a plain Python loop of 1 MiB ``os.write`` calls then ``fsync``, and fio sequential
+  1 MiB writes with an fsync at the end, direct (libaio, queue depth 8) and buffered. Nothing makes
+  those bytes durable faster than the fastest of these, so it bounds time to durable from below
+  (compression off); ``dd`` alone flattered: its 8 MiB writes run at a third of the disk here.
+  fio's time is its job's own runtime (open to fsync): its ~0.35 s of start-up is not disk time.
+  fio is skipped, with the reason, where it is not installed (``apt-get install fio``) or the
+  bytes are under ``FIO_MIN_BYTES`` (its runtime comes in whole milliseconds).
+* warm read (``read_cache_s``): the fastest of reading the last file written back with one
+  ``readinto`` and in 1 MiB ``readinto`` calls, from the page cache; the floor for a restore of a
+  checkpoint that was just written (also read from the page cache).
+* cold read (``read_cold_s``): the same two ways, each after the file's pages were evicted
+  (``measure.evict``: fsync, then ``POSIX_FADV_DONTNEED``); the floor for a cold restore, whose
+  snapshot files are evicted the same way.
 
-Both reads go 1 MiB at a time into a preallocated, pre-faulted buffer. The dd file is removed with
-its directory fsynced (``measure.remove(settle=True)``), and the sweep takes its floor sample
-before the cleanup of the system it runs next to, never right after a large deletion.
+Each kind's winner is named in the sample (``durable_way``, ``read_cache_way``, ``read_cold_way``)
+next to every way's time (``durable_ways``, ...). The ways run in the order of ``measure.rotated``
+(by sample), each write after the disk settled (``measure.settle``; the waits add up in
+``settle_s``), so that no way always runs first or after the same neighbour. Reads go into a
+preallocated, pre-faulted buffer. No way runs right after a large deletion: the files are removed
+together at the end, with their directory fsynced (``measure.remove(settle=True)``), and the sweep
+takes its floor sample before the cleanup of the system it runs next to.
 
-Informative extras, off unless asked for: a copy into a memfd-like shared-memory buffer as the
-engine's staging slots are (``copy_shm_s``), and ``dd oflag=direct bs=8M`` (``dd_direct_s``), the disk
-without the page cache (on this VM allocating page-cache pages can cost more than the disk).
+An informative extra, off unless asked for: a copy into a memfd-like shared-memory buffer as the
+engine's staging slots are (``copy_shm_s``).
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import shutil
 import subprocess
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
-from .measure import evict, remove, spread, timed
+from .measure import evict, fsync_dir, remove, rotated, settle, spread, timed
 
-FLOOR_KEYS = ("copy_s", "dd_s", "read_cache_s", "read_cold_s")
-READ_CHUNK = 1 << 20
+FLOOR_KEYS = ("copy_s", "durable_s", "read_cache_s", "read_cold_s")
+MIB = 1 << 20
+READ_CHUNK = MIB
+WRITE_WAYS = ("dd bs=1M", "dd bs=8M", "python 1 MiB writes", "fio direct", "fio buffered")
+READ_WAYS = ("one readinto", "1 MiB readinto")
+FIO_MIN_BYTES = 64 * 10**6
+FIO_DIRECT_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """One kind of floor in one sample: the fastest way's time and name, and every way's time (or
+    "n/a (reason)" for a way that could not run)."""
+
+    seconds: float
+    way: str
+    ways: dict[str, Union[float, str]]
+
+    @classmethod
+    def of(cls, ways: dict[str, Union[float, str]]) -> "Fastest":
+        ran = {name: s for name, s in ways.items() if not isinstance(s, str)}
+        way = min(ran, key=ran.__getitem__)
+        return cls(ran[way], way, ways)
+
+    def fields(self, key: str) -> dict:
+        """As a floor sample holds it: ``{key: seconds, stem_way: way, stem_ways: ways}``, the stem
+        being ``key`` without its ``_s``."""
+        stem = key.removesuffix("_s")
+        return {key: self.seconds, f"{stem}_way": self.way, f"{stem}_ways": self.ways}
 
 
 class Floors:
     """The floors for ``nbytes``, measured on demand (``measure()``) so they can be interleaved
     with the systems' runs; every sample is kept in ``samples``."""
 
-    def __init__(self, directory: str, nbytes: int, shm: bool = False, direct: bool = False):
-        self.directory, self.nbytes, self.direct = directory, nbytes, direct
+    def __init__(self, directory: str, nbytes: int, shm: bool = False):
+        self.directory, self.nbytes = directory, nbytes
         self.src = torch.ones(nbytes, dtype=torch.uint8)  # faulted in by the fill
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
         self._shm: Optional[mmap.mmap] = None
@@ -57,33 +98,86 @@ class Floors:
         sample = {"copy_s": timed(lambda: self.dst.copy_(self.src))}
         if self.shm is not None:
             sample["copy_shm_s"] = timed(lambda: self.shm.copy_(self.src))
-        sample.update(self._dd_and_read())
+        sample.update(self._disk(len(self.samples)))
         self.samples.append(sample)
         return sample
 
-    def medians(self, samples: Optional[list[dict]] = None) -> dict:
-        """{floor key: ``spread``} over ``samples`` (default: all taken so far)."""
-        samples = self.samples if samples is None else samples
-        return {k: spread([s[k] for s in samples]) for k in samples[0]}
-
-    def _dd_and_read(self) -> dict:
-        path = os.path.join(self.directory, "dd.bin")
-        figures = {}
+    def _disk(self, turn: int) -> dict:
+        """Every write way into a file of its own, then the reads of the last file written: cold
+        (each after an eviction), then warm (the last cold read left the file in the cache)."""
+        paths, written = [], ""
+        writes: dict[str, Union[float, str]] = {}
+        waited = 0.0
         try:
-            figures["dd_s"] = timed(lambda: self._dd(path, "bs=1M"))
-            figures["read_cache_s"] = timed(lambda: read_into(path, self.dst))
-            evict(path)
-            figures["read_cold_s"] = timed(lambda: read_into(path, self.dst))
-            remove(path, settle=True)
-            if self.direct:
-                figures["dd_direct_s"] = timed(lambda: self._dd(path, "bs=8M", "oflag=direct"))
+            for way in rotated(WRITE_WAYS, turn):
+                skip = self._skip(way)
+                if skip:
+                    writes[way] = skip
+                    continue
+                paths.append(os.path.join(self.directory, f"floor-{len(paths)}.bin"))
+                waited += settle(self.nbytes).waited_s
+                writes[way] = self._write(way, paths[-1])
+                written = paths[-1] if isinstance(writes[way], float) else written
+            cold, warm = {}, {}
+            for way in rotated(READ_WAYS, turn):
+                evict(written)
+                cold[way] = timed(lambda: self._read(way, written))
+            for way in rotated(READ_WAYS, turn):
+                warm[way] = timed(lambda: self._read(way, written))
         finally:
-            remove(path, settle=True)
-        return figures
+            for path in paths:
+                remove(path)
+            fsync_dir(self.directory)
+        return {**Fastest.of(writes).fields("durable_s"), **Fastest.of(warm).fields("read_cache_s"),
+                **Fastest.of(cold).fields("read_cold_s"), "settle_s": waited}
+
+    def _skip(self, way: str) -> Optional[str]:
+        """Why ``way`` cannot run here, or None."""
+        if not way.startswith("fio"):
+            return None
+        if shutil.which("fio") is None:
+            return "n/a (fio is not installed: apt-get install fio)"
+        if self.nbytes < FIO_MIN_BYTES:
+            return f"n/a (under {FIO_MIN_BYTES / 1e6:g} MB: fio's runtime is in whole ms)"
+        return None
+
+    def _write(self, way: str, path: str) -> Union[float, str]:
+        if way.startswith("dd"):
+            return timed(lambda: self._dd(path, way.split()[1]))
+        if way.startswith("fio"):
+            return self._fio(path, direct=way == "fio direct")
+        return timed(lambda: self._python_writes(path))
 
     def _dd(self, path: str, *flags: str) -> None:
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", *flags, f"count={self.nbytes}",
                         "iflag=count_bytes", "conv=fsync", "status=none"], check=True)
+
+    def _python_writes(self, path: str) -> None:
+        view = memoryview(self.src.numpy())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for offset in range(0, len(view), MIB):
+                os.write(fd, view[offset:offset + MIB])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fio(self, path: str, direct: bool) -> Union[float, str]:
+        """fio's job runtime (open to the end fsync) for the byte count rounded up to 1 MiB;
+        "n/a (reason)" where fio fails here (O_DIRECT on tmpfs, say)."""
+        how = (["--ioengine=libaio", f"--iodepth={FIO_DIRECT_DEPTH}", "--direct=1"] if direct
+               else ["--ioengine=psync", "--direct=0"])
+        done = subprocess.run(
+            ["fio", "--name=floor", f"--filename={path}", "--rw=write", "--bs=1M",
+             f"--size={-(-self.nbytes // MIB) * MIB}", "--end_fsync=1", "--fallocate=none",
+             "--eta=never", "--output-format=json", *how], capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            return f"n/a (fio failed here: {lines[-1]})"
+        return json.loads(done.stdout)["jobs"][0]["job_runtime"] / 1000
+
+    def _read(self, way: str, path: str) -> None:
+        read_into(path, self.dst, READ_CHUNK if way == "1 MiB readinto" else self.nbytes)
 
     def close(self) -> None:
         self.src = self.dst = None
@@ -93,13 +187,19 @@ class Floors:
             self._shm = None
 
 
-def read_into(path: str, dst: torch.Tensor) -> None:
-    """Read ``path`` sequentially, ``READ_CHUNK`` bytes a call, into ``dst`` (preallocated)."""
+def medians(samples: list[dict]) -> dict:
+    """{floor key: ``spread``} over ``samples``, of the times only (not the ways' names)."""
+    return {k: spread([s[k] for s in samples]) for k, v in samples[0].items()
+            if isinstance(v, float)}
+
+
+def read_into(path: str, dst: torch.Tensor, chunk: int = READ_CHUNK) -> None:
+    """Read ``path`` sequentially, ``chunk`` bytes a call, into ``dst`` (preallocated)."""
     view = memoryview(dst.numpy())
     with open(path, "rb", buffering=0) as f:
         done = 0
         while done < len(view):
-            n = f.readinto(view[done:done + READ_CHUNK])
+            n = f.readinto(view[done:done + chunk])
             if not n:
                 raise EOFError(f"{path} is shorter than {len(view)} bytes")
             done += n

@@ -22,18 +22,15 @@ Self-contained on purpose (``run`` and ``render`` are its only entry points, fro
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
 
 from async_ckpt import CheckpointEngine
 
-from .measure import ratio_spread, spread
+from .measure import ratio_spread, spread, standalone
 from .workloads import tensor_bytes
 
 FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter
@@ -147,19 +144,5 @@ def _ratio(r: dict) -> str:
     return f"×{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.incremental",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir)
-    try:
-        print(render({"incremental": run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("incremental", "incremental", run, render, __doc__))

@@ -17,18 +17,16 @@ round by round (``ratio_spread``). Self-contained (``run`` and ``render``). Run 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 
-from .measure import log, ratio_spread, rotated, spread
+from .measure import log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -136,19 +134,5 @@ def render(results: dict) -> str:
         "committed) | never fsynced | |"])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.integrations_accelerate",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-accelerate-", dir=args.dir)
-    try:
-        print(render({"integrations_accelerate": run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("integrations_accelerate", "integrations_accelerate", run, render, __doc__))

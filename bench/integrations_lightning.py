@@ -23,17 +23,15 @@ same bytes into preallocated memory, measured in the same round. Self-contained 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from .measure import log, ratio_spread, rotated, spread
+from .measure import log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
 QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
@@ -181,19 +179,5 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.integrations_lightning",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-lightning-", dir=args.dir)
-    try:
-        print(render({"integrations_lightning": run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("integrations_lightning", "integrations_lightning", run, render, __doc__))

@@ -18,16 +18,13 @@ Self-contained (``run`` and ``render``). Run alone: ``python -m bench.integratio
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import sys
-import tempfile
 import warnings
 
 import torch
 
-from .measure import log, ratio_spread, rotated, spread, timed
+from .measure import log, ratio_spread, rotated, spread, timed, standalone
 
 FULL = {"model": {"n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 8192}, "rounds": 4}
 QUICK = {"model": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512}, "rounds": 2}
@@ -138,19 +135,5 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.integrations_transformers",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-transformers-", dir=args.dir)
-    try:
-        print(render({KEY: run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("integrations_transformers", KEY, run, render, __doc__))

@@ -24,17 +24,14 @@ ratio to the ``copy_`` floor of the same round. Self-contained (``run`` and ``re
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 import torch
 
 from async_ckpt.train import staging
 
-from .measure import ratio_spread, spread
+from .measure import ratio_spread, spread, standalone
 from .systems import DCP_CACHED, OURS_ASYNC, Engine, SystemSpec
 from .training import run_training
 
@@ -156,19 +153,5 @@ def _ratio(r: dict) -> str:
     return f"×{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.lazy",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-lazy-", dir=args.dir)
-    try:
-        print(render({"lazy": run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("lazy", "lazy", run, render, __doc__))

@@ -17,6 +17,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -64,10 +65,14 @@ def paired_ratio(runs: Sequence[dict], key: str, floor_key: str) -> float:
 
 
 def rotated(items: Sequence, shift: int) -> list:
-    """``items`` rotated left by ``shift``: the order of one interleaved round, so that over the
-    rounds no item always runs first or last."""
-    shift %= max(1, len(items))
-    return list(items[shift:]) + list(items[:shift])
+    """The order of interleaved round ``shift``: it starts at ``items[shift]`` (modulo their
+    number) and walks forward in even rounds, backward in odd ones. Over the rounds no item always
+    runs first, and each item follows one neighbour in even rounds and the other in odd ones, so
+    that no cell always pays for the same predecessor's write-back."""
+    items = list(items)
+    start = shift % max(1, len(items))
+    step = -1 if shift % 2 else 1
+    return [items[(start + step * i) % len(items)] for i in range(len(items))]
 
 
 def load_now() -> dict:
@@ -159,6 +164,49 @@ def vmstat() -> dict:
     return {k: int(counters.get(k, 0)) for k in RECLAIM_KEYS}
 
 
+SETTLE_BELOW_BYTES = 32 << 20  # "settled": the kernel has less than this left to write
+SETTLE_BYTES_PER_S = 100e6  # this VM disk's rate once its write burst is spent: bounds the wait
+SETTLE_MAX_S = 30.0
+SETTLE_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Settled:
+    """One wait for the disk to settle (``settle``): seconds waited, the kernel's unwritten bytes
+    (``Dirty`` + ``Writeback``) before and after, and whether the wait ran out first."""
+
+    waited_s: float
+    unwritten_before: int
+    unwritten_after: int
+    timed_out: bool
+
+
+def unwritten_bytes() -> int:
+    """``Dirty`` + ``Writeback`` of ``/proc/meminfo``: page-cache bytes the kernel has yet to
+    write; 0 where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return 0
+    return sum(int(fields.get(key, "0 kB").split()[0]) * 1024 for key in ("Dirty", "Writeback"))
+
+
+def settle(nbytes: int, below: int = SETTLE_BELOW_BYTES, *, clock=time.monotonic,
+           sleep=time.sleep) -> Settled:
+    """Wait until the kernel has less than ``below`` bytes left to write, at most as long as the
+    disk takes to write ``nbytes`` at its slow rate (capped at ``SETTLE_MAX_S``): so that what is
+    timed next does not pay for the write-back of what ran before it. Another job's writes can
+    keep the machine above ``below``; then the wait runs out, and the result says so."""
+    limit = min(SETTLE_MAX_S, nbytes / SETTLE_BYTES_PER_S)
+    start = clock()
+    before = now = unwritten_bytes()
+    while now >= below and clock() - start < limit:
+        sleep(SETTLE_POLL_S)
+        now = unwritten_bytes()
+    return Settled(clock() - start, before, now, now >= below)
+
+
 def machine() -> dict:
     """What the numbers were measured on; printed with every report."""
     return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
@@ -230,3 +278,23 @@ def fsync_tree(path: str) -> None:
         fsync_dir(parent)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
+
+def standalone(module: str, key: str, run: Callable[[str, bool], dict],
+               render: Callable[[dict], str], doc: str) -> int:
+    """``python -m bench.MODULE [--quick] [--dir D]``: one benchmark alone, its report section on
+    stdout (results under ``key``, as ``python -m bench`` stores them), nothing written under
+    bench/results; the scratch directory is removed afterwards."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{module}",
+                                     description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix=f"bench-{module}-", dir=args.dir)
+    try:
+        print(render({key: run(root, args.quick)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

@@ -1,7 +1,7 @@
 """The report's figures as PNG files (matplotlib, drawn off-screen).
 
 * ``blocking_vs_size.png``: blocking time (left) and time to durable (right) against the fp32
-  state size, one line per system, with the copy and dd floors as dashed black lines.
+  state size, one line per system, with the copy and disk floors as dashed black lines.
 * ``throughput_vs_k.png``: training steps/s (left) and time overhead against no checkpointing
   (right) against the snapshot interval K, one line per system.
 
@@ -69,8 +69,8 @@ def _blocking_vs_size(results: dict, plt):
     gb = [sweep[c]["bytes"] / 1e9 for c in cases]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     panels = (("blocking_s", "blocking time per snapshot (s)", "copy_s", "floor: one copy_"),
-              ("to_durable_s", "time from snapshot() to durable (s)", "dd_s",
-               "floor: dd conv=fsync"))
+              ("to_durable_s", "time from snapshot() to durable (s)", "durable_s",
+               "floor: fastest durable write"))
     for ax, (key, label, floor_key, floor_label) in zip(axes, panels):
         for index, spec in enumerate(SYSTEMS):
             values = figures[key]["values"][spec.name]
@@ -111,8 +111,9 @@ def _throughput_vs_k(results: dict, plt):
         style = _style(spec, index)
         axes[0].plot([k for k, _ in points], [e["median"] for _, e in points], label=spec.name,
                      **style)
-        axes[1].plot([k for k, _ in points], [1 + e["overhead_pct"] / 100 for _, e in points],
-                     label=spec.name, **style)
+        overhead = results["figures"]["step_overhead_pct"]["values"][spec.name]
+        axes[1].plot([k for k, _ in points], [1 + overhead[f"K={k}"]["median"] / 100
+                                              for k, _ in points], label=spec.name, **style)
     axes[0].set_ylabel("training steps/s (higher is better)")
     axes[1].set_ylabel("training time vs no checkpointing (log scale)")
     axes[1].set_yscale("log")

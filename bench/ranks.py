@@ -15,8 +15,9 @@ collective of ours runs while DCP's background thread runs its own), and closes.
   written once every rank's data is).
 
 Floors, on rank 0 once per round, next to the round's first system (before its cleanup) while rank
-1 waits: ``copy_`` of one rank's state (what each rank must copy at least) and ``dd conv=fsync`` of
-the state's bytes (written once in all, on the one disk both ranks share). Every figure of round
+1 waits: ``copy_`` of one rank's state (what each rank must copy at least) and the disk floor, the
+fastest way to make the state's bytes durable (``floors.Floors``; written once in all, on the one
+disk both ranks share). Every figure of round
 ``i`` is paired with round ``i``'s floors and peers. ``run(root, quick)`` (called by ``python -m
 bench``) starts ``torchrun --nproc-per-node 2 -m bench.ranks --worker ...`` and returns the
 figures.
@@ -90,7 +91,7 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
 def summarise(raw: dict) -> dict:
     """Medians with their min-max spread over the rounds, their ratios to the same round's floors
     (pairwise) and to the best peer (of medians)."""
-    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "dd_s")}
+    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "durable_s")}
     ours = {name for name, is_ours, _ in SYSTEMS if is_ours}
     systems = {}
     for name, block in raw["systems"].items():
@@ -101,7 +102,7 @@ def summarise(raw: dict) -> dict:
         systems[name] = {"available": True, "ours": name in ours,
                          "stored_bytes": runs[-1]["stored_bytes"],
                          "bytes_per_rank": runs[-1]["bytes_per_rank"]}
-        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "dd_s")):
+        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "durable_s")):
             values = [r[key] for r in runs]
             systems[name][key] = spread(values)
             systems[name][key.replace("_s", "_x_floor")] = ratio_spread(
@@ -114,7 +115,8 @@ def summarise(raw: dict) -> dict:
                     else None
     return {"ranks": RANKS, "state_bytes": raw["state_bytes"],
             "floors": {key: spread(values) for key, values in floors.items()},
-            "rounds": raw["rounds"], "systems": systems, "loads": raw["loads"], "raw": raw}
+            "floor_ways": [s["durable_way"] for s in raw["floors"]], "rounds": raw["rounds"],
+            "systems": systems, "loads": raw["loads"], "raw": raw}
 
 
 # --- the worker (one per rank, under torchrun) ---------------------------------------------------
@@ -142,7 +144,8 @@ def worker(directory: str, out: str, size_gb: float, rounds: int) -> None:
             log(f"  {name}: blocking {run['blocking_s']:.3f} s, to commit {run['to_commit_s']} s")
         return run
 
-    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0])
+    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0],
+                        settle_bytes=nbytes)
     if rank == 0:
         floors.close()
         with open(out, "w", encoding="utf-8") as f:

@@ -22,12 +22,10 @@ alone: ``python -m bench.remote [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +36,7 @@ from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
-from .measure import log, ratio_spread, spread
+from .measure import log, ratio_spread, spread, standalone
 from .s3server import S3Server
 from .workloads import restore_quietly
 
@@ -207,19 +205,5 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.remote",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-remote-", dir=args.dir)
-    try:
-        print(render({"remote": run(root, args.quick)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone("remote", "remote", run, render, __doc__))

@@ -4,9 +4,10 @@ re-rendered from any saved results: ``python -m bench --render results.json``).
 Every cell that holds a measured figure is the median over the interleaved rounds with its min-max
 spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
 ×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
-opening paragraph and its "Targets", "Saving and restoring", "2 ranks", "Sharded state",
-"Incremental snapshots" and "Periodic vs asynchronous saves" sections, pasted as they are (images are linked from ``image_dir``, the plots'
-directory relative to the repository root).
+headline (``overhead_headline``), its opening paragraph and its "Targets", "Saving and restoring",
+"2 ranks", "Sharded state", "Incremental snapshots" and "Periodic vs asynchronous saves" sections,
+pasted as they are (images are linked from ``image_dir``, the plots' directory relative to the
+repository root).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from async_ckpt.tools.advise import format_advice
 
 from . import (article, incremental, integrations_accelerate, integrations_lightning,
                integrations_transformers, lazy, remote, sharded)
-from .article import ASYNC, headline_case
-from .measure import RECLAIM_KEYS
+from .article import ASYNC, PERIODIC, headline_case
+from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .systems import NONE, SYSTEM_NAMES
 
-FLOOR_LABELS = (("copy_s", "copy_"), ("dd_s", "dd conv=fsync"),
-                ("read_cache_s", "read (page cache)"), ("read_cold_s", "read (cold, from disk)"))
+FLOOR_LABELS = (("copy_s", "copy_"), ("durable_s", "disk (fastest durable write)"),
+                ("read_cache_s", "warm read (fastest, page cache)"),
+                ("read_cold_s", "cold read (fastest, from disk)"))
+
 
 
 def render(results: dict, image_dir: str = "bench/results") -> str:
@@ -122,9 +125,11 @@ def _header(results: dict) -> str:
     ran = [s["name"] for s in results["systems"] if s["ran"]]
     not_ran = [f"{s['name']}: {s['reason']}" for s in results["systems"] if not s["ran"]]
     when = datetime.datetime.fromtimestamp(results["started_at"]).strftime("%Y-%m-%d %H:%M")
+    headline = overhead_headline(results)
     lines = [
         "## Performance",
         "",
+        *([headline, ""] if headline else []),
         f"Measured {when} with `{config['command']}` in {results['runtime_s'] / 60:.1f} min on "
         f"{m['nproc']} CPUs ({m['cpu_model']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, no GPU, "
         f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']} ({m['torch_threads']} "
@@ -138,6 +143,47 @@ def _header(results: dict) -> str:
     return "\n".join(lines)
 
 
+def overhead_headline(results: dict) -> str:
+    """The README's headline in one sentence: async_ckpt async's per-step time overhead at every
+    K against torch.save + fsync's and the best peer's, from the training loop."""
+    figure = results["figures"].get("step_overhead_pct")
+    ours = figure and figure["values"].get(ASYNC)
+    if not ours or not all(isinstance(e, dict) for e in ours.values()):
+        return ""
+    ks, best = figure["cases"], figure["best_peer"]
+
+    def pct(name: Optional[str], k: str) -> str:
+        e = figure["values"].get(name, {}).get(k)
+        return _pct_points(e["median"]) if isinstance(e, dict) else "n/a"
+
+    runs: list[tuple[str, list[str]]] = []  # consecutive intervals with the same best peer
+    for k in (k for k in ks if best.get(k)):
+        if runs and runs[-1][0] == best[k]:
+            runs[-1][1].append(pct(best[k], k))
+        else:
+            runs.append((best[k], [pct(best[k], k)]))
+    others = f"{_and([pct(PERIODIC, k) for k in ks])} for {PERIODIC}"
+    if {name for name, _ in runs} == {PERIODIC}:
+        others += ", the best other system"
+    elif runs:
+        others += "; the best other system: " + _and([f"{_and(cells)} for {name}"
+                                                      for name, cells in runs])
+    training = results["raw"]["training"]
+    return (f"Per training step, a snapshot every {_and([k.split('=')[1] for k in ks])} steps "
+            f"costs async_ckpt async {_and([_spread(ours[k], fmt=_pct_points) for k in ks])} "
+            f"against the same loop without checkpointing, {others} (medians (min–max) of "
+            f"{training['rounds']} interleaved rounds, {_num(training['state_bytes'] / 1e6)} MB "
+            "state).")
+
+
+def _pct_points(x: float) -> str:
+    return f"{x:+.2g}%" if abs(x) < 10 else f"{x:+.0f}%"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _loads(loads) -> str:
     return " ".join(f"{x:.2f}" for x in loads)
 
@@ -145,7 +191,8 @@ def _loads(loads) -> str:
 def _legend(results: dict) -> str:
     rounds = results["config"].get("rounds")
     return (f"Cells read `median (min–max) · ×floor · ×best peer`: the median of {rounds} "
-            "interleaved rounds (every system once per round, in rotating order) and its range; "
+            "interleaved rounds (every system once per round, in rotating order, reversed in odd "
+            "rounds) and its range; "
             "the floor is the physical limit of this machine for the same bytes, measured in the "
             "same run, one sample per round, and ×floor is the median of each round's value over "
             "that round's floor; the best peer is the best (by median) of the systems other than "
@@ -185,7 +232,36 @@ def _floors(results: dict) -> str:
             row.append(f"{_spread(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
         rows.append(row)
     return ("### Floors (median (min–max) of one sample per round, next to the systems)\n\n"
-            + _table(["state", *(name for _, name in FLOOR_LABELS)], rows))
+            + _table(["state", *(name for _, name in FLOOR_LABELS)], rows) + _floor_ways(results))
+
+
+def _floor_ways(results: dict) -> str:
+    """Which way was each floor in each round, and what the other ways took."""
+    kinds = [(key, name) for key, name in FLOOR_LABELS if key != "copy_s"]
+    rows, not_run = [], {}
+    for label, floors in results["floors"].items():
+        for index in range(len(floors[kinds[0][0]].get("ways", []))):
+            row = [label, str(index + 1)]
+            for key, _ in kinds:
+                fastest, ways = floors[key]["fastest"][index], floors[key]["ways"][index]
+                not_run.update({w: s for w, s in ways.items() if isinstance(s, str)})
+                others = ", ".join(f"{w} {_num(s)}" for w, s in ways.items()
+                                   if w != fastest and not isinstance(s, str))
+                row.append(f"**{fastest}** {_num(ways[fastest])} s ({others})")
+            rows.append(row)
+    if not rows:
+        return ""
+    note = ("\n\nNot run: " + "; ".join(f"{w}: {s}" for w, s in not_run.items()) + ".") \
+        if not_run else ""
+    return ("\n\nEach floor is the fastest of several ways, measured in the same round "
+            "(`bench/floors.py`): to make the bytes durable, `dd conv=fsync` with 1 MiB and 8 MiB "
+            "blocks, a Python loop of 1 MiB `os.write` calls then `fsync`, and fio sequential "
+            "1 MiB writes, direct (queue depth 8) and buffered, with an fsync at the end; to read "
+            "them back, one `readinto` of the file and 1 MiB `readinto` calls, from the page cache "
+            "(warm) or after `posix_fadvise(DONTNEED)` (cold). Per round the fastest way (bold, "
+            "the floor) and the others' seconds:\n\n"
+            + _table(["state", "round", *(name.split(" (")[0] for _, name in kinds)], rows)
+            + note)
 
 
 def _headline(results: dict, image_dir: str) -> str:
@@ -211,9 +287,9 @@ def _headline(results: dict, image_dir: str) -> str:
     return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
             f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
             + _table(["system", "blocking s (min–max) · ×copy · ×best peer",
-                      "to durable s (min–max) · ×dd · ×best peer"], save)
+                      "to durable s (min–max) · ×disk floor · ×best peer"], save)
             + "\n\n"
-            + _table(["system", "warm restore s · ×read · ×best peer",
+            + _table(["system", "warm restore s · ×warm read · ×best peer",
                       "cold restore s · ×cold read · ×best peer",
                       "MB written · ×state · ×best peer",
                       "compression ratio · ×raw · ×best peer"], restore)
@@ -225,28 +301,30 @@ def _training(results: dict, image_dir: str) -> str:
     f = results["figures"]
     training = results["raw"]["training"]
     throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
+    overhead = f["step_overhead_pct"]
     ks = throughput["cases"]
     none = throughput["values"][NONE.name]
     step_ms = 1000 / none[ks[-1]]["median"]
+    overhead_rows = [[name] + [_spread(e, fmt=_pct_points) if isinstance(e, dict) else str(e)
+                               for e in (overhead["values"][name][k] for k in ks)]
+                     for name in SYSTEM_NAMES]
     rows = [[NONE.name] + [_spread(none[k]) for k in ks]]
-    for name in SYSTEM_NAMES:
-        row = [name]
-        for k in ks:
-            e = throughput["values"][name][k]
-            row.append(_cell(e, extra=f" ({e['overhead_pct']:+.1f}%)") if isinstance(e, dict)
-                       else str(e))
-        rows.append(row)
+    rows += [[name] + [_cell(throughput["values"][name][k]) for k in ks] for name in SYSTEM_NAMES]
     blocking_rows = [[name] + [_cell(blocking["values"][name][k]) for k in ks]
                      for name in SYSTEM_NAMES]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
     return (f"### Training loop: {_num(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
             f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
             f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's "
-            "loop is timed against a loop without checkpointing run just before it (the median "
-            "overhead in parentheses); the first row is every such loop together. "
+            "loop is timed against a loop without checkpointing run just before it. "
             f"{_noise(training)}\n\n"
-            + _table(["system", *(f"{k} steps/s (min–max) (time overhead) · ×no ckpt · "
-                                  "×best peer" for k in ks)], rows)
+            "Per-step time overhead against that loop without checkpointing, median (min–max) "
+            "over the rounds (lower is better):\n\n"
+            + _table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows)
+            + "\n\nThroughput (steps/s; ×no ckpt: over the paired loop without checkpointing; "
+            "the first row is every such loop together):\n\n"
+            + _table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)],
+                     rows)
             + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
             + "Blocking time per snapshot in the loop (s; per round the median of its "
             "snapshots):\n\n"
@@ -302,8 +380,9 @@ def _ranks(results: dict) -> str:
             f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
             "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
             f"{_spread(floors['copy_s'])} s); time to commit runs from rank 0's call until rank 0 "
-            "sees the snapshot committed, every rank's part durable (floor: `dd conv=fsync` of "
-            f"the state's bytes once, {_spread(floors['dd_s'])} s).\n\n"
+            "sees the snapshot committed, every rank's part durable (floor: the fastest way to "
+            f"make the state's bytes durable once, {_spread(floors['durable_s'])} s; per round: "
+            f"{', '.join(ranks['floor_ways'])}).\n\n"
             + _table(["system", "blocking s (min–max) · ×floor · ×best peer",
                       "time to commit s (min–max) · ×floor · ×best peer",
                       "MB written (per rank)"], rows))
@@ -407,7 +486,8 @@ def _load(results: dict) -> str:
                            for r in load["rounds"])
         delta = load["vmstat_delta"]
         rows.append([part, rounds, "–" if delta is None else
-                     " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS)])
+                     " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS),
+                     _settled(load.get("settle"))])
     total = results["vmstat_delta"]
     return ("### Machine load\n\n"
             "The 1-minute load average at the start → end of each round (the machine has "
@@ -415,8 +495,24 @@ def _load(results: dict) -> str:
             f"counters ({', '.join(RECLAIM_KEYS)}) moved during each part; over the whole run: "
             + " / ".join(f"{total.get(k, 0):,}" for k in RECLAIM_KEYS)
             + ". Moving counters mean memory pressure slowed page-cache writes, the floors' and "
-            "the systems' alike.\n\n"
-            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS)], rows))
+            "the systems' alike. Before each system the run waited for the kernel's dirty and "
+            "writeback pages to fall under "
+            f"{SETTLE_BELOW_BYTES >> 20} MiB, at most as long as the disk takes to write the "
+            f"state at {SETTLE_BYTES_PER_S / 1e6:g} MB/s; a wait that ran out means other "
+            "writes kept the disk busy.\n\n"
+            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
+                      "disk settle before a system: median (max) s"], rows))
+
+
+def _settled(rounds: Optional[list]) -> str:
+    """The settle waits of a part's slots: median (max), and how many ran out."""
+    slots = [slot for r in rounds or () for slot in r]
+    if not slots:
+        return "–"
+    waits = spread([slot["waited_s"] for slot in slots])
+    out = sum(slot["timed_out"] for slot in slots)
+    return (f"{_num(waits['median'])} ({_num(waits['max'])})"
+            + (f", {out} of {len(slots)} ran out" if out else ""))
 
 
 def _big_note(results: dict) -> str:
@@ -433,9 +529,12 @@ def _notes(results: dict) -> str:
         "### How these were measured",
         "",
         f"- Sweep: per state, {results['config'].get('rounds')} interleaved rounds; in each round "
-        "every system runs once, in an order rotated from round to round, one system open at a "
-        "time: open, a warm-up snapshot (excluded), one measured snapshot followed by a wait for "
-        "durability, a warm restore, a cold restore, close." + _big_note(results)
+        "every system runs once, in an order rotated from round to round and reversed in odd "
+        "rounds (so that no system always follows the same neighbour), one system open at a "
+        "time, each after the disk settled (the kernel's dirty and writeback pages drained, a "
+        "bounded wait: the Machine load table): open, a warm-up snapshot (excluded), one "
+        "measured snapshot followed by a wait for durability, a warm restore, a cold restore, "
+        "close." + _big_note(results)
         + " Each round takes one floor sample next to its first system, after its restores and "
         "before its cleanup (never right after a large deletion), and every ratio to a floor or "
         "a peer pairs values of the same round.",
@@ -446,8 +545,8 @@ def _notes(results: dict) -> str:
         "- Warm restores read the files just written, from the page cache, like the read floor. "
         "Cold restores first evict the newest snapshot's files (fsync, then "
         "`posix_fadvise(POSIX_FADV_DONTNEED)` on every file), like the cold read floor, which "
-        "evicts the dd file the same way and reads it back 1 MiB at a time.",
-        "- The dd floor writes a file and deletes it once it has been read back (directory "
+        "evicts its file the same way before each way of reading it back.",
+        "- The disk floor writes one file per way and deletes them once read back (directory "
         "fsynced); the systems keep their newest three snapshots, so each write needs fresh "
         "pages, which on this VM (its freed memory goes back to the host) are slow to get and "
         "vary from one snapshot to the next" + _write_spread(results) + ".",

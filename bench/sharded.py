@@ -22,7 +22,8 @@ rotating order on every rank, warm-ups excluded):
   until rank 0 sees the snapshot committed (every rank's pieces durable). Floors, on rank 0 next
   to the round's first system (``floors.Floors``) while the other ranks wait: ``copy_`` of one
   rank's share of the state (what every rank must copy at least before training goes on) and
-  ``dd conv=fsync`` of the whole state's bytes (every rank writes to the one disk).
+  the disk floor of the whole state's bytes (the fastest way to make them durable; every rank
+  writes to the one disk).
 * Restoring on another world size: async_ckpt ``engine.restore()`` of the kept snapshot against
   ``torch.distributed.checkpoint.load`` of the checkpoint ``dcp.save`` wrote of the same state at
   the same world size, into the live model and optimizer laid out for the new world size. Per
@@ -156,7 +157,7 @@ def summarise(found: dict) -> dict:
 
 
 def _summarise_saving(raw: dict) -> dict:
-    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "dd_s")}
+    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "durable_s")}
     blocks = raw["systems"]
     systems = {}
     for name, block in blocks.items():
@@ -167,7 +168,7 @@ def _summarise_saving(raw: dict) -> dict:
         entry = {"available": True, "ours": name == OURS,
                  "stored_bytes": runs[-1]["stored_bytes"],
                  "bytes_per_rank": runs[-1]["bytes_per_rank"]}
-        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "dd_s")):
+        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "durable_s")):
             values = [r[key] for r in runs]
             entry[key] = spread(values)
             entry[key.replace("_s", "_x_floor")] = ratio_spread(
@@ -180,7 +181,7 @@ def _summarise_saving(raw: dict) -> dict:
     return {"ranks": raw["world"], "state_bytes": raw["state_bytes"],
             "rank_bytes": raw["rank_bytes"], "rounds": raw["rounds"], "wall_s": raw["wall_s"],
             "floors": {key: spread(values) for key, values in floors.items()},
-            "systems": systems}
+            "floor_ways": [s["durable_way"] for s in raw["floors"]], "systems": systems}
 
 
 def _summarise_restoring(raw: dict) -> dict:
@@ -207,8 +208,8 @@ def loads(block: dict) -> dict:
     """The machine's load per round of each run, for the report's "Machine load" table."""
     parts = {f"sharded, {w} ranks saving": raw for w, raw in block["raw"]["save"].items()}
     parts.update({f"sharded, restore {pair}": raw for pair, raw in block["raw"]["restore"].items()})
-    return {label: {"rounds": raw["loads"], "vmstat_delta": raw["load"]["vmstat_delta"]}
-            for label, raw in parts.items()}
+    return {label: {"rounds": raw["loads"], "vmstat_delta": raw["load"]["vmstat_delta"],
+                    "settle": raw["settle"]} for label, raw in parts.items()}
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -227,8 +228,9 @@ def render(results: dict) -> str:
     save_rows, floor_notes = [], []
     for world, w in block["save"].items():
         floor_notes.append(f"{world} ranks: `copy_` of a rank's {w['rank_bytes'][0] / 1e6:.3g} MB "
-                           f"{_spread(w['floors']['copy_s'])} s, `dd conv=fsync` of "
-                           f"{w['state_bytes'] / 1e6:.3g} MB {_spread(w['floors']['dd_s'])} s")
+                           f"{_spread(w['floors']['copy_s'])} s, disk floor of "
+                           f"{w['state_bytes'] / 1e6:.3g} MB {_spread(w['floors']['durable_s'])} s "
+                           f"({', '.join(w['floor_ways'])})")
         for name, s in w["systems"].items():
             if not s["available"]:
                 save_rows.append([world, name, f"n/a ({s['reason']})", "", "", "", ""])
@@ -258,10 +260,11 @@ def render(results: dict) -> str:
         "and round after a warm-up; every ratio is taken round by round, then its median "
         "(min–max). Blocking is the slowest rank's call (×floor: one `copy_` of a rank's share); "
         "time to commit runs from rank 0's call until rank 0 sees the snapshot committed, every "
-        "rank's part durable (×floor: `dd conv=fsync` of the whole state's bytes). Floors: "
+        "rank's part durable (×floor: the fastest way to make the whole state's bytes "
+        "durable, its way per round in parentheses). Floors: "
         + "; ".join(floor_notes) + ".", "",
         _table(["ranks", "system", "blocking s (min–max) · ×copy", f"blocking {peers}",
-                "time to commit s (min–max) · ×dd", f"time to commit {peers}",
+                "time to commit s (min–max) · ×disk floor", f"time to commit {peers}",
                 "MB written per rank"], save_rows), "",
         "Restoring on another world size (warm page cache), into the live model and optimizer "
         "laid out for the new world size: async_ckpt `engine.restore()` of its snapshot against "
@@ -333,7 +336,7 @@ def save_rounds(state: dict, directory: str, rank_bytes: list[int], rounds: int)
 
     def floor_sample() -> dict:
         sample = {}
-        if floors is not None:  # dd and reads of the whole state; copy_ of one rank's share
+        if floors is not None:  # disk and reads of the whole state; copy_ of one rank's share
             sample = {**floors.measure(),
                       "copy_s": timed(lambda: floors.dst[:share].copy_(floors.src[:share]))}
         dist.barrier()
@@ -351,7 +354,8 @@ def save_rounds(state: dict, directory: str, rank_bytes: list[int], rounds: int)
         return run
 
     try:
-        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0])
+        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0],
+                          settle_bytes=sum(rank_bytes))
     finally:
         if floors is not None:
             floors.close()

@@ -2,7 +2,8 @@
 system, for model + Adam states from hundreds of MB to GBs (fp32, and bf16), against the floors.
 
 For each state ("case") the systems run in interleaved rounds (``rounds.run_rounds``): every round
-runs each system once, in rotating order, as open, one warm-up snapshot (excluded: it allocates
+runs each system once, in rotating order (reversed in odd rounds, the disk settled before each), as
+open, one warm-up snapshot (excluded: it allocates
 staging buffers, spawns executor processes), one measured snapshot followed by ``wait()`` (so
 writes never overlap each other or a floor), a warm restore of the newest snapshot (its files
 still in the page cache, as right after a write), a cold restore (the same files evicted first:
@@ -67,7 +68,8 @@ def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str,
     floors = Floors(root, nbytes)
     try:
         case.update(run_rounds(running, rounds, shift, floors.measure,
-                               lambda index, spec, hook: run_round(spec, state, directory, hook)))
+                               lambda index, spec, hook: run_round(spec, state, directory, hook),
+                               settle_bytes=nbytes))
         case["floor_buffer_bytes"] = floors.buffer_bytes
     finally:
         floors.close()

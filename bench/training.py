@@ -58,7 +58,8 @@ def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], step
 
     floors = Floors(root, workload.nbytes)
     try:
-        results.update(run_rounds(specs, rounds, 0, floors.measure, run_slot))
+        results.update(run_rounds(specs, rounds, 0, floors.measure, run_slot,
+                                  settle_bytes=workload.nbytes))
     finally:
         floors.close()
     for block in results["systems"].values():

@@ -10,6 +10,7 @@ anything.
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
 from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args  # noqa: E402
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
-from bench.floors import FLOOR_KEYS  # noqa: E402
-from bench.measure import ratio_spread, rotated, spread  # noqa: E402
+from bench import floors as floors_module  # noqa: E402
+from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
+from bench.measure import Settled, ratio_spread, rotated, settle, spread  # noqa: E402
 from bench.ranks import QUICK as RANKS_QUICK, SYSTEMS as RANK_SYSTEMS  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
 from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
@@ -108,16 +110,26 @@ def test_comparison_advice_and_floors(quick_run):
         assert set(FLOOR_KEYS) <= set(floors), label
         for key in FLOOR_KEYS:
             assert floors[key]["min"] <= floors[key]["median"] <= floors[key]["max"], (label, key)
+        for key in ("durable_s", "read_cache_s", "read_cold_s"):  # the fastest way, every round
+            ways = {"durable_s": WRITE_WAYS}.get(key, READ_WAYS)
+            for fastest, times in zip(floors[key]["fastest"], floors[key]["ways"], strict=True):
+                assert set(times) == set(ways) and fastest in ways, (label, key)
+                assert times[fastest] == min(t for t in times.values() if not isinstance(t, str))
 
 
 def test_rounds_are_interleaved_with_a_floor_each(quick_run):
     _, results, _ = quick_run
     rounds = QUICK["rounds"]
     assert rounds >= 2 and results["config"]["rounds"] == rounds
-    for label, case in results["raw"]["sweep"].items():
+    for shift, (label, case) in enumerate(results["raw"]["sweep"].items()):
         assert len(case["order"]) == len(case["floors"]) == len(case["loads"]) == rounds, label
         firsts = [order[0] for order in case["order"]]
         assert len(set(firsts)) == rounds, (label, firsts)  # the order rotates
+        for index, order in enumerate(case["order"]):  # and walks backward in odd rounds
+            assert order == [n for n in rotated(SYSTEM_NAMES, shift + index) if n in order], label
+        for order, settled in zip(case["order"], case["settle"], strict=True):
+            assert [slot["name"] for slot in settled] == order, label  # a settle before each
+            assert all(slot["waited_s"] >= 0 for slot in settled), label
         for spec in SYSTEMS:
             block = case["systems"][spec.name]
             if spec.ours:
@@ -152,7 +164,9 @@ def test_targets(quick_run):
 def test_two_ranks_against_dcp(quick_run):
     _, results, _ = quick_run
     ranks = results["ranks"]
-    assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "dd_s"}
+    assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "durable_s"}
+    assert len(ranks["floor_ways"]) == RANKS_QUICK["rounds"]
+    assert set(ranks["floor_ways"]) <= set(WRITE_WAYS)
     assert set(ranks["systems"]) == {name for name, _, _ in RANK_SYSTEMS}
     for name, ours, _ in RANK_SYSTEMS:
         s = ranks["systems"][name]
@@ -177,7 +191,8 @@ def test_sharded_state_against_dcp(quick_run):
     for world, w in block["save"].items():
         assert w["ranks"] == int(world) == len(w["rank_bytes"])
         assert w["rounds"] == SHARDED_QUICK["rounds"]
-        assert set(w["floors"]) == {"copy_s", "dd_s"}
+        assert set(w["floors"]) == {"copy_s", "durable_s"}
+        assert len(w["floor_ways"]) == SHARDED_QUICK["rounds"]
         assert set(w["systems"]) == {name for name, _, _ in SHARDED_SYSTEMS}
         for name, ours, _ in SHARDED_SYSTEMS:
             s = w["systems"][name]
@@ -224,15 +239,19 @@ def test_report_has_the_tables(quick_run):
     with open(out / "report.md") as f:
         report = f.read()
     for heading in ("### Targets", "### Floors", "### Saving and restoring", "### Training loop",
+                    "Per-step time overhead against that loop without checkpointing",
+                    "Per round the fastest way (bold, the floor)",
                     "### Memory in the training loop", "### Recovery consistency",
                     "### Periodic vs asynchronous saves", "### Snapshot interval advice",
                     "### Every state size", "### 2 ranks under torchrun", "### Machine load"):
         assert heading in report, heading
     for target in TARGETS:
         assert f"| {target.title} |" in report, target.key
-    for column in ("blocking s (min–max)", "to durable s (min–max)", "warm restore s",
-                   "cold restore s · ×cold read", "read (cold, from disk)",
-                   "Cold restore time into the live model"):
+    for column in ("blocking s (min–max)", "to durable s (min–max) · ×disk floor",
+                   "warm restore s", "cold restore s · ×cold read",
+                   "cold read (fastest, from disk)", "Cold restore time into the live model",
+                   "step time overhead",
+                   "disk settle before a system"):
         assert column in report, column
     assert "(p95" not in report
     for name in SYSTEM_NAMES:
@@ -241,6 +260,23 @@ def test_report_has_the_tables(quick_run):
         assert f"| {aspect} |" in report, aspect
     assert "blocking_vs_size.png" in report and "throughput_vs_k.png" in report
     assert "### Floors" in proc.stdout  # the tables are printed too
+    assert "Per training step, a snapshot every 1 and 3 steps costs async_ckpt async" in report
+
+
+def test_step_time_overhead_is_a_figure_of_every_system(quick_run):
+    _, results, _ = quick_run
+    figure = results["figures"]["step_overhead_pct"]
+    assert figure["cases"] == [f"K={k}" for k in QUICK["ks"]] and figure["unit"] == "%"
+    for name, block in results["raw"]["training"]["systems"].items():
+        for k in QUICK["ks"]:
+            entry = figure["values"][name][f"K={k}"]
+            if not block["available"]:
+                assert entry.startswith("n/a ("), (name, k)
+                continue
+            loops = [run["loops"][str(k)] for run in block["runs"]]
+            paired = [(lp["step_s"] / lp["baseline"]["step_s"] - 1) * 100 for lp in loops]
+            assert entry["n"] == QUICK["rounds"] and entry["median"] == spread(paired)["median"]
+            assert entry["min"] == min(paired) and entry["max"] == max(paired), (name, k)
 
 
 def test_render_from_saved_results(quick_run, tmp_path):
@@ -325,10 +361,89 @@ def test_spread_and_pairwise_ratios():
     with pytest.raises(ValueError):
         ratio_spread([1, 2], [1])
     assert [rotated("abc", shift) for shift in range(4)] == [
-        list("abc"), list("bca"), list("cab"), list("abc")]
+        list("abc"), list("bac"), list("cab"), list("acb")]
 
 
-def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_the_order_rule_starts_each_round_elsewhere_and_reverses_odd_rounds(n):
+    items = list(range(n))
+    for index in range(2 * n):
+        order = rotated(items, index)
+        assert sorted(order) == items and order[0] == items[index % n]  # all, from a new first
+        step = -1 if index % 2 else 1
+        assert all(b == (a + step) % n for a, b in zip(order, order[1:]))  # forward or backward
+    if n >= 3:  # every item follows one neighbour in even rounds and the other in odd rounds
+        orders = [rotated(items, parity) for parity in (0, 1)]
+        before = [{b: a for a, b in zip(order, order[1:])} for order in orders]
+        assert all(before[0].get(i) != before[1].get(i) for i in items)
+
+
+class FakeDisk:
+    """/proc/meminfo's unwritten bytes, a reading per call, on a clock that only ``sleep`` moves."""
+
+    def __init__(self, readings):
+        self.readings, self.now, self.sleeps = list(readings), 0.0, 0
+
+    def unwritten(self) -> int:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+
+
+def test_settle_waits_until_the_kernel_has_written_back(monkeypatch):
+    from bench import measure
+
+    disk = FakeDisk([500 << 20, 200 << 20, 40 << 20, 1 << 20])
+    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    settled = settle(10**9, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
+    assert settled == Settled(disk.now, 500 << 20, 1 << 20, False) and disk.sleeps == 3
+
+
+def test_settle_gives_up_after_the_time_the_disk_needs_for_the_bytes(monkeypatch):
+    from bench import measure
+
+    disk = FakeDisk([500 << 20])  # another job keeps the disk busy
+    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    settled = settle(50 * 10**6, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
+    limit = 50 * 10**6 / measure.SETTLE_BYTES_PER_S
+    assert settled.timed_out and settled.unwritten_after == 500 << 20
+    assert limit <= settled.waited_s < limit + measure.SETTLE_POLL_S * 1.5
+    clean = FakeDisk([0])
+    monkeypatch.setattr(measure, "unwritten_bytes", clean.unwritten)
+    assert settle(10**9, clock=lambda: clean.now, sleep=clean.sleep) == Settled(0.0, 0, 0, False)
+    assert clean.sleeps == 0  # a settled disk costs one reading
+
+
+def test_a_floor_is_the_fastest_of_its_ways(tmp_path, monkeypatch):
+    assert Fastest.of({"a": 2.0, "b": 1.0, "c": "n/a (absent)"}).fields("durable_s") == {
+        "durable_s": 1.0, "durable_way": "b",
+        "durable_ways": {"a": 2.0, "b": 1.0, "c": "n/a (absent)"}}
+    monkeypatch.setattr(floors_module, "FIO_MIN_BYTES", 0)  # fio too, where it is installed
+    floors = Floors(str(tmp_path), 3 << 20)
+    try:
+        first, second = floors.measure(), floors.measure()
+    finally:
+        floors.close()
+    assert list(first["durable_ways"]) == list(WRITE_WAYS)  # the ways' order rotates by sample
+    assert list(second["durable_ways"]) == [WRITE_WAYS[1], WRITE_WAYS[0], *WRITE_WAYS[:1:-1]]
+    for key, ways in (("durable", WRITE_WAYS), ("read_cache", READ_WAYS),
+                      ("read_cold", READ_WAYS)):
+        times = first[f"{key}_ways"]
+        ran = {w: t for w, t in times.items() if not isinstance(t, str)}
+        assert set(times) == set(ways) and first[f"{key}_s"] == min(ran.values()) > 0, key
+        assert ran[first[f"{key}_way"]] == first[f"{key}_s"], key
+    for way in ("fio direct", "fio buffered"):
+        t = first["durable_ways"][way]
+        if shutil.which("fio") is None:
+            assert t == "n/a (fio is not installed: apt-get install fio)"
+        else:  # only O_DIRECT on a file system without it may fail, and says so
+            assert isinstance(t, float) and t > 0 or t.startswith("n/a (fio failed here"), way
+    assert os.listdir(tmp_path) == []  # every way's file is gone
+
+
+def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_cleanup():
     events = []
 
     def run_slot(index, item, floor_hook):
@@ -346,7 +461,8 @@ def test_run_rounds_rotates_and_takes_the_floor_before_the_first_cleanup():
         return {"dd_s": len(events)}
 
     record = run_rounds(["a", "b", "c"], 3, 0, measure_floor, run_slot, name=str)
-    assert record["order"] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a"]]
+    assert record["order"] == [["a", "b", "c"], ["b", "a", "c"], ["c", "a"]]
+    assert [[slot["name"] for slot in r] for r in record["settle"]] == record["order"]
     assert len(record["floors"]) == len(record["loads"]) == 3 and "load" in record
     assert events[:3] == [("run", 0, "a"), ("floor",), ("cleanup", 0, "a")]  # before cleanup
     second = events[events.index(("run", 1, "b")):]
