@@ -8,6 +8,7 @@ import math
 import pathlib
 import pickle
 import random
+import re
 import subprocess
 import sys
 
@@ -71,10 +72,11 @@ class MyInt(int):
 
 
 def short_id(v):
-    """Test id: a truncated repr (repr of ints over 4300 digits raises)."""
+    """Test id: a truncated repr (repr of ints over 4300 digits raises), without memory addresses
+    (ids must be the same in every process that collects them)."""
     if type(v) is int and v.bit_length() > 256:
         return f"int{v.bit_length()}bits"
-    r = repr(v)
+    r = re.sub(r" at 0x[0-9a-f]+", "", repr(v))
     return r if len(r) <= 40 else r[:37] + "..."
 
 
