@@ -56,14 +56,6 @@ def ratio_spread(values: Sequence[float], references: Sequence[float]) -> dict:
     return spread([v / r for v, r in zip(values, references)])
 
 
-def paired_ratio(runs: Sequence[dict], key: str, floor_key: str) -> float:
-    """Median over runs of each run's ``key`` / the mean of the two floor samples measured just
-    before and just after it (``run["floor_before"]``, ``run["floor_after"]``)."""
-    return ratio_spread([r[key] for r in runs],
-                        [(r["floor_before"][floor_key] + r["floor_after"][floor_key]) / 2
-                         for r in runs])["median"]
-
-
 def rotated(items: Sequence, shift: int) -> list:
     """The order of interleaved round ``shift``: it starts at ``items[shift]`` (modulo their
     number) and walks forward in even rounds, backward in odd ones. Over the rounds no item always

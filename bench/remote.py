@@ -36,6 +36,7 @@ from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
+from .markdown import hundredths, milliseconds, spread_text
 from .measure import log, ratio_spread, spread, standalone
 from .s3server import S3Server
 from .workloads import restore_quietly
@@ -180,12 +181,10 @@ def render(results: dict) -> str:
     f, r, gb = block["figures"], block["ratios"], block["shard_bytes"] / 1e9
 
     def cell(key: str) -> str:
-        s = f[key]
-        return (f"{s['median']:.2f} s ({s['min']:.2f}–{s['max']:.2f}), "
-                f"{gb / s['median']:.2f} GB/s")
+        return f"{spread_text(f[key], hundredths, ' s')}, {gb / f[key]['median']:.2f} GB/s"
 
     def ratio(key: str) -> str:
-        return f"×{r[key]['median']:.2f} ({r[key]['min']:.2f}–{r[key]['max']:.2f})"
+        return f"×{spread_text(r[key], hundredths)}"
 
     lines = [
         "### Remote tier (moto S3 server on loopback)", "",
@@ -196,11 +195,10 @@ def render(results: dict) -> str:
         f"| restore on an empty node | {cell('restore_s')} | {cell('download_floor_s')} "
         f"(plain parallel download) | {ratio('restore')} |"]
     if "step_down_s" in f:  # results saved before this figure existed lack it
-        up, down = f["step_up_s"], f["step_down_s"]
         lines.append(
-            f"| training step, snapshot every step, store stopped | {down['median'] * 1e3:.0f} ms "
-            f"({down['min'] * 1e3:.0f}–{down['max'] * 1e3:.0f}) | {up['median'] * 1e3:.0f} ms "
-            f"({up['min'] * 1e3:.0f}–{up['max'] * 1e3:.0f}) (store running) | "
+            "| training step, snapshot every step, store stopped | "
+            f"{spread_text(f['step_down_s'], milliseconds, ' ms')} | "
+            f"{spread_text(f['step_up_s'], milliseconds, ' ms')} (store running) | "
             f"{ratio('step_down')} |")
     return "\n".join(lines)
 
