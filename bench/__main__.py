@@ -4,9 +4,10 @@ Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/tr
 every system (``bench/registry.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
 lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
-incremental snapshots of a LoRA-style state (``bench/incremental.py``), the remote tier
-against a loopback S3 server (``bench/remote.py``) and the framework adapters, against the floors
-measured in the same run; then writes to ``--out`` (default ``bench/results/``):
+incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
+core and on all (``bench/decode.py``), the remote tier against a loopback S3 server
+(``bench/remote.py``) and the framework adapters, against the floors measured in the same run;
+then writes to ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
   its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
@@ -38,7 +39,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, figures, incremental, integrations_accelerate,
+from . import (article, dcp, decode, figures, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
                records, remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
@@ -57,6 +58,7 @@ PARTS = {  # part: run(args, root) -> its raw results
     "ranks": lambda args, root: _torchrun_part(ranks, args, root),
     "sharded": lambda args, root: _torchrun_part(sharded, args, root),
     "incremental": lambda args, root: incremental.run(root, args.quick),
+    "decode": lambda args, root: decode.run(root, args.quick),
     "remote": lambda args, root: remote.run(root, args.quick),
     "integrations": lambda args, root: {
         module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},
