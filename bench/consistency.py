@@ -21,6 +21,7 @@ import logging
 import os
 import warnings
 
+from .measure import files_under
 from .records import Consistency, Damage
 from .systems import System
 from .workloads import TrainingWorkload
@@ -37,7 +38,7 @@ def check(system: System, workload: TrainingWorkload, step: int) -> Consistency:
     differing = workload.differing_tensors(expected)
     result = functools.partial(Consistency, step, to_commit, restored, differing == 0, differing,
                                len(expected))
-    flip_byte(largest_file(system.newest_path()))
+    flip_byte(max(files_under(system.newest_path()), key=os.path.getsize))
     workload.step()
     try:
         with _quietly():  # the fallback's warning is the finding, recorded below
@@ -64,13 +65,6 @@ def _quietly():
             yield
         finally:
             logging.disable(logging.NOTSET)
-
-
-def largest_file(path: str) -> str:
-    if os.path.isfile(path):
-        return path
-    files = [os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names]
-    return max(files, key=os.path.getsize)
 
 
 def flip_byte(path: str) -> None:

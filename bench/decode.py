@@ -77,7 +77,7 @@ def run(root: str, quick: bool) -> dict:
     record = run_rounds(counts, config["rounds"], 0, dict, restore, name=str)
     samples = {n: [run["restore_s"] for run in record["systems"][str(n)]["runs"]] for n in counts}
     return {"config": config, "state_bytes": nbytes, "cores": counts,
-            "restore_s": {str(n): {**spread(v), "samples": v} for n, v in samples.items()},
+            "restore_s": {str(n): spread(v, samples=True) for n, v in samples.items()},
             "speedup": ratio_spread(samples[1], samples[every])}  # one core's time over all's
 
 

@@ -62,10 +62,6 @@ def train_step(state: dict) -> None:
     state["optimizer"].zero_grad()
 
 
-def _spread(values: list[float]) -> dict:
-    return {**spread(values), "samples": values}
-
-
 def measure(states: dict, root: str, repetitions: int, nbytes: int) -> dict:
     """Blocking time and shard bytes of ``repetitions`` snapshots after a warm-up one, for each
     run of ``states`` (name -> (state, engine options)), one snapshot of each per interleaved
@@ -87,9 +83,10 @@ def measure(states: dict, root: str, repetitions: int, nbytes: int) -> dict:
     finally:
         for engine in engines.values():
             engine.close()
-    return {name: {"blocking_s": _spread([r["blocking_s"] for r in
-                                          record["systems"][name]["runs"][1:]]),
-                   "written_bytes": _spread([float(f["shard_bytes"]) for f in snapshots[1:]]),
+    return {name: {"blocking_s": spread([r["blocking_s"] for r in
+                                         record["systems"][name]["runs"][1:]], samples=True),
+                   "written_bytes": spread([float(f["shard_bytes"]) for f in snapshots[1:]],
+                                           samples=True),
                    "first": {"blocking_s": snapshots[0]["blocking_s"],
                              "written_bytes": snapshots[0]["shard_bytes"]}}
             for name, snapshots in figures.items()}

@@ -38,14 +38,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def spread(values: Sequence[float]) -> dict:
-    """The one summary of repeated measurements: ``{"median", "min", "max", "n"}``. Min-max rather
-    than a percentile because there are only a few (interleaved) repetitions per cell."""
+def spread(values: Sequence[float], samples: bool = False) -> dict:
+    """The one summary of repeated measurements: ``{"median", "min", "max", "n"}`` (and the
+    values as ``"samples"``). Min-max rather than a percentile because there are only a few
+    (interleaved) repetitions per cell."""
     values = [float(v) for v in values]
     if not values:
         raise ValueError("no values to summarise")
     return {"median": float(np.median(values)), "min": min(values), "max": max(values),
-            "n": len(values)}
+            "n": len(values), **({"samples": values} if samples else {})}
 
 
 def ratio_spread(values: Sequence[float], references: Sequence[float]) -> dict:

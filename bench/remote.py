@@ -163,12 +163,10 @@ def run(root: str, quick: bool) -> dict:
     figures = {key: spread([r[key] for r in measured]) for key in
                ("upload_s", "upload_floor_s", "restore_s", "download_floor_s", "step_up_s",
                 "step_down_s")}
-    ratios = {"upload": ratio_spread([r["upload_s"] for r in measured],
-                                     [r["upload_floor_s"] for r in measured]),
-              "restore": ratio_spread([r["restore_s"] for r in measured],
-                                      [r["download_floor_s"] for r in measured]),
-              "step_down": ratio_spread([r["step_down_s"] for r in measured],
-                                        [r["step_up_s"] for r in measured])}
+    ratios = {name: ratio_spread([r[key] for r in measured], [r[floor] for r in measured])
+              for name, key, floor in (("upload", "upload_s", "upload_floor_s"),
+                                       ("restore", "restore_s", "download_floor_s"),
+                                       ("step_down", "step_down_s", "step_up_s"))}
     return {"config": config, "shard_bytes": rounds[0]["shard_bytes"], "figures": figures,
             "ratios": ratios, "rounds": rounds}
 
