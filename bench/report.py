@@ -500,8 +500,9 @@ def _notes(results: dict) -> str:
         "vary from one snapshot to the next" + _write_spread(results) + ".",
         "- DCP's and torchsnapshot's asynchronous saves keep one save in flight: the next save "
         "first waits for the previous one (inside the blocking time).",
-        "- Training loop: the time of K loops ends with the last step; the newest snapshot's "
-        "write continues after it, like every earlier one overlapped the following steps.",
+        *(["- Training loop: the time of K loops ends with the last step; the newest snapshot's "
+           "write continues after it, like every earlier one overlapped the following steps."]
+          if "training" in results["raw"] else []),
         f"- Raw samples, every floor sample and the engine's per-stage times: results.json "
         f"(schema {results['schema']}).",
     ])
