@@ -54,24 +54,26 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
     """Run the workers under torchrun; the figures, or why they could not be measured."""
     preset = QUICK if quick else FULL
     rounds = preset["rounds"] if rounds is None else rounds
-    out = os.path.join(root, "ranks.json")
-    torchrun("two ranks", "bench.ranks", RANKS, ["--dir", os.path.join(root, "ranks"), "--out", out,
-                                                 "--size-gb", str(preset["size_gb"]),
-                                                 "--rounds", str(rounds)])
-    with open(out, encoding="utf-8") as f:
-        return summarise(json.load(f))
+    return summarise(torchrun("two ranks", "bench.ranks", RANKS, os.path.join(root, "ranks"),
+                              preset["size_gb"], rounds))
 
 
-def torchrun(what: str, module: str, world: int, arguments: list[str]) -> None:
-    """``python -m MODULE --worker ARGUMENTS`` on ``world`` ranks under torchrun, from the
-    repository root; what it printed is shown only if it fails."""
+def torchrun(what: str, module: str, world: int, directory: str, size_gb: float, rounds: int,
+             *options: str) -> dict:
+    """``python -m MODULE --worker ...`` on ``world`` ranks under torchrun, from the repository
+    root, working in ``directory``: what rank 0 wrote (``finish``). What the run printed is shown
+    only if it fails."""
+    out = directory + ".json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", "-m", module, "--worker", *arguments]
+               f"--nproc-per-node={world}", "-m", module, "--worker", "--dir", directory,
+               "--out", out, "--size-gb", str(size_gb), "--rounds", str(rounds), *options]
     log(f"{what}: {' '.join(command[2:])}")
     done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed ({done.returncode}):\n" + done.stdout[-4000:])
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def summarise(raw: dict) -> dict:
@@ -122,10 +124,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     state, nbytes = build_state(args.size_gb)  # seeded: the same on both ranks
     record = save_rounds(RANK_SYSTEMS, state, args.dir, args.rounds, nbytes, nbytes)
+    finish(args.out, {"state_bytes": nbytes, "rounds": args.rounds, **record})
+
+
+def finish(out: str, found: dict) -> None:
+    """A worker's end: rank 0 writes what it found to ``out`` (``torchrun`` returns it); the
+    process group goes while Python is alive, with the objects that hold it, not at exit."""
     if dist.get_rank() == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"state_bytes": nbytes, "rounds": args.rounds, **record}, f)
-    gc.collect()  # objects that hold the group go while Python is alive, not at exit
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(found, f)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -37,7 +37,7 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
 from .markdown import hundredths, milliseconds, spread_text
-from .measure import log, ratio_spread, spread, standalone
+from .measure import log, ratio_spread, remove, spread, standalone
 from .s3server import S3Server
 from .workloads import restore_quietly
 
@@ -98,8 +98,7 @@ def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
     obstore.delete(storage.store, "floor.bin")
     obstore.delete(storage.store, "manifest.json")
     for name in ("node", "fresh", "download.bin", "download2.bin"):
-        path = os.path.join(root, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        remove(os.path.join(root, name))
     return {"shard_bytes": size, "upload_s": upload_s, "upload_floor_s": min(floors.values()),
             "upload_floors": floors, "restore_s": restore_s,
             "download_floor_s": min(downloads.values()), "downloads": downloads,

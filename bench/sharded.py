@@ -39,7 +39,6 @@ results.json; ``render(results)`` is its section of the report. Alone: ``python 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -108,17 +107,11 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
 
 def _torchrun(root: str, world: int, size_gb: float, rounds: int, source: Optional[int],
               save: bool) -> dict:
-    out = os.path.join(root, f"sharded-{world}-{source}.json")
-    arguments = ["--dir", os.path.join(root, f"sharded-{world}"), "--out", out,
-                 "--size-gb", str(size_gb), "--rounds", str(rounds)]
-    if source is not None:
-        arguments += ["--restore", _kept_dir(root, source)]
-    if save:
-        arguments += ["--keep", _kept_dir(root, world)]
+    options = [*(["--restore", _kept_dir(root, source)] if source is not None else []),
+               *(["--keep", _kept_dir(root, world)] if save else [])]
     started = time.perf_counter()
-    ranks.torchrun(f"sharded state at {world} ranks", "bench.sharded", world, arguments)
-    with open(out, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = ranks.torchrun(f"sharded state at {world} ranks", "bench.sharded", world,
+                         os.path.join(root, f"sharded-{world}-{source}"), size_gb, rounds, *options)
     raw["wall_s"] = time.perf_counter() - started
     return raw
 
@@ -276,7 +269,7 @@ def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
 
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     state, own = sharded_state(args.size_gb, world)
     rank_bytes = ranks.gather(own)
     common = {"world": world, "state_bytes": sum(rank_bytes), "rank_bytes": rank_bytes,
@@ -292,11 +285,7 @@ def worker(args: argparse.Namespace) -> None:
                                              sum(rank_bytes), rank_bytes[0]), **common}
         keep(state, args.keep)
         found["save"]["wall_s"] = time.perf_counter() - started  # with the kept snapshots
-    if rank == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(found, f)
-    gc.collect()  # objects that hold the group go while Python is alive, not at exit
-    dist.destroy_process_group()
+    ranks.finish(args.out, found)
 
 
 def keep(state: dict, directory: str) -> None:
