@@ -512,8 +512,8 @@ class CheckpointEngine:
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
         (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
-        ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer's ``writer_rss`` and
-        ``writer_shared``.
+        ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer process's ``writer_pid``,
+        ``writer_rss`` and ``writer_shared`` (for a monitor that samples its memory itself).
 
         With ``remote``: ``remote_step`` (newest step the bucket's manifest names, as far as this
         rank knows), ``upload_lag_steps`` (newest committed step minus ``remote_step``),

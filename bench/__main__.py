@@ -1,14 +1,13 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
+every system (``bench/registry.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
 lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
 incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
-core and on all (``bench/decode.py``) and the remote tier
-against a loopback S3 server (``bench/remote.py``), against the floors
-measured in the same run; then writes to
-``--out`` (default ``bench/results/``):
+core and on all (``bench/decode.py``), the remote tier against a loopback S3 server
+(``bench/remote.py``) and the framework adapters, against the floors measured in the same run;
+then writes to ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
   its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
@@ -16,8 +15,12 @@ measured in the same run; then writes to
 * ``blocking_vs_size.png``, ``throughput_vs_k.png``;
 * ``report.md``: the tables, also printed on stdout (progress goes to stderr).
 
-``--quick`` runs a tiny version (small states, short loops) in well under a minute: a smoke test
-that keeps the benchmarks from rotting (``tests/test_bench.py``), not a measurement.
+Presets (``Preset``) set what runs unless an option says otherwise: everything (``FULL``);
+``--quick``, a tiny version in well under a minute: a smoke test that keeps the benchmarks from
+rotting (``tests/test_bench.py``), not a measurement; ``--stall``, the focused stall benchmark:
+the sweep alone, at 1 GB in 7 rounds, async_ckpt's modes against torch.save + fsync: how long a
+snapshot stops training (against the copy floor) and how long until it is durable (against the
+disk floor), with the targets of ``bench/targets.py``.
 """
 
 from __future__ import annotations
@@ -31,26 +34,59 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
 from . import (article, dcp, decode, figures, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
-               remote, report, sharded, targets)
+               records, remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
+from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
 from .sweep import run_sweep
-from .systems import SYSTEMS
 from .training import run_training
 
 SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
 # 3: floors as the fastest of several ways (durable_s), settle waits, step_overhead_pct
-FULL = {"sizes": (0.256, 1.0, 2.0), "bf16_sizes": (0.256,), "rounds": 3,
-        "workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10, 100)}
-QUICK = {"sizes": (0.008,), "bf16_sizes": (), "rounds": 2,
-         "workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 3)}
-KS = FULL["ks"]
+PARTS = {  # part: run(args, root) -> its raw results
+    "training": lambda args, root: run_training(
+        args.preset.systems, root, args.ks, {k: loop_steps(k, args.quick) for k in args.ks},
+        args.preset.workload, args.rounds),
+    "lazy": lambda args, root: lazy.run(root, args.quick),
+    "ranks": lambda args, root: _torchrun_part(ranks, args, root),
+    "sharded": lambda args, root: _torchrun_part(sharded, args, root),
+    "incremental": lambda args, root: incremental.run(root, args.quick),
+    "decode": lambda args, root: decode.run(root, args.quick),
+    "remote": lambda args, root: remote.run(root, args.quick),
+    "integrations": lambda args, root: {
+        module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},
+}
+"""What runs after the sweep, in this order (``measure_parts``)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A run's defaults (``name``): the sweep's fp32 and bf16 state sizes (GB), the interleaved
+    rounds, the training loop's model (``workloads.TrainingWorkload``) and snapshot intervals, the
+    systems, and the parts of ``PARTS`` that run after the sweep."""
+
+    name: str
+    sizes: tuple[float, ...]
+    bf16_sizes: tuple[float, ...]
+    rounds: int
+    workload: dict
+    ks: tuple[int, ...]
+    systems: tuple[SystemSpec, ...] = SYSTEMS
+    parts: tuple[str, ...] = tuple(PARTS)
+
+
+FULL = Preset("full", (0.256, 1.0, 2.0), (0.256,), 3, {"width": 768, "depth": 10, "batch": 16},
+              (1, 10, 100))
+QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3))
+STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
+KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate)
 """Each framework adapter against that framework's own save (results key: the module's name)."""
@@ -66,11 +102,15 @@ def loop_steps(k: int, quick: bool) -> int:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny run (under a minute) that checks everything works")
+    presets = parser.add_mutually_exclusive_group()
+    presets.add_argument("--quick", action="store_true",
+                         help="a tiny run (under a minute) that checks everything works")
+    presets.add_argument("--stall", action="store_true",
+                         help="the focused stall benchmark: the sweep alone, async_ckpt's modes "
+                              "against torch.save + fsync (default 1 GB, 7 rounds)")
     parser.add_argument("--sizes", type=_floats, default=None, metavar="GB,GB,...",
                         help="fp32 state sizes of the sweep in GB (default 0.256,1,2; "
-                             "--quick: 0.008)")
+                             "--quick: 0.008; --stall: 1)")
     parser.add_argument("--bf16-sizes", type=_floats, default=None, metavar="GB,...",
                         help="bf16 state sizes of the sweep (default 0.256; --quick: none; "
                              "'' for none)")
@@ -78,8 +118,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="snapshot intervals of the training loop (default 1,10,100; "
                              "--quick: 1,3)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds of every part (default 3; --quick: 2, and 1 for the "
-                             "torchrun parts)")
+                        help="interleaved rounds of every part (default 3; --quick: 2, and 1 for "
+                             "the torchrun parts; --stall: 7)")
     parser.add_argument("--out", default=None,
                         help="where results.json, the PNGs and report.md go (default: "
                              f"{COMMITTED_RESULTS} for a full run with the default sizes and "
@@ -95,22 +135,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
     args = parser.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    args.sizes = preset["sizes"] if args.sizes is None else args.sizes
-    args.bf16_sizes = preset["bf16_sizes"] if args.bf16_sizes is None else args.bf16_sizes
-    args.ks = preset["ks"] if args.ks is None else args.ks
+    args.preset = preset = STALL if args.stall else QUICK if args.quick else FULL
+    args.sizes = preset.sizes if args.sizes is None else args.sizes
+    args.bf16_sizes = preset.bf16_sizes if args.bf16_sizes is None else args.bf16_sizes
+    args.ks = preset.ks if args.ks is None else args.ks
     args.rounds_given = args.rounds is not None  # else --quick runs torchrun parts once
-    args.rounds = preset["rounds"] if args.rounds is None else args.rounds
+    args.rounds = preset.rounds if args.rounds is None else args.rounds
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
         parser.error("--sizes needs at least one size, and every size must be positive")
-    if not args.ks or any(k < 1 for k in args.ks):
+    if "training" in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
         parser.error("--ks needs at least one interval, each at least 1")
     args.ks = tuple(sorted(set(args.ks)))
     if args.out is None:
-        full = (not args.quick and args.sizes == FULL["sizes"] and args.ks == KS
-                and args.bf16_sizes == FULL["bf16_sizes"] and args.rounds == FULL["rounds"])
+        full = (preset is FULL and args.sizes == FULL.sizes and args.ks == KS
+                and args.bf16_sizes == FULL.bf16_sizes and args.rounds == FULL.rounds)
         args.out = COMMITTED_RESULTS if full else tempfile.mkdtemp(prefix="bench-results-")
     if importlib.util.find_spec("matplotlib") is None:  # the plots: checked before measuring
         parser.error("the benchmark's plots need matplotlib: pip install -e '.[bench]'")
@@ -137,98 +177,99 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         write_outputs(results, args.out, write_json=False)
         return 0
-    preset = QUICK if args.quick else FULL
     started, start = time.time(), time.perf_counter()
     machine_info, load_start = machine(), load_now()
-    cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
-    steps = {k: loop_steps(k, args.quick) for k in args.ks}
     os.makedirs(args.out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "/tmp")
     try:
-        sweep_raw = run_sweep(SYSTEMS, cases, root, args.rounds)
-        log(f"sweep done after {time.perf_counter() - start:.0f} s")
-        training_raw = run_training(SYSTEMS, root, args.ks, steps, preset["workload"], args.rounds)
-        log(f"training done after {time.perf_counter() - start:.0f} s")
-        lazy_raw = lazy.run(root, args.quick)
-        log(f"lazy staging done after {time.perf_counter() - start:.0f} s")
-        dcp.shutdown()  # the two-rank run starts process groups of its own
-        subprocess_rounds = None if args.quick and not args.rounds_given else args.rounds
-        ranks_raw = ranks.run(root, args.quick, subprocess_rounds)
-        log(f"two ranks done after {time.perf_counter() - start:.0f} s")
-        sharded_raw = sharded.run(root, args.quick, subprocess_rounds)
-        log(f"sharded state done after {time.perf_counter() - start:.0f} s")
-        incremental_raw = incremental.run(root, args.quick)
-        log(f"incremental done after {time.perf_counter() - start:.0f} s")
-        decode_raw = decode.run(root, args.quick)
-        log(f"zstd restore across cores done after {time.perf_counter() - start:.0f} s")
-        remote_raw = remote.run(root, args.quick)
-        log(f"remote tier done after {time.perf_counter() - start:.0f} s")
-        frameworks = {}
-        for module in INTEGRATIONS:
-            frameworks[module.__name__.rsplit(".", 1)[1]] = module.run(root, args.quick)
-            log(f"{module.__name__} done after {time.perf_counter() - start:.0f} s")
+        raw = measure_parts(args, root, start)
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-    results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
-                       started, time.perf_counter() - start)
-    results["incremental"] = incremental_raw
-    results["decode"] = decode_raw
-    results["lazy"] = lazy_raw
-    results["remote"] = remote_raw
-    results.update(frameworks)
-    results["sharded"] = sharded_raw
-    results["loads"].update(sharded.loads(sharded_raw))
+    results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
     write_outputs(results, args.out)
     log(f"results in {args.out}")
     return 0
 
 
-def assemble(args, sweep_raw: dict, training_raw: dict, ranks_raw: dict, machine_info: dict,
-             load_start: dict, started: float, runtime_s: float) -> dict:
+def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
+    """The sweep, then each part of the preset in turn: their raw results, by part."""
+    cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
+    raw = {"sweep": run_sweep(args.preset.systems, cases, root, args.rounds)}
+    log(f"sweep done after {time.perf_counter() - start:.0f} s")
+    for part in args.preset.parts:
+        raw[part] = PARTS[part](args, root)
+        log(f"{part} done after {time.perf_counter() - start:.0f} s")
+    return raw
+
+
+def _torchrun_part(module, args: argparse.Namespace, root: str) -> dict:
+    """``ranks`` or ``sharded``, whose torchrun runs start process groups of their own (so this
+    process's goes first); with --quick their rounds are the module's own unless given."""
+    dcp.shutdown()
+    return module.run(root, args.quick, None if args.quick and not args.rounds_given
+                      else args.rounds)
+
+
+def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,
+             started: float, runtime_s: float) -> dict:
+    """results.json's content (with typed records, ``records.to_json`` writes them) from the
+    parts' raw results."""
     load = load_between(load_start, load_now())
+    specs, sweep, training = args.preset.systems, raw["sweep"], raw.get("training")
     results = {
         "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
         "machine": machine_info, "loadavg_end": load["loadavg_end"],
         "vmstat_delta": load["vmstat_delta"],
-        "config": {"command": args.command, "quick": args.quick, "sizes_gb": list(args.sizes),
+        "config": {"command": args.command, "preset": args.preset.name,
+                   "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
                    "rounds": args.rounds, "mtbf_s": args.mtbf, "run_length_s": args.run_length},
-        "systems": _availability(sweep_raw, training_raw),
-        "floors": _floor_summary(sweep_raw, training_raw),
-        "figures": figures.build(sweep_raw, training_raw),
-        "targets": targets.build(sweep_raw),
-        "loads": _loads(sweep_raw, training_raw, ranks_raw),
-        "consistency": {name: block.get("consistency") if block.get("available")
-                        else f"n/a ({block['reason']})"
-                        for name, block in training_raw["systems"].items()},
-        "ranks": ranks_raw,
-        "raw": {"sweep": sweep_raw, "training": training_raw},
+        "systems": _availability(specs, sweep, training),
+        "floors": _floor_summary(sweep, training),
+        "figures": figures.build(sweep, training, specs),
+        "targets": targets.build(sweep, specs),
+        "loads": _loads(raw),
+        "raw": {part: raw[part] for part in ("sweep", "training") if part in raw},
     }
-    results["comparison"] = article.compare(results)
-    results["advice"] = interval.advice(results, args.mtbf, args.run_length)
+    if training is not None:
+        results["consistency"] = {name: block["consistency"] if block["available"]
+                                  else records.NotAvailable(block["reason"])
+                                  for name, block in training["systems"].items()}
+        results["comparison"] = article.compare(results)
+        results["advice"] = interval.advice(results, specs, args.mtbf, args.run_length)
+    results.update({part: raw[part] for part in PARTS if part not in ("training", "integrations")
+                    and part in raw})
+    results.update(raw.get("integrations", {}))
     return results
 
 
-def _loads(sweep_raw: dict, training_raw: dict, ranks_raw: dict) -> dict:
+def _loads(raw: dict) -> dict:
     """Per part of the run: loadavg at the start and end of each round, the reclaim counters'
     movement over the part (the two-rank part: per round only), and the disk-settle waits before
     each system."""
-    parts = {f"sweep {label}": case for label, case in sweep_raw.items()}
-    parts["training loop"] = training_raw
+    parts = {f"sweep {label}": case for label, case in raw["sweep"].items()}
+    if "training" in raw:
+        parts["training loop"] = raw["training"]
     loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
                      "settle": part["settle"]} for label, part in parts.items()}
-    loads["two ranks"] = {"rounds": ranks_raw["loads"], "vmstat_delta": None,
-                          "settle": ranks_raw["raw"]["settle"]}
+    if "ranks" in raw:
+        loads["two ranks"] = {"rounds": raw["ranks"]["loads"], "vmstat_delta": None,
+                              "settle": raw["ranks"]["raw"]["settle"]}
+    if "sharded" in raw:
+        loads.update(sharded.loads(raw["sharded"]))
     return loads
 
 
-def _availability(sweep_raw: dict, training_raw: dict) -> list[dict]:
+def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,
+                  training_raw: Optional[dict]) -> list[dict]:
+    """Per system, in report order: whether it ran, and if it failed somewhere, why."""
     rows = []
-    for spec in SYSTEMS:
+    for spec in specs:
         blocks = [c["systems"][spec.name] for c in sweep_raw.values()
                   if not c["systems"][spec.name].get("skipped")]
-        blocks.append(training_raw["systems"][spec.name])
+        if training_raw is not None:
+            blocks.append(training_raw["systems"][spec.name])
         failed = [b for b in blocks if not b["available"]]
         rows.append({"name": spec.name, "ours": spec.ours, "blocking": spec.blocking,
                      "ran": len(failed) < len(blocks),
@@ -237,10 +278,11 @@ def _availability(sweep_raw: dict, training_raw: dict) -> list[dict]:
     return rows
 
 
-def _floor_summary(sweep_raw: dict, training_raw: dict) -> dict:
+def _floor_summary(sweep_raw: dict, training_raw: Optional[dict]) -> dict:
     groups = {label: (c["floors"], c["bytes"]) for label, c in sweep_raw.items()}
-    groups[f"training state ({training_raw['state_bytes'] / 1e6:.3g} MB)"] = (
-        training_raw["floors"], training_raw["state_bytes"])
+    if training_raw is not None:
+        groups[f"training state ({training_raw['state_bytes'] / 1e6:.3g} MB)"] = (
+            training_raw["floors"], training_raw["state_bytes"])
     summary = {}
     for label, (samples, nbytes) in groups.items():
         summary[label] = {}
@@ -258,13 +300,15 @@ def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
     """results.json and report.md written whole (temporary file, then rename), then the plots;
     the report is printed. The report links the plots relative to the working directory (the
     repository root), so that it can be pasted into the README as it is."""
+    saved = json.dumps(results, indent=1, default=records.to_json)
+    results = json.loads(saved)  # reported as results.json holds it, like --render
     text = report.render(results, image_dir=_image_dir(out))
     if write_json:
-        _write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+        _write_atomic(os.path.join(out, "results.json"), saved)
     _write_atomic(os.path.join(out, "report.md"), text)
-    plots.write(results, out)
+    pngs = plots.write(results, out)
     print(text)
-    log(f"wrote {out}/results.json, report.md, {', '.join(plots.FILES)}")
+    log(f"wrote {out}/results.json, report.md, {', '.join(map(os.path.basename, pngs))}")
 
 
 def _image_dir(out: str) -> str:

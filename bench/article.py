@@ -16,7 +16,9 @@ import math
 import os
 from typing import Optional
 
-from .systems import OURS_ASYNC, TORCH_SAVE, TorchSave
+from .records import Cell, Consistency
+from .registry import OURS_ASYNC, TORCH_SAVE
+from .systems import TorchSave
 
 PERIODIC, ASYNC = TORCH_SAVE.name, OURS_ASYNC.name
 SOURCE = ("a Chinese article on fault-tolerant restarts of distributed training, whose first line "
@@ -36,10 +38,11 @@ OVERHEAD_BUDGET_PCT = 5.0  # the top of the article's "1-5% of training time" ru
 
 
 def compare(results: dict) -> dict:
-    """``{aspect: {"article": [periodic, async], "measured": [periodic, async]}}``."""
+    """``{aspect: {"article": [periodic, async], "measured": [periodic, async]}}`` from the
+    results being assembled (typed figures and consistency checks)."""
     figures, training = results["figures"], results["raw"]["training"]
     ks = [f"K={k}" for k in training["steps"]]
-    step_s = 1 / figures["throughput_steps_s"]["values"]["no checkpointing"][ks[-1]]["median"]
+    step_s = 1 / figures["throughput_steps_s"].values["no checkpointing"][ks[-1]].median
     case = headline_case(results)
     measured = {
         "implementation difficulty": (_difficulty_periodic(), _difficulty_async()),
@@ -61,9 +64,9 @@ def headline_case(results: dict) -> Optional[str]:
     return min(cases)[1] if cases else None
 
 
-def _value(results: dict, figure: str, name: str, case: str) -> Optional[dict]:
-    entry = results["figures"][figure]["values"].get(name, {}).get(case)
-    return entry if isinstance(entry, dict) else None
+def _value(results: dict, figure: str, name: str, case: str) -> Optional[Cell]:
+    entry = results["figures"][figure].values.get(name, {}).get(case)
+    return entry if isinstance(entry, Cell) else None
 
 
 def _difficulty_periodic() -> str:
@@ -94,7 +97,7 @@ def _code_lines(directory: str, suffix: str) -> int:
 
 
 def _overheads(results: dict, name: str, ks: list) -> dict:
-    return {k: e["median"] for k in ks
+    return {k: e.median for k in ks
             if (e := _value(results, "step_overhead_pct", name, k)) is not None}
 
 
@@ -107,8 +110,8 @@ def _loss(results: dict, name: str, ks: list, step_s: float) -> str:
     check = results["consistency"].get(name)
     blocking = _value(results, "loop_blocking_s", name, k)
     lag = 0.0
-    if isinstance(check, dict) and blocking is not None:
-        lag = max(0.0, check["to_commit_s"] - blocking["median"])
+    if isinstance(check, Consistency) and blocking is not None:
+        lag = max(0.0, check.to_commit_s - blocking.median)
     worst = steps * step_s + lag
     lost = (f"≤ {steps} steps + {lag:.3g} s still being written = {worst:.3g} s of training"
             if lag > 0 else f"≤ {steps} steps = {worst:.3g} s of training (durable when the save "
@@ -124,15 +127,15 @@ def _io(results: dict, name: str, case: Optional[str]) -> str:
     stored = _value(results, "stored_bytes", name, case) if case else None
     if blocking is None or durable is None or stored is None:
         return "n/a (did not run)"
-    gbps = stored["median"] / durable["median"] / 1e9
+    gbps = stored.median / durable.median / 1e9
     if name == PERIODIC:
-        return (f"{case} state: training stops {blocking['median']:.2f} s per snapshot "
-                f"({blocking['x_floor']:.0f}x the copy floor) while {stored['median'] / 1e9:.2f} "
+        return (f"{case} state: training stops {blocking.median:.2f} s per snapshot "
+                f"({blocking.x_floor:.0f}x the copy floor) while {stored.median / 1e9:.2f} "
                 f"GB are written and fsynced at {gbps:.2f} GB/s")
-    return (f"{case} state: training stops {blocking['median']:.3f} s per snapshot "
-            f"({blocking['x_floor']:.1f}x the copy floor); the {stored['median'] / 1e9:.2f} GB "
-            f"write and fsync ({durable['median']:.2f} s, {gbps:.2f} GB/s, "
-            f"{durable['x_floor']:.1f}x the disk floor) overlap training")
+    return (f"{case} state: training stops {blocking.median:.3f} s per snapshot "
+            f"({blocking.x_floor:.1f}x the copy floor); the {stored.median / 1e9:.2f} GB "
+            f"write and fsync ({durable.median:.2f} s, {gbps:.2f} GB/s, "
+            f"{durable.x_floor:.1f}x the disk floor) overlap training")
 
 
 def _fit(results: dict, name: str, ks: list, case: Optional[str], step_s: float) -> str:
@@ -147,22 +150,22 @@ def _fit(results: dict, name: str, ks: list, case: Optional[str], step_s: float)
     if blocking is None:
         return f"measured ({state_mb:.3g} MB state): {measured}"
     budget = OVERHEAD_BUDGET_PCT / 100
-    every = max(1, math.ceil(blocking["median"] * (1 - budget) / budget / step_s))
-    return (f"a {case} state blocks {blocking['median']:.3g} s per snapshot, so it stays within "
+    every = max(1, math.ceil(blocking.median * (1 - budget) / budget / step_s))
+    return (f"a {case} state blocks {blocking.median:.3g} s per snapshot, so it stays within "
             f"{OVERHEAD_BUDGET_PCT:.0f}% of training time only with snapshots ≥ {every} steps of "
             f"{step_s * 1000:.0f} ms apart; the {state_mb:.3g} MB loop measured {measured}")
 
 
 def _consistency(results: dict, name: str) -> str:
     check = results["consistency"].get(name)
-    if not isinstance(check, dict):
-        return check or "n/a (did not run)"
-    exact = ("bit-exact" if check["bit_exact"]
-             else f"NOT bit-exact ({check['differing_tensors']} tensors differ)")
-    damage = check["damage"]
+    if not isinstance(check, Consistency):
+        return str(check) if check else "n/a (did not run)"
+    exact = ("bit-exact" if check.bit_exact
+             else f"NOT bit-exact ({check.differing_tensors} tensors differ)")
+    damage = check.damage
     if name == ASYNC:
         return (f"restore {exact}; the step is committed with the snapshot (restore() returned "
-                f"{check['restored_step']}); one flipped byte: {damage['outcome']} "
-                f"({damage['how']}): XXH3 checksum per 8 MiB chunk")
+                f"{check.restored_step}); one flipped byte: {damage.outcome} "
+                f"({damage.how}): XXH3 checksum per 8 MiB chunk")
     return (f"restore {exact}; the step only in the file name; one flipped byte: "
-            f"{damage['outcome']} ({damage['how']}): no checksums")
+            f"{damage.outcome} ({damage.how}): no checksums")

@@ -8,13 +8,13 @@ GB/s counts input bytes, best of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Callable
 
 import numpy as np
 
-from async_ckpt import _native
-from async_ckpt.format.filters import shuffle_reference, unshuffle_reference
+from async_ckpt.format import filters
 
 
 def best_seconds(fn: Callable[[], None], repeat: int) -> float:
@@ -38,11 +38,11 @@ def bench_itemsize(name: str, src: np.ndarray, itemsize: int, repeat: int) -> No
         return gb / best_seconds(fn, repeat)
 
     memcpy = rate(lambda: np.copyto(back, src))
-    c_shuffle = rate(lambda: _native.shuffle(src, itemsize, planes))
-    c_unshuffle = rate(lambda: _native.unshuffle(planes, itemsize, back))
+    c_shuffle = rate(lambda: filters.shuffle(src, itemsize, planes))
+    c_unshuffle = rate(lambda: filters.unshuffle(planes, itemsize, back))
     assert np.array_equal(back, src), "C unshuffle(shuffle(x)) != x"
-    np_shuffle = rate(lambda: shuffle_reference(src, itemsize, planes))
-    np_unshuffle = rate(lambda: unshuffle_reference(planes, itemsize, back))
+    np_shuffle = rate(lambda: filters.shuffle_reference(src, itemsize, planes))
+    np_unshuffle = rate(lambda: filters.unshuffle_reference(planes, itemsize, back))
 
     print(f"{name}, itemsize {itemsize}, {src.nbytes >> 20} MiB   memcpy floor {memcpy:6.2f} GB/s")
     rows = (("shuffle", c_shuffle, np_shuffle), ("unshuffle", c_unshuffle, np_unshuffle))
@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="buffer size in MiB (default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
     args = parser.parse_args()
+    if filters.BACKEND != "native":
+        sys.exit("the C extension is not in use (not built: pip install -e .; or "
+                 "ASYNC_CKPT_PURE_PYTHON is set): there is nothing to compare numpy with")
 
     # fp32 weights ~ N(0, 0.02); their top halves are the same values truncated to bf16.
     n = (args.mib << 20) // 4

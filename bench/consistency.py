@@ -16,15 +16,18 @@ detects damage has an older snapshot to fall back to:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
 
+from .measure import files_under
+from .records import Consistency, Damage
 from .systems import System
 from .workloads import TrainingWorkload
 
 
-def check(system: System, workload: TrainingWorkload, step: int) -> dict:
+def check(system: System, workload: TrainingWorkload, step: int) -> Consistency:
     system.save(step)
     system.wait()
     to_commit = system.to_commit_s()
@@ -33,27 +36,22 @@ def check(system: System, workload: TrainingWorkload, step: int) -> dict:
     workload.step()
     restored = system.restore()
     differing = workload.differing_tensors(expected)
-    result = {"step": step, "to_commit_s": to_commit, "restored_step": restored,
-              "bit_exact": differing == 0, "differing_tensors": differing,
-              "tensors": len(expected)}
-    target = largest_file(system.newest_path())
-    flip_byte(target)
+    result = functools.partial(Consistency, step, to_commit, restored, differing == 0, differing,
+                               len(expected))
+    flip_byte(max(files_under(system.newest_path()), key=os.path.getsize))
     workload.step()
     try:
         with _quietly():  # the fallback's warning is the finding, recorded below
             restored = system.restore()
     except Exception as e:  # noqa: BLE001 - any error is a detection; its type is the finding
-        result["damage"] = {"outcome": "detected", "how": f"{type(e).__name__}"}
-        return result
+        return result(Damage("detected", type(e).__name__))
     differing = workload.differing_tensors(expected)
     if restored is not None and restored != step:
-        result["damage"] = {"outcome": "detected", "how": f"fell back to step {restored}"}
-    elif differing:
-        result["damage"] = {"outcome": "not detected",
-                            "how": f"loaded silently; {differing} of {len(expected)} tensors wrong"}
-    else:
-        result["damage"] = {"outcome": "no effect", "how": "the flipped byte changed no tensor"}
-    return result
+        return result(Damage("detected", f"fell back to step {restored}"))
+    if differing:
+        return result(Damage("not detected",
+                             f"loaded silently; {differing} of {len(expected)} tensors wrong"))
+    return result(Damage("no effect", "the flipped byte changed no tensor"))
 
 
 @contextlib.contextmanager
@@ -67,13 +65,6 @@ def _quietly():
             yield
         finally:
             logging.disable(logging.NOTSET)
-
-
-def largest_file(path: str) -> str:
-    if os.path.isfile(path):
-        return path
-    files = [os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names]
-    return max(files, key=os.path.getsize)
 
 
 def flip_byte(path: str) -> None:

@@ -5,9 +5,9 @@ threads, one per core the process may run on (``os.sched_getaffinity``). This be
 sweep's fp32 state (1 GB; tiny with ``--quick``) once with ``compression="zstd"``, then restores
 it warm (the files in the page cache) in child processes pinned to 1 core and to every core
 (``sched_setaffinity`` before the child starts, so its threads are made on those cores),
-interleaved over the rounds after a warm-up restore in each child. Reported: the restore time,
-the state's bytes decoded per second and per second per core, and the speed-up of every core
-over one, round by round.
+interleaved over the rounds (``rounds.run_rounds``), a warm-up restore first in each child.
+Reported: the restore time, the state's bytes decoded per second and per second per core, and
+the speed-up of every core over one, round by round.
 
 Self-contained (``run`` and ``render`` are its entry points, from ``bench/__main__.py`` and
 ``bench/report.py``). Run alone: ``python -m bench.decode [--quick]``.
@@ -23,7 +23,9 @@ import time
 
 from async_ckpt import CheckpointEngine
 
-from .measure import log, ratio_spread, rotated, spread, standalone
+from .markdown import hundredths, spread_text, thousandths
+from .measure import log, ratio_spread, spread, standalone
+from .rounds import run_rounds
 from .workloads import build_state
 
 FULL = {"size_gb": 1.0, "rounds": 3}
@@ -66,13 +68,16 @@ def run(root: str, quick: bool) -> dict:
     del state
     every = len(os.sched_getaffinity(0))
     counts = sorted({1, every})
-    samples: dict[int, list[float]] = {n: [] for n in counts}
-    for round_ in range(config["rounds"]):
-        for cores in rotated(counts, round_):
-            samples[cores].append(_in_child(directory, config["size_gb"], cores))
-            log(f"  zstd restore on {cores} core(s): {samples[cores][-1]:.3f} s")
+
+    def restore(index: int, cores: int, floor_hook) -> dict:
+        seconds = _in_child(directory, config["size_gb"], cores)
+        log(f"  zstd restore on {cores} core(s): {seconds:.3f} s")
+        return {"restore_s": seconds}
+
+    record = run_rounds(counts, config["rounds"], 0, dict, restore, name=str)
+    samples = {n: [run["restore_s"] for run in record["systems"][str(n)]["runs"]] for n in counts}
     return {"config": config, "state_bytes": nbytes, "cores": counts,
-            "restore_s": {str(n): {**spread(v), "samples": v} for n, v in samples.items()},
+            "restore_s": {str(n): spread(v, samples=True) for n, v in samples.items()},
             "speedup": ratio_spread(samples[1], samples[every])}  # one core's time over all's
 
 
@@ -85,7 +90,7 @@ def render(results: dict) -> str:
     rows = []
     for cores in block["cores"]:
         s = block["restore_s"][str(cores)]
-        rows.append(f"| {cores} | {s['median']:.3f} s ({s['min']:.3f}–{s['max']:.3f}) | "
+        rows.append(f"| {cores} | {spread_text(s, thousandths, ' s')} | "
                     f"{nbytes / s['median'] / 1e9:.2f} GB/s | "
                     f"{nbytes / s['median'] / 1e9 / cores:.2f} GB/s |")
     speedup = block["speedup"]
@@ -97,7 +102,7 @@ def render(results: dict) -> str:
         "warm-up restore first in each child. Throughput counts the state's (decoded) bytes.", "",
         "| cores | warm restore | decoded | per core |", "|---|---|---|---|", *rows, "",
         f"Speed-up of {block['cores'][-1]} cores over 1, round by round: "
-        f"×{speedup['median']:.2f} ({speedup['min']:.2f}–{speedup['max']:.2f})."])
+        f"×{spread_text(speedup, hundredths)}."])
 
 
 if __name__ == "__main__":

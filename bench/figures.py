@@ -1,11 +1,11 @@
 """From raw measurements to figures: every figure of every system, as a value with its ratio to
-the figure's floor and to the best peer, or "n/a (reason)".
+the figure's floor and to the best peer, or why there is none.
 
-A figure is ``{"unit", "title", "floor", "lower_is_better", "cases", "best_peer", "values"}``
-where ``values[system][case]`` is an entry ``{"median", "min", "max", "n", "floor", "x_floor",
-"x_best_peer", ...}`` (``measure.spread`` over the interleaved rounds: one value per round) or a
-string ``"n/a (reason)"``. Cases are state sizes for the sweep's figures (``fp32 1 GB``),
-intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory figures.
+A figure is a ``records.FigureValues`` whose ``values[system][case]`` is a ``records.Cell`` (the
+spread over the interleaved rounds, one value per round, with its ratios) or a
+``records.NotAvailable`` with the reason. Cases are state sizes for the sweep's figures
+(``fp32 1 GB``), intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory
+figures; without a training loop (the ``--stall`` preset) there are the sweep's only.
 
 * ``x_floor``: the median over rounds of the round's value / the round's floor, measured in the
   same run (for times: the floor sample of that state taken in the same round; for bytes: the
@@ -21,11 +21,12 @@ no floor (the paired loop is its zero) and no ratio to the best peer (overheads 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 from .measure import ratio_spread, spread
-from .systems import NONE, PEERS, SYSTEM_NAMES
+from .records import Cell, FigureValues, NotAvailable, Value
+from .registry import NONE, SystemSpec
 from .training import GROWTH_SKIP
 
 
@@ -85,66 +86,72 @@ SWEEP_SOURCES = {  # figure: (the key of a sweep run, the floor key it is paired
 }
 
 
-def build(sweep: dict, training: dict) -> dict:
+def build(sweep: dict, training: Optional[dict],
+          specs: Sequence[SystemSpec]) -> dict[str, FigureValues]:
+    """Every figure of ``specs`` (the preset's systems) from the sweep's and (if it ran) the
+    training loop's raw runs."""
+    names = [spec.name for spec in specs]
+    peers = {spec.name for spec in specs if not spec.ours}
     figures = {}
     for figure in SWEEP_FIGURES:
         figures[figure.key] = _figure(figure, {case: {name: _sweep_entry(figure.key, data, name)
-                                                      for name in SYSTEM_NAMES}
-                                               for case, data in sweep.items()})
+                                                      for name in names}
+                                               for case, data in sweep.items()}, peers)
+    if training is None:
+        return figures
     none_rates = _none_rates(training)
     ks = list(training["steps"])
     for figure in TRAINING_FIGURES:
-        names = ((NONE.name,) if figure.key == "throughput_steps_s" else ()) + SYSTEM_NAMES
+        loop_names = [NONE.name, *names] if figure.key == "throughput_steps_s" else names
         figures[figure.key] = _figure(figure, {
             f"K={k}": {name: _training_entry(figure.key, name, training["systems"].get(name), k,
                                              none_rates, training["floors"])
-                       for name in names}
-            for k in ks})
+                       for name in loop_names}
+            for k in ks}, peers)
     for figure in MEMORY_FIGURES:
         figures[figure.key] = _figure(figure, {"loop": {
             name: _memory_entry(figure.key, training["systems"].get(name), training["state_bytes"])
-            for name in SYSTEM_NAMES}})
+            for name in names}}, peers)
     return figures
 
 
-def _figure(figure: Figure, by_case: dict) -> dict:
-    """Add each case's best peer and every entry's ratio to it; lay values out by system."""
+def _figure(figure: Figure, by_case: dict[str, dict[str, Value]], peers: set[str]) -> FigureValues:
+    """Add each case's best peer and every value's ratio to it; lay values out by system."""
     best = {}
     for case, entries in by_case.items():
-        peers = {n: e for n, e in entries.items() if n in PEERS and isinstance(e, dict)}
-        if not peers:
+        measured = {n: e for n, e in entries.items() if n in peers and isinstance(e, Cell)}
+        if not measured:
             best[case] = None
             continue
         pick = min if figure.lower_is_better else max
-        best[case] = pick(peers, key=lambda n: peers[n]["median"])
-        reference = peers[best[case]]["median"]
+        best[case] = pick(measured, key=lambda n: measured[n].median)
+        reference = measured[best[case]].median
         meaningful = figure.peer_ratio and \
-            reference > figure.min_best_of_floor * (peers[best[case]]["floor"] or 0)
-        for entry in entries.values():
-            if isinstance(entry, dict):
-                entry["x_best_peer"] = entry["median"] / reference if meaningful and reference > 0 \
-                    else None
+            reference > figure.min_best_of_floor * (measured[best[case]].floor or 0)
+        for name, entry in entries.items():
+            if isinstance(entry, Cell):
+                entries[name] = replace(entry, x_best_peer=entry.median / reference
+                                        if meaningful and reference > 0 else None)
     names = list(next(iter(by_case.values()))) if by_case else []
-    return {"title": figure.title, "unit": figure.unit, "floor": figure.floor,
-            "lower_is_better": figure.lower_is_better, "cases": list(by_case),
-            "best_peer": best,
-            "values": {name: {case: by_case[case][name] for case in by_case} for name in names}}
+    return FigureValues(figure.title, figure.unit, figure.floor, figure.lower_is_better,
+                        list(by_case), best,
+                        {name: {case: by_case[case][name] for case in by_case} for name in names})
 
 
-def _entry(values: list, floors, **extra) -> dict:
-    """``spread(values)`` with the floor: ``floors`` one per value (the same round's: ``x_floor``
-    is the median of the pairwise ratios) or one for all (bytes)."""
+def _entry(values: list, floors, **extra) -> Cell:
+    """The spread of ``values`` with the floor: ``floors`` one per value (the same round's:
+    ``x_floor`` is the median of the pairwise ratios) or one for all (bytes)."""
     floors = list(floors) if isinstance(floors, (list, tuple)) else [floors] * len(values)
     paired = ratio_spread(values, floors)["median"] if all(floors) else None
-    return {**spread(values), "floor": spread(floors)["median"] if all(floors) else None,
-            "x_floor": paired, **extra}
+    return Cell(**spread(values), floor=spread(floors)["median"] if all(floors) else None,
+                x_floor=paired, extra=extra)
 
 
-def _na(block: Optional[dict], default: str = "did not run") -> Optional[str]:
+def _na(block: Optional[dict], default: str = "did not run") -> Optional[NotAvailable]:
     if block is None:
-        return f"n/a ({default})"
+        return NotAvailable(default)
     if not block.get("available", True):
-        return f"n/a ({block['reason']})"
+        return NotAvailable(block["reason"])
     return None
 
 
@@ -175,7 +182,7 @@ def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rat
                     floors: list):
     if name == NONE.name:
         if key != "throughput_steps_s" or not none_rates[k]:
-            return "n/a (no snapshots)"
+            return NotAvailable("no snapshots")
         return _entry(none_rates[k], none_rates[k], drain_s=0.0)
     missing = _na(block)
     if missing:
@@ -205,10 +212,10 @@ def _memory_entry(key: str, block: Optional[dict], state_bytes: int):
     elif key == "writer_peak_bytes":
         values = [r["writer_peak_bytes"] for r in rounds]
         if not any(values):
-            return "n/a (writes in the training process: counted in the trainer's RSS)"
+            return NotAvailable("writes in the training process: counted in the trainer's RSS")
     else:
         if any(r["trainer_growth_per_snapshot_bytes"] is None for r in rounds):
-            return f"n/a (fewer than 3 snapshots after the first {GROWTH_SKIP} of a round)"
+            return NotAvailable(f"fewer than 3 snapshots after the first {GROWTH_SKIP} of a round")
         # whole bytes: the fit's float noise is not growth
         values = [round(r["trainer_growth_per_snapshot_bytes"]
                         + (r["writer_growth_per_snapshot_bytes"] or 0.0)) for r in rounds]

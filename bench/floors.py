@@ -27,15 +27,11 @@ next to every way's time (``durable_ways``, ...). The ways run in the order of `
 preallocated, pre-faulted buffer. No way runs right after a large deletion: the files are removed
 together at the end, with their directory fsynced (``measure.remove(settle=True)``), and the sweep
 takes its floor sample before the cleanup of the system it runs next to.
-
-An informative extra, off unless asked for: a copy into a memfd-like shared-memory buffer as the
-engine's staging slots are (``copy_shm_s``).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -44,7 +40,7 @@ from typing import Optional, Union
 
 import torch
 
-from .measure import evict, fsync_dir, remove, rotated, settle, spread, timed
+from .measure import evict, fsync_dir, remove, rotated, settle, timed
 
 FLOOR_KEYS = ("copy_s", "durable_s", "read_cache_s", "read_cold_s")
 MIB = 1 << 20
@@ -81,23 +77,15 @@ class Floors:
     """The floors for ``nbytes``, measured on demand (``measure()``) so they can be interleaved
     with the systems' runs; every sample is kept in ``samples``."""
 
-    def __init__(self, directory: str, nbytes: int, shm: bool = False):
+    def __init__(self, directory: str, nbytes: int):
         self.directory, self.nbytes = directory, nbytes
         self.src = torch.ones(nbytes, dtype=torch.uint8)  # faulted in by the fill
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
-        self._shm: Optional[mmap.mmap] = None
-        self.shm: Optional[torch.Tensor] = None
-        if shm:
-            self._shm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)  # like a staging slot
-            self.shm = torch.frombuffer(self._shm, dtype=torch.uint8)
-            self.shm.fill_(0)
-        self.buffer_bytes = (3 if shm else 2) * nbytes
+        self.buffer_bytes = 2 * nbytes
         self.samples: list[dict] = []
 
     def measure(self) -> dict:
         sample = {"copy_s": timed(lambda: self.dst.copy_(self.src))}
-        if self.shm is not None:
-            sample["copy_shm_s"] = timed(lambda: self.shm.copy_(self.src))
         sample.update(self._disk(len(self.samples)))
         self.samples.append(sample)
         return sample
@@ -181,16 +169,6 @@ class Floors:
 
     def close(self) -> None:
         self.src = self.dst = None
-        if self._shm is not None:
-            self.shm = None
-            self._shm.close()
-            self._shm = None
-
-
-def medians(samples: list[dict]) -> dict:
-    """{floor key: ``spread``} over ``samples``, of the times only (not the ways' names)."""
-    return {k: spread([s[k] for s in samples]) for k, v in samples[0].items()
-            if isinstance(v, float)}
 
 
 def read_into(path: str, dst: torch.Tensor, chunk: int = READ_CHUNK) -> None:

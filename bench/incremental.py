@@ -11,10 +11,11 @@ with a trainable low-rank adapter (about 20 MB) and its AdamW state. Two runs of
 Each snapshot follows one optimizer step of the adapter (gradients are random: the benchmark
 measures checkpointing, not a forward pass through the base). Reported per snapshot: blocking
 time (what ``snapshot()`` costs the loop) and bytes written (the shard), median of the
-repetitions with min-max, and their ratios (target: at most 1.2x for both). The first snapshot of
-each run is a warm-up (for the incremental run, the full one, reported apart); every snapshot is
-committed (``wait()``) before the next, so each finds its predecessor committed, and the two runs
-take turns so that a noisy machine slows both alike.
+repetitions with min-max, and their ratios (target: at most 1.2x for both). The two runs take
+turns in interleaved rounds (``rounds.run_rounds``: one snapshot of each per round, the order
+rotating), so that a noisy machine slows both alike; the first round is a warm-up (for the
+incremental run, its full snapshot, reported apart); every snapshot is committed (``wait()``)
+before the next, so each finds its predecessor committed.
 
 Self-contained on purpose (``run`` and ``render`` are its only entry points, from
 ``bench/__main__.py`` and ``bench/report.py``). Run alone: ``python -m bench.incremental [--quick]``.
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
 from async_ckpt import CheckpointEngine
 
-from .measure import ratio_spread, spread, standalone
+from .markdown import hundredths, spread_text
+from .measure import ratio_spread, spread, standalone, timed
+from .rounds import run_rounds
 from .workloads import tensor_bytes
 
 FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter
@@ -60,34 +62,31 @@ def train_step(state: dict) -> None:
     state["optimizer"].zero_grad()
 
 
-def _spread(values: list[float]) -> dict:
-    return {**spread(values), "samples": values}
-
-
-def measure(states: dict, root: str, repetitions: int) -> dict:
+def measure(states: dict, root: str, repetitions: int, nbytes: int) -> dict:
     """Blocking time and shard bytes of ``repetitions`` snapshots after a warm-up one, for each
-    run of ``states`` (name -> (state, engine options)). The runs take turns, snapshot by
-    snapshot, so that a noisy machine slows them alike."""
+    run of ``states`` (name -> (state, engine options)), one snapshot of each per interleaved
+    round, after the disk settled (for at most the time it takes to write ``nbytes``)."""
     engines = {name: CheckpointEngine(os.path.join(root, f"incremental-{name.replace(' ', '-')}"),
                                       state, heartbeat_interval=None, **options)
                for name, (state, options) in states.items()}
-    blocking = {name: [] for name in states}
+
+    def snapshot(index: int, name: str, floor_hook) -> dict:
+        train_step(states[name][0])
+        took = timed(lambda: engines[name].snapshot(index))
+        engines[name].wait()
+        return {"blocking_s": took}
+
     try:
-        for step in range(repetitions + 1):
-            for name, engine in engines.items():
-                train_step(states[name][0])
-                start = time.perf_counter()
-                engine.snapshot(step)
-                took = time.perf_counter() - start
-                engine.wait()
-                if step:
-                    blocking[name].append(took)
+        record = run_rounds(list(states), repetitions + 1, 0, dict, snapshot, name=str,
+                            settle_bytes=nbytes)
         figures = {name: engine.stats()["snapshots"] for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
-    return {name: {"blocking_s": _spread(blocking[name]),
-                   "written_bytes": _spread([float(f["shard_bytes"]) for f in snapshots[1:]]),
+    return {name: {"blocking_s": spread([r["blocking_s"] for r in
+                                         record["systems"][name]["runs"][1:]], samples=True),
+                   "written_bytes": spread([float(f["shard_bytes"]) for f in snapshots[1:]],
+                                           samples=True),
                    "first": {"blocking_s": snapshots[0]["blocking_s"],
                              "written_bytes": snapshots[0]["shard_bytes"]}}
             for name, snapshots in figures.items()}
@@ -104,7 +103,8 @@ def run(root: str, quick: bool) -> dict:
     print(f"incremental: base {nbytes['base'] / 1e6:.1f} MB, adapter and AdamW state "
           f"{nbytes['trainable'] / 1e6:.1f} MB", file=sys.stderr)
     runs = measure({"incremental": (state, {"incremental": True}),
-                    "trainable only": (trainable, {})}, root, config["repetitions"])
+                    "trainable only": (trainable, {})}, root, config["repetitions"],
+                   nbytes["base"] + nbytes["trainable"])
     ratios = {key: ratio_spread(runs["incremental"][key]["samples"],
                                 runs["trainable only"][key]["samples"])
               for key in ("blocking_s", "written_bytes")}  # pairwise: the runs take turns
@@ -119,11 +119,10 @@ def render(results: dict) -> str:
         return ""
     rows = []
     for name, r in block["runs"].items():
-        b, w = r["blocking_s"], r["written_bytes"]
-        rows.append(f"| {name} | {b['median'] * 1e3:.1f} ms ({b['min'] * 1e3:.1f}–"
-                    f"{b['max'] * 1e3:.1f}) | {w['median'] / 1e6:.2f} MB ({w['min'] / 1e6:.2f}–"
-                    f"{w['max'] / 1e6:.2f}) | {r['first']['blocking_s'] * 1e3:.1f} ms, "
-                    f"{r['first']['written_bytes'] / 1e6:.1f} MB |")
+        first = r["first"]
+        rows.append(f"| {name} | {spread_text(r['blocking_s'], _ms, ' ms')} | "
+                    f"{spread_text(r['written_bytes'], _mb, ' MB')} | "
+                    f"{first['blocking_s'] * 1e3:.1f} ms, {first['written_bytes'] / 1e6:.1f} MB |")
     ratios = block["ratios"]
     verdict = ("within" if max(r["median"] for r in ratios.values()) <= block["target_ratio"]
                else "OUTSIDE")
@@ -135,13 +134,18 @@ def render(results: dict) -> str:
         "first snapshot of each run (for the incremental run the full one) apart.", "",
         "| run | blocking per snapshot | written per snapshot | first snapshot |",
         "|---|---|---|---|", *rows, "",
-        f"Incremental / trainable only, snapshot by snapshot: blocking {_ratio(ratios['blocking_s'])}, "
-        f"written {_ratio(ratios['written_bytes'])} (medians {verdict} the ×{block['target_ratio']} "
-        "target)."])
+        "Incremental / trainable only, snapshot by snapshot: blocking "
+        f"×{spread_text(ratios['blocking_s'], hundredths)}, written "
+        f"×{spread_text(ratios['written_bytes'], hundredths)} (medians {verdict} the "
+        f"×{block['target_ratio']} target)."])
 
 
-def _ratio(r: dict) -> str:
-    return f"×{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from .markdown import milliseconds, spread_text, thousandths
 from .measure import log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
@@ -118,10 +119,8 @@ def render(results: dict) -> str:
     f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
     def cell(key: str) -> str:
-        s = f[key]
-        return f"{s['median'] * 1e3:.0f} ms ({s['min'] * 1e3:.0f}–{s['max'] * 1e3:.0f})"
+        return spread_text(f[key], milliseconds, " ms")
 
-    blocking = r["blocking"]
     return "\n".join([
         "### Accelerate: a save's blocking time, the adapter against `save_state()`", "",
         f"{mb:.0f} MB of model and AdamW state, a scheduler and a prepared stateful loader; "
@@ -129,7 +128,7 @@ def render(results: dict) -> str:
         "| per save | adapter `snapshot()` | `accelerator.save_state()` | ratio |",
         "|---|---|---|---|",
         f"| training process blocked | {cell('adapter_blocking_s')} | {cell('save_state_s')} | "
-        f"×{blocking['median']:.3f} ({blocking['min']:.3f}–{blocking['max']:.3f}) |",
+        f"×{spread_text(r['blocking'], thousandths)} |",
         f"| durable | after {cell('adapter_to_commit_s')}, in the background (fsync, "
         "committed) | never fsynced | |"])
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .markdown import spread_text
 from .measure import log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
@@ -153,11 +154,10 @@ def render(results: dict) -> str:
     f, r, config = block["figures"], block["ratios"], block["config"]
 
     def seconds(s: dict) -> str:
-        return f"{s['median']:.3g} ({s['min']:.3g}–{s['max']:.3g})"
+        return spread_text(s, lambda x: f"{x:.3g}")
 
     def ratio(peer: str, key: str) -> str:
-        x = r[peer][key]
-        return f"{x['median']:.2g}× ({x['min']:.2g}×–{x['max']:.2g}×)"
+        return spread_text(r[peer][key], lambda x: f"{x:.2g}×")
 
     lines = [
         "### Lightning: blocking time per save, by checkpoint IO plugin", "",

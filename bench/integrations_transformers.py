@@ -24,7 +24,8 @@ import warnings
 
 import torch
 
-from .measure import log, ratio_spread, rotated, spread, timed, standalone
+from .markdown import milliseconds, spread_text, thousandths
+from .measure import log, ratio_spread, rotated, spread, standalone, timed
 
 FULL = {"model": {"n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 8192}, "rounds": 4}
 QUICK = {"model": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512}, "rounds": 2}
@@ -116,8 +117,7 @@ def render(results: dict) -> str:
     f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
     def cell(key: str) -> str:
-        s = f[key]
-        return f"{s['median'] * 1e3:.0f} ms ({s['min'] * 1e3:.0f}–{s['max'] * 1e3:.0f})"
+        return spread_text(f[key], milliseconds, " ms")
 
     lines = ["### Hugging Face Trainer: a checkpoint save", "",
              f"GPT-2 from a config with AdamW, {mb:.0f} MB of state; median of "
@@ -128,9 +128,8 @@ def render(results: dict) -> str:
              f"| {VARIANTS['stock'][0]} | {cell('stock_s')} | ×1 | | |"]
     for name, (label, _) in VARIANTS.items():
         if name != "stock":
-            ratio = r[name]
-            lines.append(f"| {label} | {cell(f'{name}_s')} | ×{ratio['median']:.3f} "
-                         f"({ratio['min']:.3f}–{ratio['max']:.3f}) | "
+            lines.append(f"| {label} | {cell(f'{name}_s')} | "
+                         f"×{spread_text(r[name], thousandths)} | "
                          f"{cell(f'{name}_snapshot_s')} | {cell(f'{name}_commit_s')} |")
     return "\n".join(lines)
 

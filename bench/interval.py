@@ -11,29 +11,34 @@ mean time between failures and the run's length are the benchmark's ``--mtbf`` a
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from async_ckpt.tools.advise import advise, expected_loss
 
-from .systems import SYSTEMS
+from .records import Cell, Consistency, NotAvailable
+from .registry import SystemSpec
 
 
-def advice(results: dict, mtbf_s: float, run_length_s: float) -> dict:
+def advice(results: dict, specs: Sequence[SystemSpec], mtbf_s: float, run_length_s: float) -> dict:
+    """For each of ``specs``: ``advise``'s dict, or ``NotAvailable``."""
     figures = results["figures"]
     throughput = figures["throughput_steps_s"]
-    k_last = throughput["cases"][-1]
-    step_s = 1 / throughput["values"]["no checkpointing"][k_last]["median"]
+    k_last = throughput.cases[-1]
+    step_s = 1 / throughput.values["no checkpointing"][k_last].median
     total_steps = max(1, round(run_length_s / step_s))
     rows = {}
-    for spec in SYSTEMS:
-        blocking = figures["loop_blocking_s"]["values"][spec.name][k_last]
+    for spec in specs:
+        blocking = figures["loop_blocking_s"].values[spec.name][k_last]
         check = results["consistency"].get(spec.name)
-        if not isinstance(blocking, dict) or not isinstance(check, dict):
-            rows[spec.name] = blocking if isinstance(blocking, str) else "n/a (did not run)"
+        if not isinstance(blocking, Cell) or not isinstance(check, Consistency):
+            rows[spec.name] = blocking if isinstance(blocking, NotAvailable) else \
+                NotAvailable("did not run")
             continue
-        b = blocking["median"]
-        cost = b if spec.blocking else max(b, check["to_commit_s"])
+        b = blocking.median
+        cost = b if spec.blocking else max(b, check.to_commit_s)
         result = advise(step_s, cost, mtbf_s, blocking_s=b, total_steps=total_steps)
         result["at_measured_k"] = {case: expected_loss(step_s, cost, mtbf_s, int(case[2:]), b)
-                                   for case in throughput["cases"]}
+                                   for case in throughput.cases}
         rows[spec.name] = result
     return {"mtbf_s": mtbf_s, "run_length_s": run_length_s, "step_time_s": step_s,
             "total_steps": total_steps, "systems": rows}

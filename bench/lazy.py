@@ -31,8 +31,10 @@ import torch
 
 from async_ckpt.train import staging
 
+from .markdown import hundredths, spread_text
 from .measure import ratio_spread, spread, standalone
-from .systems import DCP_CACHED, OURS_ASYNC, Engine, SystemSpec
+from .registry import DCP_CACHED, OURS_ASYNC, SystemSpec
+from .systems import Engine
 from .training import run_training
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10),
@@ -123,9 +125,10 @@ def render(results: dict) -> str:
         cells = []
         for k in ks:
             c = f["ks"][k]
-            extra = (f" ({_pct(c['overhead_vs_full_threads'])} against {torch_threads_note()})"
-                     if "overhead_vs_full_threads" in c else "")
-            cells.append(f"{_pct(c['overhead'])}{extra} · {_ratio(c['blocking_x_copy'])} "
+            extra = (f" ({_pct(c['overhead_vs_full_threads'])} against the full-thread loop "
+                     "without checkpointing)" if "overhead_vs_full_threads" in c else "")
+            cells.append(f"{_pct(c['overhead'])}{extra} · "
+                         f"×{spread_text(c['blocking_x_copy'], hundredths)} "
                          f"({c['blocking_s']['median'] * 1e3:.1f} ms)")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     floor = block["copy_floor_s"]
@@ -140,17 +143,9 @@ def render(results: dict) -> str:
         f"| system | {head} |", "|---|" + "---|" * len(ks), *rows])
 
 
-def torch_threads_note() -> str:
-    return "the full-thread loop without checkpointing"
-
-
 def _pct(r: dict) -> str:
     return (f"{(r['median'] - 1) * 100:+.1f}% ({(r['min'] - 1) * 100:+.1f}%–"
             f"{(r['max'] - 1) * 100:+.1f}%)")
-
-
-def _ratio(r: dict) -> str:
-    return f"×{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
 
 
 if __name__ == "__main__":

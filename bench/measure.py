@@ -38,14 +38,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def spread(values: Sequence[float]) -> dict:
-    """The one summary of repeated measurements: ``{"median", "min", "max", "n"}``. Min-max rather
-    than a percentile because there are only a few (interleaved) repetitions per cell."""
+def spread(values: Sequence[float], samples: bool = False) -> dict:
+    """The one summary of repeated measurements: ``{"median", "min", "max", "n"}`` (and the
+    values as ``"samples"``). Min-max rather than a percentile because there are only a few
+    (interleaved) repetitions per cell."""
     values = [float(v) for v in values]
     if not values:
         raise ValueError("no values to summarise")
     return {"median": float(np.median(values)), "min": min(values), "max": max(values),
-            "n": len(values)}
+            "n": len(values), **({"samples": values} if samples else {})}
 
 
 def ratio_spread(values: Sequence[float], references: Sequence[float]) -> dict:
@@ -54,14 +55,6 @@ def ratio_spread(values: Sequence[float], references: Sequence[float]) -> dict:
     if len(values) != len(references):
         raise ValueError(f"{len(values)} values against {len(references)} references")
     return spread([v / r for v, r in zip(values, references)])
-
-
-def paired_ratio(runs: Sequence[dict], key: str, floor_key: str) -> float:
-    """Median over runs of each run's ``key`` / the mean of the two floor samples measured just
-    before and just after it (``run["floor_before"]``, ``run["floor_after"]``)."""
-    return ratio_spread([r[key] for r in runs],
-                        [(r["floor_before"][floor_key] + r["floor_after"][floor_key]) / 2
-                         for r in runs])["median"]
 
 
 def rotated(items: Sequence, shift: int) -> list:

@@ -3,7 +3,7 @@
 * ``blocking_vs_size.png``: blocking time (left) and time to durable (right) against the fp32
   state size, one line per system, with the copy and disk floors as dashed black lines.
 * ``throughput_vs_k.png``: training steps/s (left) and time overhead against no checkpointing
-  (right) against the snapshot interval K, one line per system.
+  (right) against the snapshot interval K, one line per system (where the training loop ran).
 
 async_ckpt's systems are drawn with solid thick lines, the peers thinner and dashed.
 """
@@ -13,28 +13,36 @@ from __future__ import annotations
 import math
 import os
 
-from .systems import NONE, SYSTEMS
+from .records import Cell, FigureValues
+from .registry import NONE
 
 FILES = ("blocking_vs_size.png", "throughput_vs_k.png")
 _RATIO_TICKS = (0.25, 0.5, 0.8, 1.0, 1.05, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 200)
 
 
 def write(results: dict, out: str) -> list[str]:
+    """The plots of results.json's ``results`` into ``out``: the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = [os.path.join(out, name) for name in FILES]
-    for path, draw in zip(paths, (_blocking_vs_size, _throughput_vs_k)):
-        fig = draw(results, plt)
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
+    figures = {key: FigureValues.from_json(f) for key, f in results["figures"].items()}
+    draws = (_blocking_vs_size, _throughput_vs_k if "training" in results["raw"] else None)
+    paths = []
+    for name, draw in zip(FILES, draws):
+        if draw is not None:
+            fig = draw(results, figures, plt)
+            paths.append(os.path.join(out, name))
+            fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+            plt.close(fig)
     return paths
 
 
-def _style(spec, index: int) -> dict:
-    return {"linewidth": 2.4 if spec.ours else 1.3, "linestyle": "-" if spec.ours else "--",
-            "marker": "o" if spec.ours else "s", "markersize": 5 if spec.ours else 3.5,
+def _style(system: dict, index: int) -> dict:
+    """async_ckpt's lines (``results["systems"][index]["ours"]``) thick and solid."""
+    ours = system["ours"]
+    return {"linewidth": 2.4 if ours else 1.3, "linestyle": "-" if ours else "--",
+            "marker": "o" if ours else "s", "markersize": 5 if ours else 3.5,
             "color": f"C{index % 10}"}
 
 
@@ -62,8 +70,8 @@ def _legend_below(fig, axes) -> None:
                bbox_to_anchor=(0.5, 0.0), frameon=False)
 
 
-def _blocking_vs_size(results: dict, plt):
-    sweep, figures = results["raw"]["sweep"], results["figures"]
+def _blocking_vs_size(results: dict, figures: dict[str, FigureValues], plt):
+    sweep = results["raw"]["sweep"]
     cases = sorted((c for c in sweep if sweep[c]["dtype"] == "fp32"),
                    key=lambda c: sweep[c]["bytes"])
     gb = [sweep[c]["bytes"] / 1e9 for c in cases]
@@ -72,12 +80,12 @@ def _blocking_vs_size(results: dict, plt):
               ("to_durable_s", "time from snapshot() to durable (s)", "durable_s",
                "floor: fastest durable write"))
     for ax, (key, label, floor_key, floor_label) in zip(axes, panels):
-        for index, spec in enumerate(SYSTEMS):
-            values = figures[key]["values"][spec.name]
-            points = [(x, values[c]["median"]) for x, c in zip(gb, cases)
-                      if isinstance(values[c], dict)]
+        for index, system in enumerate(results["systems"]):
+            values = figures[key].values[system["name"]]
+            points = [(x, values[c].median) for x, c in zip(gb, cases)
+                      if isinstance(values[c], Cell)]
             if points:
-                ax.plot(*zip(*points), label=spec.name, **_style(spec, index))
+                ax.plot(*zip(*points), label=system["name"], **_style(system, index))
         floors = [results["floors"][c][floor_key]["median"] for c in cases]
         ax.plot(gb, floors, color="black", linestyle=":", linewidth=2, label=floor_label)
         ax.set_xscale("log")
@@ -93,27 +101,26 @@ def _blocking_vs_size(results: dict, plt):
     return fig
 
 
-def _throughput_vs_k(results: dict, plt):
+def _throughput_vs_k(results: dict, figures: dict[str, FigureValues], plt):
     from matplotlib.ticker import FuncFormatter
 
-    figure = results["figures"]["throughput_steps_s"]
-    ks = [int(c.split("=")[1]) for c in figure["cases"]]
+    figure = figures["throughput_steps_s"]
+    ks = [int(c.split("=")[1]) for c in figure.cases]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    none = [figure["values"][NONE.name][c]["median"] for c in figure["cases"]]
+    none = [figure.values[NONE.name][c].median for c in figure.cases]
     axes[0].plot(ks, none, color="black", linestyle=":", linewidth=2, label=NONE.name)
     axes[1].axhline(1.0, color="black", linestyle=":", linewidth=2)
-    for index, spec in enumerate(SYSTEMS):
-        values = figure["values"][spec.name]
-        points = [(k, values[c]) for k, c in zip(ks, figure["cases"])
-                  if isinstance(values[c], dict)]
+    for index, system in enumerate(results["systems"]):
+        values = figure.values[system["name"]]
+        points = [(k, values[c]) for k, c in zip(ks, figure.cases) if isinstance(values[c], Cell)]
         if not points:
             continue
-        style = _style(spec, index)
-        axes[0].plot([k for k, _ in points], [e["median"] for _, e in points], label=spec.name,
+        style = _style(system, index)
+        axes[0].plot([k for k, _ in points], [e.median for _, e in points], label=system["name"],
                      **style)
-        overhead = results["figures"]["step_overhead_pct"]["values"][spec.name]
-        axes[1].plot([k for k, _ in points], [1 + overhead[f"K={k}"]["median"] / 100
-                                              for k, _ in points], label=spec.name, **style)
+        overhead = figures["step_overhead_pct"].values[system["name"]]
+        axes[1].plot([k for k, _ in points], [1 + overhead[f"K={k}"].median / 100
+                                              for k, _ in points], label=system["name"], **style)
     axes[0].set_ylabel("training steps/s (higher is better)")
     axes[1].set_ylabel("training time vs no checkpointing (log scale)")
     axes[1].set_yscale("log")

@@ -20,7 +20,7 @@ fastest way to make the state's bytes durable (``floors.Floors``; written once i
 disk both ranks share). Every figure of round
 ``i`` is paired with round ``i``'s floors and peers. ``run(root, quick)`` (called by ``python -m
 bench``) starts ``torchrun --nproc-per-node 2 -m bench.ranks --worker ...`` and returns the
-figures.
+figures; ``render(results)`` is the report's section. Alone: ``python -m bench.ranks [--quick]``.
 """
 
 from __future__ import annotations
@@ -31,68 +31,74 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-from typing import Callable, Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .floors import Floors
-from .measure import log, ratio_spread, remove, spread, timed
+from .markdown import factor, median_range, number, table
+from .measure import log, ratio_spread, remove, spread, standalone, timed
+from .registry import RANK_SYSTEMS, SystemSpec
 from .rounds import FloorHook, run_rounds
-from .systems import Engine, System, Unavailable
+from .systems import System, Unavailable
 from .workloads import build_state
 
 RANKS = 2
 FULL = {"size_gb": 0.5, "rounds": 3}
 QUICK = {"size_gb": 0.008, "rounds": 1}  # a smoke test: torchrun runs cost seconds each
-REPLICATED = ("model", "optimizer")
-
-
-def _ours(name: str, spread: bool) -> tuple[str, bool, Callable[[dict, str], System]]:
-    return name, True, lambda state, d: Engine(state, d, name, "async", None,
-                                               replicated=REPLICATED, spread_replicated=spread)
-
-
-def _dcp(name: str, stager: str) -> tuple[str, bool, Callable[[dict, str], System]]:
-    def open_(state: dict, directory: str) -> System:
-        from .dcp import DcpAsync
-        return DcpAsync(name, state, directory, "thread", stager)
-    return name, False, open_
-
-
-SYSTEMS = (
-    _ours("async_ckpt async, replicated written by rank 0", spread=False),
-    _ours("async_ckpt async, replicated spread over ranks", spread=True),
-    _dcp("DCP async_save (default stager)", "default"),
-    _dcp("DCP async_save (cached shm stager)", "cached"),
-)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
     """Run the workers under torchrun; the figures, or why they could not be measured."""
     preset = QUICK if quick else FULL
     rounds = preset["rounds"] if rounds is None else rounds
-    out = os.path.join(root, "ranks.json")
+    return summarise(torchrun("two ranks", "bench.ranks", RANKS, os.path.join(root, "ranks"),
+                              preset["size_gb"], rounds))
+
+
+def torchrun(what: str, module: str, world: int, directory: str, size_gb: float, rounds: int,
+             *options: str) -> dict:
+    """``python -m MODULE --worker ...`` on ``world`` ranks under torchrun, from the repository
+    root, working in ``directory``: what rank 0 wrote (``finish``). What the run printed is shown
+    only if it fails."""
+    out = directory + ".json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={RANKS}", "-m", "bench.ranks", "--worker", "--dir",
-               os.path.join(root, "ranks"), "--out", out, "--size-gb", str(preset["size_gb"]),
-               "--rounds", str(rounds)]
-    log(f"two ranks: {' '.join(command[2:])}")
-    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               f"--nproc-per-node={world}", "-m", module, "--worker", "--dir", directory,
+               "--out", out, "--size-gb", str(size_gb), "--rounds", str(rounds), *options]
+    log(f"{what}: {' '.join(command[2:])}")
+    done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the two-rank benchmark failed ({done.returncode}):\n"
-                           + done.stdout[-4000:])
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n" + done.stdout[-4000:])
     with open(out, encoding="utf-8") as f:
-        return summarise(json.load(f))
+        return json.load(f)
 
 
 def summarise(raw: dict) -> dict:
     """Medians with their min-max spread over the rounds, their ratios to the same round's floors
-    (pairwise) and to the best peer (of medians)."""
+    (pairwise: their median) and to the best peer (of medians)."""
+    summary = summarise_saving(raw, RANK_SYSTEMS)
+    systems = summary["systems"]
+    for key in ("blocking_s", "to_commit_s"):
+        peers = [s[key]["median"] for s in systems.values() if s["available"] and not s["ours"]]
+        for s in systems.values():
+            if s["available"]:
+                s[key.replace("_s", "_x_floor")] = s[key.replace("_s", "_x_floor")]["median"]
+                s[key.replace("_s", "_x_best_peer")] = s[key]["median"] / min(peers) if peers \
+                    else None
+    return {"ranks": RANKS, "state_bytes": raw["state_bytes"], "floors": summary["floors"],
+            "floor_ways": summary["floor_ways"], "rounds": raw["rounds"], "systems": systems,
+            "loads": raw["loads"], "raw": raw}
+
+
+def summarise_saving(raw: dict, specs: Sequence[SystemSpec]) -> dict:
+    """``save_rounds``' record as ``{"floors", "floor_ways", "systems"}``: per system, its bytes
+    (the last round's: in all, per rank) and, for blocking and time to commit, the spread over the
+    rounds and the spread of its per-round ratios to the round's floor (``*_x_floor``)."""
     floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "durable_s")}
-    ours = {name for name, is_ours, _ in SYSTEMS if is_ours}
+    ours = {spec.name for spec in specs if spec.ours}
     systems = {}
     for name, block in raw["systems"].items():
         if not block["available"]:
@@ -106,61 +112,70 @@ def summarise(raw: dict) -> dict:
             values = [r[key] for r in runs]
             systems[name][key] = spread(values)
             systems[name][key.replace("_s", "_x_floor")] = ratio_spread(
-                values, [floors[floor_key][r["round"]] for r in runs])["median"]
-    for key in ("blocking_s", "to_commit_s"):
-        peers = [s[key]["median"] for s in systems.values() if s["available"] and not s["ours"]]
-        for s in systems.values():
-            if s["available"]:
-                s[key.replace("_s", "_x_best_peer")] = s[key]["median"] / min(peers) if peers \
-                    else None
-    return {"ranks": RANKS, "state_bytes": raw["state_bytes"],
-            "floors": {key: spread(values) for key, values in floors.items()},
-            "floor_ways": [s["durable_way"] for s in raw["floors"]], "rounds": raw["rounds"],
-            "systems": systems, "loads": raw["loads"], "raw": raw}
+                values, [floors[floor_key][r["round"]] for r in runs])
+    return {"floors": {key: spread(values) for key, values in floors.items()},
+            "floor_ways": [s["durable_way"] for s in raw["floors"]], "systems": systems}
 
 
 # --- the worker (one per rank, under torchrun) ---------------------------------------------------
 
 
-def worker(directory: str, out: str, size_gb: float, rounds: int) -> None:
+def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    state, nbytes = build_state(size_gb)  # seeded: the same on both ranks
-    os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
-    floors = Floors(os.path.join(directory, "floors"), nbytes) if rank == 0 else None
+    state, nbytes = build_state(args.size_gb)  # seeded: the same on both ranks
+    record = save_rounds(RANK_SYSTEMS, state, args.dir, args.rounds, nbytes, nbytes)
+    finish(args.out, {"state_bytes": nbytes, "rounds": args.rounds, **record})
 
-    def floor_sample() -> dict:
-        sample = floors.measure() if floors is not None else {}
-        dist.barrier()
-        return sample
 
-    names = [name for name, _, _ in SYSTEMS]
-
-    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
-        name, _, open_ = system
-        slot = f"r{index}-s{names.index(name)}"  # one directory each: rank 0 removes it
-        run = run_round(open_, state, os.path.join(directory, slot), floor_hook)
-        if run["available"]:
-            log(f"  {name}: blocking {run['blocking_s']:.3f} s, to commit {run['to_commit_s']} s")
-        return run
-
-    record = run_rounds(SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda system: system[0],
-                        settle_bytes=nbytes)
-    if rank == 0:
-        floors.close()
+def finish(out: str, found: dict) -> None:
+    """A worker's end: rank 0 writes what it found to ``out`` (``torchrun`` returns it); the
+    process group goes while Python is alive, with the objects that hold it, not at exit."""
+    if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as f:
-            json.dump({"state_bytes": nbytes, "rounds": rounds, **record}, f)
-    gc.collect()  # objects that hold the group go while Python is alive, not at exit
+            json.dump(found, f)
+    gc.collect()
     dist.destroy_process_group()
 
 
-def run_round(open_: Callable[[dict, str], System], state: dict, directory: str,
-              floor_hook: FloorHook) -> dict:
+def save_rounds(specs: Sequence[SystemSpec], state: dict, directory: str, rounds: int,
+                nbytes: int, share: int) -> dict:
+    """``rounds.run_rounds`` of ``run_round`` for each of ``specs``, on every rank. Floors, on
+    rank 0 while the others wait: ``copy_`` of ``share`` bytes (what each rank must copy at
+    least) and the disk floor of the ``nbytes`` the ranks write in all, on the one disk."""
+    os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
+    floors = Floors(os.path.join(directory, "floors"), nbytes) if dist.get_rank() == 0 else None
+
+    def floor_sample() -> dict:
+        sample = {}
+        if floors is not None:
+            sample = {**floors.measure(),
+                      "copy_s": timed(lambda: floors.dst[:share].copy_(floors.src[:share]))}
+        dist.barrier()
+        return sample
+
+    names = [spec.name for spec in specs]
+
+    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> dict:
+        slot = f"r{index}-s{names.index(spec.name)}"  # one directory each: rank 0 removes it
+        run = run_round(spec, state, os.path.join(directory, slot), floor_hook)
+        if run["available"]:
+            log(f"  {dist.get_world_size()} ranks, {spec.name}: blocking {run['blocking_s']:.3f} "
+                f"s, to commit {run['to_commit_s']} s")
+        return run
+
+    try:
+        return run_rounds(specs, rounds, 0, floor_sample, run_slot, settle_bytes=nbytes)
+    finally:
+        if floors is not None:
+            floors.close()
+
+
+def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHook) -> dict:
     """One system for one round on both ranks: a warm-up and a measured snapshot; the round's
     floor sample (``floor_hook``) runs before the system closes and its files go."""
     rank = dist.get_rank()
     try:
-        system = open_(state, directory)
+        system = spec.open(state, directory)
     except Unavailable as e:
         return {"available": False, "reason": str(e)}
     try:
@@ -168,11 +183,11 @@ def run_round(open_: Callable[[dict, str], System], state: dict, directory: str,
             dist.barrier()
             seconds = timed(lambda: system.save(step))
             system.wait()
-            slowest = max(_gather(seconds))
+            slowest = max(gather(seconds))
         run = {"available": True, "blocking_s": slowest,
                "to_commit_s": system.to_commit_s() if rank == 0 else None,
                "stored_bytes": system.stored_bytes() if rank == 0 else None,
-               "bytes_per_rank": _gather(_own_bytes(system, rank))}
+               "bytes_per_rank": gather(_own_bytes(system, rank))}
         if floor_hook is not None:
             floor_hook()
     finally:
@@ -190,31 +205,65 @@ def _own_bytes(system: System, rank: int) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in mine)
 
 
-def _gather(value):
+def gather(value) -> list:
+    """``value`` of every rank, in rank order."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.ranks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--dir")
-    parser.add_argument("--out")
+def render(results: dict) -> str:
+    """The report's section; empty for results without this benchmark's block."""
+    ranks = results.get("ranks")
+    if not ranks:
+        return ""
+    floors = ranks["floors"]
+    rows = []
+    for name, s in ranks["systems"].items():
+        if not s["available"]:
+            rows.append([name, f"n/a ({s['reason']})", "", ""])
+            continue
+        rows.append([
+            name,
+            f"{median_range(s['blocking_s'])} · {factor(s['blocking_x_floor'])} · "
+            f"{factor(s['blocking_x_best_peer'])}",
+            f"{median_range(s['to_commit_s'])} · {factor(s['to_commit_x_floor'])} · "
+            f"{factor(s['to_commit_x_best_peer'])}",
+            f"{_mb(s['stored_bytes'])} ({' + '.join(_mb(b) for b in s['bytes_per_rank'])})"])
+    return (f"### {ranks['ranks']} ranks under torchrun (gloo), "
+            f"{ranks['state_bytes'] / 1e6:.3g} MB replicated state\n\n"
+            "The same model + Adam state on every rank, as DDP keeps it; medians (min–max) of "
+            f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
+            "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
+            f"{median_range(floors['copy_s'])} s); time to commit runs from rank 0's call until "
+            "rank 0 sees the snapshot committed, every rank's part durable (floor: the fastest way "
+            f"to make the state's bytes durable once, {median_range(floors['durable_s'])} s; per "
+            f"round: {', '.join(ranks['floor_ways'])}).\n\n"
+            + table(["system", "blocking s (min–max) · ×floor · ×best peer",
+                     "time to commit s (min–max) · ×floor · ×best peer",
+                     "MB written (per rank)"], rows))
+
+
+def _mb(x: Optional[float]) -> str:
+    return "–" if x is None else number(x / 1e6)
+
+
+def worker_arguments(*options: str) -> argparse.Namespace:
+    """A torchrun worker's command line (``torchrun``): where to work and write, the state's
+    size, the rounds, and the module's own ``options``; one torch thread per rank."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
     parser.add_argument("--size-gb", type=float)
     parser.add_argument("--rounds", type=int)
+    for option in ("--dir", "--out", *options):
+        parser.add_argument(option)
     args = parser.parse_args()
-    if args.worker:
-        torch.set_num_threads(1)  # two ranks on this machine's cores
-        worker(args.dir, args.out, args.size_gb, args.rounds)
-        return
-    root = tempfile.mkdtemp(prefix="bench-ranks-")
-    try:
-        print(json.dumps({k: v for k, v in run(root, args.quick).items() if k != "raw"}, indent=1))
-    finally:
-        remove(root)
+    torch.set_num_threads(1)  # several ranks on this machine's cores
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        worker(worker_arguments())
+    else:
+        sys.exit(standalone("ranks", "ranks", run, render, __doc__))

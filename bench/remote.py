@@ -36,7 +36,8 @@ from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
-from .measure import log, ratio_spread, spread, standalone
+from .markdown import hundredths, milliseconds, spread_text
+from .measure import log, ratio_spread, remove, spread, standalone
 from .s3server import S3Server
 from .workloads import restore_quietly
 
@@ -97,8 +98,7 @@ def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
     obstore.delete(storage.store, "floor.bin")
     obstore.delete(storage.store, "manifest.json")
     for name in ("node", "fresh", "download.bin", "download2.bin"):
-        path = os.path.join(root, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        remove(os.path.join(root, name))
     return {"shard_bytes": size, "upload_s": upload_s, "upload_floor_s": min(floors.values()),
             "upload_floors": floors, "restore_s": restore_s,
             "download_floor_s": min(downloads.values()), "downloads": downloads,
@@ -162,12 +162,10 @@ def run(root: str, quick: bool) -> dict:
     figures = {key: spread([r[key] for r in measured]) for key in
                ("upload_s", "upload_floor_s", "restore_s", "download_floor_s", "step_up_s",
                 "step_down_s")}
-    ratios = {"upload": ratio_spread([r["upload_s"] for r in measured],
-                                     [r["upload_floor_s"] for r in measured]),
-              "restore": ratio_spread([r["restore_s"] for r in measured],
-                                      [r["download_floor_s"] for r in measured]),
-              "step_down": ratio_spread([r["step_down_s"] for r in measured],
-                                        [r["step_up_s"] for r in measured])}
+    ratios = {name: ratio_spread([r[key] for r in measured], [r[floor] for r in measured])
+              for name, key, floor in (("upload", "upload_s", "upload_floor_s"),
+                                       ("restore", "restore_s", "download_floor_s"),
+                                       ("step_down", "step_down_s", "step_up_s"))}
     return {"config": config, "shard_bytes": rounds[0]["shard_bytes"], "figures": figures,
             "ratios": ratios, "rounds": rounds}
 
@@ -180,12 +178,10 @@ def render(results: dict) -> str:
     f, r, gb = block["figures"], block["ratios"], block["shard_bytes"] / 1e9
 
     def cell(key: str) -> str:
-        s = f[key]
-        return (f"{s['median']:.2f} s ({s['min']:.2f}–{s['max']:.2f}), "
-                f"{gb / s['median']:.2f} GB/s")
+        return f"{spread_text(f[key], hundredths, ' s')}, {gb / f[key]['median']:.2f} GB/s"
 
     def ratio(key: str) -> str:
-        return f"×{r[key]['median']:.2f} ({r[key]['min']:.2f}–{r[key]['max']:.2f})"
+        return f"×{spread_text(r[key], hundredths)}"
 
     lines = [
         "### Remote tier (moto S3 server on loopback)", "",
@@ -196,11 +192,10 @@ def render(results: dict) -> str:
         f"| restore on an empty node | {cell('restore_s')} | {cell('download_floor_s')} "
         f"(plain parallel download) | {ratio('restore')} |"]
     if "step_down_s" in f:  # results saved before this figure existed lack it
-        up, down = f["step_up_s"], f["step_down_s"]
         lines.append(
-            f"| training step, snapshot every step, store stopped | {down['median'] * 1e3:.0f} ms "
-            f"({down['min'] * 1e3:.0f}–{down['max'] * 1e3:.0f}) | {up['median'] * 1e3:.0f} ms "
-            f"({up['min'] * 1e3:.0f}–{up['max'] * 1e3:.0f}) (store running) | "
+            "| training step, snapshot every step, store stopped | "
+            f"{spread_text(f['step_down_s'], milliseconds, ' ms')} | "
+            f"{spread_text(f['step_up_s'], milliseconds, ' ms')} (store running) | "
             f"{ratio('step_down')} |")
     return "\n".join(lines)
 

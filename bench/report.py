@@ -12,98 +12,80 @@ repository root).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
 from . import (article, decode, incremental, integrations_accelerate, integrations_lightning,
-               integrations_transformers, lazy, remote, sharded)
+               integrations_transformers, lazy, ranks, remote, sharded)
 from .article import ASYNC, PERIODIC, headline_case
+from .markdown import factor, median_range, number, table
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
-from .systems import NONE, SYSTEM_NAMES
+from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
+from .registry import NONE
 
 FLOOR_LABELS = (("copy_s", "copy_"), ("durable_s", "disk (fastest durable write)"),
                 ("read_cache_s", "warm read (fastest, page cache)"),
                 ("read_cold_s", "cold read (fastest, from disk)"))
 
 
-
 def render(results: dict, image_dir: str = "bench/results") -> str:
-    results = _compact(results)
+    """The report of results.json's ``results``: the sections of the parts that ran."""
+    results = _typed(results)
+    trained = "training" in results["raw"]  # not in the --stall preset
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
-                _headline(results, image_dir), _training(results, image_dir), lazy.render(results),
-                _memory(results),
-                _ranks(results), sharded.render(results), incremental.render(results),
-                decode.render(results), remote.render(results),
+                _headline(results, image_dir), trained and _training(results, image_dir),
+                lazy.render(results), trained and _memory(results), ranks.render(results),
+                sharded.render(results), incremental.render(results), decode.render(results),
+                remote.render(results),
                 integrations_lightning.render(results), integrations_transformers.render(results),
-                integrations_accelerate.render(results),
-                _consistency(results),
-                _article(results), _advice(results), _per_size(results), _load(results),
-                _notes(results)]
+                integrations_accelerate.render(results), trained and _consistency(results),
+                trained and _article(results), trained and _advice(results), _per_size(results),
+                _load(results), _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
-def _compact(results: dict) -> dict:
-    """A copy of ``results`` whose table cells say "n/a (not run)" for a system that never ran:
-    its reason is given once, under the report's heading, instead of in every cell."""
+def _typed(results: dict) -> dict:
+    """A copy of ``results`` with its figures, targets, consistency checks and advice as records,
+    where a system that never ran says "n/a (not run)" in every cell: its reason is given once,
+    under the report's heading."""
     not_run = {s["name"] for s in results["systems"] if not s["ran"]}
-    if not not_run:
-        return results
-    figures = {key: {**figure, "values": {
-        name: ({case: "n/a (not run)" for case in cases} if name in not_run else cases)
-        for name, cases in figure["values"].items()}}
-        for key, figure in results["figures"].items()}
-    consistency = {name: "n/a (not run)" if name in not_run else check
-                   for name, check in results["consistency"].items()}
-    advice = {**results["advice"], "systems": {
-        name: "n/a (not run)" if name in not_run else row
-        for name, row in results["advice"]["systems"].items()}}
-    return {**results, "figures": figures, "consistency": consistency, "advice": advice}
+
+    def ran(name: str, value):
+        return NotAvailable("not run") if name in not_run else value
+
+    typed = {**results, "targets": Targets.from_json(results["targets"]), "figures": {}}
+    for key, figure in results["figures"].items():
+        figure = FigureValues.from_json(figure)
+        typed["figures"][key] = dataclasses.replace(figure, values={
+            name: {case: ran(name, value) for case, value in cases.items()}
+            for name, cases in figure.values.items()})
+    if "consistency" in results:
+        typed["consistency"] = {name: ran(name, Consistency.from_json(check))
+                                for name, check in results["consistency"].items()}
+    if "advice" in results:
+        typed["advice"] = {**results["advice"], "systems": {
+            name: ran(name, NotAvailable.parse(row) if isinstance(row, str) else row)
+            for name, row in results["advice"]["systems"].items()}}
+    return typed
+
+
+def _systems(results: dict) -> list[str]:
+    """The names of the run's systems, in report order."""
+    return [s["name"] for s in results["systems"]]
+
+
+def _cell(entry: Value, scale: float = 1.0) -> str:
+    """``median (min–max) · ×floor · ×best peer``, or why there is no value."""
+    if isinstance(entry, NotAvailable):
+        return str(entry)
+    return (f"{median_range(entry, scale)} · {factor(entry.x_floor)} · "
+            f"{factor(entry.x_best_peer)}")
 
 
 # --- formatting ---------------------------------------------------------------------------------
-
-
-def _num(x: Optional[float]) -> str:
-    if x is None:
-        return "–"
-    if x == 0:
-        return "0"
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
-
-
-def _ratio(x: Optional[float]) -> str:
-    if x is None:
-        return "–"
-    return f"{x:.0f}×" if abs(x) >= 10 else f"{x:.2g}×"
-
-
-def _mb(x: Optional[float]) -> str:
-    return "–" if x is None else _num(x / 1e6)
-
-
-def _spread(entry: dict, scale: float = 1.0, fmt=_num) -> str:
-    """``median (min–max)`` of a ``measure.spread``; the range only where there are two values or
-    more and they differ."""
-    text = fmt(entry["median"] / scale)
-    if entry.get("n", 1) > 1 and entry["min"] != entry["max"]:
-        text += f" ({fmt(entry['min'] / scale)}–{fmt(entry['max'] / scale)})"
-    return text
-
-
-def _cell(entry, scale: float = 1.0, extra: str = "") -> str:
-    """``median (min–max) · ×floor · ×best peer`` or the "n/a (reason)" string."""
-    if not isinstance(entry, dict):
-        return str(entry)
-    return (f"{_spread(entry, scale)}{extra} · {_ratio(entry.get('x_floor'))} · "
-            f"{_ratio(entry.get('x_best_peer'))}")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _duration(seconds: float) -> str:
@@ -148,14 +130,14 @@ def overhead_headline(results: dict) -> str:
     """The README's headline in one sentence: async_ckpt async's per-step time overhead at every
     K against torch.save + fsync's and the best peer's, from the training loop."""
     figure = results["figures"].get("step_overhead_pct")
-    ours = figure and figure["values"].get(ASYNC)
-    if not ours or not all(isinstance(e, dict) for e in ours.values()):
+    ours = figure and figure.values.get(ASYNC)
+    if not ours or not all(isinstance(e, Cell) for e in ours.values()):
         return ""
-    ks, best = figure["cases"], figure["best_peer"]
+    ks, best = figure.cases, figure.best_peer
 
     def pct(name: Optional[str], k: str) -> str:
-        e = figure["values"].get(name, {}).get(k)
-        return _pct_points(e["median"]) if isinstance(e, dict) else "n/a"
+        e = figure.values.get(name, {}).get(k)
+        return _pct_points(e.median) if isinstance(e, Cell) else "n/a"
 
     runs: list[tuple[str, list[str]]] = []  # consecutive intervals with the same best peer
     for k in (k for k in ks if best.get(k)):
@@ -171,9 +153,9 @@ def overhead_headline(results: dict) -> str:
                                                       for name, cells in runs])
     training = results["raw"]["training"]
     return (f"Per training step, a snapshot every {_and([k.split('=')[1] for k in ks])} steps "
-            f"costs async_ckpt async {_and([_spread(ours[k], fmt=_pct_points) for k in ks])} "
+            f"costs async_ckpt async {_and([median_range(ours[k], fmt=_pct_points) for k in ks])} "
             f"against the same loop without checkpointing, {others} (medians (min–max) of "
-            f"{training['rounds']} interleaved rounds, {_num(training['state_bytes'] / 1e6)} MB "
+            f"{training['rounds']} interleaved rounds, {number(training['state_bytes'] / 1e6)} MB "
             "state).")
 
 
@@ -203,25 +185,25 @@ def _legend(results: dict) -> str:
 
 
 def _targets(results: dict) -> str:
-    targets = results.get("targets")
-    if not targets or not targets["cases"]:
+    targets = results["targets"]
+    if not targets.cases:
         return ""
     rows = []
-    for row in targets["rows"]:
+    for row in targets.rows:
         cells = []
-        for case in targets["cases"]:
-            e = row["values"][case]
-            cells.append(str(e) if not isinstance(e, dict) else
-                         f"{_spread(e, fmt=_ratio)} {'meets' if e['meets'] else 'MISSES'}")
-        rows.append([row["title"], f"≤ {row['limit']:g}×", *cells])
-    met = sum(1 for row in targets["rows"] for e in row["values"].values()
-              if isinstance(e, dict) and e["meets"])
-    total = sum(1 for row in targets["rows"] for e in row["values"].values() if isinstance(e, dict))
+        for case in targets.cases:
+            e = row.values[case]
+            cells.append(str(e) if isinstance(e, NotAvailable) else
+                         f"{median_range(e, fmt=factor)} {'meets' if e.meets else 'MISSES'}")
+        rows.append([row.title, f"≤ {row.limit:g}×", *cells])
+    ratios = [e for row in targets.rows for e in row.values.values()
+              if not isinstance(e, NotAvailable)]
+    met, total = sum(e.meets for e in ratios), len(ratios)
     return ("### Targets (\"At the storage floor\")\n\n"
             "Each ratio is taken round by round (the system's value in round i over the floor's "
             "or the peer's in round i), then the median (min–max) over the rounds; a target is "
             f"met when the median is at or under it. Met: {met} of {total}.\n\n"
-            + _table(["ratio", "target", *targets["cases"]], rows))
+            + table(["ratio", "target", *targets.cases], rows))
 
 
 def _floors(results: dict) -> str:
@@ -230,10 +212,10 @@ def _floors(results: dict) -> str:
         row = [label]
         for key, _ in FLOOR_LABELS:
             f = floors.get(key)
-            row.append(f"{_spread(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
+            row.append(f"{median_range(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
         rows.append(row)
     return ("### Floors (median (min–max) of one sample per round, next to the systems)\n\n"
-            + _table(["state", *(name for _, name in FLOOR_LABELS)], rows) + _floor_ways(results))
+            + table(["state", *(name for _, name in FLOOR_LABELS)], rows) + _floor_ways(results))
 
 
 def _floor_ways(results: dict) -> str:
@@ -246,9 +228,9 @@ def _floor_ways(results: dict) -> str:
             for key, _ in kinds:
                 fastest, ways = floors[key]["fastest"][index], floors[key]["ways"][index]
                 not_run.update({w: s for w, s in ways.items() if isinstance(s, str)})
-                others = ", ".join(f"{w} {_num(s)}" for w, s in ways.items()
+                others = ", ".join(f"{w} {number(s)}" for w, s in ways.items()
                                    if w != fastest and not isinstance(s, str))
-                row.append(f"**{fastest}** {_num(ways[fastest])} s ({others})")
+                row.append(f"**{fastest}** {number(ways[fastest])} s ({others})")
             rows.append(row)
     if not rows:
         return ""
@@ -261,7 +243,7 @@ def _floor_ways(results: dict) -> str:
             "them back, one `readinto` of the file and 1 MiB `readinto` calls, from the page cache "
             "(warm) or after `posix_fadvise(DONTNEED)` (cold). Per round the fastest way (bold, "
             "the floor) and the others' seconds:\n\n"
-            + _table(["state", "round", *(name.split(" (")[0] for _, name in kinds)], rows)
+            + table(["state", "round", *(name.split(" (")[0] for _, name in kinds)], rows)
             + note)
 
 
@@ -269,17 +251,15 @@ def _headline(results: dict, image_dir: str) -> str:
     case = headline_case(results)
     if case is None:
         return ""
-    f = results["figures"]
+    f = {key: figure.values for key, figure in results["figures"].items()}
     blocks = results["raw"]["sweep"][case]["systems"]
-    names = [name for name in SYSTEM_NAMES if not blocks[name].get("skipped")]
-    skipped = [name for name in SYSTEM_NAMES if blocks[name].get("skipped")]
-    save = [[name, _cell(f["blocking_s"]["values"][name][case]),
-             _cell(f["to_durable_s"]["values"][name][case])]
+    names = [name for name in _systems(results) if not blocks[name].get("skipped")]
+    skipped = [name for name in _systems(results) if blocks[name].get("skipped")]
+    save = [[name, _cell(f["blocking_s"][name][case]), _cell(f["to_durable_s"][name][case])]
             for name in names]
-    restore = [[name, _cell(f["restore_s"]["values"][name][case]),
-                _cell(f["restore_cold_s"]["values"][name][case]),
-                _cell(f["stored_bytes"]["values"][name][case], scale=1e6),
-                _cell(f["compression_ratio"]["values"][name][case])]
+    restore = [[name, _cell(f["restore_s"][name][case]), _cell(f["restore_cold_s"][name][case]),
+                _cell(f["stored_bytes"][name][case], scale=1e6),
+                _cell(f["compression_ratio"][name][case])]
                for name in names]
     nbytes = results["raw"]["sweep"][case]["bytes"]
     rounds = results["raw"]["sweep"][case]["rounds"]
@@ -287,13 +267,13 @@ def _headline(results: dict, image_dir: str) -> str:
             "the notes).") if skipped else ""
     return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
             f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
-            + _table(["system", "blocking s (min–max) · ×copy · ×best peer",
-                      "to durable s (min–max) · ×disk floor · ×best peer"], save)
+            + table(["system", "blocking s (min–max) · ×copy · ×best peer",
+                     "to durable s (min–max) · ×disk floor · ×best peer"], save)
             + "\n\n"
-            + _table(["system", "warm restore s · ×warm read · ×best peer",
-                      "cold restore s · ×cold read · ×best peer",
-                      "MB written · ×state · ×best peer",
-                      "compression ratio · ×raw · ×best peer"], restore)
+            + table(["system", "warm restore s · ×warm read · ×best peer",
+                     "cold restore s · ×cold read · ×best peer",
+                     "MB written · ×state · ×best peer",
+                     "compression ratio · ×raw · ×best peer"], restore)
             + f"\n\n![blocking time and time to durable vs state size]({image_dir}/"
             "blocking_vs_size.png)")
 
@@ -303,34 +283,33 @@ def _training(results: dict, image_dir: str) -> str:
     training = results["raw"]["training"]
     throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
     overhead = f["step_overhead_pct"]
-    ks = throughput["cases"]
-    none = throughput["values"][NONE.name]
-    step_ms = 1000 / none[ks[-1]]["median"]
-    overhead_rows = [[name] + [_spread(e, fmt=_pct_points) if isinstance(e, dict) else str(e)
-                               for e in (overhead["values"][name][k] for k in ks)]
-                     for name in SYSTEM_NAMES]
-    rows = [[NONE.name] + [_spread(none[k]) for k in ks]]
-    rows += [[name] + [_cell(throughput["values"][name][k]) for k in ks] for name in SYSTEM_NAMES]
-    blocking_rows = [[name] + [_cell(blocking["values"][name][k]) for k in ks]
-                     for name in SYSTEM_NAMES]
+    ks, names = throughput.cases, _systems(results)
+    none = throughput.values[NONE.name]
+    step_ms = 1000 / none[ks[-1]].median
+    overhead_rows = [[name] + [median_range(e, fmt=_pct_points) if isinstance(e, Cell) else str(e)
+                               for e in (overhead.values[name][k] for k in ks)]
+                     for name in names]
+    rows = [[NONE.name] + [median_range(none[k]) for k in ks]]
+    rows += [[name] + [_cell(throughput.values[name][k]) for k in ks] for name in names]
+    blocking_rows = [[name] + [_cell(blocking.values[name][k]) for k in ks] for name in names]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
-    return (f"### Training loop: {_num(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
+    return (f"### Training loop: {number(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
             f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
             f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's "
             "loop is timed against a loop without checkpointing run just before it. "
             f"{_noise(training)}\n\n"
             "Per-step time overhead against that loop without checkpointing, median (min–max) "
             "over the rounds (lower is better):\n\n"
-            + _table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows)
+            + table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows)
             + "\n\nThroughput (steps/s; ×no ckpt: over the paired loop without checkpointing; "
             "the first row is every such loop together):\n\n"
-            + _table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)],
-                     rows)
+            + table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)],
+                    rows)
             + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
             + "Blocking time per snapshot in the loop (s; per round the median of its "
             "snapshots):\n\n"
-            + _table(["system", *(f"{k} (min–max) · ×copy · ×best peer" for k in ks)],
-                     blocking_rows))
+            + table(["system", *(f"{k} (min–max) · ×copy · ×best peer" for k in ks)],
+                    blocking_rows))
 
 
 def _noise(training: dict) -> str:
@@ -346,63 +325,32 @@ def _noise(training: dict) -> str:
 
 
 def _memory(results: dict) -> str:
-    f = results["figures"]
+    f = {key: figure.values for key, figure in results["figures"].items()}
     rows = [[name,
-             _cell(f["trainer_peak_extra_bytes"]["values"][name]["loop"], scale=1e6),
-             _cell(f["writer_peak_bytes"]["values"][name]["loop"], scale=1e6),
-             _cell(f["rss_growth_per_snapshot_bytes"]["values"][name]["loop"], scale=1e6)]
-            for name in SYSTEM_NAMES]
+             _cell(f["trainer_peak_extra_bytes"][name]["loop"], scale=1e6),
+             _cell(f["writer_peak_bytes"][name]["loop"], scale=1e6),
+             _cell(f["rss_growth_per_snapshot_bytes"][name]["loop"], scale=1e6)]
+            for name in _systems(results)]
     return ("### Memory in the training loop (MB; ×floor = × the state's bytes)\n\n"
-            + _table(["system", "trainer peak above start · ×state · ×best peer",
-                      "writer processes peak · ×state · ×best peer",
-                      "growth per snapshot · ×state · ×best peer"], rows))
-
-
-def _ranks(results: dict) -> str:
-    ranks = results.get("ranks")
-    if not ranks:  # results.json of a version before the two-rank benchmark
-        return ""
-    floors = ranks["floors"]
-    rows = []
-    for name, s in ranks["systems"].items():
-        if not s["available"]:
-            rows.append([name, f"n/a ({s['reason']})", "", ""])
-            continue
-        rows.append([
-            name,
-            f"{_spread(s['blocking_s'])} · {_ratio(s['blocking_x_floor'])} · "
-            f"{_ratio(s['blocking_x_best_peer'])}",
-            f"{_spread(s['to_commit_s'])} · {_ratio(s['to_commit_x_floor'])} · "
-            f"{_ratio(s['to_commit_x_best_peer'])}",
-            f"{_mb(s['stored_bytes'])} ({' + '.join(_mb(b) for b in s['bytes_per_rank'])})"])
-    return (f"### {ranks['ranks']} ranks under torchrun (gloo), "
-            f"{ranks['state_bytes'] / 1e6:.3g} MB replicated state\n\n"
-            "The same model + Adam state on every rank, as DDP keeps it; medians (min–max) of "
-            f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
-            "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
-            f"{_spread(floors['copy_s'])} s); time to commit runs from rank 0's call until rank 0 "
-            "sees the snapshot committed, every rank's part durable (floor: the fastest way to "
-            f"make the state's bytes durable once, {_spread(floors['durable_s'])} s; per round: "
-            f"{', '.join(ranks['floor_ways'])}).\n\n"
-            + _table(["system", "blocking s (min–max) · ×floor · ×best peer",
-                      "time to commit s (min–max) · ×floor · ×best peer",
-                      "MB written (per rank)"], rows))
+            + table(["system", "trainer peak above start · ×state · ×best peer",
+                     "writer processes peak · ×state · ×best peer",
+                     "growth per snapshot · ×state · ×best peer"], rows))
 
 
 def _consistency(results: dict) -> str:
     rows = []
-    for name in SYSTEM_NAMES:
+    for name in _systems(results):
         check = results["consistency"].get(name)
-        if not isinstance(check, dict):
+        if not isinstance(check, Consistency):
             rows.append([name, str(check), ""])
             continue
-        exact = "yes" if check["bit_exact"] else f"no: {check['differing_tensors']} tensors differ"
-        rows.append([name, exact, f"{check['damage']['outcome']}: {check['damage']['how']}"])
+        exact = "yes" if check.bit_exact else f"no: {check.differing_tensors} tensors differ"
+        rows.append([name, exact, f"{check.damage.outcome}: {check.damage.how}"])
     return ("### Recovery consistency (training state, measured)\n\n"
             "A snapshot, two more steps, a restore compared bit for bit with the state at the "
             "snapshot; then one byte flipped in the middle of the snapshot's largest file and "
             "another restore.\n\n"
-            + _table(["system", "restore bit-exact", "one flipped byte"], rows))
+            + table(["system", "restore bit-exact", "one flipped byte"], rows))
 
 
 def _article(results: dict) -> str:
@@ -414,21 +362,21 @@ def _article(results: dict) -> str:
     return ("### Periodic vs asynchronous saves: the article's table, measured\n\n"
             f"\"The article\" is the source this project started from: {article.SOURCE}. In "
             "italics its words, then what this run measured.\n\n"
-            + _table(["", f"periodic blocking save ({periodic})",
-                      f"asynchronous side-path save ({async_})"], rows))
+            + table(["", f"periodic blocking save ({periodic})",
+                     f"asynchronous side-path save ({async_})"], rows))
 
 
 def _advice(results: dict) -> str:
     a = results["advice"]
     rows = []
     for name, r in a["systems"].items():
-        if not isinstance(r, dict):
+        if isinstance(r, NotAvailable):
             rows.append([name, str(r)] + [""] * 5)
             continue
         at_k = ", ".join(f"{k}: {_pct(v['fraction_lost'])}" for k, v in r["at_measured_k"].items())
         rule = r["rule_of_thumb"]
         rows.append([
-            name, f"{_num(r['blocking_s'])} / {_num(r['snapshot_cost_s'])}",
+            name, f"{number(r['blocking_s'])} / {number(r['snapshot_cost_s'])}",
             f"{_duration(r['young_interval_s'])} / {_duration(r['daly_interval_s'])}",
             f"{r['interval_steps']} ({_duration(r['interval_s'])})",
             f"{_pct(r['fraction_checkpointing'])} + {_pct(r['fraction_rework'])} = "
@@ -443,9 +391,9 @@ def _advice(results: dict) -> str:
             f"{a['step_time_s'] * 1000:.0f} ms)\n\n"
             "Blocking time slows training and sets the interval; the rest of the time to durable "
             "adds to the rework after a failure.\n\n"
-            + _table(["system", "blocking / to durable s", "Young / Daly interval",
-                      "recommended: steps", "time lost: snapshots + rework",
-                      "lost at the article's 1-5% rule", "lost at the measured K"], rows)
+            + table(["system", "blocking / to durable s", "Young / Daly interval",
+                     "recommended: steps", "time lost: snapshots + rework",
+                     "lost at the article's 1-5% rule", "lost at the measured K"], rows)
             + text)
 
 
@@ -454,11 +402,10 @@ def _per_size(results: dict) -> str:
     parts = ["### Every state size"]
     for key in ("blocking_s", "to_durable_s", "restore_s", "restore_cold_s", "compression_ratio"):
         figure = f[key]
-        rows = [[name] + [_cell(figure["values"][name][c]) for c in figure["cases"]]
-                for name in SYSTEM_NAMES]
-        floor = figure["floor"]
-        parts.append(f"{figure['title'].capitalize()} ({figure['unit']}; ×floor: {floor}):\n\n"
-                     + _table(["system", *figure["cases"]], rows))
+        rows = [[name] + [_cell(figure.values[name][c]) for c in figure.cases]
+                for name in _systems(results)]
+        parts.append(f"{figure.title.capitalize()} ({figure.unit}; ×floor: {figure.floor}):\n\n"
+                     + table(["system", *figure.cases], rows))
     return "\n\n".join(parts)
 
 
@@ -501,8 +448,8 @@ def _load(results: dict) -> str:
             f"{SETTLE_BELOW_BYTES >> 20} MiB, at most as long as the disk takes to write the "
             f"state at {SETTLE_BYTES_PER_S / 1e6:g} MB/s; a wait that ran out means other "
             "writes kept the disk busy.\n\n"
-            + _table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
-                      "disk settle before a system: median (max) s"], rows))
+            + table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
+                     "disk settle before a system: median (max) s"], rows))
 
 
 def _settled(rounds: Optional[list]) -> str:
@@ -512,7 +459,7 @@ def _settled(rounds: Optional[list]) -> str:
         return "–"
     waits = spread([slot["waited_s"] for slot in slots])
     out = sum(slot["timed_out"] for slot in slots)
-    return (f"{_num(waits['median'])} ({_num(waits['max'])})"
+    return (f"{number(waits['median'])} ({number(waits['max'])})"
             + (f", {out} of {len(slots)} ran out" if out else ""))
 
 
@@ -553,8 +500,9 @@ def _notes(results: dict) -> str:
         "vary from one snapshot to the next" + _write_spread(results) + ".",
         "- DCP's and torchsnapshot's asynchronous saves keep one save in flight: the next save "
         "first waits for the previous one (inside the blocking time).",
-        "- Training loop: the time of K loops ends with the last step; the newest snapshot's "
-        "write continues after it, like every earlier one overlapped the following steps.",
+        *(["- Training loop: the time of K loops ends with the last step; the newest snapshot's "
+           "write continues after it, like every earlier one overlapped the following steps."]
+          if "training" in results["raw"] else []),
         f"- Raw samples, every floor sample and the engine's per-stage times: results.json "
         f"(schema {results['schema']}).",
     ])

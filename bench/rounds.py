@@ -1,6 +1,5 @@
-"""Interleaved rounds: how every part of ``python -m bench`` (the sweep, the training loop, the two
-ranks) repeats its systems. (``bench/stall.py``, the older focused benchmark, keeps its few systems
-open across its own rounds instead, with a floor sample around every run.)
+"""Interleaved rounds: how every part of ``python -m bench`` (the sweep, the training loop, the
+ranks, the incremental snapshots) repeats its systems.
 
 A round runs every system once, in an order rotated from round to round and reversed in odd rounds
 (``measure.rotated``), so that a drift of the machine's speed during the run hits every system

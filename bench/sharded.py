@@ -16,7 +16,7 @@ rotating order on every rank, warm-ups excluded):
 3. 2 ranks: restoring the 4-rank snapshots.
 
 * Saving: async_ckpt async against DCP ``async_save`` with its default and with its cached
-  shared-memory stager (the DCP entries of ``ranks.SYSTEMS``), each round run by
+  shared-memory stager (``registry.SHARDED_SYSTEMS``), each round run by
   ``ranks.run_round``: a warm-up and a measured snapshot, each followed by a wait on every rank
   and a barrier. Blocking is the slowest rank's call; time to commit runs from rank 0's call
   until rank 0 sees the snapshot committed (every rank's pieces durable). Floors, on rank 0 next
@@ -39,13 +39,9 @@ results.json; ``render(results)`` is its section of the report. Alone: ``python 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -54,11 +50,10 @@ import torch.distributed as dist
 from examples.train_fsdp import AppState  # the example's: DCP's pattern, written once
 
 from . import ranks
-from .dcp import DcpSave
-from .floors import Floors
-from .measure import log, ratio_spread, spread, timed
+from .markdown import factor, median_range, table
+from .measure import log, ratio_spread, spread, standalone, timed
+from .registry import DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS
 from .rounds import FloorHook, run_rounds
-from .systems import Engine
 from .workloads import layer_bytes, width_for
 
 FULL = {"size_gb": 0.5, "rounds": 3}
@@ -66,17 +61,10 @@ QUICK = {"size_gb": 0.008, "rounds": 1}  # a smoke test: torchrun runs cost seco
 PLAN = ((2, None, True), (4, 2, True), (2, 4, False))
 """The torchrun runs in order: (world size, world size of the kept snapshots it restores, whether
 it measures saving and keeps snapshots for a later run)."""
-OURS = "async_ckpt async"
+OURS = OURS_ASYNC.name
 DCP_LOAD = "DCP load"
 KEPT_STEP = 1
-
-
-def _ours(state: dict, directory: str) -> Engine:
-    return Engine(state, directory, OURS, "async", None)
-
-
-SAVE_SYSTEMS = ((OURS, True, _ours), *(s for s in ranks.SYSTEMS if not s[1]))
-PEERS = tuple(name for name, ours, _ in SAVE_SYSTEMS if not ours)
+PEERS = tuple(spec.name for spec in SHARDED_SYSTEMS if not spec.ours)
 
 
 class DcpLoad:
@@ -93,8 +81,9 @@ class DcpLoad:
         pass
 
 
-RESTORE_SYSTEMS = ((OURS, True, lambda state, kept: _ours(state, kept["ours"])),
-                   (DCP_LOAD, False, lambda state, kept: DcpLoad(state, kept["dcp"])))
+RESTORERS = ((OURS, True, lambda state, kept: OURS_ASYNC.open(state, kept["ours"])),
+             (DCP_LOAD, False, lambda state, kept: DcpLoad(state, kept["dcp"])))
+"""Restoring on another world size: (name, ours, open(state, kept.json's record))."""
 
 
 # --- the runs -------------------------------------------------------------------------------------
@@ -118,24 +107,11 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
 
 def _torchrun(root: str, world: int, size_gb: float, rounds: int, source: Optional[int],
               save: bool) -> dict:
-    out = os.path.join(root, f"sharded-{world}-{source}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", "-m", "bench.sharded", "--worker",
-               "--dir", os.path.join(root, f"sharded-{world}"), "--out", out,
-               "--size-gb", str(size_gb), "--rounds", str(rounds)]
-    if source is not None:
-        command += ["--restore", _kept_dir(root, source)]
-    if save:
-        command += ["--keep", _kept_dir(root, world)]
-    log(f"sharded state: {' '.join(command[2:])}")
+    options = [*(["--restore", _kept_dir(root, source)] if source is not None else []),
+               *(["--keep", _kept_dir(root, world)] if save else [])]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the sharded-state benchmark at {world} ranks failed "
-                           f"({done.returncode}):\n" + done.stdout[-4000:])
-    with open(out, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = ranks.torchrun(f"sharded state at {world} ranks", "bench.sharded", world,
+                         os.path.join(root, f"sharded-{world}-{source}"), size_gb, rounds, *options)
     raw["wall_s"] = time.perf_counter() - started
     return raw
 
@@ -157,31 +133,18 @@ def summarise(found: dict) -> dict:
 
 
 def _summarise_saving(raw: dict) -> dict:
-    floors = {key: [s[key] for s in raw["floors"]] for key in ("copy_s", "durable_s")}
+    """``ranks.summarise_saving``, and async_ckpt's figures over each DCP variant's, round by
+    round."""
+    summary = ranks.summarise_saving(raw, SHARDED_SYSTEMS)
     blocks = raw["systems"]
-    systems = {}
-    for name, block in blocks.items():
-        if not block["available"]:
-            systems[name] = block
-            continue
-        runs = block["runs"]
-        entry = {"available": True, "ours": name == OURS,
-                 "stored_bytes": runs[-1]["stored_bytes"],
-                 "bytes_per_rank": runs[-1]["bytes_per_rank"]}
-        for key, floor_key in (("blocking_s", "copy_s"), ("to_commit_s", "durable_s")):
-            values = [r[key] for r in runs]
-            entry[key] = spread(values)
-            entry[key.replace("_s", "_x_floor")] = ratio_spread(
-                values, [floors[floor_key][r["round"]] for r in runs])
-            if name == OURS:
-                entry[key.replace("_s", "_x_dcp")] = {
-                    peer: _paired(runs, blocks[peer]["runs"], key)
-                    for peer in PEERS if blocks.get(peer, {}).get("available")}
-        systems[name] = entry
+    if blocks[OURS]["available"]:
+        for key in ("blocking_s", "to_commit_s"):
+            summary["systems"][OURS][key.replace("_s", "_x_dcp")] = {
+                peer: _paired(blocks[OURS]["runs"], blocks[peer]["runs"], key)
+                for peer in PEERS if blocks.get(peer, {}).get("available")}
     return {"ranks": raw["world"], "state_bytes": raw["state_bytes"],
             "rank_bytes": raw["rank_bytes"], "rounds": raw["rounds"], "wall_s": raw["wall_s"],
-            "floors": {key: spread(values) for key, values in floors.items()},
-            "floor_ways": [s["durable_way"] for s in raw["floors"]], "systems": systems}
+            **summary}
 
 
 def _summarise_restoring(raw: dict) -> dict:
@@ -220,16 +183,16 @@ def render(results: dict) -> str:
     block = results.get("sharded")
     if not block:
         return ""
-    from .report import _ratio, _spread, _table  # report imports this module: not at the top
 
     def ratio(entry: Optional[dict]) -> str:
-        return "–" if entry is None else _spread(entry, fmt=_ratio)
+        return "–" if entry is None else median_range(entry, fmt=factor)
 
     save_rows, floor_notes = [], []
     for world, w in block["save"].items():
+        floors = w["floors"]
         floor_notes.append(f"{world} ranks: `copy_` of a rank's {w['rank_bytes'][0] / 1e6:.3g} MB "
-                           f"{_spread(w['floors']['copy_s'])} s, disk floor of "
-                           f"{w['state_bytes'] / 1e6:.3g} MB {_spread(w['floors']['durable_s'])} s "
+                           f"{median_range(floors['copy_s'])} s, disk floor of "
+                           f"{w['state_bytes'] / 1e6:.3g} MB {median_range(floors['durable_s'])} s "
                            f"({', '.join(w['floor_ways'])})")
         for name, s in w["systems"].items():
             if not s["available"]:
@@ -238,7 +201,7 @@ def render(results: dict) -> str:
             cells = [world, name]
             for key in ("blocking", "to_commit"):
                 by_peer = s.get(f"{key}_x_dcp", {})
-                cells += [f"{_spread(s[f'{key}_s'])} · {ratio(s[f'{key}_x_floor'])}",
+                cells += [f"{median_range(s[f'{key}_s'])} · {ratio(s[f'{key}_x_floor'])}",
                           " / ".join(ratio(by_peer.get(p)) for p in PEERS) if s["ours"] else "–"]
             cells.append(" + ".join(f"{b / 1e6:.3g}" for b in s["bytes_per_rank"]))
             save_rows.append(cells)
@@ -247,7 +210,7 @@ def render(results: dict) -> str:
         cells = [f"{r['saved_at']} → {r['restored_at']}"]
         for name in (OURS, DCP_LOAD):
             s = r["systems"][name]
-            cells.append(_spread(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})")
+            cells.append(median_range(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})")
         restore_rows.append(cells + [ratio(r["x_dcp"])])
     first = next(iter(block["save"].values()))
     peers = " / ".join(f"×DCP {p.split('(')[1].split()[0]}" for p in PEERS)  # ×DCP default...
@@ -263,15 +226,15 @@ def render(results: dict) -> str:
         "rank's part durable (×floor: the fastest way to make the whole state's bytes "
         "durable, its way per round in parentheses). Floors: "
         + "; ".join(floor_notes) + ".", "",
-        _table(["ranks", "system", "blocking s (min–max) · ×copy", f"blocking {peers}",
-                "time to commit s (min–max) · ×disk floor", f"time to commit {peers}",
-                "MB written per rank"], save_rows), "",
+        table(["ranks", "system", "blocking s (min–max) · ×copy", f"blocking {peers}",
+               "time to commit s (min–max) · ×disk floor", f"time to commit {peers}",
+               "MB written per rank"], save_rows), "",
         "Restoring on another world size (warm page cache), into the live model and optimizer "
         "laid out for the new world size: async_ckpt `engine.restore()` of its snapshot against "
         "DCP `load` of a `dcp.save` of the same state at the same world size; the slowest "
         "rank's time, a warm-up restore first in every round.", "",
-        _table(["saved at → restored at (ranks)", f"{OURS} restore s (min–max)",
-                f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows)])
+        table(["saved at → restored at (ranks)", f"{OURS} restore s (min–max)",
+               f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows)])
 
 
 # --- the worker (one per rank, under torchrun) -------------------------------------------------------
@@ -306,9 +269,9 @@ def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
 
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     state, own = sharded_state(args.size_gb, world)
-    rank_bytes = ranks._gather(own)
+    rank_bytes = ranks.gather(own)
     common = {"world": world, "state_bytes": sum(rank_bytes), "rank_bytes": rank_bytes,
               "rounds": args.rounds}
     found = {}
@@ -318,59 +281,23 @@ def worker(args: argparse.Namespace) -> None:
                             "wall_s": time.perf_counter() - started}
     if args.keep:
         started = time.perf_counter()
-        found["save"] = {**save_rounds(state, args.dir, rank_bytes, args.rounds), **common}
+        found["save"] = {**ranks.save_rounds(SHARDED_SYSTEMS, state, args.dir, args.rounds,
+                                             sum(rank_bytes), rank_bytes[0]), **common}
         keep(state, args.keep)
         found["save"]["wall_s"] = time.perf_counter() - started  # with the kept snapshots
-    if rank == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(found, f)
-    gc.collect()  # objects that hold the group go while Python is alive, not at exit
-    dist.destroy_process_group()
-
-
-def save_rounds(state: dict, directory: str, rank_bytes: list[int], rounds: int) -> dict:
-    rank = dist.get_rank()
-    os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
-    share = rank_bytes[0]
-    floors = Floors(os.path.join(directory, "floors"), sum(rank_bytes)) if rank == 0 else None
-
-    def floor_sample() -> dict:
-        sample = {}
-        if floors is not None:  # disk and reads of the whole state; copy_ of one rank's share
-            sample = {**floors.measure(),
-                      "copy_s": timed(lambda: floors.dst[:share].copy_(floors.src[:share]))}
-        dist.barrier()
-        return sample
-
-    names = [name for name, _, _ in SAVE_SYSTEMS]
-
-    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
-        name, _, open_ = system
-        slot = os.path.join(directory, f"r{index}-s{names.index(name)}")
-        run = ranks.run_round(open_, state, slot, floor_hook)
-        if run["available"]:
-            log(f"  {dist.get_world_size()} ranks, {name}: blocking {run['blocking_s']:.3f} s, "
-                f"to commit {run['to_commit_s']} s")
-        return run
-
-    try:
-        return run_rounds(SAVE_SYSTEMS, rounds, 0, floor_sample, run_slot, name=lambda s: s[0],
-                          settle_bytes=sum(rank_bytes))
-    finally:
-        if floors is not None:
-            floors.close()
+    ranks.finish(args.out, found)
 
 
 def keep(state: dict, directory: str) -> None:
     """One snapshot of ``state`` by async_ckpt and one ``dcp.save`` of it, under ``directory``,
     for a run at another world size to restore; rank 0 writes where they are to kept.json."""
-    ours = _ours(state, os.path.join(directory, "ours"))
+    ours = OURS_ASYNC.open(state, os.path.join(directory, "ours"))
     try:
         ours.save(KEPT_STEP)
         ours.wait()
     finally:
         ours.close()
-    theirs = DcpSave("DCP save", state, os.path.join(directory, "dcp"))
+    theirs = DCP_SAVE.open(state, os.path.join(directory, "dcp"))
     theirs.save(KEPT_STEP)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -380,7 +307,7 @@ def keep(state: dict, directory: str) -> None:
 
 
 def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
-    """Interleaved rounds of a warm-up and a measured restore by each of ``RESTORE_SYSTEMS`` from
+    """Interleaved rounds of a warm-up and a measured restore by each of ``RESTORERS`` from
     the snapshots ``keep`` left in ``directory``; the slowest rank's times."""
     with open(os.path.join(directory, "kept.json"), encoding="utf-8") as f:
         kept = json.load(f)
@@ -393,7 +320,7 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
             for _ in range(2):  # the first is the warm-up
                 dist.barrier()
                 took = timed(lambda: restored.append(restorer.restore()))
-                seconds.append(max(ranks._gather(took)))
+                seconds.append(max(ranks.gather(took)))
         finally:
             restorer.close()
             dist.barrier()
@@ -403,42 +330,12 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
             f"{seconds[1]:.3f} s (warm-up {seconds[0]:.3f} s)")
         return {"restore_s": seconds[1], "warmup_s": seconds[0]}
 
-    record = run_rounds(RESTORE_SYSTEMS, rounds, 0, dict, run_slot, name=lambda s: s[0])
+    record = run_rounds(RESTORERS, rounds, 0, dict, run_slot, name=lambda s: s[0])
     return {**record, "saved_at": kept["world"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sharded",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny state: a smoke test")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help=f"interleaved rounds (default {FULL['rounds']}; --quick: "
-                             f"{QUICK['rounds']})")
-    parser.add_argument("--dir", default=None, help="scratch directory parent (default /tmp)")
-    parser.add_argument("--json", default=None, help="also write the results block here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--size-gb", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--restore", help=argparse.SUPPRESS)
-    parser.add_argument("--keep", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        torch.set_num_threads(1)  # several ranks on this machine's cores
-        worker(args)
-        return 0
-    root = tempfile.mkdtemp(prefix="bench-sharded-", dir=args.dir)
-    try:
-        started = time.perf_counter()
-        block = run(root, args.quick, args.rounds)
-        log(f"sharded state done in {time.perf_counter() - started:.0f} s")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(block, f, indent=1)
-    print(render({"sharded": block}))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    if "--worker" in sys.argv:
+        worker(ranks.worker_arguments("--restore", "--keep"))
+    else:
+        sys.exit(standalone("sharded", "sharded", run, render, __doc__))

@@ -25,8 +25,9 @@ import torch
 
 from .floors import Floors
 from .measure import RssSampler, evict, log, release_free_memory, rss, timed
+from .registry import BIG_SYSTEMS, SystemSpec
 from .rounds import FloorHook, run_rounds
-from .systems import BIG_SYSTEMS, System, SystemSpec, Unavailable, run_guarded
+from .systems import System, run_guarded
 from .workloads import build_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,15 +83,10 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
     """One system on one state for one round: warm-up, a measured snapshot, warm and cold
     restores; ``floor_hook`` (the round's floor sample) runs before the cleanup. A peer that cannot
     open or fails is reported with the reason; a failure of async_ckpt itself is raised."""
-    try:
-        system = spec.open(state, directory)
-    except Unavailable as e:
-        log(f"  {spec.name}: n/a ({e})")
-        return {"available": False, "reason": str(e)}
-    release_free_memory()
-    trainer_before, _ = rss()
 
-    def measure() -> dict:
+    def measure(system: System) -> dict:
+        release_free_memory()
+        trainer_before, _ = rss()
         with RssSampler(system.writer_pids) as sampler:
             warmup = measure_snapshot(system, 0)
             run = measure_snapshot(system, 1)
@@ -107,7 +103,7 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
                 "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
                 "writer_peak_bytes": sampler.writer_peak}
 
-    return run_guarded(spec, system, directory, measure)
+    return run_guarded(spec, state, directory, measure)
 
 
 def measure_snapshot(system: System, step: int) -> dict:

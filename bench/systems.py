@@ -16,14 +16,14 @@ directory of its own, then:
 
 Peers keep the newest three snapshots, like the engine's default ``keep_last=3``, so that disk use
 and page-cache pressure are alike. A peer that cannot run here raises ``Unavailable`` from its
-constructor with the reason; the benchmarks report it as "n/a (reason)".
+constructor with the reason; the benchmarks report it as "n/a (reason)". Which systems exist, by
+name, is ``registry.py``'s.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -158,6 +158,7 @@ class Engine(System):
         self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression,
                                        **options)
         self._blocking: Optional[float] = None
+        self._writer_pid: Optional[int] = self.engine.stats().get("writer_pid")
 
     def save(self, step: int) -> None:
         self._newest_saved = step
@@ -188,7 +189,7 @@ class Engine(System):
         return os.path.join(self.directory, read_manifest(self.directory).snapshots[-1].dir)
 
     def writer_pids(self) -> list[int]:
-        return [self.engine._writer.pid] if not self.engine._closed else []
+        return [] if self._writer_pid is None else [self._writer_pid]
 
     def details(self) -> dict:
         stats = self.engine.stats()
@@ -197,30 +198,22 @@ class Engine(System):
                                              "pool_bytes", "skipped")}}
 
     def close(self) -> None:
+        self._writer_pid = None
         self.engine.close()
 
 
-# --- the registry -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """A system by name: ``open(state, directory)`` builds it (or raises ``Unavailable``); ``ours``
-    marks async_ckpt (the others are the peers its figures are compared with); ``blocking`` marks a
-    periodic blocking save (the left column of the article's comparison)."""
-
-    name: str
-    open: Callable[[dict, str], System]
-    ours: bool
-    blocking: bool
-
-
-def run_guarded(spec: SystemSpec, system: System, directory: str, body: Callable[[], dict]) -> dict:
-    """``body()``, then close the system and remove its directory whatever happened. A peer that
-    fails is a result ({"available": False, "reason": ...}); a failure of async_ckpt is a bug and
-    is raised."""
+def run_guarded(spec, state: dict, directory: str, body: Callable[[System], dict]) -> dict:
+    """Open ``spec``'s system (a ``registry.SystemSpec``) on ``state`` in ``directory``, return
+    ``body(system)``, then close it and remove the directory whatever happened. A system that
+    cannot run here, or a peer that fails, is a result ({"available": False, "reason": ...}); a
+    failure of async_ckpt (``spec.ours``) is a bug and is raised."""
     try:
-        return body()
+        system = spec.open(state, directory)
+    except Unavailable as e:
+        log(f"  {spec.name}: n/a ({e})")
+        return {"available": False, "reason": str(e)}
+    try:
+        return body(system)
     except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours is a bug
         if spec.ours:
             raise
@@ -231,54 +224,3 @@ def run_guarded(spec: SystemSpec, system: System, directory: str, body: Callable
             system.close()
         finally:
             remove(directory, settle=True)
-
-
-def _engine(name: str, mode: str, compression: Optional[str]) -> SystemSpec:
-    return SystemSpec(name, lambda state, d: Engine(state, d, name, mode, compression),
-                      ours=True, blocking=mode == "sync")
-
-
-def _dcp(name: str, **options) -> SystemSpec:
-    def open_(state: dict, directory: str) -> System:
-        from . import dcp
-        return dcp.open_system(name, state, directory, **options)
-    return SystemSpec(name, open_, ours=False, blocking=options.get("executor") is None)
-
-
-def _torchsnapshot(state: dict, directory: str) -> System:
-    from .tsnap import TorchSnapshotAsync
-    return TorchSnapshotAsync(state, directory)
-
-
-NONE = SystemSpec(NoCheckpoint.name, NoCheckpoint, ours=False, blocking=True)
-TORCH_SAVE = SystemSpec(TorchSave.name, TorchSave, ours=False, blocking=True)
-OURS_SYNC = _engine("async_ckpt sync", "sync", None)
-OURS_ASYNC = _engine("async_ckpt async", "async", None)
-OURS_ASYNC_ZSTD = _engine("async_ckpt async zstd", "async", "zstd")
-DCP_SAVE = _dcp("DCP save")
-DCP_CACHED = _dcp("DCP async_save (cached shm stager)", executor="thread", stager="cached")
-
-SYSTEMS: tuple[SystemSpec, ...] = (
-    TORCH_SAVE,
-    OURS_SYNC,
-    OURS_ASYNC,
-    OURS_ASYNC_ZSTD,
-    DCP_SAVE,
-    _dcp("DCP async_save (default stager)", executor="thread", stager="default"),
-    DCP_CACHED,
-    _dcp("DCP async_save (cached shm stager, process executor)", executor="process",
-         stager="cached"),
-    SystemSpec("torchsnapshot async_take", _torchsnapshot, ours=False, blocking=False),
-)
-"""Every checkpointing system, in report order."""
-
-SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
-BIG_SYSTEMS = tuple(s.name for s in (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_ASYNC_ZSTD, DCP_SAVE,
-                                      DCP_CACHED))
-"""The systems the sweep runs at its biggest states: the periodic save, ours, DCP's blocking save
-and its best asynchronous variant (``bench/sweep.py``)."""
-PEERS = tuple(s.name for s in SYSTEMS if not s.ours)
-
-
-def by_name(name: str) -> SystemSpec:
-    return next(s for s in SYSTEMS + (NONE,) if s.name == name)

@@ -3,16 +3,18 @@
 
 Every ratio is paired by round: the system's value in round ``i`` over the floor's or the peer's
 value in round ``i`` (``measure.ratio_spread``), so a drift of the machine between rounds cancels.
-A target is met when the median meets it.
+A target is met when the median meets it. Every preset of ``python -m bench`` reports the targets
+its systems can be checked against (the ``--stall`` preset: those without DCP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from .measure import ratio_spread
-from .systems import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE
+from .records import NotAvailable, TargetRatio, TargetRow, Targets
+from .registry import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, SystemSpec
 
 MAX_ZSTD_STORED = 0.8  # the zstd target applies where zstd stores at most this fraction of raw
 
@@ -32,6 +34,8 @@ class Target:
 
 
 TARGETS = (
+    Target("async_blocking_x_copy", "async_ckpt async blocking / copy floor (one copy_ of the "
+           "state)", OURS_ASYNC.name, "blocking_s", None, "copy_s", 1.5),
     Target("async_durable_x_disk", "async_ckpt async time to durable / disk floor (fastest way "
            "to make the bytes durable)", OURS_ASYNC.name, "to_commit_s", None, "durable_s", 1.1),
     Target("async_durable_x_torch_save", "async_ckpt async time to durable / torch.save + fsync "
@@ -51,13 +55,13 @@ TARGETS = (
 )
 
 
-def build(sweep: dict) -> dict:
-    """``{"cases": [fp32 case, ...], "rows": [{"key", "title", "limit", "values": {case: entry or
-    "n/a (reason)"}}]}``; an entry is a ``spread`` of the ratio with ``"meets"``."""
+def build(sweep: dict, specs: Sequence[SystemSpec]) -> Targets:
+    """Each target whose systems are among ``specs``, in each fp32 case of the sweep."""
+    ran = {spec.name for spec in specs}
     cases = [label for label, case in sweep.items() if case["dtype"] == "fp32"]
-    rows = [{"key": t.key, "title": t.title, "limit": t.limit,
-             "values": {label: _ratio(t, sweep[label]) for label in cases}} for t in TARGETS]
-    return {"cases": cases, "rows": rows}
+    rows = [TargetRow(t.key, t.title, t.limit, {label: _ratio(t, sweep[label]) for label in cases})
+            for t in TARGETS if {t.system, t.reference} - {None} <= ran]
+    return Targets(cases, rows)
 
 
 def _runs(case: dict, name: str) -> Optional[dict]:
@@ -68,21 +72,21 @@ def _runs(case: dict, name: str) -> Optional[dict]:
     return {run["round"]: run for run in block["runs"]}
 
 
-def _ratio(target: Target, case: dict):
+def _ratio(target: Target, case: dict) -> Union[TargetRatio, NotAvailable]:
     runs = _runs(case, target.system)
     if runs is None:
-        return f"n/a ({target.system} did not run)"
+        return NotAvailable(f"{target.system} did not run")
     if target.reference is None:
         references = dict(enumerate(case["floors"]))
     else:
         references = _runs(case, target.reference)
         if references is None:
-            return f"n/a ({target.reference} did not run)"
+            return NotAvailable(f"{target.reference} did not run")
     if target.system == OURS_ASYNC_ZSTD.name:
         stored = max(run["stored_bytes"] for run in runs.values()) / case["bytes"]
         if stored > MAX_ZSTD_STORED:
-            return f"n/a (zstd stored {stored:.2f}× raw)"
+            return NotAvailable(f"zstd stored {stored:.2f}× raw")
     rounds = sorted(set(runs) & set(references))
     entry = ratio_spread([runs[i][target.value] for i in rounds],
                          [references[i][target.reference_value] for i in rounds])
-    return {**entry, "meets": entry["median"] <= target.limit}
+    return TargetRatio(**entry, meets=entry["median"] <= target.limit)

@@ -32,8 +32,9 @@ from typing import Sequence
 from . import consistency
 from .floors import Floors
 from .measure import RssSampler, log, release_free_memory, rss, slope, timed
+from .registry import SystemSpec
 from .rounds import FloorHook, run_rounds
-from .systems import NoCheckpoint, SystemSpec, Unavailable, run_guarded
+from .systems import NoCheckpoint, System, run_guarded
 from .workloads import TrainingWorkload
 
 GROWTH_SKIP = 3
@@ -70,17 +71,11 @@ def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], step
 
 def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks: Sequence[int],
                steps: dict, floor_hook: FloorHook, consistency_check: bool) -> dict:
-    try:
-        system = spec.open(workload.state, directory)
-    except Unavailable as e:
-        log(f"  {spec.name}: n/a ({e})")
-        return {"available": False, "reason": str(e)}
-    baseline = NoCheckpoint(workload.state, directory)
-    release_free_memory()
-    trainer_before, _ = rss()
-    after_snapshot: list[tuple[int, int]] = []
-
-    def measure() -> dict:
+    def measure(system: System) -> dict:
+        baseline = NoCheckpoint(workload.state, directory)
+        release_free_memory()
+        trainer_before, _ = rss()
+        after_snapshot: list[tuple[int, int]] = []
         with RssSampler(system.writer_pids) as sampler:
             step = 0
             system.save(step)
@@ -107,7 +102,7 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
             floor_hook()
         return record
 
-    return run_guarded(spec, system, directory, measure)
+    return run_guarded(spec, workload.state, directory, measure)
 
 
 def run_loop(system, workload: TrainingWorkload, k: int, n_steps: int, step: int,

@@ -8,8 +8,10 @@ snapshot in the run. It checks no timing: ``--quick`` is far too small and short
 anything.
 """
 
+import ast
 import json
 import os
+import pathlib
 import shutil
 import struct
 import subprocess
@@ -22,18 +24,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.figures import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TRAINING_FIGURES  # noqa: E402
-from bench.systems import NONE, SYSTEM_NAMES, SYSTEMS  # noqa: E402
-from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, loop_steps, parse_args  # noqa: E402
+from bench.registry import NONE, RANK_SYSTEMS, SHARDED_SYSTEMS, STALL_SYSTEMS  # noqa: E402
+from bench.registry import SYSTEM_NAMES, SYSTEMS  # noqa: E402
+from bench.__main__ import (COMMITTED_RESULTS, KS, QUICK, STALL, assemble, loop_steps,  # noqa: E402
+                            parse_args)
 from bench.sweep import case_label  # noqa: E402
 from bench.article import ARTICLE  # noqa: E402
 from bench import floors as floors_module  # noqa: E402
 from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
-from bench.measure import Settled, ratio_spread, rotated, settle, spread  # noqa: E402
-from bench.ranks import QUICK as RANKS_QUICK, SYSTEMS as RANK_SYSTEMS  # noqa: E402
+from bench.measure import Settled, load_now, ratio_spread, rotated, settle, spread  # noqa: E402
+from bench.ranks import QUICK as RANKS_QUICK  # noqa: E402
 from bench.rounds import run_rounds  # noqa: E402
 from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
 from bench.sharded import QUICK as SHARDED_QUICK  # noqa: E402
-from bench.sharded import SAVE_SYSTEMS as SHARDED_SYSTEMS  # noqa: E402
 from bench.targets import TARGETS  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,10 +57,10 @@ def quick_run(tmp_path_factory):
 
 def test_every_system_and_figure_is_reported(quick_run):
     _, results, _ = quick_run
-    sweep_cases = [case_label("fp32", s) for s in QUICK["sizes"]] + \
-        [case_label("bf16", s) for s in QUICK["bf16_sizes"]]
+    sweep_cases = [case_label("fp32", s) for s in QUICK.sizes] + \
+        [case_label("bf16", s) for s in QUICK.bf16_sizes]
     expected_cases = {**{f.key: sweep_cases for f in SWEEP_FIGURES},
-                      **{f.key: [f"K={k}" for k in QUICK["ks"]] for f in TRAINING_FIGURES},
+                      **{f.key: [f"K={k}" for k in QUICK.ks] for f in TRAINING_FIGURES},
                       **{f.key: ["loop"] for f in MEMORY_FIGURES}}
     assert set(results["figures"]) == {f.key for f in FIGURES}
     for key, figure in results["figures"].items():
@@ -119,7 +122,7 @@ def test_comparison_advice_and_floors(quick_run):
 
 def test_rounds_are_interleaved_with_a_floor_each(quick_run):
     _, results, _ = quick_run
-    rounds = QUICK["rounds"]
+    rounds = QUICK.rounds
     assert rounds >= 2 and results["config"]["rounds"] == rounds
     for shift, (label, case) in enumerate(results["raw"]["sweep"].items()):
         assert len(case["order"]) == len(case["floors"]) == len(case["loads"]) == rounds, label
@@ -139,7 +142,7 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
     for spec in SYSTEMS:
         if spec.ours:
             entry = results["figures"]["restore_cold_s"]["values"][spec.name][case_label(
-                "fp32", QUICK["sizes"][0])]
+                "fp32", QUICK.sizes[0])]
             assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
             assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
     assert len(results["ranks"]["raw"]["floors"]) == RANKS_QUICK["rounds"]
@@ -149,14 +152,14 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
 def test_targets(quick_run):
     _, results, _ = quick_run
     targets = results["targets"]
-    assert targets["cases"] == [case_label("fp32", s) for s in QUICK["sizes"]]
+    assert targets["cases"] == [case_label("fp32", s) for s in QUICK.sizes]
     assert [row["key"] for row in targets["rows"]] == [t.key for t in TARGETS]
     for row in targets["rows"]:
         for case, entry in row["values"].items():
             if isinstance(entry, str):
                 assert entry.startswith("n/a (") and row["key"].startswith("zstd"), (row, case)
                 continue
-            assert entry["n"] == QUICK["rounds"], row["key"]
+            assert entry["n"] == QUICK.rounds, row["key"]
             assert entry["min"] <= entry["median"] <= entry["max"], row["key"]
             assert entry["meets"] == (entry["median"] <= row["limit"]), row["key"]
 
@@ -167,10 +170,10 @@ def test_two_ranks_against_dcp(quick_run):
     assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "durable_s"}
     assert len(ranks["floor_ways"]) == RANKS_QUICK["rounds"]
     assert set(ranks["floor_ways"]) <= set(WRITE_WAYS)
-    assert set(ranks["systems"]) == {name for name, _, _ in RANK_SYSTEMS}
-    for name, ours, _ in RANK_SYSTEMS:
-        s = ranks["systems"][name]
-        if not ours and not s["available"]:
+    assert set(ranks["systems"]) == {spec.name for spec in RANK_SYSTEMS}
+    for spec in RANK_SYSTEMS:
+        name, s = spec.name, ranks["systems"][spec.name]
+        if not spec.ours and not s["available"]:
             assert s["reason"], name
             continue
         assert s["available"], name
@@ -193,10 +196,10 @@ def test_sharded_state_against_dcp(quick_run):
         assert w["rounds"] == SHARDED_QUICK["rounds"]
         assert set(w["floors"]) == {"copy_s", "durable_s"}
         assert len(w["floor_ways"]) == SHARDED_QUICK["rounds"]
-        assert set(w["systems"]) == {name for name, _, _ in SHARDED_SYSTEMS}
-        for name, ours, _ in SHARDED_SYSTEMS:
-            s = w["systems"][name]
-            if not ours and not s["available"]:
+        assert set(w["systems"]) == {spec.name for spec in SHARDED_SYSTEMS}
+        for spec in SHARDED_SYSTEMS:
+            name, s = spec.name, w["systems"][spec.name]
+            if not spec.ours and not s["available"]:
                 assert s["reason"], (world, name)
                 continue
             assert s["available"], (world, name)
@@ -208,8 +211,8 @@ def test_sharded_state_against_dcp(quick_run):
         ours = w["systems"][SHARDED_OURS]
         # Every rank writes only its own pieces: about its share of the state, not all of it.
         assert max(ours["bytes_per_rank"]) < 1.5 * max(w["rank_bytes"])
-        peers = {name for name, is_ours, _ in SHARDED_SYSTEMS
-                 if not is_ours and w["systems"][name]["available"]}
+        peers = {spec.name for spec in SHARDED_SYSTEMS
+                 if not spec.ours and w["systems"][spec.name]["available"]}
         assert set(ours["blocking_x_dcp"]) == set(ours["to_commit_x_dcp"]) == peers
     assert set(block["restore"]) == {"2->4", "4->2"}
     for pair, r in block["restore"].items():
@@ -266,17 +269,46 @@ def test_report_has_the_tables(quick_run):
 def test_step_time_overhead_is_a_figure_of_every_system(quick_run):
     _, results, _ = quick_run
     figure = results["figures"]["step_overhead_pct"]
-    assert figure["cases"] == [f"K={k}" for k in QUICK["ks"]] and figure["unit"] == "%"
+    assert figure["cases"] == [f"K={k}" for k in QUICK.ks] and figure["unit"] == "%"
     for name, block in results["raw"]["training"]["systems"].items():
-        for k in QUICK["ks"]:
+        for k in QUICK.ks:
             entry = figure["values"][name][f"K={k}"]
             if not block["available"]:
                 assert entry.startswith("n/a ("), (name, k)
                 continue
             loops = [run["loops"][str(k)] for run in block["runs"]]
             paired = [(lp["step_s"] / lp["baseline"]["step_s"] - 1) * 100 for lp in loops]
-            assert entry["n"] == QUICK["rounds"] and entry["median"] == spread(paired)["median"]
+            assert entry["n"] == QUICK.rounds and entry["median"] == spread(paired)["median"]
             assert entry["min"] == min(paired) and entry["max"] == max(paired), (name, k)
+
+
+def test_the_stall_preset_reports_its_sweep_alone(quick_run, tmp_path):
+    """``--stall`` is the sweep alone with its own systems: results and report hold that, the
+    targets its systems can meet, no training loop. Built here from the quick run's sweep, cut to
+    the stall's systems, as ``python -m bench --stall`` builds them from its own."""
+    from bench.__main__ import write_outputs
+
+    _, results, _ = quick_run
+    names = [spec.name for spec in STALL_SYSTEMS]
+    sweep = {label: {**case, "systems": {name: case["systems"][name] for name in names}}
+             for label, case in results["raw"]["sweep"].items()}
+    args = parse_args(["--stall", "--sizes", ",".join(map(str, QUICK.sizes)), "--rounds",
+                       str(QUICK.rounds), "--out", str(tmp_path)])
+    write_outputs(assemble(args, {"sweep": sweep}, results["machine"], load_now(), 0.0, 1.0),
+                  str(tmp_path))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [s["name"] for s in saved["systems"]] == names and saved["config"]["preset"] == "stall"
+    assert all(s["ran"] for s in saved["systems"])
+    assert set(saved["figures"]) == {f.key for f in SWEEP_FIGURES} and "training" not in saved["raw"]
+    keys = [row["key"] for row in saved["targets"]["rows"]]
+    assert keys == [t.key for t in TARGETS if t.key != "async_restore_x_dcp"]  # no DCP here
+    report = (tmp_path / "report.md").read_text()
+    for heading in ("### Targets", "### Floors", "### Saving and restoring", "### Every state size",
+                    "### Machine load", "| async_ckpt async blocking / copy floor"):
+        assert heading in report, heading
+    for absent in ("Training loop", "### Recovery consistency", "### 2 ranks", "| DCP"):
+        assert absent not in report, absent
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["blocking_vs_size.png"]
 
 
 def test_render_from_saved_results(quick_run, tmp_path):
@@ -305,6 +337,12 @@ def test_options():
         parse_args(["--ks", "0"])
     assert [loop_steps(k, quick=False) for k in KS] == [8, 30, 100]
     assert all(loop_steps(k, quick=True) // k >= 2 for k in KS)
+    stall = parse_args(["--stall"])
+    assert stall.preset is STALL and (stall.sizes, stall.rounds, stall.ks) == ((1.0,), 7, ())
+    assert os.path.abspath(stall.out) != os.path.abspath(COMMITTED_RESULTS)
+    os.rmdir(stall.out)
+    with pytest.raises(SystemExit):
+        parse_args(["--stall", "--quick"])
 
 
 @pytest.mark.parametrize("argv", [["--quick"], ["--sizes", "0.064"], ["--ks", "10"],
@@ -352,6 +390,26 @@ def test_every_framework_adapter_is_measured_and_reported(quick_run):
                          ("integrations_accelerate", "Accelerate")):
         assert results[key]["figures"], key
         assert heading in report, heading
+
+
+def test_typed_records_travel_through_results_json_unchanged():
+    from bench.records import (Cell, Consistency, Damage, FigureValues, NotAvailable, TargetRatio,
+                               TargetRow, Targets, to_json)
+
+    cell = Cell(2.0, 1.0, 3.0, 3, floor=1.0, x_floor=2.0, extra={"drain_s": 0.5})
+    figure = FigureValues("t", "s", "f", True, ["a"], {"a": None},
+                          {"x": {"a": cell}, "y": {"a": NotAvailable("absent (here)")}})
+    saved = json.loads(json.dumps(figure, default=to_json))
+    assert saved["values"] == {"x": {"a": {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3,
+                                           "floor": 1.0, "x_floor": 2.0, "x_best_peer": None,
+                                           "drain_s": 0.5}},
+                               "y": {"a": "n/a (absent (here))"}}
+    assert FigureValues.from_json(saved) == figure
+    targets = Targets(["a"], [TargetRow("k", "t", 1.0, {"a": TargetRatio(1.0, 1.0, 1.0, 1, True)})])
+    assert Targets.from_json(json.loads(json.dumps(targets, default=to_json))) == targets
+    check = Consistency(3, 0.5, 3, True, 0, 8, Damage("detected", "fell back to step 1"))
+    assert Consistency.from_json(json.loads(json.dumps(check, default=to_json))) == check
+    assert Consistency.from_json("n/a (did not run)") == NotAvailable("did not run")
 
 
 def test_spread_and_pairwise_ratios():
@@ -474,7 +532,7 @@ def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_
 
 def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
     from bench import sweep
-    from bench.systems import BIG_SYSTEMS, TORCH_SAVE, by_name
+    from bench.registry import BIG_SYSTEMS, TORCH_SAVE, by_name
 
     monkeypatch.setattr(sweep, "BIG_GB", 0.001)  # 2 MB counts as big
     small = by_name("DCP async_save (default stager)")
@@ -499,3 +557,34 @@ def test_a_zstd_restore_is_measured_on_one_core_and_on_all(quick_run):
         assert len(samples) == block["config"]["rounds"] and all(s > 0 for s in samples)
     assert block["speedup"]["n"] == block["config"]["rounds"]
     assert "### zstd restore across cores" in (out / "report.md").read_text()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """What a module of bench/ imports, at the top or inside functions, by absolute name (a
+    module, or a name in one)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = ".".join(filter(None, ["bench" if node.level else "", node.module]))
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
+
+
+def test_bench_has_no_import_cycle_and_imports_only_public_names_of_async_ckpt():
+    paths = {f"bench.{path.stem}": path for path in pathlib.Path(REPO, "bench").glob("*.py")}
+    imports = {name: _imports(path) for name, path in paths.items()}
+    for name in paths:  # nothing reaches itself through bench's imports
+        seen, todo = set(), [m for m in imports[name] if m in paths]
+        while todo:
+            module = todo.pop()
+            assert module != name, f"{name} is in an import cycle"
+            if module not in seen:
+                seen.add(module)
+                todo += [m for m in imports[module] if m in paths]
+    private = {(name, imported) for name, found in imports.items() for imported in found
+               if imported.startswith("async_ckpt.") and any(
+                   part.startswith("_") and not part.startswith("__")
+                   for part in imported.split(".")[1:])}
+    assert not private

@@ -8,6 +8,7 @@ import resource
 import signal
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -365,6 +366,7 @@ def test_stats_report_every_stage(ckpt_dir):
         engine.snapshot(0)
         engine.wait()
         stats = engine.stats()
+        assert psutil.Process(stats["writer_pid"]).ppid() == os.getpid()  # the writer process
     (record,) = stats["snapshots"]
     for key in ("blocking_s", "staging_s", "capture_s", "write_s", "fsync_s", "commit_s",
                 "to_commit_s", "staging_gbps", "durable_gbps"):

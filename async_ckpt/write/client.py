@@ -93,11 +93,13 @@ class WriterClient:
             "(or restart the job) to resume from the newest committed snapshot")
 
     def rss(self) -> dict:
+        """The writer process's pid and memory, as ``stats()`` reports them; {} once it is gone."""
         try:
             info = psutil.Process(self.process.pid).memory_info()
         except psutil.Error:
             return {}
-        return {"writer_rss": info.rss, "writer_shared": info.shared}
+        return {"writer_pid": self.process.pid, "writer_rss": info.rss,
+                "writer_shared": info.shared}
 
     def close(self, timeout: float) -> None:
         try:
