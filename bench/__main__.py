@@ -16,7 +16,7 @@ then writes to ``--out`` (default ``bench/results/``):
 * ``report.md``: the tables, also printed on stdout (progress goes to stderr).
 
 Presets (``Preset``) set what runs unless an option says otherwise: everything (``FULL``);
-``--quick``, a tiny version in well under a minute: a smoke test that keeps the benchmarks from
+``--quick``, a tiny version in about a minute: a smoke test that keeps the benchmarks from
 rotting (``tests/test_bench.py``), not a measurement; ``--stall``, the focused stall benchmark:
 the sweep alone, at 1 GB in 7 rounds, async_ckpt's modes against torch.save + fsync: how long a
 snapshot stops training (against the copy floor) and how long until it is durable (against the
@@ -104,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     presets = parser.add_mutually_exclusive_group()
     presets.add_argument("--quick", action="store_true",
-                         help="a tiny run (under a minute) that checks everything works")
+                         help="a tiny run (about a minute) that checks everything works")
     presets.add_argument("--stall", action="store_true",
                          help="the focused stall benchmark: the sweep alone, async_ckpt's modes "
                               "against torch.save + fsync (default 1 GB, 7 rounds)")
