@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import errors
-from .data import after_restore, inexact_loader_warnings
+from .data import ResumableLoader, ResumableSampler, after_restore, inexact_loader_warnings
 from .checks import is_int, short_repr
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, LayoutError,
@@ -37,18 +37,19 @@ from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentErr
                      StateMismatchError, WorldSizeMismatchError, WriterDiedError)
 from .format.manifest import SnapshotRecord, read_manifest
 from .storage.names import MAX_STEP, RNG_KEY, snapshot_dir_name
+from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
+from .tensors import registered_objects
 from .storage.local import LocalStorage, ensure_writable_dir
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
 from .storage.locks import lock_path
-from .train.capture import capture, check_registrable, plan_layout, registered_objects
+from .train.capture import capture, check_registrable, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
-from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import Copy, StagingPool
 from .write.client import WriterClient
@@ -475,7 +476,7 @@ class CheckpointEngine:
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")
-        apply(state, loaded, step, strict)
+        apply(state, loaded, step, strict, kept_by_state=(ResumableSampler, ResumableLoader))
         self._load_rng(record, rng)
         no_position = after_restore(self.state)
         if no_position is not None:
