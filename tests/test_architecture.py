@@ -1,7 +1,7 @@
 """The package's layout keeps its promises (docs/ARCHITECTURE.md): each part imports only the parts
-below it in the drawing (``ALLOWED``), no import cycles between its modules, and the writer
+below it in the drawing (``ALLOWED``), no import cycles between its modules, the writer
 process's side (write/, format/, storage/) never needs torch or the training and read sides at
-import time."""
+import time, and the commands reach a checkpoint only through its ``Storage``."""
 
 import ast
 import pathlib
@@ -126,3 +126,42 @@ def test_nothing_in_the_library_imports_the_framework_adapters():
     wrong = {m: sorted(n for n in GRAPH[m] if n.startswith("async_ckpt.integrations"))
              for m in inside}
     assert not {m: n for m, n in wrong.items() if n}
+
+
+# What touches a file system by a path, in the os module (and the builtin open).
+_FILE_FUNCTIONS = {"open", "listdir", "scandir", "walk", "stat", "lstat", "unlink", "remove",
+                   "rename", "replace", "rmdir", "mkdir", "makedirs", "exists", "lexists",
+                   "isdir", "isfile", "islink", "getsize", "access", "chmod"}
+# The commands that take a checkpoint DIR (or s3:// URL) and read nothing else: export also
+# writes the file it is asked for, import-dcp reads a DCP checkpoint, supervise watches a run's
+# local directory (through LocalStorage's heartbeats()).
+_CHECKPOINT_COMMANDS = ["common", "ls", "inspect", "verify", "gc"]
+
+
+def _file_calls(path: pathlib.Path) -> list[str]:
+    calls = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            calls.append("open")
+        elif isinstance(f, ast.Attribute) and f.attr in _FILE_FUNCTIONS:
+            base = f.value
+            chain = [base.attr, base.value.id] if isinstance(base, ast.Attribute) and isinstance(
+                base.value, ast.Name) else [base.id] if isinstance(base, ast.Name) else []
+            if chain and chain[-1] in ("os", "shutil", "pathlib"):
+                calls.append(".".join(reversed(chain)) + "." + f.attr)
+    return calls
+
+
+def test_the_commands_reach_a_checkpoint_only_through_its_storage():
+    """No os file function in the commands that work on a checkpoint, nor the local storage's
+    modules (a lock is ``Storage.exclude_engines``): what they do on a directory they do alike
+    on a bucket prefix (tests/test_cli_remote.py) or any other Storage (tests/test_storage.py)."""
+    for name in _CHECKPOINT_COMMANDS:
+        module = f"async_ckpt.tools.{name}"
+        assert _file_calls(MODULES[module]) == [], module
+        local = sorted(n for n in EVERY_IMPORT[module]
+                       if n in ("async_ckpt.storage.local", "async_ckpt.storage.locks"))
+        assert local == [], module
