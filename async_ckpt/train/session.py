@@ -44,8 +44,8 @@ class Session:
     directory: LocalStorage
     root: str
     own_root: bool = False
-    _attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter,
-                                                       repr=False, compare=False)
+    _attempts: collections.Counter = dataclasses.field(  # snapshot directories named, per step
+        default_factory=collections.Counter, init=False, repr=False, compare=False)
 
     def snapshot_dir(self, step: int) -> str:
         """The directory of this session's next snapshot of ``step``: the same on every rank
