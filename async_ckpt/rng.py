@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..checks import is_int
-from ..errors import CorruptSnapshotError, StateMismatchError
+from .checks import is_int
+from .errors import CorruptSnapshotError, StateMismatchError
 
 log = logging.getLogger(__name__)
 
