@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .errors import StateMismatchError, UnsupportedFormatError
-from .train.capture import registered_objects
+from .tensors import registered_objects
 
 __all__ = ["ResumableLoader", "ResumableSampler", "DistributedResumableSampler", "EpochIndex",
            "sample_seed", "sample_generator"]

@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import shutil
 import signal
 import time
 import warnings
@@ -29,26 +28,26 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import errors
-from .data import after_restore, inexact_loader_warnings
+from .data import ResumableLoader, ResumableSampler, after_restore, inexact_loader_warnings
 from .checks import is_int, short_repr
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, LayoutError,
                      Preempted, RemoteConflictError, RemoteStorageError, StagingRaceError,
                      StateMismatchError, WorldSizeMismatchError, WriterDiedError)
-from .format.manifest import SnapshotRecord, read_manifest
-from .storage.names import MAX_STEP, RNG_KEY, snapshot_dir_name
+from .format.manifest import SnapshotRecord, committed_steps
+from .storage.names import RNG_KEY, check_step
+from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.snapshot import Entry, read_committed
 from .stats import EngineCounts, SnapshotFigures
-from .storage.local import LocalStorage, ensure_writable_dir
+from .tensors import registered_objects
+from .storage.local import LocalStorage
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
-from .storage.locks import lock_path
-from .train.capture import capture, check_registrable, plan_layout, registered_objects
+from .train.capture import capture, check_registrable, plan_layout
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
-from .train.rng import GlobalRNG
 from .train.session import start_session
 from .train.staging import Copy, StagingPool
 from .write.client import WriterClient
@@ -104,7 +103,6 @@ class CheckpointEngine:
         check_registrable(state, o.allow_pickle)
         for message in inexact_loader_warnings(state):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-        self.directory = ensure_writable_dir(directory)
         self.state = state
         self.rank, self.world_size = r.rank, r.world_size  # as resolved from torch.distributed
         self._rng = GlobalRNG() if o.rng else None
@@ -113,35 +111,35 @@ class CheckpointEngine:
         self._pending: dict[int, SnapshotFigures] = {}  # job number -> figures, in submission order
         self._drops_queued = 0  # drop(wait=False) calls the writer has not answered yet
         self._jobs = itertools.count()
-        self._attempts: collections.Counter = collections.Counter()  # snapshots taken per step
         self._last_step_taken: Optional[int] = None
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
         self._history: collections.deque[SnapshotFigures] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = EngineCounts()
         self._writer_plan = None
         self._tracker = ChangeTracker(o.full_every) if o.incremental else None
-        self._heartbeat = (Heartbeat(self.directory, self.rank, o.heartbeat_interval)
-                           if o.heartbeat_interval is not None else None)
+        self._heartbeat: Optional[Heartbeat] = None
         self._preempted_by: Optional[int] = None
         self._old_handlers: dict = {}
         self._coordinator = Coordinator(self.rank, self.world_size)
         self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
         self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
         self._staging: Optional[_Staged] = None  # the snapshot whose copy fence() waits for
-        self._fences = _install_fences(self) if o.staging == "lazy" else []
         session = self._pool = None
         try:
-            session = start_session(self.directory, self._coordinator, o.shared_settings(),
+            session = start_session(directory, self._coordinator, o.shared_settings(),
                                     o.lock_timeout, own_roots=o.remote is not None)
-            self._session = session.token
+            self._session = session
+            self.directory = session.directory.root  # the directory given, made absolute
             self.root = session.root  # where this rank's snapshots go: DIR, or DIR/rank-RRRRR
+            if o.heartbeat_interval is not None:
+                self._heartbeat = Heartbeat(session.directory, self.rank, o.heartbeat_interval)
             self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
                 root=self.root, own_root=session.own_root, rank=r.rank, world_size=r.world_size,
                 spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
                 keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
                 level=o.level, reserve_bytes=o.reserve_bytes, nice=r.writer_nice,
-                low_io_priority=o.writer_low_io, lock=lock_path(self.directory, r.rank),
+                low_io_priority=o.writer_low_io, lock=session.directory.lock_file(r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
                 remote=o.remote, remote_options=o.remote_options,
                 remote_keep_last=r.remote_keep_last))
@@ -151,6 +149,7 @@ class CheckpointEngine:
             if session is not None:
                 os.close(session.lock_fd)
             raise
+        self._fences = _install_fences(self) if o.staging == "lazy" else []
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
@@ -189,9 +188,7 @@ class CheckpointEngine:
         committed, never before (what a framework's own resume looks for).
         """
         self._check_usable()
-        if not is_int(step, 0, MAX_STEP - 1):
-            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP - 1}, not "
-                                       f"{short_repr(step)}")
+        check_step(step)
         if state is None:
             state = self.state
         else:
@@ -231,8 +228,7 @@ class CheckpointEngine:
                 self._writer.detach(old_buffer)
             self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
         t_captured = time.perf_counter()
-        job, directory = next(self._jobs), snapshot_dir_name(step, self._session,
-                                                              self._attempts[step])
+        job, directory = next(self._jobs), self._session.snapshot_dir(step)
         refer = ({} if self._tracker is None else
                  self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory,
                                          trainable_storages(state)))
@@ -251,7 +247,6 @@ class CheckpointEngine:
             plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
             refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
             markers=tuple(markers)))
-        self._attempts[step] += 1
         self._last_step_taken = step
         self._writer_plan = plan
         record = SnapshotFigures(step, called_at, blocking_s=0.0, wait_slot_s=t_slot - t0,
@@ -475,7 +470,7 @@ class CheckpointEngine:
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")
-        apply(state, loaded, step, strict)
+        apply(state, loaded, step, strict, kept_by_state=(ResumableSampler, ResumableLoader))
         self._load_rng(record, rng)
         no_position = after_restore(self.state)
         if no_position is not None:
@@ -495,7 +490,7 @@ class CheckpointEngine:
         """Steps committed in the local directory, in commit order, oldest first (read from the
         manifest). When the ranks share no directory, this rank's own commits: what restores the
         job is what the object store's manifest names (``stats()["remote_step"]``)."""
-        return read_manifest(self.root).steps()
+        return committed_steps(self.root)
 
     def stats(self) -> dict:
         """Figures per committed snapshot (newest last) and of the engine as a whole.
@@ -529,7 +524,7 @@ class CheckpointEngine:
             **self._counts.as_dict(),
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
-            "disk_free_bytes": shutil.disk_usage(self.directory).free,
+            "disk_free_bytes": self._session.directory.free_bytes(),
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),
             **({} if self._remote is None else self._remote_figures()),

@@ -9,8 +9,10 @@ import os
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from async_ckpt import CheckpointEngine, load
+from async_ckpt.data import ResumableLoader
 from async_ckpt.errors import NoSnapshotError, StateMismatchError
 from conftest import assert_same, bit_equal, make_training_state, train_step
 
@@ -245,6 +247,25 @@ def test_an_object_that_refuses_its_state_puts_every_object_back(ckpt_dir):
         with pytest.raises(StateMismatchError, match="nothing was loaded"):
             engine.restore()
         assert_same(current, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+def test_a_refusal_puts_back_loaders_and_generators_by_their_state(ckpt_dir):
+    """A loader's position lives in its sampler and a generator's state in C: neither is in
+    the attributes restore keeps, so they are put back through their own state (the engine
+    names the loaders to restore, which knows nothing of data.py)."""
+    loader = ResumableLoader(TensorDataset(torch.arange(16.0)), batch_size=2, seed=3)
+    generator = torch.Generator().manual_seed(5)
+    state = {"loader": loader, "generator": generator, "x": Refusing()}
+    with CheckpointEngine(ckpt_dir, state, rng=False) as engine:
+        engine.snapshot(0, force=True)
+        engine.wait()
+        loader.advance(3)
+        torch.rand(4, generator=generator)
+        position, drawn = loader.state_dict(), generator.get_state()
+        with pytest.raises(StateMismatchError, match="nothing was loaded"):
+            engine.restore()
+        assert loader.state_dict() == position and loader.consumed == 3
+        assert torch.equal(generator.get_state(), drawn)
 
 
 def test_a_failed_copy_in_place_is_not_undone_and_says_so(ckpt_dir):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_ckpt.errors import CorruptSnapshotError, StateMismatchError
-from async_ckpt.train.rng import GlobalRNG, NumpyGenerator, TorchGenerator, generator_adapter
+from async_ckpt.rng import GlobalRNG, NumpyGenerator, TorchGenerator, generator_adapter
 
 BIT_GENERATORS = ["MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"]
 

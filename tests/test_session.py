@@ -7,7 +7,8 @@ import pytest
 
 from async_ckpt.distributed import Coordinator
 from async_ckpt.errors import CheckpointDirError, DirectoryInUseError, DistributedSetupError
-from async_ckpt.storage.names import SESSION_NAME
+from async_ckpt.storage.local import LocalStorage
+from async_ckpt.storage.names import SESSION_NAME, snapshot_dir_step
 from async_ckpt.storage.locks import take_rank_lock
 from async_ckpt.train import session
 from async_ckpt.train.session import start_session
@@ -85,7 +86,7 @@ def test_a_hostile_session_file_reads_as_no_token(tmp_path, plant):
             f.write(json.dumps({"token": "a" * 16, "pad": "x" * 10**6}))
     else:
         os.symlink("/dev/zero", path)
-    assert session._published_token(str(tmp_path)) is None
+    assert session._published_token(LocalStorage(str(tmp_path))) is None
 
 
 def test_ranks_that_share_no_directory_each_get_a_root_of_their_own(tmp_path):
@@ -105,3 +106,26 @@ def test_ranks_that_share_no_directory_each_get_a_root_of_their_own(tmp_path):
     shared = start_session(str(tmp_path / "node0"), TwoRanks(0), SETTINGS, 1, own_roots=True)
     os.close(shared.lock_fd)  # rank 0 sees its own session.json; the other rank reports no problem
     assert not shared.own_root and shared.root == str(tmp_path / "node0")
+
+
+def test_every_attempt_at_a_step_gets_a_fresh_snapshot_directory(tmp_path):
+    """Named by the token, the step and the attempt: the same on every rank, never reused."""
+    started = start_session(str(tmp_path), Coordinator(0, 1), SETTINGS, lock_timeout=1)
+    os.close(started.lock_fd)
+    first, second, other = (started.snapshot_dir(5), started.snapshot_dir(5),
+                            started.snapshot_dir(6))
+    assert len({first, second, other}) == 3
+    assert [snapshot_dir_step(d) for d in (first, second, other)] == [5, 5, 6]
+    again = start_session(str(tmp_path), Coordinator(0, 1), SETTINGS, lock_timeout=1)
+    os.close(again.lock_fd)
+    assert again.snapshot_dir(5) not in (first, second)  # a new session: a new token
+
+
+def test_the_directory_is_created_and_must_be_writable(tmp_path):
+    nested = tmp_path / "a" / "b"
+    started = start_session(str(nested), Coordinator(0, 1), SETTINGS, lock_timeout=1)
+    os.close(started.lock_fd)
+    assert nested.is_dir() and started.root == str(nested)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointDirError, match="exists and is not a directory"):
+        start_session(str(tmp_path / "file"), Coordinator(0, 1), SETTINGS, lock_timeout=1)

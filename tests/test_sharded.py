@@ -243,7 +243,7 @@ def test_a_torch_without_the_public_dtensor_module_gets_a_typed_error(monkeypatc
     import sys
 
     from async_ckpt.errors import LayoutError
-    from async_ckpt.train.capture import dtensor_box
+    from async_ckpt.tensors import dtensor_box
 
     monkeypatch.setitem(sys.modules, "torch.distributed.tensor._utils", None)  # import fails
     with pytest.raises(LayoutError, match="need torch 2.5 or later"):

@@ -2,8 +2,10 @@
 Storage that the committer, the watcher, the manifest functions and the reader run against
 unchanged, which shows that every byte they move goes through the seam."""
 
+import argparse
 import ctypes
 import errno
+import json
 import os
 import re
 import shutil
@@ -20,6 +22,8 @@ from async_ckpt.read.snapshot import read_snapshot
 from async_ckpt.storage.base import ShardSink, ShardSource, Storage
 from async_ckpt.storage import local
 from async_ckpt.storage.local import LocalStorage, as_storage
+from async_ckpt.tools import gc, inspect, ls, verify
+from async_ckpt.tools.common import EXIT_OK, UsageError
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
 from async_ckpt.write.protocol import Committed
 
@@ -428,3 +432,43 @@ def test_the_manifest_functions_run_on_any_storage():
     storage.files[MANIFEST_NAME] = b"not json"
     with pytest.raises(ManifestError, match=re.escape(storage.location(MANIFEST_NAME))):
         read_manifest(storage)
+
+
+def test_the_commands_run_on_any_storage(capsys):
+    """ls, inspect, verify and gc on a Storage that no path names: the commands reach a
+    checkpoint only through the seam (tests/test_cli_remote.py shows the same for a bucket)."""
+    storage = MemoryStorage()
+    committer = Committer(storage, 2, keep_last=10, keep_every=None, commit_timeout=60,
+                          send=lambda event: None)
+    snapshots = {step: f"step-{step:020d}.0000abcd" for step in (7, 8, 9)}
+    for job, step in enumerate((7, 8)):
+        ours, _ = [write_memory_shard(storage, snapshots[step], rank, step) for rank in (0, 1)]
+        committer.add(Attempt(job=job, step=step, dir=snapshots[step], shard=ours, replicas=[],
+                              raw_bytes=4096, figures={}))
+        committer.poll(trainer_gone=False)
+    storage.make_snapshot_dir(snapshots[9])  # an interrupted snapshot: a leftover
+    assert ls.cmd_ls(argparse.Namespace(dir=storage, json=True)) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in listed["snapshots"]] == [7, 8]
+    assert [s["name"] for s in listed["leftovers"]] == [snapshots[9]]
+    assert verify.cmd_verify(argparse.Namespace(dir=storage, step=None, all=True)) == EXIT_OK
+    assert inspect.cmd_inspect(argparse.Namespace(dir=storage, step=7, rank=1)) == EXIT_OK
+    assert "answer" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--force"):  # no locks: gc cannot tell who writes
+        gc.cmd_gc(argparse.Namespace(dir=storage, keep_last=1, dry_run=False, force=False))
+    assert gc.cmd_gc(argparse.Namespace(dir=storage, keep_last=1, dry_run=False,
+                                        force=True)) == EXIT_OK
+    assert read_manifest(storage).steps() == [8]
+    assert storage.list_root() == [MANIFEST_NAME, snapshots[8]]
+
+
+def test_heartbeats_are_the_local_directorys_own_files(storage):
+    """Written atomically by rank; read back by name, skipping what is not a readable file."""
+    assert storage.heartbeats() == []  # the directory does not exist yet
+    os.makedirs(storage.root)
+    storage.write_heartbeat(3, b'{"rank": 3}')
+    storage.write_heartbeat(3, b'{"rank": 3, "step": 1}')  # replaced
+    storage.write_heartbeat(1, b'{"rank": 1}')
+    os.mkfifo(storage.location("heartbeat.rank00002.json"))  # would block a plain open
+    os.mkdir(storage.location("heartbeat.rank00004.json"))
+    assert storage.heartbeats() == [b'{"rank": 1}', b'{"rank": 3, "step": 1}']

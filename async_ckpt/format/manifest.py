@@ -198,6 +198,11 @@ def _restorable(kept: list) -> list:
     return [s for s in kept if s.dir in restorable]
 
 
+def committed_steps(root: str | Storage) -> list[int]:
+    """The steps committed under ``root``, in commit order (oldest first); empty when none is."""
+    return read_manifest(root).steps()
+
+
 def read_manifest(root: str | Storage) -> Manifest:
     """The committed snapshots under ``root`` (a directory or a Storage); an empty manifest when
     none was ever committed.

@@ -51,11 +51,10 @@ except ImportError as e:  # the optional extra
     raise ImportError("async_ckpt.integrations.lightning needs the lightning package: "
                       "pip install 'async_ckpt[lightning]'") from e
 
-from .. import CheckpointEngine, Marker, load
+from .. import MAX_STEP, CheckpointEngine, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError)
-from ..storage.names import MAX_STEP, REPLACEMENT_FILE
-from ..train.rng import GlobalRNG
+from ..rng import GlobalRNG
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
 
@@ -347,7 +346,7 @@ class AsyncCkptIO(CheckpointIO):
         named_elsewhere = False
         for entry in os.scandir(directory):
             if (entry.path != path and entry.path not in self._removing
-                    and not REPLACEMENT_FILE.fullmatch(entry.name)):
+                    and not Marker.is_being_written(entry.name)):
                 named_elsewhere |= self._step_of(entry, known, self._scanned[directory]) == step
         if remove or not named_elsewhere:
             self._engine.drop([] if named_elsewhere else [step], wait=False,

@@ -39,7 +39,7 @@ import torch
 
 from .. import CheckpointEngine, Marker, load
 from ..errors import CheckpointError, CorruptSnapshotError, IntegrationError, NoSnapshotError
-from ..train.rng import GlobalRNG, check_torch_state
+from ..rng import GlobalRNG, check_torch_state
 
 SUPPORTED_VERSIONS = ("5.25", "6")  # [lowest tested, first unsupported major)
 

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import CorruptSnapshotError
 from ..format.shard import MAX_DIMS, MAX_EXTENT
-from ..train.capture import DTYPES
+from ..tensors import DTYPES
 
 
 def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:

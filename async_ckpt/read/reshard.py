@@ -26,7 +26,7 @@ from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
 from ..format.references import References
 from ..format.shard import ChunkCache, ShardReader, checksum
-from ..train.capture import DTYPES, as_stateful, dtensor_box, is_dtensor
+from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
 from .memory import allocating, require_memory
 from .records import tensor_layout
 
@@ -159,7 +159,7 @@ class PieceIndex:
             for sub_lo, sub_hi in slabs:
                 start = piece.record["offset"] + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
                 shape = [h - a for a, h in zip(sub_lo, sub_hi)]
-                nbytes, span = math.prod(shape) * itemsize, _extent(shape, strides, itemsize)
+                nbytes, span = math.prod(shape) * itemsize, span_bytes(shape, strides, itemsize)
                 at = [a + o - t for a, o, t in zip(sub_lo, piece.offset, offset)]
                 into = sum(a * s for a, s in zip(at, target_strides)) * itemsize
                 if whole or _one_run(shape, strides, target_strides, itemsize):  # into place
@@ -182,8 +182,8 @@ def _one_run(shape: list, strides: list, target_strides: list, itemsize: int) ->
     """Whether a box of ``shape`` is one run of bytes, element for element in the same order,
     under the saved piece's ``strides`` and under ``target_strides``."""
     nbytes = math.prod(shape) * itemsize
-    return (_extent(shape, strides, itemsize) == nbytes
-            and _extent(shape, target_strides, itemsize) == nbytes
+    return (span_bytes(shape, strides, itemsize) == nbytes
+            and span_bytes(shape, target_strides, itemsize) == nbytes
             and all(a == b for n, a, b in zip(shape, strides, target_strides) if n > 1))
 
 
@@ -193,13 +193,6 @@ def _contiguous_strides(shape: list) -> list:
         strides.append(step)
         step *= max(n, 1)
     return strides[::-1]
-
-
-def _extent(shape: list, strides: list, itemsize: int) -> int:
-    """Bytes from the first to past the last element of a strided box (no elements: 0)."""
-    if not math.prod(shape):
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * itemsize
 
 
 def exact_cover(offset: tuple, shape: tuple, pieces: Iterable[tuple], what: str) -> list:
@@ -235,11 +228,11 @@ def _slabs(lo: list, hi: list, strides: list, itemsize: int, limit: int) -> Iter
     """Sub-boxes of ``[lo, hi)`` whose bytes span at most ``limit`` (or a single element's row),
     split along the dimensions of largest stride first, in storage order."""
     shape = [h - a for a, h in zip(lo, hi)]
-    if _extent(shape, strides, itemsize) <= limit or all(n <= 1 for n in shape):
+    if span_bytes(shape, strides, itemsize) <= limit or all(n <= 1 for n in shape):
         yield list(lo), list(hi)
         return
     d = max((i for i, n in enumerate(shape) if n > 1), key=lambda i: strides[i])
-    one = _extent([1 if i == d else n for i, n in enumerate(shape)], strides, itemsize)
+    one = span_bytes([1 if i == d else n for i, n in enumerate(shape)], strides, itemsize)
     per = max(1, (limit - one) // (strides[d] * itemsize) + 1) if one <= limit else 1
     for start in range(lo[d], hi[d], per):
         sub_lo, sub_hi = list(lo), list(hi)

@@ -14,11 +14,10 @@ from typing import Any, Mapping, MutableMapping, Optional
 
 import torch
 
-from ..data import ResumableLoader, ResumableSampler
 from ..errors import CheckpointError, StateMismatchError
 from ..format.values import child_path
-from ..train.capture import as_stateful, is_dtensor
-from ..train.rng import NumpyGenerator, TorchGenerator
+from ..rng import NumpyGenerator, TorchGenerator
+from ..tensors import as_stateful, is_dtensor
 from .snapshot import Entry
 
 log = logging.getLogger(__name__)
@@ -68,11 +67,15 @@ def mismatch_error(state: MutableMapping[str, Any], loaded: Entry, step: int,
     return mismatch.error(step) if mismatch else None
 
 
-def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True) -> None:
+def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: bool = True,
+          kept_by_state: tuple[type, ...] = ()) -> None:
     """Load ``loaded`` into ``state``'s objects; checks everything before changing anything.
 
     With ``strict=False`` an optimizer whose saved state does not match its parameters is left as
-    it is (loading part of it would leave moments shaped for other parameters), and logged."""
+    it is (loading part of it would leave moments shaped for other parameters), and logged.
+    ``kept_by_state``: classes whose objects keep their state in other objects (a loader's
+    position is its sampler's), so that only their own ``state_dict`` puts them back when a
+    later object refuses its state; the caller knows them (the engine: ``data.py``'s loaders)."""
     mismatch = _Mismatch()
     _check("", state, loaded, mismatch, strict)
     if mismatch:
@@ -80,7 +83,7 @@ def apply(state: MutableMapping[str, Any], loaded: Entry, step: int, strict: boo
     if mismatch.skipped:
         log.warning("restore(strict=False) of step %d left these as they were: %s", step,
                     "; ".join(mismatch.skipped))
-    _load(state, loaded, strict, mismatch.skip_ids, loaded.borrowed)
+    _load(state, loaded, strict, mismatch.skip_ids, loaded.borrowed, kept_by_state)
 
 
 def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
@@ -194,8 +197,8 @@ def _scheduler_mismatch(scheduler: Any, saved: Any) -> Optional[str]:
     return None
 
 
-def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozenset(),
-          borrowed: frozenset = frozenset()) -> None:
+def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int], borrowed: frozenset,
+          kept_by_state: tuple[type, ...]) -> None:
     """Load into the registered objects, once every check passed.
 
     Objects whose own ``load_state_dict`` may still refuse a value no check foresees (optimizers,
@@ -212,7 +215,7 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int] = frozens
     try:
         for obj, state in objects:
             target = as_stateful(obj)
-            kept.append((target, _keep(target)))
+            kept.append((target, _keep(target, kept_by_state)))
             if isinstance(target, torch.optim.Optimizer):
                 optimizers.append((target, {p: dict(s) for p, s in target.state.items()}))
                 target.load_state_dict(state)
@@ -323,10 +326,10 @@ def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
         tensor.copy_(value)
 
 
-def _keep(target: Any) -> tuple[str, Any]:
-    """What puts ``target`` back as it is now: the state of a generator or of our loaders (whose
-    position lives in another object), else its attributes."""
-    if isinstance(target, (TorchGenerator, NumpyGenerator, ResumableSampler, ResumableLoader)):
+def _keep(target: Any, kept_by_state: tuple[type, ...]) -> tuple[str, Any]:
+    """What puts ``target`` back as it is now: the state of a generator or of an object of
+    ``kept_by_state`` (whose state lives in other objects), else its attributes."""
+    if isinstance(target, (TorchGenerator, NumpyGenerator, *kept_by_state)):
         return "state", target.state_dict()
     try:
         return "attributes", dict(vars(target))

@@ -35,7 +35,7 @@ from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
 from ..storage.open import open_storage
-from ..train.capture import ALL_DTYPES
+from ..tensors import ALL_DTYPES, span_bytes
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], ra
     if buffer is None or not (type(offset) is int and offset >= 0):
         raise bad("bad storage reference")
     itemsize = dtype.itemsize
-    end = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
+    end = offset + span_bytes(shape, stride, itemsize)
     if offset % itemsize or end > buffer.numel():
         raise bad("view lies outside its storage")
     return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)

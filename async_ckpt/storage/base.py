@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import mmap
 from abc import ABC, abstractmethod
-from typing import Hashable, Iterable, Optional, Type
+from typing import Callable, ContextManager, Hashable, Iterable, Optional, Type
 
 from ..errors import CheckpointError
 
@@ -142,3 +142,10 @@ class Storage(ABC):
     @abstractmethod
     def free_bytes(self) -> int:
         """Bytes a new snapshot can still use."""
+
+    def exclude_engines(self) -> Optional[ContextManager[Callable[[], None]]]:
+        """A context manager that keeps every engine and writer out of this root while it is
+        held (DirectoryInUseError when one is active) and yields a function that checks again
+        (for engines started since); None where the storage cannot tell whether an engine writes
+        to it (an object store has no locks)."""
+        return None

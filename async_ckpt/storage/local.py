@@ -1,8 +1,9 @@
 """The local POSIX directory: the only ways the library opens, writes, replaces and deletes files.
 
-``LocalStorage(root)`` is the ``storage.base.Storage`` of a local directory; the module functions
-below are its building blocks, also used directly for the files outside the seam (session and
-heartbeat files, the lock files, a shard opened by path).
+``LocalStorage(root)`` is the ``storage.base.Storage`` of a local directory, and also owns the
+files that only a local directory has: the ranks' lock files (``storage.locks``) and heartbeat
+files. The module functions below are its building blocks, also used directly by the writer for
+files outside a checkpoint root (a ``Marker``), and for a shard opened by path.
 
 Durability: a rename is only durable once the directory that holds it is fsynced; a file's
 contents only once the file is. Every commit path goes through these helpers so that the order
@@ -25,15 +26,17 @@ import os
 import shutil
 import stat
 import tempfile
-from typing import Callable, Iterable, Optional, Type, Union
+from typing import Callable, ContextManager, Iterable, Optional, Type, Union
 
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
-from .names import PARTIAL_SUFFIX, is_ours, replacement_name
+from .locks import every_rank_exclusively, lock_path, take_rank_lock
+from .names import HEARTBEAT_FILE, PARTIAL_SUFFIX, heartbeat_file_name, is_ours, replacement_name
 
 log = logging.getLogger(__name__)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_MAX_HEARTBEAT_BYTES = 4096
 
 
 def fsync_dir(path: str) -> None:
@@ -529,6 +532,42 @@ class LocalStorage(Storage):
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.root).free
+
+    # --- what only a local directory has ---------------------------------------------------
+
+    def exclude_engines(self) -> ContextManager[Callable[[], None]]:
+        """Every rank's lock held exclusively, without waiting (``storage.locks``)."""
+        return every_rank_exclusively(self.root)
+
+    def take_lock(self, rank: int, timeout: float) -> int:
+        """An engine's lock of ``rank`` on this directory (``storage.locks.take_rank_lock``): a
+        file descriptor; closing it releases the lock."""
+        return take_rank_lock(self.root, rank, timeout)
+
+    def lock_file(self, rank: int) -> str:
+        """The path of ``rank``'s lock file, which the engine's writer process joins."""
+        return lock_path(self.root, rank)
+
+    def write_heartbeat(self, rank: int, data: bytes) -> None:
+        """Replace ``rank``'s heartbeat file atomically, not durably: it is about liveness now,
+        not after a power cut."""
+        atomic_write(self.location(heartbeat_file_name(rank)), data, durable=False)
+
+    def heartbeats(self) -> list[bytes]:
+        """Every rank's heartbeat file, by name; one that cannot be read (not a regular file,
+        too large, gone while listed) is left out: the next beat replaces it. Empty when the
+        directory is missing."""
+        beats = []
+        try:
+            names = self.list_root()
+        except FileNotFoundError:
+            return beats
+        for name in filter(HEARTBEAT_FILE.fullmatch, names):
+            try:
+                beats.append(self.read_file(name, _MAX_HEARTBEAT_BYTES, CheckpointDirError))
+            except (OSError, CheckpointDirError):
+                continue
+        return beats
 
 
 def _size_of(entry: os.DirEntry) -> Optional[int]:

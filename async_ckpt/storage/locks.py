@@ -11,7 +11,9 @@ Who holds what, and why:
   ``async-ckpt gc`` takes every rank's lock exclusively without waiting) knows no writer is active.
 
 flock locks belong to open file descriptions, so a lock is released when its holder's process
-exits, however it exits. They are local to one machine (see docs/distributed.md).
+exits, however it exits. They are local to one machine (see docs/distributed.md): the callers
+reach them through ``LocalStorage`` (``take_lock``, ``lock_file``, ``exclude_engines``), and an
+object store has none.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Callable, Iterator
 
 from ..errors import CheckpointDirError, DirectoryInUseError
 from .names import LOCK_FILE, lock_file_name
-from .local import open_regular
 
 _RETRY_S = 0.05
 
@@ -107,11 +108,8 @@ def every_rank_exclusively(root: str) -> Iterator[Callable[[], None]]:
         for name in sorted(n for n in os.listdir(root) if LOCK_FILE.fullmatch(n)):
             if name in held:
                 continue
-            try:
-                fd = open_regular(os.path.join(root, name), CheckpointDirError)
-            except FileNotFoundError:
-                continue
-            held[name] = fd
+            # one removed since it was listed is created again: held like the others, harmless
+            fd = held[name] = _open_lock_file(os.path.join(root, name))
             if not _try_lock(fd, fcntl.LOCK_EX):
                 raise DirectoryInUseError(
                     f"an engine is writing to {root}; stop it first (its lock {name} is held by a "

@@ -15,8 +15,8 @@ import hashlib
 import re
 from typing import Optional, Type
 
-from ..checks import short_repr
-from ..errors import CheckpointError
+from ..checks import is_int, short_repr
+from ..errors import CheckpointError, InvalidArgumentError
 
 
 MANIFEST_NAME = "manifest.json"
@@ -47,6 +47,13 @@ def replacement_name(name: str, pid: int) -> str:
     """The temporary name under which process ``pid`` writes the next version of file ``name``
     (for the manifest, what ``MANIFEST_TMP`` matches)."""
     return f"{name}{_REPLACEMENT}{pid}"
+
+
+def check_step(step) -> None:
+    """InvalidArgumentError unless ``step`` can tag a snapshot: an int from 0 to ``MAX_STEP - 1``."""
+    if not is_int(step, 0, MAX_STEP - 1):
+        raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP - 1}, not "
+                                   f"{short_repr(step)}")
 
 
 def snapshot_dir_name(step: int, session: str, attempt: int) -> str:

@@ -19,7 +19,8 @@ def open_storage(location: Union[str, os.PathLike, Storage],
                  options: Optional[dict] = None) -> Storage:
     """The Storage ``location`` names: an ``ObjectStorage`` for an ``s3://`` URL (checked first;
     settings from ``options``, else the AWS environment), a ``LocalStorage`` for a directory that
-    exists (CheckpointDirError otherwise), or ``location`` itself when it already is a Storage."""
+    exists (CheckpointDirError otherwise; made absolute, as messages show it), or ``location``
+    itself when it already is a Storage."""
     if isinstance(location, Storage):
         return location
     location = os.fspath(location)
@@ -31,4 +32,4 @@ def open_storage(location: Union[str, os.PathLike, Storage],
         raise CheckpointDirError(f"{location} {state}; pass the directory given to "
                                  "CheckpointEngine (the one that holds manifest.json), or the "
                                  "s3://bucket/prefix URL given as its remote")
-    return LocalStorage(location)
+    return LocalStorage(os.path.abspath(location))

@@ -8,7 +8,6 @@ import argparse
 import datetime
 import importlib
 import io
-import os
 import sys
 import textwrap
 import time
@@ -125,7 +124,7 @@ def checkpoint_dir(location: str) -> Storage:
                          f"{', ...' if len(own_roots) > 4 else ''}) of a job whose ranks shared no "
                          "directory: its snapshots are in the object store given as remote= "
                          f"(pass that s3:// URL), each rank's copy of its shards in "
-                         f"{os.path.join(location, own_roots[0])} and the like")
+                         f"{storage.location(own_roots[0])} and the like")
     if (MANIFEST_NAME in names or any(SNAPSHOT_DIR.fullmatch(n) for n in names)
             or any(map(is_lock_file, names))):
         return storage

@@ -39,7 +39,7 @@ from ..format.shard import MAX_DIMS, MAX_EXTENT, MAX_KEY_CHARS
 from ..read.memory import allocating, require_memory
 from ..read.reshard import exact_cover
 from ..storage.local import open_regular, umask
-from ..train.capture import ALL_DTYPES, DTYPES
+from ..tensors import ALL_DTYPES, DTYPES
 from .common import iter_tensors
 
 METADATA_NAME = ".metadata"

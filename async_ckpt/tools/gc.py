@@ -14,8 +14,6 @@ from .verify import verify_record
 from ..format.manifest import Manifest, leftovers, recover_manifest, write_manifest
 from ..storage.names import snapshot_dir_step
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
-from ..storage.locks import every_rank_exclusively
 
 
 HELP = "remove leftovers and snapshots beyond retention"
@@ -95,18 +93,19 @@ def _no_engine(storage: Storage, args: argparse.Namespace) -> Iterator[Callable[
     """While gc runs, no engine may write to ``storage``; yields a function that checks again
     right before anything changes.
 
-    A local directory: every rank's lock, held exclusively (DirectoryInUseError while an engine
-    or its writer holds one). A bucket has no lock, and what gc decides by cannot be made safe
+    A local directory: every rank's lock, held exclusively (``Storage.exclude_engines``;
+    DirectoryInUseError while an engine or its writer holds one). A bucket has no lock, and what gc decides by cannot be made safe
     against a running upload: a snapshot being uploaded has its objects in place before the
     bucket's manifest names it, so it is a leftover to gc, which would delete the snapshot about
     to be committed; and a manifest gc replaced makes the engine's next conditional publish fail
     (RemoteConflictError). So gc changes a bucket only on the operator's word that no engine
     uploads there (``--force``); a dry run changes nothing and needs none."""
-    if isinstance(storage, LocalStorage):
+    engines_excluded = storage.exclude_engines()
+    if engines_excluded is not None:
         if args.force:
             raise UsageError("--force is for an s3:// URL; a directory's locks tell gc whether an "
                              "engine writes to it, and an engine that does must be stopped first")
-        with every_rank_exclusively(storage.root) as lock_all:
+        with engines_excluded as lock_all:
             yield lock_all
         return
     if not (args.force or args.dry_run):

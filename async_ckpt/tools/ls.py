@@ -13,7 +13,6 @@ from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir
 from ..format.manifest import SnapshotRecord, leftovers, read_manifest
 from ..storage.names import MANIFEST_NAME, snapshot_dir_step
 from ..storage.base import Storage
-from ..storage.remote import is_remote
 
 
 HELP = "list committed snapshots and leftovers"
@@ -52,7 +51,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # Exit 1 on damage, and when nothing is committed (as inspect, verify and export do).
     failed = any(s["problems"] for s in snapshots) or not snapshots
     if args.json:
-        doc = {"directory": root if is_remote(root) else os.path.abspath(root),
+        doc = {"directory": root,
                "manifest": has_manifest,
                "newest_step": manifest.snapshots[-1].step if manifest.snapshots else None,
                "rank": manifest.rank, "snapshots": snapshots, "leftovers": stray}

@@ -57,10 +57,9 @@ import psutil
 
 from .argtypes import DURATION_FORMS, duration_arg, int_arg
 from ..checks import is_int, is_number
-from ..errors import PREEMPTED_EXIT_CODE, CheckpointDirError, CheckpointError
+from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
 from ..format.manifest import SnapshotRecord, read_manifest
-from ..storage.local import read_regular
-from ..storage.names import HEARTBEAT_FILE
+from ..storage.local import LocalStorage
 
 __all__ = ["PREEMPTED_EXIT_CODE", "MAX_BACKOFF_S", "supervise", "add_arguments", "run_from_args",
            "main"]
@@ -70,7 +69,6 @@ PROG = "async-ckpt supervise"
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _KILL_WAIT_S = 10.0  # how long to wait for SIGKILLed processes to disappear before saying so
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
-_MAX_HEARTBEAT_BYTES = 4096
 
 
 # --- heartbeats --------------------------------------------------------------------------------
@@ -81,17 +79,11 @@ def read_heartbeats(directory: str) -> list[dict]:
     (``train/heartbeat.py``); unreadable or half-replaced files are skipped: the next beat
     replaces them."""
     beats = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return beats
-    for name in sorted(names):
-        if HEARTBEAT_FILE.fullmatch(name):
-            try:
-                beats.append(json.loads(read_regular(os.path.join(directory, name),
-                                                     _MAX_HEARTBEAT_BYTES, CheckpointDirError)))
-            except (OSError, ValueError, RecursionError, CheckpointDirError):
-                continue
+    for data in LocalStorage(directory).heartbeats():
+        try:
+            beats.append(json.loads(data))
+        except (ValueError, RecursionError):
+            continue
     return beats
 
 

@@ -9,7 +9,6 @@ once and share memory again after restore.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -18,15 +17,8 @@ import torch
 from ..format import values
 from ..errors import EncodingError, LayoutError
 from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up
-from .rng import generator_adapter
+from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
 
-ALL_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
-              if isinstance(d, torch.dtype)}
-"""Every torch dtype by name: what a ``$dtype`` value (a dtype kept as a setting) may name."""
-DTYPES = {name: d for name, d in ALL_DTYPES.items() if not re.fullmatch(r"q\w+|u?int[1-7]", name)}
-"""The dtypes a saved tensor may have: all but the quantized ones and the sub-byte integers
-(uint1-7, int1-7), which torch can create but not copy or clone: a tensor of them could be
-neither staged nor used once loaded."""
 _SAVEABLE_DTYPES = frozenset(DTYPES.values())
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PLAIN = frozenset({type(None), bool, int, float, str})
@@ -45,35 +37,6 @@ class Captured:
     # tree as {"$dtensor": k}; a record's "tensor" indexes ``tensors`` (its local piece), or is
     # None where another rank stores the same (replicated) piece.
     dtensors: list[dict] = field(default_factory=list)
-
-
-def as_stateful(obj: Any) -> Any:
-    """``obj`` itself if it has ``state_dict``/``load_state_dict``, an adapter for a torch or NumPy
-    generator, else None."""
-    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-        return obj
-    return generator_adapter(obj)
-
-
-def registered_objects(state: Any, kinds: tuple[type, ...]) -> list:
-    """The objects of ``kinds`` in the registered ``state``: registered directly, in (nested)
-    dicts, or as attributes of a registered object (an ``AppState`` holding the model and the
-    optimizer); each once."""
-    found: dict[int, Any] = {}
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, kinds):
-            found.setdefault(id(value), value)
-        elif isinstance(value, Mapping) and depth < 8:
-            for item in value.values():
-                visit(item, depth + 1)
-        elif depth < 8 and hasattr(value, "state_dict") and hasattr(value, "__dict__"):
-            for item in vars(value).values():
-                if isinstance(item, kinds):
-                    found.setdefault(id(item), item)
-
-    visit(state, 0)
-    return list(found.values())
 
 
 def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
@@ -111,25 +74,6 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
         raise LayoutError(f"two sharded tensors have the same key path {twice[0]!r}: their pieces "
                           "could not be told apart on restore; give the state dict distinct keys")
     return Captured({"kind": "dict", "entries": entries}, tensors, entry_of, paths, dtensors)
-
-
-def is_dtensor(value: Any) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (without importing torch.distributed where it is
-    not built)."""
-    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(
-        value, "placements")
-
-
-def dtensor_box(t: Any) -> tuple[tuple, tuple]:
-    """The shape and global offset of the piece of DTensor ``t`` this rank holds. LayoutError
-    where torch lacks the public ``torch.distributed.tensor`` (before 2.5)."""
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError as e:
-        raise LayoutError(f"sharded tensors (DTensor) need torch 2.5 or later, this is "
-                          f"{torch.__version__}: upgrade torch") from e
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(shape), tuple(offset)
 
 
 def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
@@ -239,13 +183,6 @@ def shuffle_itemsize(t: torch.Tensor) -> int:
     return t.element_size() // 2 if t.is_complex() else t.element_size()
 
 
-def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
-    size = t.element_size()
-    start = t.storage_offset() * size
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return start, start + span * size
-
-
 def plan_layout(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]] = None,
                 ) -> tuple[Plan, list[torch.Tensor]]:
     """Group tensors by storage and lay the used byte range of each storage out in a slot.
@@ -262,7 +199,8 @@ def plan_layout(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[
             continue
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
-        start, end = _byte_extent(t)
+        start = t.storage_offset() * t.element_size()
+        end = start + span_bytes(t.shape, t.stride(), t.element_size())
         g = groups.get(key)
         if g is None:
             g = groups[key] = {"storage": storage, "device": t.device, "start": start, "end": end,

@@ -3,8 +3,9 @@
 The engine replaces ``DIR/heartbeat.rankNNNNN.json`` from the training loop's ``snapshot()`` calls,
 at most once per interval, so a loop that hangs stops beating even while other threads (the
 writer's, a data loader's) still run. A supervisor reads the files to tell a hung job from a slow
-one (``tools.supervisor.read_heartbeats``). Replaced atomically but not fsynced: a heartbeat is
-about liveness now, not durability.
+one (``tools.supervisor.read_heartbeats``). Written through the directory's
+``LocalStorage`` (``write_heartbeat``), replaced atomically but not fsynced: a heartbeat is about
+liveness now, not durability.
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ import socket
 import time
 from typing import Optional
 
+from ..storage.local import LocalStorage
 from ..storage.names import heartbeat_file_name
-from ..storage.local import atomic_write
 
 log = logging.getLogger(__name__)
 
 
 def heartbeat_path(directory: str, rank: int) -> str:
+    """Where rank ``rank``'s heartbeat file is in ``directory``: what a supervisor watches."""
     return os.path.join(directory, heartbeat_file_name(rank))
 
 
 class Heartbeat:
     """Rate-limited writer of one rank's heartbeat file."""
 
-    def __init__(self, directory: str, rank: int, interval: float):
-        self.path = heartbeat_path(directory, rank)
+    def __init__(self, directory: LocalStorage, rank: int, interval: float):
+        self.directory = directory
+        self.path = heartbeat_path(directory.root, rank)
         self.rank, self.interval = rank, interval
         self._last = float("-inf")
         self.step: Optional[int] = None
@@ -51,7 +54,7 @@ class Heartbeat:
         record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
         try:
-            atomic_write(self.path, json.dumps(record).encode(), durable=False)
+            self.directory.write_heartbeat(self.rank, json.dumps(record).encode())
         except OSError as e:  # a directory planted at the name, a full disk: liveness only
             if not self._warned:
                 self._warned = True

@@ -27,12 +27,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..format.layout import Plan
-from .capture import registered_objects
+from ..tensors import registered_objects
 
 
 def trainable_storages(state: Any) -> set[int]:
     """Storage addresses of the parameters that require grad of the modules in ``state``
-    (``capture.registered_objects``: directly, in dicts, or attributes of an ``AppState``)."""
+    (``tensors.registered_objects``: directly, in dicts, or attributes of an ``AppState``)."""
     return {p.untyped_storage().data_ptr()
             for module in registered_objects(state, (torch.nn.Module,))
             for p in module.parameters() if p.requires_grad}

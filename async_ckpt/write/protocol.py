@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 from ..errors import CheckpointError
 from ..format.layout import Plan
+from ..storage.names import REPLACEMENT_FILE
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ class Marker:
     path: str  # absolute
     content: bytes = b""
     files: Optional[tuple[tuple[str, bytes], ...]] = None
+
+    @staticmethod
+    def is_being_written(name: str) -> bool:
+        """Whether the file name ``name`` is a marker file's replacement the writer is still
+        writing (``NAME.tmp-PID``, renamed over ``NAME`` once whole; left behind when the writer
+        was killed in between): it names nothing, the file it becomes or replaces does."""
+        return REPLACEMENT_FILE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)

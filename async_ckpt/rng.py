@@ -1,10 +1,13 @@
-"""The process-wide random number generators, as one stateful object.
+"""The process-wide random number generators, as one stateful object, and the generators a user
+registers, with the checks of every saved RNG state.
 
 Without them a resumed run draws different dropout masks and augmentations than the run it
 continues, and its loss curve drifts. Captured: Python's ``random``, NumPy's global RNG, torch's CPU
 generator, and the CUDA generator of every device once CUDA is in use (checking for CUDA never
 initialises it, so a CPU job on a GPU machine creates no CUDA context). Generators the user owns
-(``torch.Generator``, ``numpy.random.Generator``) are registered as ordinary state entries.
+(``torch.Generator``, ``numpy.random.Generator``) are registered as ordinary state entries, seen
+through the adapters below. The side that saves them (``train/``) and the sides that check and
+load them (``read/``, the engine, the framework adapters) all take them from here.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..checks import is_int
-from ..errors import CorruptSnapshotError, StateMismatchError
+from .checks import is_int
+from .errors import CorruptSnapshotError, StateMismatchError
 
 log = logging.getLogger(__name__)
 
