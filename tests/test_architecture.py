@@ -18,26 +18,33 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path, everywhere: bool = False) -> set[str]:
-    """The package modules ``path`` imports when it is imported, or ``everywhere`` (imports
-    inside functions too: deliberate lazy imports, which break no cycle at import time but are
-    dependencies all the same)."""
+def _import_targets(path: pathlib.Path, everywhere: bool = False):
+    """``(module, names)`` of each ``from module import names`` and ``import module`` in ``path``
+    (relative ones resolved), at its top level or ``everywhere`` (inside functions too)."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree) if everywhere else tree.body:
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                target = f"{base}.{node.module}" if node.module else base
+                parts = package.split(".")
+                base = (".".join(parts[:len(parts) - node.level + 1])
+                        if node.level <= len(parts) else "<above the package>")
+                yield (f"{base}.{node.module}" if node.module else base), [a.name for a in node.names]
             else:
-                target = node.module or ""
-            names = [f"{target}.{a.name}" for a in node.names]
-            found |= {n for n in names + [target] if n in MODULES}
+                yield node.module or "", [a.name for a in node.names]
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name in MODULES}
-    return found - {module}
+            yield from ((a.name, []) for a in node.names)
+
+
+def _imports(path: pathlib.Path, everywhere: bool = False) -> set[str]:
+    """The package modules ``path`` imports when it is imported, or ``everywhere`` (imports
+    inside functions too: deliberate lazy imports, which break no cycle at import time but are
+    dependencies all the same)."""
+    found = set()
+    for target, names in _import_targets(path, everywhere):
+        found |= {n for n in [f"{target}.{name}" for name in names] + [target] if n in MODULES}
+    return found - {_module_name(path)}
 
 
 MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -165,3 +172,16 @@ def test_the_commands_reach_a_checkpoint_only_through_its_storage():
         local = sorted(n for n in EVERY_IMPORT[module]
                        if n in ("async_ckpt.storage.local", "async_ckpt.storage.locks"))
         assert local == [], module
+
+
+def test_every_import_of_the_package_names_one_of_its_modules():
+    """A relative import that climbs out of the package, or names a module that moved, is found
+    here even inside a function, where no other test may run it."""
+    compiled = {_module_name(p.with_name(p.name.split(".")[0] + ".py"))
+                for p in PACKAGE.rglob("*.so")} | {_module_name(p.with_suffix(".py"))
+                                                   for p in PACKAGE.rglob("*.pyi")}
+    known = MODULES.keys() | compiled
+    wrong = sorted({(name, target) for name, path in MODULES.items()
+                    for target, _ in _import_targets(path, everywhere=True)
+                    if target.startswith(("async_ckpt", "<above")) and target not in known})
+    assert not wrong, f"imports of modules that do not exist: {wrong}"
