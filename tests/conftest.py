@@ -90,6 +90,20 @@ def pytest_runtest_makereport(item, call):
                                         f"{SEED_VARIABLE}={seed} to make the same choices"))
 
 
+class FakeClock:
+    """A monotonic clock that moves only when the test advances it: the library's timeouts and
+    measured waits, given this clock, without sleeping or bounding a test by the wall clock."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
