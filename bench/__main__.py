@@ -4,7 +4,8 @@ Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/tr
 every system (``bench/systems.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
 lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
-incremental snapshots of a LoRA-style state (``bench/incremental.py``) and the remote tier
+incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
+core and on all (``bench/decode.py``) and the remote tier
 against a loopback S3 server (``bench/remote.py``), against the floors
 measured in the same run; then writes to
 ``--out`` (default ``bench/results/``):
@@ -34,7 +35,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, figures, incremental, integrations_accelerate,
+from . import (article, dcp, decode, figures, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
                remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
@@ -158,6 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"sharded state done after {time.perf_counter() - start:.0f} s")
         incremental_raw = incremental.run(root, args.quick)
         log(f"incremental done after {time.perf_counter() - start:.0f} s")
+        decode_raw = decode.run(root, args.quick)
+        log(f"zstd restore across cores done after {time.perf_counter() - start:.0f} s")
         remote_raw = remote.run(root, args.quick)
         log(f"remote tier done after {time.perf_counter() - start:.0f} s")
         frameworks = {}
@@ -170,6 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = assemble(args, sweep_raw, training_raw, ranks_raw, machine_info, load_start,
                        started, time.perf_counter() - start)
     results["incremental"] = incremental_raw
+    results["decode"] = decode_raw
     results["lazy"] = lazy_raw
     results["remote"] = remote_raw
     results.update(frameworks)

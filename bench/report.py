@@ -17,7 +17,7 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import (article, incremental, integrations_accelerate, integrations_lightning,
+from . import (article, decode, incremental, integrations_accelerate, integrations_lightning,
                integrations_transformers, lazy, remote, sharded)
 from .article import ASYNC, PERIODIC, headline_case
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
@@ -34,7 +34,8 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
                 _headline(results, image_dir), _training(results, image_dir), lazy.render(results),
                 _memory(results),
-                _ranks(results), sharded.render(results), incremental.render(results), remote.render(results),
+                _ranks(results), sharded.render(results), incremental.render(results),
+                decode.render(results), remote.render(results),
                 integrations_lightning.render(results), integrations_transformers.render(results),
                 integrations_accelerate.render(results),
                 _consistency(results),

@@ -487,3 +487,15 @@ def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
     assert [r["round"] for r in runs] == [0, 1]
     assert all(r["restore_cold_s"] > 0 and r["restore_s"] > 0 for r in runs)
     assert os.listdir(tmp_path) == []  # the dd file and the systems' directories are gone
+
+
+def test_a_zstd_restore_is_measured_on_one_core_and_on_all(quick_run):
+    out, results, _ = quick_run
+    block = results["decode"]
+    every = len(os.sched_getaffinity(0))
+    assert block["cores"] == sorted({1, every})
+    for cores in block["cores"]:
+        samples = block["restore_s"][str(cores)]["samples"]
+        assert len(samples) == block["config"]["rounds"] and all(s > 0 for s in samples)
+    assert block["speedup"]["n"] == block["config"]["rounds"]
+    assert "### zstd restore across cores" in (out / "report.md").read_text()

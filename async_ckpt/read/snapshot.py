@@ -187,10 +187,11 @@ def _storages_viewed(records: list) -> set[int]:
 
 
 _SCRATCH_ALIGNMENT = 64  # storages decoded into scratch start on cache lines, as allocations do
-VERIFY_THREADS = min(8, max(2, os.cpu_count() or 2))
+VERIFY_THREADS = min(8, max(2, len(os.sched_getaffinity(0))))
 """Threads that checksum mapped chunks, and read, check and decode the others: a chunk's first
 read through a mapping costs its page faults more than its checksum, and faults on two cores take
-about 0.7x the time of one; zstd decodes on every core it is given."""
+about 0.7x the time of one; zstd decodes on every core the process may run on (its affinity: a
+container or ``taskset`` may allow fewer than the machine has)."""
 
 
 _verify_pool: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)

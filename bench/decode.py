@@ -1,0 +1,107 @@
+"""zstd restore across cores: how a compressed restore scales with the cores it is given.
+
+A restore of a zstd snapshot spends its time decoding chunks; they are decoded on the verify
+threads, one per core the process may run on (``os.sched_getaffinity``). This benchmark saves the
+sweep's fp32 state (1 GB; tiny with ``--quick``) once with ``compression="zstd"``, then restores
+it warm (the files in the page cache) in child processes pinned to 1 core and to every core
+(``sched_setaffinity`` before the child starts, so its threads are made on those cores),
+interleaved over the rounds after a warm-up restore in each child. Reported: the restore time,
+the state's bytes decoded per second and per second per core, and the speed-up of every core
+over one, round by round.
+
+Self-contained (``run`` and ``render`` are its entry points, from ``bench/__main__.py`` and
+``bench/report.py``). Run alone: ``python -m bench.decode [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from async_ckpt import CheckpointEngine
+
+from .measure import log, ratio_spread, rotated, spread, standalone
+from .workloads import build_state
+
+FULL = {"size_gb": 1.0, "rounds": 3}
+QUICK = {"size_gb": 0.008, "rounds": 1}  # a child costs a torch import: a smoke test
+CHILD_FLAG = "--restore-in-child"
+
+
+def _restore_seconds(directory: str, size_gb: float) -> float:
+    """In a child: the warm restore time of ``directory``'s snapshot into a fresh state of the same
+    shape, after one warm-up restore (which starts the verify threads and faults the pages)."""
+    state, _ = build_state(size_gb)
+    engine = CheckpointEngine(directory, state, heartbeat_interval=None)
+    try:
+        engine.restore()
+        start = time.perf_counter()
+        engine.restore()
+        return time.perf_counter() - start
+    finally:
+        engine.close()
+
+
+def _in_child(directory: str, size_gb: float, cores: int) -> float:
+    """``_restore_seconds`` in a fresh interpreter confined to the first ``cores`` cores."""
+    allowed = sorted(os.sched_getaffinity(0))[:cores]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.decode", CHILD_FLAG, directory, str(size_gb)],
+        preexec_fn=lambda: os.sched_setaffinity(0, allowed), capture_output=True, text=True,
+        check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(proc.stdout.strip().splitlines()[-1])["restore_s"]
+
+
+def run(root: str, quick: bool) -> dict:
+    """Save once, restore on 1 core and on all of them in every round; the results block."""
+    config = QUICK if quick else FULL
+    directory = os.path.join(root, "decode")
+    state, nbytes = build_state(config["size_gb"])
+    with CheckpointEngine(directory, state, compression="zstd", heartbeat_interval=None) as engine:
+        engine.snapshot(1)
+        engine.wait()
+    del state
+    every = len(os.sched_getaffinity(0))
+    counts = sorted({1, every})
+    samples: dict[int, list[float]] = {n: [] for n in counts}
+    for round_ in range(config["rounds"]):
+        for cores in rotated(counts, round_):
+            samples[cores].append(_in_child(directory, config["size_gb"], cores))
+            log(f"  zstd restore on {cores} core(s): {samples[cores][-1]:.3f} s")
+    return {"config": config, "state_bytes": nbytes, "cores": counts,
+            "restore_s": {str(n): {**spread(v), "samples": v} for n, v in samples.items()},
+            "speedup": ratio_spread(samples[1], samples[every])}  # one core's time over all's
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results saved before this benchmark existed."""
+    block = results.get("decode")
+    if not block:
+        return ""
+    nbytes = block["state_bytes"]
+    rows = []
+    for cores in block["cores"]:
+        s = block["restore_s"][str(cores)]
+        rows.append(f"| {cores} | {s['median']:.3f} s ({s['min']:.3f}–{s['max']:.3f}) | "
+                    f"{nbytes / s['median'] / 1e9:.2f} GB/s | "
+                    f"{nbytes / s['median'] / 1e9 / cores:.2f} GB/s |")
+    speedup = block["speedup"]
+    return "\n".join([
+        "### zstd restore across cores", "",
+        f"A fp32 {nbytes / 1e9:.3g} GB state saved with `compression=\"zstd\"`, restored warm into "
+        "a fresh state of the same shape by a child process confined to 1 core and to every core; "
+        f"medians (min–max) of {len(block['restore_s']['1']['samples'])} interleaved rounds, a "
+        "warm-up restore first in each child. Throughput counts the state's (decoded) bytes.", "",
+        "| cores | warm restore | decoded | per core |", "|---|---|---|---|", *rows, "",
+        f"Speed-up of {block['cores'][-1]} cores over 1, round by round: "
+        f"×{speedup['median']:.2f} ({speedup['min']:.2f}–{speedup['max']:.2f})."])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [CHILD_FLAG]:
+        print(json.dumps({"restore_s": _restore_seconds(sys.argv[2], float(sys.argv[3]))}))
+        sys.exit(0)
+    sys.exit(standalone("decode", "decode", run, render, __doc__))
