@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 
 @dataclasses.dataclass
@@ -31,13 +31,16 @@ class SnapshotFigures:
     to_commit_s: Optional[float] = None
     committed_at: Optional[float] = None
 
-    def record_commit(self, writer_figures: Mapping) -> None:
+    def record_commit(self, writer_figures: Mapping, *,
+                      monotonic: Callable[[], float] = time.monotonic,
+                      unix_time: Callable[[], float] = time.time) -> None:
         """Take the writer's figures of the commit; its ``committed_at`` is a ``time.monotonic()``
-        of this machine, turned into Unix time here."""
+        of this machine, turned into Unix time here by reading both clocks (tests pass their
+        own)."""
         self.writer = dict(writer_figures)
         self.committed = True
         self.to_commit_s = writer_figures["committed_at"] - self.called_at
-        self.committed_at = time.time() - (time.monotonic() - writer_figures["committed_at"])
+        self.committed_at = unix_time() - (monotonic() - writer_figures["committed_at"])
 
     def as_dict(self) -> dict:
         """One entry of ``stats()["snapshots"]`` (only committed snapshots are reported)."""

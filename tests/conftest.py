@@ -1,6 +1,7 @@
 """Shared helpers for the engine tests: small deterministic training states and equality checks."""
 
 import os
+import random
 import sys
 import tempfile
 
@@ -62,6 +63,45 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     ab = a.contiguous().reshape(-1).view(torch.uint8) if a.dtype != torch.bool else a.to(torch.uint8)
     bb = b.contiguous().reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b.to(torch.uint8)
     return torch.equal(ab, bb)
+
+
+SEED_VARIABLE = "ASYNC_CKPT_TEST_SEED"
+
+
+@pytest.fixture
+def seeded_random(request) -> random.Random:
+    """The random choices of a test that kills processes at random moments: seeded from
+    $ASYNC_CKPT_TEST_SEED when set, else from a fresh seed each run (more moments over many runs).
+    A failing test reports its seed (``pytest_runtest_makereport``), so the same choices can be
+    made again; the processes' own timing still varies from run to run."""
+    seed = int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(1 << 32))
+    request.node.user_properties.append((SEED_VARIABLE, seed))
+    return random.Random(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Adds the seed of a failed test that drew one (``seeded_random``) to its report."""
+    report = (yield).get_result()
+    if report.failed:
+        for name, seed in item.user_properties:
+            if name == SEED_VARIABLE:
+                report.sections.append(("random choices", f"seed {seed}: rerun with "
+                                        f"{SEED_VARIABLE}={seed} to make the same choices"))
+
+
+class FakeClock:
+    """A monotonic clock that moves only when the test advances it: the library's timeouts and
+    measured waits, given this clock, without sleeping or bounding a test by the wall clock."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture

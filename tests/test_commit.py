@@ -18,6 +18,7 @@ from async_ckpt.storage.names import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.format.manifest import ShardRecord, read_manifest
 from async_ckpt.format.layout import Plan, Region, TensorRecord
 from async_ckpt.format.layout import owners, shard_layout
+from conftest import FakeClock
 
 # --- replication ---------------------------------------------------------------------------------
 
@@ -105,22 +106,10 @@ def outcomes(events):
     return [(type(e), e.job) for e in events]
 
 
-class Clock:
-    """A monotonic clock the test advances: the commit stage's timeouts without sleeping."""
-
-    def __init__(self):
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    """The commit stage's clock: its timeouts without sleeping."""
+    return FakeClock(time.monotonic())
 
 
 @pytest.fixture

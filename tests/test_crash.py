@@ -1,8 +1,10 @@
 """Real processes killed with SIGKILL at random moments, and file systems that run out of space:
-every committed snapshot must still restore bit for bit, and nothing else may be restorable."""
+every committed snapshot must still restore bit for bit, and nothing else may be restorable.
+
+The random moments come from ``seeded_random`` (conftest.py): a failure reports its seed, and
+ASYNC_CKPT_TEST_SEED=N makes the same choices again."""
 
 import os
-import random
 import resource
 import signal
 import subprocess
@@ -60,29 +62,27 @@ def assert_every_committed_snapshot_exact(directory):
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_job_killed_at_random_moments_resumes_from_an_exact_snapshot(tmp_path, compression):
+def test_job_killed_at_random_moments_resumes_from_an_exact_snapshot(tmp_path, compression,
+                                                                      seeded_random):
     directory = str(tmp_path / "ckpt")
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
     newest = -1
     for round_no in range(4):
         process = start_loop(directory, compression)
         wait_for_a_commit(process)
-        time.sleep(rng.uniform(0.0, 0.6))
+        time.sleep(seeded_random.uniform(0.0, 0.6))
         kill_group(process)  # trainer and writer together, as when a node dies
         steps = assert_every_committed_snapshot_exact(directory)
-        assert steps, f"seed {seed}: nothing committed after round {round_no}"
-        assert steps[-1] >= newest, f"seed {seed}: a committed snapshot went missing"
+        assert steps, f"nothing committed after round {round_no}"
+        assert steps[-1] >= newest, "a committed snapshot went missing"
         newest = steps[-1]
 
 
-def test_killed_mid_incremental_snapshot_every_committed_one_restores(tmp_path):
+def test_killed_mid_incremental_snapshot_every_committed_one_restores(tmp_path, seeded_random):
     directory = str(tmp_path / "ckpt")
-    rng = random.Random()
     for _ in range(3):
         process = start_loop(directory, incremental=True)
         wait_for_a_commit(process)
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(seeded_random.uniform(0.0, 0.4))
         kill_group(process)
         steps = assert_every_committed_snapshot_exact(directory)
         frozen = frozen_at(MB)

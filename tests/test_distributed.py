@@ -9,7 +9,6 @@ moments resumes with per-rank losses and final state bit-identical to an uninter
 import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -190,13 +189,12 @@ def test_spread_shares_the_replicated_state_among_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_a_job_killed_at_random_moments_resumes_bit_identical(tmp_path, tmp_path_factory, nproc):
+def test_a_job_killed_at_random_moments_resumes_bit_identical(tmp_path, tmp_path_factory, nproc,
+                                                              seeded_random):
     ref_dir = reference(tmp_path_factory, nproc)
-    seed = int(time.time())
-    rng = random.Random(seed)
-    kill_points = sorted(rng.sample(range(2, STEPS - 4), 2))
+    kill_points = sorted(seeded_random.sample(range(2, STEPS - 4), 2))
     run_dir = str(tmp_path)
-    context = f"(kills after steps {kill_points} + random delays, seed {seed})"
+    context = f"(kills after steps {kill_points} + random delays)"
     for point in kill_points + [None]:
         process = torchrun(TRAIN, nproc, *train_args(run_dir),
                            output=os.path.join(run_dir, "output.txt"))
@@ -206,7 +204,8 @@ def test_a_job_killed_at_random_moments_resumes_bit_identical(tmp_path, tmp_path
         deadline = time.monotonic() + 300
         while process.poll() is None and time.monotonic() < deadline:
             if any(r["step"] >= point for r in read_log(run_dir, 0)):
-                time.sleep(rng.uniform(0, 0.03))  # any instant: mid-step, mid-snapshot, mid-commit
+                # any instant: mid-step, mid-snapshot, mid-commit
+                time.sleep(seeded_random.uniform(0, 0.03))
                 break
             time.sleep(0.002)
         assert process.poll() is None, f"the job ended before it could be killed {context}"

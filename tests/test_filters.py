@@ -1,13 +1,18 @@
-"""The byte-shuffle filter: the C extension against the numpy reference, and the public face.
+"""The byte-shuffle filter: the C extension against the numpy reference, the public face, and
+the fallback where the (optional) extension did not build.
 
 C-vs-reference tests import ``async_ckpt._native`` directly so they never silently compare the
-reference with itself; ``test_native_backend_is_built`` fails when the extension is missing.
+reference with itself; ``test_native_backend_is_built`` fails when the extension is missing. The
+fallback runs in a fresh interpreter in which the extension cannot be imported
+(``run_without_native``), as on a machine without a C compiler.
 """
 
 from __future__ import annotations
 
+import ast
 import mmap
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -17,8 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import async_ckpt
 from async_ckpt.format import filters
 from async_ckpt.format.filters import MAX_ITEMSIZE, shuffle_reference, unshuffle_reference
+from test_format import ROUND_TRIP_CASES, as_bytes, index_of, read_storages, write_shard
 
 try:
     from async_ckpt import _native
@@ -26,6 +33,8 @@ except ImportError:  # reported by test_native_backend_is_built
     _native = None
 
 PURE_PYTHON = os.environ.get("ASYNC_CKPT_PURE_PYTHON", "") not in ("", "0")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 needs_native = pytest.mark.skipif(  # only in the documented pure-Python run: otherwise they fail
     _native is None and PURE_PYTHON, reason="ASYNC_CKPT_PURE_PYTHON run without async_ckpt._native")
@@ -59,12 +68,79 @@ def shuffled_reference(src: bytes, itemsize: int) -> bytes:
 
 
 def test_native_backend_is_built():
-    """A broken build must fail the suite, not fall back to numpy unnoticed."""
+    """The extension is optional for an install, not for the suite: a build that failed would
+    otherwise go unnoticed (setup.py only warns) and leave the C code untested."""
     if PURE_PYTHON:
         assert filters.BACKEND == "python"
     else:
-        assert _native is not None, "async_ckpt._native did not import: pip install -e ."
+        assert _native is not None, ("async_ckpt._native did not import: build it with a C "
+                                     "compiler (pip install -e .), or run the suite with "
+                                     "ASYNC_CKPT_PURE_PYTHON=1 to test the numpy fallback alone")
         assert filters.BACKEND == "native"
+
+
+def test_only_filters_imports_the_extension():
+    """One owner of "is the extension there": every other module shuffles through filters."""
+    package = pathlib.Path(async_ckpt.__file__).parent
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(name.rpartition(".")[2] == "_native" for name in names):
+                importers.add(path.relative_to(package).as_posix())
+    assert importers == {"format/filters.py"}
+
+
+def run_without_native(code: str) -> str:
+    """Run ``code`` in a fresh interpreter in which ``import async_ckpt._native`` fails, as where
+    the optional extension did not build (``ASYNC_CKPT_PURE_PYTHON`` unset, so the fallback is
+    what a missing module gives); returns its stdout."""
+    hidden = "import sys\nsys.modules['async_ckpt._native'] = None  # an ImportError on import\n"
+    result = subprocess.run([sys.executable, "-c", hidden + code], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+                                     ASYNC_CKPT_PURE_PYTHON=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_without_the_extension_the_numpy_reference_runs():
+    out = run_without_native("from async_ckpt.format import filters\nprint(filters.BACKEND)")
+    assert out.strip() == "python"
+
+
+def shuffled_storages() -> list[tuple]:
+    """(data, itemsize, is_float) of every float width the planes codec shuffles (2, 4, 8, and 16
+    bytes as complex128), and the zstd round-trip cases that are not shuffled."""
+    storages = [(data, itemsize, is_float)
+                for data, itemsize, is_float, compression, _ in ROUND_TRIP_CASES.values()
+                if compression == "zstd"]
+    complex_values = np.random.default_rng(9).normal(0, 0.02, (700, 2)).view(np.complex128)
+    return storages + [(complex_values, 16, True)]
+
+
+def test_shards_written_without_the_extension_are_byte_identical(tmp_path):
+    """The same storages written with the extension and without it make the same file, and each
+    side reads the other's back (shuffle on write, unshuffle on read, in both backends)."""
+    native, fallback = tmp_path / "native.ackpt", tmp_path / "fallback.ackpt"
+    write_shard(native, shuffled_storages())
+    expected = [as_bytes(data) for data, _, _ in shuffled_storages()]
+    run_without_native(
+        "from async_ckpt.format import filters\n"
+        "from test_filters import shuffled_storages\n"
+        "from test_format import as_bytes, read_storages, write_shard\n"
+        "assert filters.BACKEND == 'python', filters.BACKEND\n"
+        f"write_shard({str(fallback)!r}, shuffled_storages())\n"
+        f"got = read_storages({str(native)!r})\n"
+        "assert got == [as_bytes(data) for data, _, _ in shuffled_storages()]\n")
+    assert fallback.read_bytes() == native.read_bytes()
+    assert read_storages(fallback) == expected
+    codecs = [{c["codec"] for c in s["chunks"]} for s in index_of(native)["storages"]]
+    assert codecs.count({"planes"}) >= 5  # every float width went through the shuffle
 
 
 def test_golden_bytes():

@@ -221,7 +221,8 @@ class Case:
             exc = first.exc  # re-raised as is: Hypothesis groups failures by where they came from
         else:
             exc = _RULE_ERRORS[first.rule](str(first))
-        exc.__notes__ = [*getattr(exc, "__notes__", ()), *notes]  # add_note, not in Python 3.10
+        for note in notes:
+            exc.add_note(note)
         if exc is first.exc:
             raise exc
         raise exc from first.exc

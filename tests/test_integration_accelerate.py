@@ -10,11 +10,9 @@ not stateful (warned), fallback past a damaged snapshot, retention, the version 
 
 import copy
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -264,13 +262,13 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_killed_at_a_random_step_and_during_a_save_it_resumes_bit_identical(tmp_path,
-                                                                             uninterrupted):
+                                                                             uninterrupted,
+                                                                             seeded_random):
     ref_ckpt, reference = uninterrupted
     ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
-    seed = int(time.time())
-    kill_at = random.Random(seed).randrange(2, 2 * BATCHES)
+    kill_at = seeded_random.randrange(2, 2 * BATCHES)
     frozen_at = 3 * BATCHES - 4  # mid-epoch, after the first resume
-    context = f"(SIGKILL after step {kill_at}, seed {seed}; writer frozen at {frozen_at})"
+    context = f"(SIGKILL after step {kill_at}; writer frozen at {frozen_at})"
     assert run_killed(loop(ckpt, log), kill_after_step=kill_at, log=log) == -signal.SIGKILL, context
     assert run_killed(loop(ckpt, log, "--freeze-writer-at", str(frozen_at))) == -signal.SIGKILL
     # Step frozen_at was staged, never written: nothing of it is restorable, the step before is.

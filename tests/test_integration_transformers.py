@@ -11,7 +11,6 @@ import glob
 import importlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -81,7 +80,8 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_killed_in_a_save_and_at_a_random_step_mid_epoch_resumes_bit_identical(tmp_path,
-                                                                                uninterrupted):
+                                                                                uninterrupted,
+                                                                                seeded_random):
     ref_dir, reference = uninterrupted
     output_dir, log = str(tmp_path / "out"), str(tmp_path / "loss.jsonl")
     # Killed while the save of step 20 is in flight: no checkpoint-20, nothing half-written.
@@ -91,7 +91,7 @@ def test_killed_in_a_save_and_at_a_random_step_mid_epoch_resumes_bit_identical(t
 
     # Resumed mid-epoch from checkpoint-15 (12 steps an epoch), killed at a random step once
     # that run committed its own checkpoint-20, in the same epoch.
-    kill_after = random.Random().randrange(20, 25)
+    kill_after = seeded_random.randrange(20, 25)
 
     def after_checkpoint_20():
         logged = read_log(log)

@@ -16,6 +16,7 @@ from async_ckpt.errors import PREEMPTED_EXIT_CODE, Preempted
 from async_ckpt.tools.supervisor import read_heartbeats
 from async_ckpt.train.heartbeat import heartbeat_path
 from async_ckpt.format.manifest import read_manifest
+from conftest import FakeClock
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "preemptible.py")
 
@@ -90,12 +91,14 @@ def test_preemption_handlers_need_the_main_thread(ckpt_dir):
 
 def test_heartbeat_is_written_from_snapshot_calls_and_rate_limited(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, every=10, heartbeat_interval=0.0) as engine:
+        before = time.time()
         for step in range(3):
             engine.snapshot(step)
+        after = time.time()
         with open(heartbeat_path(ckpt_dir, 0)) as f:
             beat = json.load(f)
         assert beat["step"] == 2 and beat["pid"] == os.getpid() and beat["rank"] == 0
-        assert abs(beat["time"] - time.time()) < 60 and beat["host"]
+        assert before <= beat["time"] <= after and beat["host"]  # Unix time, of the last call
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, every=10, heartbeat_interval=3600) as engine:
         for step in range(5, 8):
             engine.snapshot(step)
@@ -108,14 +111,30 @@ def test_heartbeat_can_be_turned_off(ckpt_dir):
     assert read_heartbeats(ckpt_dir) == []
 
 
-def test_a_writer_falling_behind_is_counted(ckpt_dir):
-    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1 << 10)}, slots=1, slow_writer_s=0.2) as engine:
+def test_a_writer_falling_behind_is_counted(ckpt_dir, monkeypatch):
+    """A snapshot that waits longer than slow_writer_s for a free slot is counted, one that finds
+    a slot free is not; the wait is measured on a clock that moves only while the engine waits
+    for the writer."""
+    with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1 << 10)}, slots=1,
+                          slow_writer_s=5) as engine:
+        engine._clock = clock = FakeClock()
         engine.snapshot(0)
         engine.wait()
-        os.kill(engine._writer.pid, signal.SIGSTOP)
-        threading.Timer(0.6, os.kill, (engine._writer.pid, signal.SIGCONT)).start()
+        writer, real_next_event = engine._writer.pid, engine._writer.next_event
+        os.kill(writer, signal.SIGSTOP)  # snapshot 1 keeps the only slot until the writer runs
+
+        def slow_writer(timeout):
+            if timeout != 0:  # the engine blocks on the writer: it takes 10 s, then goes on
+                clock.advance(10)
+                os.kill(writer, signal.SIGCONT)
+            return real_next_event(timeout)
+
+        monkeypatch.setattr(engine._writer, "next_event", slow_writer)
         engine.snapshot(1)
         engine.snapshot(2)  # waits for the stopped writer to free the only slot
+        engine.wait()
+        monkeypatch.undo()
+        engine.snapshot(3)  # the slot is free: no wait
         engine.wait()
         stats = engine.stats()
     assert stats["writer_behind"] == 1

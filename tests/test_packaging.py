@@ -1,6 +1,8 @@
-"""What the package promises about itself: where it runs, its one version, its optional parts."""
+"""What the package promises about itself: where it runs, its one version, its optional parts
+(extras, the C extension)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +30,20 @@ def test_the_version_is_kept_once():
     assert "version" in project["dynamic"] and project["version"] == async_ckpt.__version__
 
 
+def test_the_pythons_promised_agree_and_are_what_ci_runs():
+    """pyproject's floor and classifiers and the README's requirement name the same Pythons, and
+    the suite runs on one of them (CI runs it on its one Python, the only one promised)."""
+    project = read_configuration(os.path.join(ROOT, "pyproject.toml"))["project"]
+    versions = [c.rpartition(" :: ")[2] for c in project["classifiers"]
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert project["requires-python"] == f">={versions[0]}"
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    assert f"Python {' and '.join(versions)} (the one version CI runs the tests on" in readme
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert running in versions, f"the suite runs on Python {running}, which is not promised"
+
+
 def test_what_one_command_uses_is_an_extra_not_a_dependency():
     project = read_configuration(os.path.join(ROOT, "pyproject.toml"))["project"]
     required = " ".join(project["dependencies"])
@@ -35,3 +51,16 @@ def test_what_one_command_uses_is_an_extra_not_a_dependency():
     assert "tqdm" not in required and "safetensors" not in required
     assert any(d.startswith("tqdm") for d in extras["cli"])
     assert any(d.startswith("safetensors") for d in extras["safetensors"])
+
+
+def test_a_machine_that_cannot_build_the_extension_still_builds_the_package(tmp_path):
+    """The C extension is optional (setup.py): a compiler that fails (here CC=false) is a warning,
+    the package builds without it and uses the numpy fallback (tests/test_filters.py)."""
+    build = tmp_path / "build"
+    result = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib",
+                             str(build / "lib"), "--build-temp", str(build / "temp")],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "CC": "false"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'building extension "async_ckpt._native" failed' in result.stdout + result.stderr
+    assert not list(build.rglob("_native*"))

@@ -24,7 +24,7 @@ from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import ObjectStorage
 from async_ckpt.write import upload
 from async_ckpt.write.protocol import RemoteStatus
-from conftest import assert_same
+from conftest import FakeClock, assert_same
 
 obstore = pytest.importorskip("obstore")
 
@@ -286,14 +286,6 @@ def right_now(step, *args) -> Future:
     return future
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def committed_record(local: LocalStorage, step: int, world_size: int) -> SnapshotRecord:
     """A snapshot directory with a shard file per rank, as the local commit leaves it."""
     name = f"step-{step:020d}.0000abcd"
@@ -310,7 +302,7 @@ def committed_record(local: LocalStorage, step: int, world_size: int) -> Snapsho
 
 def uploaders(tmp_path, world_size=2, fail=0):
     local, store, clock, sent = LocalStorage(str(tmp_path / "local")), FileStore(
-        tmp_path / "bucket", fail), Clock(), []
+        tmp_path / "bucket", fail), FakeClock(), []
     os.makedirs(local.root)
     made = [upload.Uploader(local, store, rank, world_size, 2, None, sent.append, clock,
                             right_now) for rank in range(world_size)]
@@ -406,7 +398,7 @@ def own_roots_records(tmp_path, step: int, replicas: list) -> tuple[list, list]:
 
 
 def test_without_a_shared_directory_rank0_completes_the_record_from_the_bucket(tmp_path):
-    store, clock, sent = FileStore(tmp_path / "bucket"), Clock(), []
+    store, clock, sent = FileStore(tmp_path / "bucket"), FakeClock(), []
     replicas = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000aa"}]
     roots, records = own_roots_records(tmp_path, 5, replicas)
     rank0, rank1 = (upload.Uploader(roots[r], store, r, 2, 2, None, sent.append, clock, right_now)
@@ -426,7 +418,7 @@ def test_without_a_shared_directory_rank0_completes_the_record_from_the_bucket(t
 
 
 def test_without_a_shared_directory_replicas_that_differ_are_never_published(tmp_path):
-    store, clock, sent = FileStore(tmp_path / "bucket"), Clock(), []
+    store, clock, sent = FileStore(tmp_path / "bucket"), FakeClock(), []
     roots, records = own_roots_records(tmp_path, 5, [
         {"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000aa"}])
     theirs = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000bb"}]

@@ -1,7 +1,5 @@
 """The figures behind CheckpointEngine.stats(): one record per snapshot, counts by outcome."""
 
-import time
-
 import pytest
 
 from async_ckpt.stats import EngineCounts, SnapshotFigures
@@ -13,22 +11,22 @@ def _taken(called_at: float) -> SnapshotFigures:
 
 
 def test_a_committed_snapshot_reports_the_trainers_and_the_writers_figures_in_order():
-    now = time.monotonic()
-    figures = _taken(called_at=now - 3.0)
+    monotonic_now, unix_now = 500.0, 1_700_000_000.0  # the clocks record_commit reads, stopped
+    figures = _taken(called_at=monotonic_now - 3.0)
     writer = {"queue_s": 0.1, "write_s": 0.3, "fsync_s": 0.1, "shard_bytes": 8_000_000,
-              "commit_s": 0.05, "committed_at": now - 1.0, "raw_bytes": 4_000_000,
+              "commit_s": 0.05, "committed_at": monotonic_now - 1.0, "raw_bytes": 4_000_000,
               "stored_bytes": 4_000_000, "disk_free_bytes": 10**12}
-    figures.record_commit(writer)
+    figures.record_commit(writer, monotonic=lambda: monotonic_now, unix_time=lambda: unix_now)
     report = figures.as_dict()
     assert list(report) == ["step", "blocking_s", "wait_slot_s", "capture_s", "staging_s",
                             "staged_bytes", *writer, "committed", "to_commit_s", "staging_gbps",
                             "durable_gbps"]
     assert report["committed"] is True and report["step"] == 7
-    assert report["to_commit_s"] == pytest.approx(2.0)
-    assert report["committed_at"] == pytest.approx(time.time() - 1.0, abs=0.5)  # Unix time
+    assert report["to_commit_s"] == 2.0
+    assert report["committed_at"] == unix_now - 1.0  # the writer's monotonic time, as Unix time
     assert report["staging_gbps"] == pytest.approx(0.02)
     assert report["durable_gbps"] == pytest.approx(0.02)
-    assert writer["committed_at"] == now - 1.0  # the writer's figures are copied, not changed
+    assert writer["committed_at"] == monotonic_now - 1.0  # copied, not changed
 
 
 def test_counts_reset_consecutive_failures_at_a_commit():

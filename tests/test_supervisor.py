@@ -145,11 +145,9 @@ def test_no_first_heartbeat_within_startup_timeout_counts_as_hung(tmp_path, caps
     (ckpt / "heartbeat.rank00001.json").write_text("{not json")  # nor must what is no heartbeat
     (ckpt / "heartbeat.rank00002.json").write_text(json.dumps({**stale, "time": "now"}))
     (ckpt / "heartbeat.rank00003.json").write_text(json.dumps({**stale, "step": True}))
-    started = time.monotonic()
     code = supervise(["sleep", "30"], max_restarts=0, heartbeat_timeout=5, grace=1,
                      ckpt_dir=str(ckpt), startup_timeout=0.5, poll_interval=0.05)
-    assert code == 1
-    assert time.monotonic() - started < 10
+    assert code == 1  # stopped as hung, not waited for: `sleep 30` would have exited 0
     err = capsys.readouterr().err
     assert ("giving up after 0 restarts; last failure: no heartbeat within 0.5 s of the start "
             "(--startup-timeout) (no step committed)") in err

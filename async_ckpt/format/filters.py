@@ -11,9 +11,11 @@ mmap, numpy arrays) of equal length, a multiple of ``itemsize`` (1..16); ``dst``
 and must not overlap ``src``.
 
 The C extension ``async_ckpt._native`` does the work with the GIL released, near memory bandwidth
-(~10 GB/s for itemsize 2 and 4, 3-25x the numpy reference; see ``bench/bench_filters.py``).
-Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the numpy reference so the whole suite can run against
-both; ``BACKEND`` says which one is in use.
+(~10 GB/s for itemsize 2 and 4, 3-25x the numpy reference; see ``bench/bench_filters.py``). It is
+optional (``setup.py``): where it did not build, the numpy reference runs instead and writes the
+same bytes. This module is the one place that decides which runs, and the only module of the
+library that imports the extension. Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the numpy reference so the whole suite
+can run against both; ``BACKEND`` says which one is in use.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def unshuffle_reference(src: Buffer, itemsize: int, dst: Buffer, /) -> None:
 
 
 def _select_backend() -> tuple[str, Callable[..., None], Callable[..., None]]:
-    """The C functions unless missing or ``ASYNC_CKPT_PURE_PYTHON`` is set (not "" or "0")."""
+    """The C functions unless the extension did not build (it is optional) or
+    ``ASYNC_CKPT_PURE_PYTHON`` is set (not "" or "0")."""
     if os.environ.get("ASYNC_CKPT_PURE_PYTHON", "") in ("", "0"):
         try:
             from async_ckpt import _native
