@@ -72,12 +72,27 @@ class MyInt(int):
 
 
 def short_id(v):
-    """Test id: a truncated repr (repr of ints over 4300 digits raises), without memory addresses
-    (ids must be the same in every process that collects them)."""
+    """Test id: a truncated repr (repr of ints over 4300 digits raises) that is the same in every
+    process that collects the tests (pytest-xdist's workers): no memory addresses, and sets in
+    sorted order rather than their hash order, which differs between processes."""
     if type(v) is int and v.bit_length() > 256:
         return f"int{v.bit_length()}bits"
-    r = re.sub(r" at 0x[0-9a-f]+", "", repr(v))
+    r = re.sub(r" at 0x[0-9a-f]+", "", _same_everywhere(v))
     return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _same_everywhere(v) -> str:
+    """``repr(v)``, with the members of (nested) sets in sorted order."""
+    if type(v) in (set, frozenset):
+        inner = "{" + ", ".join(sorted(map(_same_everywhere, v))) + "}"
+        return inner if type(v) is set else f"frozenset({inner})"
+    if type(v) in (list, tuple):
+        inner = ", ".join(map(_same_everywhere, v)) + ("," if type(v) is tuple and len(v) == 1 else "")
+        return f"[{inner}]" if type(v) is list else f"({inner})"
+    if type(v) is dict:
+        return "{" + ", ".join(f"{_same_everywhere(k)}: {_same_everywhere(x)}"
+                               for k, x in v.items()) + "}"
+    return repr(v)
 
 
 def b64(data):
