@@ -11,6 +11,13 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
 
 import pytest
 import torch
+from hypothesis import settings
+
+# The suite draws the same examples every run, so that a red run is a bug that reruns, never a new
+# draw; HYPOTHESIS_PROFILE=explore draws anew (and keeps what fails in the database above).
+settings.register_profile("suite", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/

@@ -154,7 +154,8 @@ def test_every_reachable_torch_position_is_accepted(left, next_):
 
 # Integers a crafted file may put where a position goes: near the valid range, and anywhere.
 def near_and_anywhere(low: int, high: int) -> st.SearchStrategy[int]:
-    return st.integers(-2, MT_N + 2) | st.integers(low, high)
+    """Integers in ``[low, high]``: often near the positions a Mersenne Twister uses, else any."""
+    return st.integers(max(low, -2), min(high, MT_N + 2)) | st.integers(low, high)
 
 
 INT32 = near_and_anywhere(-2**31, 2**31 - 1)
