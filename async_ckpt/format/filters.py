@@ -14,8 +14,8 @@ The C extension ``async_ckpt._native`` does the work with the GIL released, near
 (~10 GB/s for itemsize 2 and 4, 3-25x the numpy reference; see ``bench/bench_filters.py``). It is
 optional (``setup.py``): where it did not build, the numpy reference runs instead and writes the
 same bytes. This module is the one place that decides which runs, and the only module of the
-library that imports the extension. Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the numpy reference so the whole suite
-can run against both; ``BACKEND`` says which one is in use.
+library that imports the extension. Setting ``ASYNC_CKPT_PURE_PYTHON=1`` forces the numpy
+reference so the whole suite can run against both; ``BACKEND`` says which one is in use.
 """
 
 from __future__ import annotations
