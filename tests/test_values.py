@@ -324,21 +324,28 @@ def test_full_optimizer_state_with_tensor_leaf():
     opt2.load_state_dict(back["optim"])
 
 
-def test_leaf_sees_key_paths():
+def test_leaf_sees_key_paths_and_neither_scalars_nor_containers():
+    """The leaf is asked about what only the caller can encode (a tensor, say), with its key
+    path; JSON's own scalars and the scheme's containers are encoded without asking it."""
     seen = {}
 
+    class Opaque:
+        pass
+
     def leaf(v, path):
-        if isinstance(v, float):
+        assert type(v) not in (type(None), bool, int, float, str, list, tuple, dict), (v, path)
+        if isinstance(v, Opaque):
             seen[path] = v
+            return {"$opaque": None}
         return NotImplemented
 
-    encode({"optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, "w k": {0: 2.0}}, leaf=leaf)
-    assert seen == {
-        "optimizer.param_groups[0].lr": 0.1,
-        "optimizer.param_groups[0].betas[0]": 0.9,
-        "optimizer.param_groups[0].betas[1]": 0.99,
-        '["w k"][0]': 2.0,
-    }
+    x = Opaque()
+    tree = encode({"optimizer": {"param_groups": [{"lr": 0.1, "betas": (x, 0.99), "w": x}]},
+                   "w k": {0: x, 1: [None, True, "s", 2**70]}}, leaf=leaf)
+    assert set(seen) == {"optimizer.param_groups[0].betas[0]", "optimizer.param_groups[0].w",
+                         '["w k"][0]'}
+    assert tree["optimizer"]["param_groups"][0]["betas"] == {"$tuple": [{"$opaque": None}, 0.99]}
+    assert tree["w k"]["$dict"][1] == [1, [None, True, "s", {"$int": hex(2**70)}]]
 
 
 def test_numpy_random_state():
@@ -504,7 +511,8 @@ def test_leaf_output_is_stored_verbatim_and_not_called_for_owned_tags():
         calls.append(node)
         return NotImplemented
 
-    assert encode({"a": 1}, leaf=lambda v, p: {"$x": p} if v == 1 else NotImplemented) == {"a": {"$x": "a"}}
+    assert encode({"a": b"1"}, leaf=lambda v, p: {"$x": p} if v == b"1" else NotImplemented) == {
+        "a": {"$x": "a"}}
     decode({"$tuple": [1, {"$int": "0x1"}]}, leaf=dec_leaf)
     assert calls == []
 
@@ -717,7 +725,7 @@ def test_walk_unescapes_dollar_keys():
 def test_walk_reports_every_tag_and_passes_caller_tags_through():
     value = {"big": 2**70, "nan": float("nan"), "bad": "\udc80", "b": b"ab", "ba": bytearray(b"c"),
              "t": (1,), "s": {1}, "fs": frozenset({2}), "d": {1: 2}, "arr": np.zeros(2, "<f4"),
-             "np": np.float32(1), "pickled": fractions.Fraction(1, 3), "tensor": "TENSOR"}
+             "np": np.float32(1), "pickled": fractions.Fraction(1, 3), "tensor": object()}
     tree = encode(value, allow_pickle=True,
                   leaf=lambda v, path: {"$tensor": 0} if path == "tensor" else NotImplemented)
     kinds = {path: kind for path, kind, _ in tree_walk.walk(tree)}

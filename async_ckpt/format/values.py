@@ -85,6 +85,7 @@ _DTYPE_RE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 _HEX_INT_RE = re.compile(r"-?0x[0-9a-f]+")
 _SPECIAL_FLOATS = ("nan", "inf", "-inf")
 _CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict, defaultdict)
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
 
 
 def encode(
@@ -96,9 +97,11 @@ def encode(
 ) -> Any:
     """Encode ``value`` into a JSON-safe tree; the inverse of :func:`decode`.
 
-    ``leaf(value, path)`` is tried first on every node (dict keys of all-``str`` dicts excepted);
-    whatever it returns other than ``NotImplemented`` is stored verbatim and must be JSON-safe,
-    normally a one-key dict tagged ``$name`` with a tag this module does not own. ``path`` is
+    ``leaf(value, path)`` is tried first on every node but the keys of all-``str`` dicts, the
+    plain scalars (``None`` and values whose exact type is ``bool``, ``int``, ``float`` or
+    ``str``) and the containers of the tag scheme (exact types; their items are tried): whatever
+    it returns other than ``NotImplemented`` is stored verbatim and must be JSON-safe, normally
+    a one-key dict tagged ``$name`` with a tag this module does not own. ``path`` is
     the key path of ``value`` itself, used as the prefix of every path in callbacks and errors.
 
     Raises :class:`EncodingError`, naming the key path, for a value with no safe encoding (unless
@@ -145,21 +148,15 @@ class _Encoder:
         self.open: set = set()  # ids of the containers being encoded, to detect cycles
 
     def __call__(self, v: Any, path: str, depth: int) -> Any:
+        t = type(v)
+        if t in _SCALAR_TYPES:
+            return _scalar(v, t)
+        if t in _CONTAINERS:
+            return self._container(v, t, path, depth)
         if self.leaf is not None:
             out = self.leaf(v, path)
             if out is not NotImplemented:
                 return out
-        t = type(v)
-        if v is None or t is bool:
-            return v
-        if t is int:
-            return v if _INT64_MIN <= v <= _INT64_MAX else {"$int": hex(v)}
-        if t is float:
-            if math.isfinite(v):
-                return v
-            return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if t is str:
-            return v if _is_utf8(v) else {"$str": _b64(v.encode("utf-8", "surrogatepass"))}
         if t is bytes:
             return {"$bytes": _b64(v)}
         if t is bytearray:
@@ -169,8 +166,6 @@ class _Encoder:
             return {"$ndarray": {"dtype": v.dtype.str, "shape": list(v.shape), "data": data}}
         if isinstance(v, np.generic) and v.dtype.kind in _NUMERIC_KINDS:
             return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
-        if t in _CONTAINERS:
-            return self._container(v, t, path, depth)
         return self._fallback(v, path)
 
     def _container(self, v: Any, t: type, path: str, depth: int) -> Any:
@@ -188,23 +183,34 @@ class _Encoder:
         try:
             d = depth + 1
             if t is list:
-                return [self(x, f"{path}[{i}]", d) for i, x in enumerate(v)]
+                return self._items(v, path, d)
             if t is tuple:
-                return {"$tuple": [self(x, f"{path}[{i}]", d) for i, x in enumerate(v)]}
+                return {"$tuple": self._items(v, path, d)}
             if t is set or t is frozenset:
                 items = [self(x, f"{path}{{{short_repr(x)}}}", d) for x in v]
                 items.sort(key=_canonical)
                 return {"$set" if t is set else "$frozenset": items}
             if all(type(k) is str and _is_utf8(k) for k in v):
-                return {_escape_key(k): self(x, child_path(path, k), d) for k, x in v.items()}
-            return {
-                "$dict": [
-                    [self(k, child_path(path, k) + " (dict key)", d), self(x, child_path(path, k), d)]
-                    for k, x in v.items()
-                ]
-            }
+                return {_escape_key(k): self._item(x, path, k, d) for k, x in v.items()}
+            return {"$dict": [[self._item(k, path, k, d, " (dict key)"), self._item(x, path, k, d)]
+                              for k, x in v.items()]}
         finally:
             self.open.discard(id(v))
+
+    def _items(self, v: Any, path: str, depth: int) -> list:
+        """A list's or tuple's items; ints alone (a Python RNG state is 625) in a few scans."""
+        if all(type(x) is int for x in v) and _INT64_MIN <= min(v, default=0) and max(
+                v, default=0) <= _INT64_MAX:
+            return list(v)
+        return [self._item(x, path, i, depth) for i, x in enumerate(v)]
+
+    def _item(self, x: Any, path: str, key: Any, depth: int, suffix: str = "") -> Any:
+        """``x``, found under ``key`` of the container at ``path``; its path is made only when
+        it is not a scalar (``snapshot()``'s blocking time pays for every string made)."""
+        t = type(x)
+        if t in _SCALAR_TYPES:
+            return _scalar(x, t)
+        return self(x, child_path(path, key) + suffix, depth)
 
     def _fallback(self, v: Any, path: str) -> Any:
         name = _type_name(v)
@@ -217,6 +223,19 @@ class _Encoder:
                 f"cannot pickle a value of type {name!r} at {_where(path)}: {type(e).__name__}: {e}"
             ) from e
         return {"$pickle": _b64(data)}
+
+
+def _scalar(v: Any, t: type) -> Any:
+    """A ``None``, ``bool``, ``int``, ``float`` or ``str`` (``t``, its exact type) encoded."""
+    if t is int:
+        return v if _INT64_MIN <= v <= _INT64_MAX else {"$int": hex(v)}
+    if t is float:
+        if math.isfinite(v):
+            return v
+        return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if t is str:
+        return v if _is_utf8(v) else {"$str": _b64(v.encode("utf-8", "surrogatepass"))}
+    return v
 
 
 def _hint(v: Any) -> str:
