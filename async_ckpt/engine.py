@@ -45,7 +45,7 @@ from .tensors import registered_objects
 from .storage.local import LocalStorage
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
-from .train.capture import capture, check_registrable, plan_layout
+from .train.capture import Planner, capture, check_registrable
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
 from .train.session import start_session
@@ -121,6 +121,7 @@ class CheckpointEngine:
         self._counts = EngineCounts()
         self._writer_plan = None
         self._tracker = ChangeTracker(o.full_every) if o.incremental else None
+        self._planner = Planner()
         self._heartbeat: Optional[Heartbeat] = None
         self._preempted_by: Optional[int] = None
         self._old_handlers: dict = {}
@@ -225,9 +226,9 @@ class CheckpointEngine:
             raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
-        plan, sources = plan_layout(captured.tensors, replica_of)
+        plan, sources = self._planner.plan(captured.tensors, replica_of)
         old_buffer = slot.buffer_id
-        if self._pool.fit(slot, plan, pin=any(s.is_cuda for s in sources)):
+        if self._pool.fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors)):
             if old_buffer >= 0:
                 self._writer.detach(old_buffer)
             self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
@@ -240,9 +241,10 @@ class CheckpointEngine:
                 and not preempting)
         now = _buffer_regions(sources, state) if lazy else set()
         watched = [] if not lazy else [  # what must not change until the copy has ended
-            (captured.paths[i], t, t._version) for i, t in enumerate(captured.tensors)
-            if plan.tensors[i].region is not None and plan.tensors[i].region not in refer
-            and plan.tensors[i].region not in now and not t.is_inference()]
+            (path, t, t._version) for path, t, record in zip(captured.paths, captured.tensors,
+                                                              plan.tensors)
+            if record.region is not None and record.region not in refer
+            and record.region not in now and not t.is_inference()]
         copy = self._pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
         del sources, captured.tensors
         slot.busy = True
@@ -720,7 +722,7 @@ def _buffer_regions(sources: list, state: Any) -> set[int]:
     buffers = {b.untyped_storage().data_ptr()
                for module in registered_objects(state, (torch.nn.Module,))
                for b in module.buffers()}
-    return {k for k, src in enumerate(sources) if src.untyped_storage().data_ptr() in buffers}
+    return {k for k, src in enumerate(sources) if src.storage.data_ptr() in buffers}
 
 
 def _install_fences(engine: CheckpointEngine) -> list:

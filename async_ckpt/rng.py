@@ -126,7 +126,7 @@ class GlobalRNG:
     def state_dict(self) -> dict:
         state = {"python": random.getstate(), "numpy": np.random.get_state(),
                  "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # (implies is_available(), which costs more)
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 

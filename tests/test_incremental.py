@@ -16,7 +16,7 @@ from async_ckpt.errors import CorruptSnapshotError, DistributedSetupError, NoSna
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.format.shard import ShardReader
 from async_ckpt.tools.cli import main as cli
-from async_ckpt.train.capture import capture, plan_layout
+from async_ckpt.train.capture import Planner, capture
 from async_ckpt.train.incremental import ChangeTracker
 from conftest import assert_same
 from fuzzing import fix_manifest
@@ -224,7 +224,7 @@ def test_only_a_committed_holder_is_referred_to():
     replaces the old one in the manifest) never refers to it."""
     state = {"w": torch.ones(1000)}
     captured = capture(state)
-    plan, sources = plan_layout(captured.tensors)
+    plan, sources = Planner().plan(captured.tensors)
     tracker = ChangeTracker(full_every=10)
     assert tracker.unchanged(plan, sources, captured.tensors, 0, 0, "d0") == {}
     assert tracker.unchanged(plan, sources, captured.tensors, 1, 1, "d1") == {}  # 0 in flight
@@ -241,7 +241,7 @@ def test_a_freed_storage_at_the_same_address_is_a_change():
     for job in range(4):
         state = {"w": torch.full((4096,), float(job))}  # the previous one is freed first
         captured = capture(state)
-        plan, sources = plan_layout(captured.tensors)
+        plan, sources = Planner().plan(captured.tensors)
         assert tracker.unchanged(plan, sources, captured.tensors, job, job, f"d{job}") == {}
         tracker.committed(job)
         del state, captured, sources

@@ -36,10 +36,10 @@ def gate(monkeypatch):
     g = Gate()
     real_copy, real_wait = staging._copy_pieces, staging.Copy.wait
 
-    def held_copy(pairs):
+    def held_copy(slot, pairs):
         if threading.current_thread().name.startswith("async_ckpt-stage"):  # not inline copies
             g.opened.wait(timeout=60)  # only a failing test waits that long: it fails, not hangs
-        return real_copy(pairs)
+        return real_copy(slot, pairs)
 
     def noted_wait(self):
         g.waited.set()

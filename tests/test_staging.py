@@ -2,11 +2,13 @@
 in a slot, and the slot's bytes after staging."""
 
 import os
+import threading
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from async_ckpt.train.capture import capture, plan_layout
+from async_ckpt.train.capture import Planner, capture
 from async_ckpt.errors import EncodingError, LayoutError
 from async_ckpt.format.layout import ALIGNMENT
 from async_ckpt.train.staging import StagingPool
@@ -19,7 +21,7 @@ def _slot_bytes(slot, region):
 def test_views_of_one_storage_share_one_region_and_keep_their_offsets():
     base = torch.arange(100, dtype=torch.float32)
     view, other = base[10:30].view(4, 5).t(), torch.ones(3, dtype=torch.float64)
-    plan, sources = plan_layout([base, view, other, torch.empty(0)])
+    plan, sources = Planner().plan([base, view, other, torch.empty(0)])
     assert len(plan.regions) == 2 and len(sources) == 2
     assert [r.region for r in plan.tensors] == [0, 0, 1, None]
     assert plan.tensors[1].offset == 40 and plan.tensors[1].stride == (1, 5)
@@ -31,16 +33,61 @@ def test_views_of_one_storage_share_one_region_and_keep_their_offsets():
 
 def test_only_storages_every_tensor_of_which_is_replicated_are_replicas():
     shared = torch.zeros(8)
-    plan, _ = plan_layout([shared, shared[2:], torch.zeros(4), torch.zeros(2)],
+    plan, _ = Planner().plan([shared, shared[2:], torch.zeros(4), torch.zeros(2)],
                           ["model", None, "model", "optimizer"])
     assert [r.replica_of for r in plan.regions] == [None, "model", "optimizer"]
+
+
+def test_the_planner_keeps_its_plan_while_the_layout_does_and_no_tensor():
+    """Between two snapshots only the storages' addresses may change (an RNG state is a new
+    tensor each time): the plan is kept, the sources are the new tensors'. A change of shape or
+    of which tensors share a storage is a new plan; the planner holds no storage alive."""
+    planner = Planner()
+    a, b = torch.randn(6), torch.randn(2, 3)
+    plan, sources = planner.plan([a, b, a[2:]])
+    fresh = torch.randn(6)
+    again, fresh_sources = planner.plan([fresh, b, fresh[2:]])
+    assert again is plan
+    assert fresh_sources[0].storage.data_ptr() == fresh.untyped_storage().data_ptr()
+    assert torch.equal(fresh_sources[0].view(), fresh.view(torch.uint8))
+    assert planner.plan([a, b, a[1:]])[0] != plan  # another view of a
+    assert planner.plan([a, b.t(), a[2:]])[0] != plan  # another shape and stride
+    shared = planner.plan([a, a, torch.randn(4)])[0]
+    apart = planner.plan([a, torch.randn(6), torch.randn(4)])[0]
+    assert len(shared.regions) == 2 and len(apart.regions) == 3
+    kept = StorageWeakRef(fresh.untyped_storage())
+    del fresh, fresh_sources
+    assert kept.expired()
+
+
+def test_a_lazy_copy_reads_the_storage_of_the_snapshot_not_a_later_one():
+    """``p.data = x`` after ``start`` and before the copy thread gets to it: the slot still gets
+    the bytes the tensor had when the copy was started."""
+    pool = StagingPool(1)
+    gate = threading.Event()
+    try:
+        param = torch.nn.Parameter(torch.arange(1000, dtype=torch.float32))
+        plan, sources = Planner().plan([param.detach()])
+        slot = pool.free_slot()
+        pool.fit(slot, plan, pin=False)
+        pool._copy_thread().submit(gate.wait)  # the copy thread is busy until the gate opens
+        copy = pool.start(plan, sources, slot)
+        param.data = torch.zeros(10)
+        del sources
+        gate.set()
+        copy.wait()
+        assert torch.equal(_slot_bytes(slot, plan.regions[0]),
+                           torch.arange(1000, dtype=torch.float32).view(torch.uint8))
+    finally:
+        gate.set()
+        pool.close()
 
 
 def test_staging_copies_every_region_and_reuses_the_slot(tmp_path):
     pool = StagingPool(2)
     try:
         tensors = [torch.randn(1000), torch.arange(7, dtype=torch.int16)]
-        plan, sources = plan_layout(tensors)
+        plan, sources = Planner().plan(tensors)
         slot = pool.free_slot()
         assert pool.fit(slot, plan, pin=False) is True
         pool.stage(plan, sources, slot)
@@ -48,11 +95,11 @@ def test_staging_copies_every_region_and_reuses_the_slot(tmp_path):
             assert bytes(_slot_bytes(slot, region).numpy()) == tensor.numpy().tobytes()
         buffer_id = slot.buffer_id
         assert pool.fit(slot, plan, pin=False) is False and slot.buffer_id == buffer_id
-        bigger, bigger_sources = plan_layout([torch.randn(1 << 20)])
+        bigger, bigger_sources = Planner().plan([torch.randn(1 << 20)])
         assert pool.fit(slot, bigger, pin=False) is True and slot.buffer_id != buffer_id
         with os.fdopen(os.dup(slot.fd), "rb") as f:  # what the writer process maps
             pool.stage(bigger, bigger_sources, slot)
-            assert f.read(16) == bigger_sources[0][:16].numpy().tobytes()
+            assert f.read(16) == bigger_sources[0].view()[:16].numpy().tobytes()
     finally:
         pool.close()
     assert all(s.fd == -1 and s.nbytes == 0 for s in pool.slots)

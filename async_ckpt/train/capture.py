@@ -10,7 +10,7 @@ once and share memory again after restore.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -21,7 +21,6 @@ from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
 
 _SAVEABLE_DTYPES = frozenset(DTYPES.values())
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_PLAIN = frozenset({type(None), bool, int, float, str})
 
 
 @dataclass
@@ -47,17 +46,16 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     dtensors: list[dict] = []
 
     def leaf(value: Any, path: str):
-        if type(value) in _PLAIN:  # most nodes (an RNG state is 625 ints): nothing of torch's
-            return NotImplemented
+        if type(value) in _PLAIN_TENSOR_TYPES or (isinstance(value, torch.Tensor)
+                                                  and not is_dtensor(value)):
+            tensors.append(_checked(value, path))
+            paths.append(path)
+            return {"$tensor": len(tensors) - 1}
         if is_dtensor(value):
             encoded = {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
-        elif isinstance(value, torch.Tensor):
-            tensors.append(_checked(value, path))
-            encoded = {"$tensor": len(tensors) - 1}
-        else:
-            return encode_torch_scalar(value)
-        paths.extend([path] * (len(tensors) - len(paths)))
-        return encoded
+            paths.extend([path] * (len(tensors) - len(paths)))
+            return encoded
+        return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
         return values.encode(value, allow_pickle=allow_pickle, leaf=leaf, path=path)
@@ -171,11 +169,11 @@ def _checked(t: torch.Tensor, path: str) -> torch.Tensor:
     if t.dtype not in _SAVEABLE_DTYPES:
         raise LayoutError(f"{path}: {t.dtype} tensors cannot be saved (torch cannot copy them); "
                           "save them as uint8 (t.view(torch.uint8)) instead")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise LayoutError(f"{path}: tensors on {t.device} cannot be staged; move them to CPU or CUDA")
     if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: stage the real values
-    return t.detach()
+        return t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: the real values
+    return t  # a Parameter as it is: the plan and the copy read its storage, never its graph
 
 
 def shuffle_itemsize(t: torch.Tensor) -> int:
@@ -183,48 +181,88 @@ def shuffle_itemsize(t: torch.Tensor) -> int:
     return t.element_size() // 2 if t.is_complex() else t.element_size()
 
 
-def plan_layout(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]] = None,
-                ) -> tuple[Plan, list[torch.Tensor]]:
-    """Group tensors by storage and lay the used byte range of each storage out in a slot.
+class Source(NamedTuple):
+    """Where a region's bytes are: ``nbytes`` from byte ``start`` of ``storage``, the storage
+    that its tensors viewed when the snapshot was taken (a later ``p.data = x`` leaves it be)."""
 
-    ``replica_of`` names, per tensor, the replicated entry it belongs to (None: this rank's own
-    state); a storage is replicated only when every tensor viewing it is.
-    Returns the plan and, per region, a uint8 view of the source bytes to copy into the slot.
-    """
+    storage: torch.UntypedStorage
+    start: int
+    nbytes: int
+
+    def view(self) -> torch.Tensor:
+        """The bytes as a uint8 tensor; made where they are copied, off the training thread for
+        a lazy snapshot (a view costs over a microsecond, a state has hundreds of regions).
+        LayoutError if the storage was resized in place since (``set_`` would grow it back)."""
+        if self.storage.nbytes() < self.start + self.nbytes:
+            raise LayoutError(f"a storage of the state shrank to {self.storage.nbytes()} bytes "
+                              f"while its {self.start + self.nbytes} were being staged")
+        return torch.empty(0, dtype=torch.uint8, device=self.storage.device).set_(
+            self.storage, self.start, (self.nbytes,), (1,))
+
+
+class Planner:
+    """Lays a state's tensors out in a slot: groups them by storage and places the used byte
+    range of each storage. It keeps its last plan while the tensors keep their layout (which of
+    them share a storage, their offsets, dtypes, shapes and strides, as between two snapshots of
+    a training state; an RNG state is a new tensor each time, which changes nothing): laying out
+    hundreds of tensors anew is much of what ``snapshot()`` costs training. It keeps no tensor,
+    only what the plan was made from."""
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple[list, Plan, list[tuple[int, int, int]]]] = None
+
+    def plan(self, tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]] = None,
+             ) -> tuple[Plan, list[Source]]:
+        """The plan of ``tensors`` and, per region, the ``Source`` of the bytes to copy into the
+        slot. ``replica_of`` names, per tensor, the replicated entry it belongs to (None: this
+        rank's own state); a storage is replicated only when every tensor viewing it is."""
+        storages = [t.untyped_storage() for t in tensors]
+        numbers: dict[tuple, int] = {}  # the storages, numbered in order of first use
+        key: list = [(numbers.setdefault((t.device, s.data_ptr()), len(numbers)),
+                      t.storage_offset(), t.dtype, t.shape, t.stride())
+                     for t, s in zip(tensors, storages)]
+        key.append(replica_of)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, *_lay_out(tensors, replica_of))
+        _, plan, spans = self._last
+        return plan, [Source(storages[n], start, nbytes) for n, start, nbytes in spans]
+
+
+def _lay_out(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]],
+             ) -> tuple[Plan, list[tuple[int, int, int]]]:
+    """A new plan, and per region where its bytes are: (the index of a tensor viewing the
+    storage, the region's first byte in the storage, its bytes)."""
     groups: dict[tuple, dict] = {}
     placed = []
     for n, t in enumerate(tensors):
         if t.numel() == 0:
             placed.append(None)
             continue
-        storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
+        key = (t.device, t.untyped_storage().data_ptr())
         start = t.storage_offset() * t.element_size()
         end = start + span_bytes(t.shape, t.stride(), t.element_size())
         g = groups.get(key)
         if g is None:
-            g = groups[key] = {"storage": storage, "device": t.device, "start": start, "end": end,
-                               "itemsizes": set(), "float": True, "index": len(groups),
-                               "replicas": set()}
+            g = groups[key] = {"tensor": n, "start": start, "end": end, "itemsizes": set(),
+                               "float": True, "index": len(groups), "replicas": set()}
         g["start"], g["end"] = min(g["start"], start), max(g["end"], end)
         g["itemsizes"].add(shuffle_itemsize(t))
         g["float"] &= t.is_floating_point() or t.is_complex()
         g["replicas"].add(replica_of[n] if replica_of is not None else None)
         placed.append((g, start))
 
-    regions, sources, offset = [], [], 0
+    regions, spans, offset = [], [], 0
     for g in groups.values():
         g["start"] -= g["start"] % ALIGNMENT
         nbytes = g["end"] - g["start"]
         itemsize = g["itemsizes"].pop() if len(g["itemsizes"]) == 1 else 1
         replica = "+".join(sorted(g["replicas"])) if None not in g["replicas"] else None
         regions.append(Region(offset, nbytes, itemsize, g["float"] and itemsize > 1, replica))
-        sources.append(torch.empty(0, dtype=torch.uint8, device=g["device"]).set_(
-            g["storage"], g["start"], (nbytes,), (1,)))
+        spans.append((g["tensor"], g["start"], nbytes))
         offset += align_up(nbytes)
 
     records = tuple(
         TensorRecord(None if p is None else p[0]["index"], 0 if p is None else p[1] - p[0]["start"],
                      str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
         for t, p in zip(tensors, placed))
-    return Plan(tuple(regions), records, offset), sources
+    return Plan(tuple(regions), records, offset), spans

@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..format.layout import Plan
 from ..tensors import registered_objects
+from .capture import Source
 
 
 def trainable_storages(state: Any) -> set[int]:
@@ -65,12 +66,12 @@ class ChangeTracker:
         self._plan, self._incremental_in_a_row = None, 0
         self._holders.clear()
 
-    def unchanged(self, plan: Plan, sources: list[torch.Tensor], tensors: list[torch.Tensor],
+    def unchanged(self, plan: Plan, sources: list[Source], tensors: list[torch.Tensor],
                   job: int, step: int, directory: str,
                   trainable: frozenset = frozenset()) -> dict[int, str]:
         """The regions of snapshot ``job`` (of ``step``, into ``directory``) to refer to instead
         of writing, each with the directory holding its bytes; this snapshot becomes the holder
-        of the regions it writes. ``sources`` and ``tensors`` are ``plan_layout``'s and
+        of the regions it writes. ``sources`` and ``tensors`` are ``Planner.plan``'s and
         ``capture``'s; regions over ``trainable`` storages (``trainable_storages``) are always
         written."""
         if plan != self._plan:  # another layout: region numbers mean other storages
@@ -83,10 +84,10 @@ class ChangeTracker:
                 versions[record.region].append(t._version)
         refer = {}
         for k, source in enumerate(sources):
-            storage = source.untyped_storage()
+            storage = source.storage
             weak = StorageWeakRef(storage)
-            fingerprint = (weak.cdata, storage.data_ptr(), storage.nbytes(),
-                           source.storage_offset(), tuple(versions[k]))
+            fingerprint = (weak.cdata, storage.data_ptr(), storage.nbytes(), source.start,
+                           tuple(versions[k]))
             holder = self._holders.get(k)
             same = (holder is not None and holder.fingerprint == fingerprint
                     and not holder.storage.expired() and holder.step != step

@@ -29,8 +29,10 @@ import torch
 
 from ..errors import StagingMemoryError
 from ..format.layout import Plan, align_up
+from .capture import Source
 
 log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
 _GROWTH_ALIGNMENT = 2 << 20
 PIECE_BYTES = 64 << 20
 """The copy thread copies a CPU region this many bytes at a time."""
@@ -145,13 +147,13 @@ class StagingPool:
             _pin(slot)
         return replaced
 
-    def stage(self, plan: Plan, sources: list[torch.Tensor], slot: Slot,
+    def stage(self, plan: Plan, sources: list[Source], slot: Slot,
               skip: Collection[int] = ()) -> float:
         """Copy and wait for the copy (the CPU part on the calling thread): once this returns,
         the caller may change its tensors. Returns the seconds the copy took."""
         return self.start(plan, sources, slot, skip, background=False).wait()
 
-    def start(self, plan: Plan, sources: list[torch.Tensor], slot: Slot,
+    def start(self, plan: Plan, sources: list[Source], slot: Slot,
               skip: Collection[int] = (), background: bool = True,
               now: Collection[int] = ()) -> Copy:
         """Start copying each region's bytes into the slot, except regions ``skip`` (an
@@ -169,25 +171,27 @@ class StagingPool:
         for k, (region, src) in enumerate(zip(plan.regions, sources)):
             if k in skip:
                 continue
-            dst = slot.tensor[region.offset:region.offset + region.nbytes]
-            if src.device.type != "cuda":
-                (inline if k in now or not background else cpu).append((dst, src))
+            device = src.storage.device
+            if device == _CPU:  # (capture refuses other devices than the CPU and CUDA ones)
+                (inline if k in now or not background else cpu).append((region.offset, src))
                 continue
-            stream = self._streams.get(src.device)
+            stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[src.device] = torch.cuda.Stream(src.device)
+                stream = self._streams[device] = torch.cuda.Stream(device)
             if stream not in used_streams:
-                stream.wait_stream(torch.cuda.current_stream(src.device))
+                stream.wait_stream(torch.cuda.current_stream(device))
                 used_streams.append(stream)
             with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=slot.pinned)
+                slot.tensor[region.offset:region.offset + src.nbytes].copy_(
+                    src.view(), non_blocking=slot.pinned)
             if k in now:  # the compute stream's next work (a forward) may write it
-                torch.cuda.current_stream(src.device).wait_event(stream.record_event())
+                torch.cuda.current_stream(device).wait_event(stream.record_event())
         for stream in used_streams:
             events.append(stream.record_event())
-        copy = Copy(self._copy_thread().submit(_copy_pieces, cpu) if cpu else None, events)
+        copy = Copy(self._copy_thread().submit(_copy_pieces, slot.tensor, cpu) if cpu else None,
+                    events)
         if inline:
-            copy.finished = _copy_pieces(inline)
+            copy.finished = _copy_pieces(slot.tensor, inline)
         return copy
 
     def _copy_thread(self) -> ThreadPoolExecutor:
@@ -206,12 +210,14 @@ class StagingPool:
             slot.free_memory()
 
 
-def _copy_pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Copy each (destination, source) pair of byte views, ``PIECE_BYTES`` at a time; returns
-    when it finished (``time.perf_counter``)."""
-    for dst, src in pairs:
-        for start in range(0, dst.numel(), PIECE_BYTES):
-            dst[start:start + PIECE_BYTES].copy_(src[start:start + PIECE_BYTES])
+def _copy_pieces(slot: torch.Tensor, pairs: list[tuple[int, Source]]) -> float:
+    """Copy each (offset in the slot, source), ``PIECE_BYTES`` at a time; returns when it
+    finished (``time.perf_counter``)."""
+    for offset, source in pairs:
+        src = source.view()
+        for start in range(0, source.nbytes, PIECE_BYTES):
+            end = min(start + PIECE_BYTES, source.nbytes)
+            slot[offset + start:offset + end].copy_(src[start:end])
     return time.perf_counter()
 
 

@@ -7,11 +7,13 @@ Kept apart from ``writer.py`` so that the training process imports only the mess
 from __future__ import annotations
 
 import logging
+import math
 import os
+import select
 import socket
 import subprocess
 import sys
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Optional
 
@@ -40,6 +42,10 @@ class WriterClient:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
+        # One poll object for the connection's life: multiprocessing's wait() makes a selector
+        # per call, and the engine polls at every snapshot (~50 us against ~10 us, measured).
+        self._poller = select.poll()
+        self._poller.register(self.conn.fileno(), select.POLLIN)
         self._send(config)
         event = self.next_event(_READY_TIMEOUT_S)
         if not isinstance(event, Ready):
@@ -73,7 +79,7 @@ class WriterClient:
         """The next message from the writer, or None after ``timeout`` seconds (None: no limit).
 
         Raises WriterDiedError as soon as the writer is gone, instead of hanging."""
-        if not wait([self.conn], timeout):
+        if not self._poller.poll(None if timeout is None else math.ceil(timeout * 1000)):
             return None
         try:
             return self.conn.recv()
