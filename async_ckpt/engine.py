@@ -32,8 +32,9 @@ from .data import ResumableLoader, ResumableSampler, after_restore, inexact_load
 from .checks import is_int, short_repr
 from .distributed import Coordinator
 from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, LayoutError,
-                     Preempted, RemoteConflictError, RemoteStorageError, StagingRaceError,
-                     StateMismatchError, WorldSizeMismatchError, WriterDiedError)
+                     Preempted, RemoteConflictError, RemoteStorageError, SnapshotWriteError,
+                     StagingRaceError, StateMismatchError, WorldSizeMismatchError,
+                     WriterDiedError)
 from .format.manifest import SnapshotRecord, committed_steps
 from .storage.names import RNG_KEY, check_step
 from .rng import GlobalRNG
@@ -263,6 +264,7 @@ class CheckpointEngine:
         self._staging = staged
         if not lazy:
             self.fence()
+            self._raise_failures()  # (a copy that failed: CUDA)
         record.blocking_s = time.perf_counter() - t0
         if self.options.mode == "sync" or self._preempted_by is not None:
             self.wait()
@@ -286,21 +288,33 @@ class CheckpointEngine:
         if staged is None:
             return
         record = self._pending[staged.job.job]
-        record.staging_s = staged.copy.wait()
+        try:
+            record.staging_s = staged.copy.wait()
+        except Exception as e:  # a CUDA error; a storage resized in place under the copy
+            self._fail_staged(staged, SnapshotWriteError(
+                f"step {staged.job.step} was not saved: copying its tensors into the staging slot "
+                f"failed ({type(e).__name__}: {e}); the next snapshot is taken afresh"), e)
+            return
         changed = [path for path, t, version in staged.watched if t._version != version]
         if not changed:
             self._writer.submit(staged.job)
             return
-        staged.slot.busy = False  # the writer never saw it
+        self._fail_staged(staged, StagingRaceError(
+            f"step {staged.job.step} was not saved: {', '.join(changed[:3])}"
+            f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed while being "
+            "copied (lazy staging), by a write no fence saw. Call engine.fence() before changing "
+            "the state in place outside an optimizer's step(), or use staging='eager'"))
+
+    def _fail_staged(self, staged: "_Staged", error: errors.CheckpointError,
+                     cause: Optional[BaseException] = None) -> None:
+        """A snapshot that never reached the writer: its slot is free again, the next snapshot is
+        whole, and ``error`` is raised at the next call (not from inside an optimizer's step)."""
+        staged.slot.busy = False
         self._pending.pop(staged.job.job)
         self._counts.record_failure()
         self._writer_plan = None  # the next job carries its plan: the writer never got this one
         self._next_snapshot_full()
-        error = StagingRaceError(
-            f"step {staged.job.step} was not saved: {', '.join(changed[:3])}"
-            f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed while being "
-            "copied (lazy staging), by a write no fence saw. Call engine.fence() before changing "
-            "the state in place outside an optimizer's step(), or use staging='eager'")
+        error.__cause__ = cause
         log.error("%s", error)
         self._failures.append(error)
 

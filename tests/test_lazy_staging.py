@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, load
-from async_ckpt.errors import StagingRaceError
+from async_ckpt.errors import LayoutError, SnapshotWriteError, StagingRaceError
 from async_ckpt.train import staging
 from conftest import assert_same, make_training_state, train_step
 
@@ -119,6 +119,30 @@ def test_a_write_no_fence_saw_fails_that_snapshot_only(ckpt_dir, gate):
         gate.open()
         with pytest.raises(StagingRaceError, match=r"model\[.2\.bias.\].*engine\.fence\(\)"):
             engine.wait()
+        expected = snapshot_of(model, opt, sched)
+        engine.snapshot(1)
+        engine.wait()
+        assert engine.committed_steps() == [1] and engine.stats()["failed"] == 1
+    assert_same(saved(ckpt_dir, 1), expected)
+
+
+def test_a_copy_that_fails_fails_that_snapshot_only(ckpt_dir, gate):
+    """A storage resized in place under the copy (what FSDP does to unsharded parameters): the
+    copy thread's error fails that snapshot with a typed error at the next call, from neither
+    the optimizer's step nor a hang, and the next snapshot is whole."""
+    model, opt, sched = make_training_state()
+    extra = {"buffer": torch.ones(1000)}
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt, "extra": extra},
+                          staging="lazy", keep_last=5) as engine:
+        engine.snapshot(0)
+        extra["buffer"].untyped_storage().resize_(8)  # the copy has not started
+        gate.open()
+        train_step(model, opt, sched)  # the step's fence sees the failure and does not raise it
+        with pytest.raises(SnapshotWriteError, match="step 0 was not saved: copying") as raised:
+            engine.snapshot(1)
+        assert isinstance(raised.value.__cause__, LayoutError)
+        assert extra["buffer"].untyped_storage().nbytes() == 8  # not grown back by the copy
+        extra["buffer"] = torch.ones(1000)
         expected = snapshot_of(model, opt, sched)
         engine.snapshot(1)
         engine.wait()
