@@ -5,6 +5,7 @@ never commits a torn one. The copy thread is held at a gate, so each test decide
 the copy runs, without sleeping."""
 
 import copy
+import random
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import LayoutError, SnapshotWriteError, StagingRaceError
 from async_ckpt.train import staging
+from async_ckpt.train.capture import Source
 from conftest import assert_same, make_training_state, train_step
 
 
@@ -148,6 +150,79 @@ def test_a_copy_that_fails_fails_that_snapshot_only(ckpt_dir, gate):
         engine.wait()
         assert engine.committed_steps() == [1] and engine.stats()["failed"] == 1
     assert_same(saved(ckpt_dir, 1), expected)
+
+
+def test_edits_at_random_moments_never_commit_a_torn_image(ckpt_dir, monkeypatch):
+    """Seeded random moments: the copy thread is held after a random number of regions (or not
+    at all), then a random write runs. Fenced ones (``load_state_dict``, an optimizer that was not
+    registered, ``fence()`` then ``p.add_()``) wait for the copy; ``p.add_()`` under ``no_grad``
+    without a fence fails that snapshot. Every committed step is the state its ``snapshot()``
+    returned with, bit for bit."""
+    rng = random.Random(20261204)
+    held = {"at": None, "regions": 0}
+    reached, release = threading.Event(), threading.Event()
+    real_view, real_wait = Source.view, staging.Copy.wait
+
+    def held_view(source):
+        if threading.current_thread().name.startswith("async_ckpt-stage"):
+            if held["regions"] == held["at"]:
+                reached.set()
+                release.wait(timeout=60)  # only a failing test waits that long
+            held["regions"] += 1
+        return real_view(source)
+
+    def released_wait(copy):  # a fence lets the held copy go on, then waits for it
+        release.set()
+        return real_wait(copy)
+
+    monkeypatch.setattr(Source, "view", held_view)
+    monkeypatch.setattr(staging.Copy, "wait", released_wait)
+    model, opt, sched = make_training_state()
+    other, other_opt, _ = make_training_state(seed=9)
+    stray = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected, raced = {}, []
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt, "scheduler": sched},
+                          staging="lazy", keep_last=40) as engine:
+        engine.snapshot(0)  # not held: counts the regions
+        engine.fence()
+        expected[0], regions = snapshot_of(model, opt, sched), held["regions"]
+        for step in range(1, 30):
+            train_step(model, opt, sched)
+            held["at"], held["regions"] = rng.randrange(regions + 1), 0
+            reached.clear()
+            release.clear()
+            engine.snapshot(step)
+            expected[step] = snapshot_of(model, opt, sched)
+            if held["at"] < regions:
+                assert reached.wait(timeout=60)  # the copy stopped where it was told
+            write = rng.choice(["unfenced add_", "fence, then add_", "load_state_dict",
+                                "an optimizer that was not registered", "none"])
+            if write == "unfenced add_":
+                with torch.no_grad():
+                    model[rng.choice([0, 2])].weight.add_(0.25)
+                release.set()
+                raced.append(step)
+                with pytest.raises(StagingRaceError, match=f"step {step} was not saved"):
+                    engine.wait()
+            elif write == "fence, then add_":
+                engine.fence()
+                with torch.no_grad():
+                    model[0].bias.add_(0.25)
+            elif write == "load_state_dict":
+                if rng.random() < 0.5:
+                    model.load_state_dict(other.state_dict())
+                else:
+                    opt.load_state_dict(other_opt.state_dict())
+            elif write == "an optimizer that was not registered":
+                model(torch.randn(2, 32)).sum().backward()
+                stray.step()
+                stray.zero_grad()
+        engine.wait()
+        assert engine.committed_steps() == [s for s in range(30) if s not in raced]
+        assert raced and len(raced) < 29  # both outcomes were drawn
+    for step in range(30):
+        if step not in raced:
+            assert_same(saved(ckpt_dir, step), expected[step])
 
 
 def test_lazy_snapshots_commit_what_eager_ones_do(ckpt_dir, tmp_path):
