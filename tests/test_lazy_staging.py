@@ -111,6 +111,16 @@ def test_every_fenced_write_waits_for_the_copy(ckpt_dir, gate, write):
     assert_same(saved(ckpt_dir, 0), expected)
 
 
+def the_next_snapshot_is_whole(engine, ckpt_dir, model, opt, sched):
+    """After one failed snapshot (of step 0): the snapshot of step 1 commits the state as it is,
+    and only it is committed."""
+    expected = snapshot_of(model, opt, sched)
+    engine.snapshot(1)
+    engine.wait()
+    assert engine.committed_steps() == [1] and engine.stats()["failed"] == 1
+    assert_same(saved(ckpt_dir, 1), expected)
+
+
 def test_a_write_no_fence_saw_fails_that_snapshot_only(ckpt_dir, gate):
     model, opt, sched = make_training_state()
     with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt},
@@ -121,15 +131,11 @@ def test_a_write_no_fence_saw_fails_that_snapshot_only(ckpt_dir, gate):
         gate.open()
         with pytest.raises(StagingRaceError, match=r"model\[.2\.bias.\].*engine\.fence\(\)"):
             engine.wait()
-        expected = snapshot_of(model, opt, sched)
-        engine.snapshot(1)
-        engine.wait()
-        assert engine.committed_steps() == [1] and engine.stats()["failed"] == 1
-    assert_same(saved(ckpt_dir, 1), expected)
+        the_next_snapshot_is_whole(engine, ckpt_dir, model, opt, sched)
 
 
 def test_a_copy_that_fails_fails_that_snapshot_only(ckpt_dir, gate):
-    """A storage resized in place under the copy (what FSDP does to unsharded parameters): the
+    """A storage resized in place under the copy (as FSDP does to unsharded parameters): the
     copy thread's error fails that snapshot with a typed error at the next call, from neither
     the optimizer's step nor a hang, and the next snapshot is whole."""
     model, opt, sched = make_training_state()
@@ -145,11 +151,7 @@ def test_a_copy_that_fails_fails_that_snapshot_only(ckpt_dir, gate):
         assert isinstance(raised.value.__cause__, LayoutError)
         assert extra["buffer"].untyped_storage().nbytes() == 8  # not grown back by the copy
         extra["buffer"] = torch.ones(1000)
-        expected = snapshot_of(model, opt, sched)
-        engine.snapshot(1)
-        engine.wait()
-        assert engine.committed_steps() == [1] and engine.stats()["failed"] == 1
-    assert_same(saved(ckpt_dir, 1), expected)
+        the_next_snapshot_is_whole(engine, ckpt_dir, model, opt, sched)
 
 
 def test_edits_at_random_moments_never_commit_a_torn_image(ckpt_dir, monkeypatch):

@@ -46,15 +46,14 @@ def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
     dtensors: list[dict] = []
 
     def leaf(value: Any, path: str):
-        if type(value) in _PLAIN_TENSOR_TYPES or (isinstance(value, torch.Tensor)
-                                                  and not is_dtensor(value)):
-            tensors.append(_checked(value, path))
-            paths.append(path)
-            return {"$tensor": len(tensors) - 1}
-        if is_dtensor(value):
+        if type(value) not in _PLAIN_TENSOR_TYPES and is_dtensor(value):
             encoded = {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
             paths.extend([path] * (len(tensors) - len(paths)))
             return encoded
+        if isinstance(value, torch.Tensor):
+            tensors.append(_checked(value, path))
+            paths.append(path)
+            return {"$tensor": len(tensors) - 1}
         return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
@@ -223,22 +222,22 @@ class Planner:
                      for t, s in zip(tensors, storages)]
         key.append(replica_of)
         if self._last is None or self._last[0] != key:
-            self._last = (key, *_lay_out(tensors, replica_of))
+            self._last = (key, *_lay_out(tensors, storages, replica_of))
         _, plan, spans = self._last
         return plan, [Source(storages[n], start, nbytes) for n, start, nbytes in spans]
 
 
-def _lay_out(tensors: list[torch.Tensor], replica_of: Optional[list[Optional[str]]],
-             ) -> tuple[Plan, list[tuple[int, int, int]]]:
-    """A new plan, and per region where its bytes are: (the index of a tensor viewing the
-    storage, the region's first byte in the storage, its bytes)."""
+def _lay_out(tensors: list[torch.Tensor], storages: list[torch.UntypedStorage],
+             replica_of: Optional[list[Optional[str]]]) -> tuple[Plan, list[tuple[int, int, int]]]:
+    """A new plan of ``tensors`` (``storages``: their storages), and per region where its bytes
+    are: (the index of a tensor viewing the storage, the region's first byte in it, its bytes)."""
     groups: dict[tuple, dict] = {}
     placed = []
-    for n, t in enumerate(tensors):
+    for n, (t, storage) in enumerate(zip(tensors, storages)):
         if t.numel() == 0:
             placed.append(None)
             continue
-        key = (t.device, t.untyped_storage().data_ptr())
+        key = (t.device, storage.data_ptr())
         start = t.storage_offset() * t.element_size()
         end = start + span_bytes(t.shape, t.stride(), t.element_size())
         g = groups.get(key)
