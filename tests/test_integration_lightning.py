@@ -15,6 +15,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +35,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from async_ckpt import load  # noqa: E402
+from async_ckpt import Marker, load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
                                IntegrationError, NoSnapshotError, PointerFileError,
                                WriterDiedError)
@@ -209,9 +212,54 @@ def test_every_entry_of_lightning_s_checkpoint_round_trips(tmp_path):
     assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch",
             "hyper_parameters", "hparams_name", "global_step", "pytorch-lightning_version",
             "MixedPrecision"} <= set(loaded)
-    io.export(path, tmp_path / "exported.ckpt")  # for readers that bypass CheckpointIO
+    io.export(path, tmp_path / "exported.ckpt")  # a copy through torch.save
     model = TinyModel.load_from_checkpoint(tmp_path / "exported.ckpt")
     assert_same(dict(model.state_dict()), dict(loaded["state_dict"]))
+    io.teardown()
+
+
+def test_the_ckpt_is_a_torch_file_that_lightning_and_torch_read_without_async_ckpt(tmp_path):
+    """What users do with a .ckpt outside the Trainer's CheckpointIO: load_from_checkpoint,
+    torch.load(weights_only=True), also mapped, in a process that never imports async_ckpt,
+    bit for bit what the adapter itself loads."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    train(tmp_path, io, precision=scaler)
+    paths = sorted(str(p) for p in (tmp_path / "ckpts").iterdir())
+    assert len(paths) == 3
+    reader = textwrap.dedent("""
+        import sys, torch
+        import lightning as L
+
+        class TinyModel(L.LightningModule):  # the test's model, without the test's imports
+            def __init__(self, hidden: int = 8, dims: tuple = (1, 2), extra=None):
+                super().__init__()
+                self.save_hyperparameters()
+                self.net = torch.nn.Sequential(
+                    torch.nn.Linear(4, hidden), torch.nn.BatchNorm1d(hidden),
+                    torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
+
+        out = {}
+        for path in sys.argv[2:]:
+            plain = torch.load(path, weights_only=True)
+            mapped = torch.load(path, weights_only=True, mmap=True)
+            model = TinyModel.load_from_checkpoint(path)
+            out[path] = (plain, {k: v.clone() for k, v in mapped["state_dict"].items()},
+                         model.state_dict())
+        assert not [m for m in sys.modules if m.startswith("async_ckpt")]
+        torch.save(out, sys.argv[1])
+    """)
+    result = tmp_path / "read.pt"
+    subprocess.run([sys.executable, "-c", reader, str(result), *paths], check=True,
+                   cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
+    read = torch.load(result, weights_only=True)
+    for path in paths:
+        plain, mapped, model_state = read[path]
+        loaded = io.load_checkpoint(path)
+        assert set(plain) == set(loaded)
+        assert_same(plain, loaded)
+        assert_same(mapped, dict(loaded["state_dict"]))
+        assert_same(dict(model_state), dict(loaded["state_dict"]))
     io.teardown()
 
 
@@ -388,7 +436,8 @@ def test_ckpt_path_last_resumes_past_a_damaged_newest_snapshot(tmp_path):
 def test_a_pointer_is_untrusted_input(tmp_path):
     io = AsyncCkptIO(tmp_path / "engine")
     save_four(io, tmp_path / "ckpts")
-    good = json.loads((tmp_path / "ckpts" / "last.ckpt").read_text())
+    with open(tmp_path / "ckpts" / "last.ckpt", "rb") as f:
+        good = json.loads(Marker.record_in(f))  # as earlier versions wrote it: a file of its own
     bad = tmp_path / "ckpts" / "bad.ckpt"
     for change in ({"step": -1}, {"step": "3"}, {"step": 1.0}, {"step": True},
                    {"step": 10**20}, {"version": 2}, {"directory": 7}, {"global_step": "x"},

@@ -22,7 +22,7 @@ import re
 import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import xxhash
 import zstandard
@@ -380,6 +380,18 @@ class ShardReader:
                 view[position:position + chunk["raw"]], f"storage {i} chunk {chunk_no}"))
             position += chunk["raw"]
         return reads
+
+    def storage_pieces(self, i: int) -> Iterator[memoryview]:
+        """Storage ``i``'s bytes chunk by chunk, each verified and decoded into one reused buffer
+        (valid until the next piece): to copy a storage elsewhere in memory of one chunk."""
+        storage = self.index["storages"][i]
+        if "ref" in storage:  # the caller follows it (format/references.py)
+            raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
+        buffer = memoryview(bytearray(max((c["raw"] for c in storage["chunks"]), default=0)))
+        for chunk_no, chunk in enumerate(storage["chunks"]):
+            piece = buffer[:chunk["raw"]]
+            self._read_chunk(chunk, storage["itemsize"], piece, f"storage {i} chunk {chunk_no}")
+            yield piece
 
     def read_range(self, i: int, start: int, stop: int, out,
                    cache: Optional["ChunkCache"] = None) -> None:

@@ -115,16 +115,19 @@ def decode(
     *,
     allow_pickle: bool = False,
     leaf: Optional[Callable[[dict], Any]] = None,
+    unpickle: Callable[[bytes], Any] = pickle.loads,
 ) -> Any:
     """Rebuild the value that :func:`encode` turned into ``tree``.
 
     ``leaf(node)`` is tried on tagged nodes whose tag this module does not own; it returns the
-    value or ``NotImplemented``. Exceptions it raises propagate unchanged.
+    value or ``NotImplemented``. Exceptions it raises propagate unchanged. ``unpickle`` makes a
+    ``$pickle`` node's value of its bytes (with ``allow_pickle``): ``pickle.loads``, or a
+    stand-in for code that passes the pickle on unread.
 
     Raises :class:`CorruptSnapshotError` for any malformed tree, and :class:`EncodingError` for a
     pickle node when ``allow_pickle`` is false (unpickling runs code stored in the file).
     """
-    return _Decoder(allow_pickle, leaf)(tree, "", 0)
+    return _Decoder(allow_pickle, leaf, unpickle)(tree, "", 0)
 
 
 def parse_json(text: Union[str, bytes]) -> Any:
@@ -263,9 +266,11 @@ _Path = Any  # in the decoder: "" for the root, else (parent path, key); rendere
 
 
 class _Decoder:
-    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[dict], Any]]) -> None:
+    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[dict], Any]],
+                 unpickle: Callable[[bytes], Any]) -> None:
         self.allow_pickle = allow_pickle
         self.leaf = leaf
+        self.unpickle = unpickle
 
     def __call__(self, node: Any, path: _Path, depth: int) -> Any:
         t = type(node)
@@ -450,7 +455,7 @@ def _dec_pickle(dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
         )
     raw = _unb64(p, path, "$pickle")
     try:
-        return pickle.loads(raw)
+        return dec.unpickle(raw)
     except Exception as e:  # anything the unpickled code may raise
         raise _corrupt(path, f"the pickled object cannot be loaded: {type(e).__name__}: {e}") from e
 

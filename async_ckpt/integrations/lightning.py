@@ -11,9 +11,12 @@ Lightning hands every checkpoint to the ``CheckpointIO`` plugin of the Trainer's
     trainer.fit(model, datamodule, ckpt_path="last")
 
 Each save is a snapshot of the engine (one copy of the dict's tensors into reused staging memory,
-then the call returns); the ``.ckpt`` file Lightning asked for is a small JSON *pointer* naming
-that snapshot, which the writer process writes only once the snapshot is committed. So every
-``.ckpt`` Lightning sees (its ``ckpt_path="last"`` search, ``best_model_path``, the files
+then the call returns); the ``.ckpt`` file Lightning asked for is that snapshot in torch's own
+file format, which the writer process writes from the committed shard only once the snapshot is
+committed: ``torch.load(path, weights_only=True)`` and ``LightningModule.load_from_checkpoint``
+read it in a process that knows nothing of async_ckpt, and it keeps a small record (a *pointer*:
+``.data/async_ckpt`` in the archive, which torch ignores) naming the snapshot, which this
+plugin loads instead, verified against its checksums. So every ``.ckpt`` Lightning sees (its ``ckpt_path="last"`` search, ``best_model_path``, the files
 ``save_top_k`` deletes) stands for a whole snapshot, whatever instant the job is killed at.
 
 The engine's steps are a save counter, not Lightning's global step: Lightning saves the same
@@ -74,6 +77,7 @@ POINTER_FORMAT = "async_ckpt.lightning"
 POINTER_VERSION = 1
 MAX_POINTER_BYTES = 4096
 _POINTER_PREFIX = b'{"format": "' + POINTER_FORMAT.encode() + b'"'
+_TORCH_FILE_PREFIX = b"PK\x03\x04"  # a zip archive: torch's file format
 _KEEP_ALL = 2**62  # the engine keeps every snapshot: Lightning's save_top_k decides
 # Engine settings the adapter decides: one rank saves, every save is taken, Lightning retains.
 _FIXED_OPTIONS = {"rank", "world_size", "every", "keep_last", "keep_every", "when_busy"}
@@ -97,14 +101,18 @@ class Pointer:
 
 
 def read_pointer(path: PathLike) -> Optional[Pointer]:
-    """The pointer at ``path``; None when there is no file or it is not a pointer (a checkpoint
-    written by another CheckpointIO). The file is untrusted: a file that starts as a pointer and
-    is not a valid one raises PointerFileError."""
+    """Which snapshot the ``.ckpt`` at ``path`` stands for: the record an ``AsyncCkptIO`` keeps
+    in the torch file it writes (or the small JSON pointer file earlier versions wrote); None
+    when there is no file or it is none of ours (a checkpoint written by another CheckpointIO).
+    The file is untrusted: a record that is not a valid one raises PointerFileError."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO, a dangling link
             return None
         with open(path, "rb") as f:
             data = f.read(MAX_POINTER_BYTES + 1)
+            if data.startswith(_TORCH_FILE_PREFIX):
+                f.seek(0)
+                data = Marker.record_in(f) or b""
     except (FileNotFoundError, NotADirectoryError):
         return None
     if not data.startswith(_POINTER_PREFIX):
@@ -139,8 +147,8 @@ class AsyncCkptIO(CheckpointIO):
     into ``directory``; pass it as ``Trainer(plugins=[io], callbacks=[io.callback, ...])``.
 
     ``save_checkpoint`` returns once the dict's tensors are copied into staging memory (the
-    live parameters and optimizer state may change right after); the ``.ckpt`` pointer at
-    ``path`` appears once the snapshot is committed. ``load_checkpoint`` reads a pointer's
+    live parameters and optimizer state may change right after); the ``.ckpt`` at ``path`` (the
+    snapshot in torch's format, with its pointer) appears once the snapshot is committed. ``load_checkpoint`` reads a pointer's
     snapshot (any other file with Lightning's stock ``torch.load``, ``weights_only=True`` unless
     asked otherwise); ``remove_checkpoint`` deletes a pointer and drops its snapshot once no
     pointer names it; ``teardown`` waits for the saves in flight and stops the writer.
@@ -197,7 +205,7 @@ class AsyncCkptIO(CheckpointIO):
                           _count_or_none(checkpoint.get("epoch")))
         try:
             engine.snapshot(step, state=checkpoint, force=True,
-                            markers=[Marker(path, pointer.to_bytes())])
+                            markers=[Marker(path, pointer.to_bytes(), torch_file=True)])
         except EncodingError as e:
             raise EncodingError(
                 f"{e}. In a Lightning checkpoint such a value is most often a hyperparameter "
@@ -240,8 +248,8 @@ class AsyncCkptIO(CheckpointIO):
 
     def export(self, path: PathLike, destination: PathLike) -> None:
         """Write the checkpoint ``path`` stands for as a stock Lightning ``.ckpt`` (``torch.save``)
-        at ``destination``: for what reads checkpoint files without the Trainer's CheckpointIO,
-        such as ``LightningModule.load_from_checkpoint``."""
+        at ``destination``, verified: for a ``.ckpt`` that earlier versions wrote as a JSON
+        pointer (what this version writes is such a file already)."""
         TorchCheckpointIO().save_checkpoint(self.load_checkpoint(path), os.fspath(destination))
 
     def remove_checkpoint(self, path: PathLike) -> None:
@@ -363,7 +371,7 @@ class AsyncCkptIO(CheckpointIO):
             info = entry.stat()  # through a symlink: the pointer it links to
         except OSError:
             return None  # a dangling symlink
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_POINTER_BYTES:
+        if not stat.S_ISREG(info.st_mode):
             return None
         signature = (info.st_ino, info.st_mtime_ns, info.st_size)
         cached = known.get(entry.path)

@@ -9,14 +9,12 @@ engine-free reader. Nothing here touches the user's objects (``restore.py`` does
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import warnings
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
@@ -24,6 +22,8 @@ import torch
 from ..distributed import Coordinator
 from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
 from ..format import values
+from ..format import tree as tree_model
+from ..format.tree import Entry
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..storage.names import RNG_KEY
@@ -38,29 +38,6 @@ from ..storage.open import open_storage
 from ..tensors import ALL_DTYPES, span_bytes
 
 log = logging.getLogger(__name__)
-
-
-_MAX_TREE_DEPTH = 100
-
-
-@dataclass
-class Entry:
-    """A restored entry, tagged with how it was captured (object, tensor, dict or value).
-
-    ``borrowed`` (the root entry of a snapshot read with ``mapped=True`` or a ``scratch``): the
-    addresses of the storages over memory lent for the read (a shard file's mapping, a staging
-    slot). Restore copies them into the registered objects' own memory and must not hand them
-    over: an object keeping one would keep a file mapped, or see the next snapshot's bytes."""
-
-    kind: str
-    value: Any  # for "dict": dict[str, Entry]
-    borrowed: frozenset = frozenset()
-    differing: frozenset = frozenset()  # read with compare_ranks: entries the ranks held unalike
-
-    def plain(self) -> Any:
-        if self.kind == "dict":
-            return {k: e.plain() for k, e in self.value.items()}
-        return self.value
 
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
@@ -219,13 +196,6 @@ def _in_parallel(checks: list[Callable[[], None]]) -> None:
         pass
 
 
-def _is_module_metadata(metadata: Any) -> bool:
-    """``state_dict()._metadata`` as torch writes it: module prefix -> {"version": int, ...}."""
-    return isinstance(metadata, dict) and all(
-        isinstance(k, str) and isinstance(v, dict) and type(v.get("version", 0)) is int
-        for k, v in metadata.items())
-
-
 def _is_reference(r: dict, record: SnapshotRecord) -> bool:
     """Whether a tensor record's reference to another rank's storage is well-formed (a malformed
     one is reported with the tensor's other problems)."""
@@ -339,32 +309,7 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, a
                 raise CorruptSnapshotError(f"{path}: bad {tag} value {str(v)[:40]!r}") from e
         return NotImplemented
 
-    def entry(node: Any, depth: int) -> Entry:
-        if (not isinstance(node, dict) or node.get("kind") not in ("object", "tensor", "dict", "value")
-                or depth > _MAX_TREE_DEPTH):
-            raise CorruptSnapshotError(f"{path}: malformed state tree")
-        if node["kind"] == "dict":
-            if not isinstance(node.get("entries"), dict):
-                raise CorruptSnapshotError(f"{path}: malformed state tree")
-            return Entry("dict", {k: entry(v, depth + 1) for k, v in node["entries"].items()})
-        value = values.decode(node.get("state"), allow_pickle=allow_pickle, leaf=leaf)
-        if node["kind"] == "value" and isinstance(value, dict) and all(
-                isinstance(k, str) for k in value):
-            # the writer keeps a dict of str keys as a "dict" entry, never as a plain value: one
-            # restored as a value would turn the slot into a dict that later snapshots cannot fill
-            raise CorruptSnapshotError(f"{path}: malformed state tree (a dict of str keys as a "
-                                       "plain value)")
-        if "metadata" in node:  # a module's state dict: its _metadata carries per-module versions
-            metadata = values.decode(node["metadata"], allow_pickle=allow_pickle, leaf=leaf)
-            if not isinstance(value, dict) or not _is_module_metadata(metadata):
-                raise CorruptSnapshotError(f"{path}: malformed module state")
-            value = collections.OrderedDict(value)
-            value._metadata = metadata
-        return Entry(node["kind"], value)
-
-    if not isinstance(tree, dict) or tree.get("kind") != "dict":
-        raise CorruptSnapshotError(f"{path}: the state tree's root is not a dict")
-    return entry(tree, 0)
+    return tree_model.rebuild(tree, leaf, allow_pickle, path)
 
 
 def read_committed(directory: str | Storage, step: Optional[int] = None, rank: int = 0,

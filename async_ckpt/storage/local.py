@@ -26,7 +26,7 @@ import os
 import shutil
 import stat
 import tempfile
-from typing import Callable, ContextManager, Iterable, Optional, Type, Union
+from typing import BinaryIO, Callable, ContextManager, Iterable, Optional, Type, Union
 
 from .base import ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
@@ -80,9 +80,11 @@ def write_all(fd: int, data) -> None:
         view = view[written:]
 
 
-def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
+def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]],
+                 durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that readers, and a crash, see either the old or the new
-    file, whole.
+    file, whole. ``data`` is the bytes, or a function that writes them to the (seekable) file it
+    is given, for a file too large to hold in memory.
 
     ``durable``: the new file survives a power cut once this returns; the old one is never removed
     before the new one is durable (the mistake DCP made). Without it (liveness files such as
@@ -93,7 +95,11 @@ def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
     _unlink_quietly(tmp)  # a stale one (or a planted link): never written through
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        write_all(fd, data)
+        if callable(data):
+            with open(fd, "wb", closefd=False) as f:
+                data(f)
+        else:
+            write_all(fd, data)
         if durable:
             os.fsync(fd)
     except BaseException:

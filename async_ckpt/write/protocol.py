@@ -17,10 +17,11 @@ line, which every user of the machine can read, since they may hold the object s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import BinaryIO, Optional, Union
 
 from ..errors import CheckpointError
 from ..format.layout import Plan
+from ..format.torchfile import read_record
 from ..storage.names import REPLACEMENT_FILE
 
 
@@ -72,13 +73,16 @@ class Detach:
 class Marker:
     """What a snapshot makes visible outside the checkpoint directory once it is committed, and
     never before: a file ``path`` holding ``content``, or, given ``files``, a directory ``path``
-    holding those (name, bytes) pairs. The writer writes it atomically and durably right after
-    the commit, even when the trainer is gone by then. For code that finds checkpoints by their
-    files (a framework's own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory)."""
+    holding those (name, bytes) pairs, or, with ``torch_file``, the snapshot itself as a file in
+    torch's format (what ``torch.load`` reads; ``format/torchfile.py``) that keeps ``content``
+    as its record. The writer writes it atomically and durably right after the commit, even when
+    the trainer is gone by then. For code that finds checkpoints by their files (a framework's
+    own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory)."""
 
     path: str  # absolute
     content: bytes = b""
     files: Optional[tuple[tuple[str, bytes], ...]] = None
+    torch_file: bool = False
 
     @staticmethod
     def is_being_written(name: str) -> bool:
@@ -86,6 +90,13 @@ class Marker:
         writing (``NAME.tmp-PID``, renamed over ``NAME`` once whole; left behind when the writer
         was killed in between): it names nothing, the file it becomes or replaces does."""
         return REPLACEMENT_FILE.fullmatch(name) is not None
+
+    @staticmethod
+    def record_in(file: BinaryIO) -> Optional[bytes]:
+        """The ``content`` a ``torch_file`` marker keeps in the file open as ``file``; None for
+        any other file (one ``torch.save`` wrote, one that is not in torch's format). The file
+        is untrusted: only its archive directory and that record are read, boundedly."""
+        return read_record(file)
 
 
 @dataclass(frozen=True)

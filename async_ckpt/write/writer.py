@@ -18,6 +18,7 @@ local, while a writer whose trainer died goes on uploading (``upload.ORPHAN_UPLO
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import mmap
 import os
@@ -26,7 +27,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
-from typing import Optional
+from typing import BinaryIO, Callable, Optional
 
 import psutil
 
@@ -34,8 +35,9 @@ from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatc
 from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, JobOutcome, Marker,
                        Ready, Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
-from ..errors import DiskFullError, SnapshotWriteError
+from ..errors import CheckpointError, DiskFullError, SnapshotWriteError
 from ..format.references import References
+from ..format.torchfile import write_committed
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
 from ..storage.local import LocalStorage, atomic_directory, atomic_write, make_dirs
 from ..storage.remote import ObjectStorage
@@ -72,7 +74,8 @@ class SnapshotWriter:
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
-        self.markers: dict[int, tuple[Marker, ...]] = {}  # by job: written once it is committed
+        # by job: its snapshot directory and markers, written once it is committed
+        self.markers: dict[int, tuple[str, tuple[Marker, ...]]] = {}
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -145,9 +148,10 @@ class SnapshotWriter:
     def send(self, event: WriterEvent) -> None:
         """Tell the trainer; a job's markers are written first, once it is committed."""
         if isinstance(event, JobOutcome) and event.job in self.markers:
-            markers = self.markers.pop(event.job)
+            directory, markers = self.markers.pop(event.job)
             if isinstance(event, Committed):
-                event = _write_markers(event, markers)
+                event = _write_markers(event, markers, functools.partial(
+                    self.write_torch_file, directory))
         try:
             self.conn.send(event)
         except OSError:
@@ -155,7 +159,7 @@ class SnapshotWriter:
 
     def handle(self, job: SnapshotJob) -> None:
         if job.markers:
-            self.markers[job.job] = job.markers
+            self.markers[job.job] = (job.dir, job.markers)
         if job.plan is not None:
             self.plan = job.plan
             self.layout = shard_layout(self.plan, self.rank, self.world_size, self.spread_replicated)
@@ -245,6 +249,16 @@ class SnapshotWriter:
                                      "the trainer referred to; the snapshot was not written")
         return reference_to(target, holder, file, n)
 
+    def write_torch_file(self, directory: str, out: BinaryIO, note: bytes) -> None:
+        """Write this rank's shard of the committed snapshot ``directory`` to ``out`` in torch's
+        format, read back from the shard (and what it refers to) and verified."""
+        manifest = read_manifest(self.storage)
+        record = next((s for s in manifest.snapshots if s.dir == directory), None)
+        if record is None:
+            raise SnapshotWriteError(f"{directory} was dropped before its torch file was written")
+        with References(self.storage, manifest.snapshots) as references:
+            write_committed(out, references, record, self.rank, note)
+
     def check_space(self, raw_bytes: int) -> None:
         """Refuse a snapshot that cannot fit before writing a byte of it."""
         need = int(raw_bytes * self.stored_ratio * 1.05) + self.reserve_bytes
@@ -288,23 +302,29 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
     return None
 
 
-def _write_markers(committed: Committed, markers: tuple[Marker, ...]) -> WriterEvent:
-    """Write the markers of a committed snapshot; the event to send: ``committed``, or Failed
-    when a marker could not be written (the snapshot stays committed, but whoever looks for
-    the marker will not see it)."""
+def _write_markers(committed: Committed, markers: tuple[Marker, ...],
+                   write_torch_file: Callable[[BinaryIO, bytes], None]) -> WriterEvent:
+    """Write the markers of a committed snapshot (``write_torch_file(file, record)`` writes it in
+    torch's format); the event to send: ``committed``, or Failed when a marker could not be
+    written (the snapshot stays committed, but whoever looks for the marker will not see it)."""
     for marker in markers:
         try:
-            if marker.files is None:
+            if marker.torch_file:
+                make_dirs(os.path.dirname(marker.path))
+                atomic_write(marker.path, functools.partial(write_torch_file,
+                                                            note=marker.content))
+            elif marker.files is None:
                 make_dirs(os.path.dirname(marker.path))
                 atomic_write(marker.path, marker.content)
             else:
                 atomic_directory(marker.path, marker.files)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             log.error("could not write %s: %s", marker.path, e)
+            advice = (" Check that its directory is writable" if isinstance(e, OSError) else "")
             return Failed(committed.job, SnapshotWriteError(
                 f"the snapshot was committed, but {marker.path} could not be written "
-                f"({e.strerror or e}): what looks for it will not find it. Check that its "
-                "directory is writable"))
+                f"({getattr(e, 'strerror', None) or e}): what looks for it will not find it."
+                f"{advice}"))
     return committed
 
 
