@@ -5,7 +5,7 @@ A node is an ``object``, ``tensor``, ``dict`` or ``value``; all but ``dict`` hol
 (section 6) whose tags for tensors and torch's objects belong to the caller, who decodes them
 with a ``leaf``. The read side rebuilds torch tensors (``read/snapshot.py``); the writer rebuilds
 the same tree with stand-ins when it writes a snapshot in torch's own file format
-(``format/torchfile.py``). Nothing here imports torch.
+(``format/native.py``). Nothing here imports torch.
 """
 
 from __future__ import annotations

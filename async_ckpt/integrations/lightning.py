@@ -54,7 +54,7 @@ except ImportError as e:  # the optional extra
     raise ImportError("async_ckpt.integrations.lightning needs the lightning package: "
                       "pip install 'async_ckpt[lightning]'") from e
 
-from .. import MAX_STEP, CheckpointEngine, Marker, load
+from .. import MAX_STEP, CheckpointEngine, Derived, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError)
 from ..rng import GlobalRNG
@@ -205,7 +205,7 @@ class AsyncCkptIO(CheckpointIO):
                           _count_or_none(checkpoint.get("epoch")))
         try:
             engine.snapshot(step, state=checkpoint, force=True,
-                            markers=[Marker(path, pointer.to_bytes(), torch_file=True)])
+                            markers=[Marker(path, Derived("torch", record=pointer.to_bytes()))])
         except EncodingError as e:
             raise EncodingError(
                 f"{e}. In a Lightning checkpoint such a value is most often a hyperparameter "

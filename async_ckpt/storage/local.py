@@ -80,11 +80,22 @@ def write_all(fd: int, data) -> None:
         view = view[written:]
 
 
-def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]],
-                 durable: bool = True) -> None:
+Content = Union[bytes, Callable[[BinaryIO], None]]
+"""A file's bytes, or a function that writes them to the (seekable) file it is given: for a file
+too large to hold in memory."""
+
+
+def _write_content(fd: int, data: Content) -> None:
+    if callable(data):
+        with open(fd, "wb", closefd=False) as f:
+            data(f)
+    else:
+        write_all(fd, data)
+
+
+def atomic_write(path: str, data: Content, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that readers, and a crash, see either the old or the new
-    file, whole. ``data`` is the bytes, or a function that writes them to the (seekable) file it
-    is given, for a file too large to hold in memory.
+    file, whole.
 
     ``durable``: the new file survives a power cut once this returns; the old one is never removed
     before the new one is durable (the mistake DCP made). Without it (liveness files such as
@@ -95,11 +106,7 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]],
     _unlink_quietly(tmp)  # a stale one (or a planted link): never written through
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        if callable(data):
-            with open(fd, "wb", closefd=False) as f:
-                data(f)
-        else:
-            write_all(fd, data)
+        _write_content(fd, data)
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -116,8 +123,8 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]],
         fsync_dir(directory)
 
 
-def atomic_directory(path: str, files: Iterable[tuple[str, bytes]]) -> None:
-    """Make ``path`` a directory holding ``files`` ((name, bytes) pairs, names of one path
+def atomic_directory(path: str, files: Iterable[tuple[str, Content]]) -> None:
+    """Make ``path`` a directory holding ``files`` ((name, content) pairs, names of one path
     component), all at once and durably: readers, and a crash, see no directory (or the one it
     replaces) or the whole new one. The files are written and fsynced in a fresh sibling, which
     is then renamed to ``path``; a directory already at ``path`` is moved aside first and removed
@@ -132,7 +139,7 @@ def atomic_directory(path: str, files: Iterable[tuple[str, bytes]]) -> None:
                 raise ValueError(f"{name!r} is not a file name")
             fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                write_all(fd, data)
+                _write_content(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -21,7 +21,7 @@ from typing import BinaryIO, Optional, Union
 
 from ..errors import CheckpointError
 from ..format.layout import Plan
-from ..format.torchfile import read_record
+from ..format.native import Derived, read_record
 from ..storage.names import REPLACEMENT_FILE
 
 
@@ -73,16 +73,16 @@ class Detach:
 class Marker:
     """What a snapshot makes visible outside the checkpoint directory once it is committed, and
     never before: a file ``path`` holding ``content``, or, given ``files``, a directory ``path``
-    holding those (name, bytes) pairs, or, with ``torch_file``, the snapshot itself as a file in
-    torch's format (what ``torch.load`` reads; ``format/torchfile.py``) that keeps ``content``
-    as its record. The writer writes it atomically and durably right after the commit, even when
-    the trainer is gone by then. For code that finds checkpoints by their files (a framework's
-    own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory)."""
+    holding those (name, content) pairs. A content is bytes, or a ``Derived``: the snapshot (or
+    an entry of it) in a framework's file format, made from the committed shard
+    (``format/native.py``). The writer writes it atomically and durably right after the commit,
+    even when the trainer is gone by then. For code that finds checkpoints by their files (a
+    framework's own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory) and for
+    what its users do with those files."""
 
     path: str  # absolute
-    content: bytes = b""
-    files: Optional[tuple[tuple[str, bytes], ...]] = None
-    torch_file: bool = False
+    content: Union[bytes, Derived] = b""
+    files: Optional[tuple[tuple[str, Union[bytes, Derived]], ...]] = None
 
     @staticmethod
     def is_being_written(name: str) -> bool:
@@ -93,7 +93,7 @@ class Marker:
 
     @staticmethod
     def record_in(file: BinaryIO) -> Optional[bytes]:
-        """The ``content`` a ``torch_file`` marker keeps in the file open as ``file``; None for
+        """The record a ``Derived`` torch file keeps, from the file open as ``file``; None for
         any other file (one ``torch.save`` wrote, one that is not in torch's format). The file
         is untrusted: only its archive directory and that record are read, boundedly."""
         return read_record(file)

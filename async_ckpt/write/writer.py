@@ -27,7 +27,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Optional, Union
 
 import psutil
 
@@ -37,9 +37,9 @@ from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, 
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, SnapshotWriteError
 from ..format.references import References
-from ..format.torchfile import write_committed
+from ..format.native import Derived, write_committed
 from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
-from ..storage.local import LocalStorage, atomic_directory, atomic_write, make_dirs
+from ..storage.local import Content, LocalStorage, atomic_directory, atomic_write, make_dirs
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
@@ -151,7 +151,7 @@ class SnapshotWriter:
             directory, markers = self.markers.pop(event.job)
             if isinstance(event, Committed):
                 event = _write_markers(event, markers, functools.partial(
-                    self.write_torch_file, directory))
+                    self.derive, directory))
         try:
             self.conn.send(event)
         except OSError:
@@ -249,15 +249,18 @@ class SnapshotWriter:
                                      "the trainer referred to; the snapshot was not written")
         return reference_to(target, holder, file, n)
 
-    def write_torch_file(self, directory: str, out: BinaryIO, note: bytes) -> None:
-        """Write this rank's shard of the committed snapshot ``directory`` to ``out`` in torch's
-        format, read back from the shard (and what it refers to) and verified."""
-        manifest = read_manifest(self.storage)
-        record = next((s for s in manifest.snapshots if s.dir == directory), None)
-        if record is None:
-            raise SnapshotWriteError(f"{directory} was dropped before its torch file was written")
-        with References(self.storage, manifest.snapshots) as references:
-            write_committed(out, references, record, self.rank, note)
+    def derive(self, directory: str, derived: Derived) -> Callable[[BinaryIO], None]:
+        """What writes ``derived`` of this rank's shard of the committed snapshot ``directory``
+        to a file, read back from the shard (and what it refers to) and verified."""
+        def write(out: BinaryIO) -> None:
+            manifest = read_manifest(self.storage)
+            record = next((s for s in manifest.snapshots if s.dir == directory), None)
+            if record is None:
+                raise SnapshotWriteError(f"{directory} was dropped before the files made from "
+                                         "it were written")
+            with References(self.storage, manifest.snapshots) as references:
+                write_committed(out, references, record, self.rank, derived)
+        return write
 
     def check_space(self, raw_bytes: int) -> None:
         """Refuse a snapshot that cannot fit before writing a byte of it."""
@@ -303,21 +306,20 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
 
 
 def _write_markers(committed: Committed, markers: tuple[Marker, ...],
-                   write_torch_file: Callable[[BinaryIO, bytes], None]) -> WriterEvent:
-    """Write the markers of a committed snapshot (``write_torch_file(file, record)`` writes it in
-    torch's format); the event to send: ``committed``, or Failed when a marker could not be
-    written (the snapshot stays committed, but whoever looks for the marker will not see it)."""
+                   derive: Callable[[Derived], Callable[[BinaryIO], None]]) -> WriterEvent:
+    """Write the markers of a committed snapshot (``derive(d)`` writes ``Derived`` d to a file);
+    the event to send: ``committed``, or Failed when a marker could not be written (the snapshot
+    stays committed, but whoever looks for the marker will not see it)."""
+    def content(c: Union[bytes, Derived]) -> Content:
+        return derive(c) if isinstance(c, Derived) else c
+
     for marker in markers:
         try:
-            if marker.torch_file:
+            if marker.files is None:
                 make_dirs(os.path.dirname(marker.path))
-                atomic_write(marker.path, functools.partial(write_torch_file,
-                                                            note=marker.content))
-            elif marker.files is None:
-                make_dirs(os.path.dirname(marker.path))
-                atomic_write(marker.path, marker.content)
+                atomic_write(marker.path, content(marker.content))
             else:
-                atomic_directory(marker.path, marker.files)
+                atomic_directory(marker.path, [(name, content(c)) for name, c in marker.files])
         except (OSError, CheckpointError) as e:
             log.error("could not write %s: %s", marker.path, e)
             advice = (" Check that its directory is writable" if isinstance(e, OSError) else "")

@@ -1,4 +1,4 @@
-"""A committed snapshot in torch's own file format (format/torchfile.py): what torch.load reads,
+"""A committed snapshot in torch's own file format (format/native.py): what torch.load reads,
 written by the writer without torch, for every dtype a snapshot may hold, views and shared
 storages, the values of the tag scheme, an incremental snapshot's referred bytes, and a record
 that a crafted file cannot turn against its reader."""
@@ -10,23 +10,24 @@ import zipfile
 import pytest
 import torch
 
-from async_ckpt import CheckpointEngine, Marker
+from async_ckpt import CheckpointEngine, Derived, Marker
+from async_ckpt.errors import SnapshotWriteError
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.format.references import References
-from async_ckpt.format.torchfile import ALIGNMENT, ITEMSIZES, MAX_RECORD_BYTES, write_committed
+from async_ckpt.format.native import ALIGNMENT, ITEMSIZES, MAX_RECORD_BYTES, write_committed
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.tensors import DTYPES
 from conftest import assert_same
 
 
-def as_torch_file(directory, step=None) -> bytes:
-    """The committed snapshot ``step`` (default the newest) of ``directory`` in torch's format."""
+def as_file(directory, step=None, derived=Derived("torch", record=b"note")) -> bytes:
+    """The committed snapshot ``step`` (default the newest) of ``directory`` as ``derived``."""
     storage = LocalStorage(str(directory))
     manifest = read_manifest(storage)
     record = manifest.snapshots[-1] if step is None else manifest.find(step)
     out = io.BytesIO()
     with References(storage, manifest.snapshots) as references:
-        write_committed(out, references, record, 0, b"note")
+        write_committed(out, references, record, 0, derived)
     return out.getvalue()
 
 
@@ -52,7 +53,7 @@ def test_every_dtype_view_and_value_loads_with_weights_only(tmp_path):
                    "device": torch.device("cpu"), "none": None, "keys": {1: "a", (2, 3): "b"}},
     }
     snapshot(tmp_path / "ckpt", state)
-    data = as_torch_file(tmp_path / "ckpt")
+    data = as_file(tmp_path / "ckpt")
     (tmp_path / "x.pt").write_bytes(data)
     for mmap in (False, True):
         loaded = torch.load(tmp_path / "x.pt", weights_only=True, mmap=mmap)
@@ -72,7 +73,7 @@ def test_the_engine_s_rng_entry_is_left_out_and_a_module_state_keeps_its_metadat
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     with CheckpointEngine(str(tmp_path / "ckpt"), {"model": model}) as engine:
         engine.snapshot(0)
-    loaded = torch.load(io.BytesIO(as_torch_file(tmp_path / "ckpt")), weights_only=True)
+    loaded = torch.load(io.BytesIO(as_file(tmp_path / "ckpt")), weights_only=True)
     assert list(loaded) == ["model"]
     assert_same(dict(loaded["model"]), dict(model.state_dict()))
     assert loaded["model"]._metadata == model.state_dict()._metadata
@@ -81,7 +82,7 @@ def test_the_engine_s_rng_entry_is_left_out_and_a_module_state_keeps_its_metadat
 def test_a_pickled_value_loads_only_when_pickles_are_allowed(tmp_path):
     snapshot(tmp_path / "ckpt", {"path": {"p": os.path.join("a", "b")}, "obj": [complex(1, 2)]},
              allow_pickle=True)
-    (tmp_path / "x.pt").write_bytes(as_torch_file(tmp_path / "ckpt"))
+    (tmp_path / "x.pt").write_bytes(as_file(tmp_path / "ckpt"))
     with pytest.raises(Exception, match="weights_only"):
         torch.load(tmp_path / "x.pt", weights_only=True)
     assert torch.load(tmp_path / "x.pt", weights_only=False)["obj"] == [complex(1, 2)]
@@ -97,7 +98,7 @@ def test_an_incremental_snapshot_s_file_holds_the_bytes_it_refers_to(tmp_path):
         engine.snapshot(1)
     storage = LocalStorage(str(tmp_path / "ckpt"))
     assert read_manifest(storage).find(1).refers  # the frozen tensor's bytes are in step 0's
-    loaded = torch.load(io.BytesIO(as_torch_file(tmp_path / "ckpt", 1)), weights_only=True)
+    loaded = torch.load(io.BytesIO(as_file(tmp_path / "ckpt", 1)), weights_only=True)
     assert_same(loaded, {"frozen": frozen, "trained": trained})
 
 
@@ -105,7 +106,7 @@ def test_a_marker_writes_the_file_once_committed_with_its_record(tmp_path):
     target = tmp_path / "out" / "model.ckpt"
     with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
         engine.snapshot(0, state={"w": torch.ones(3)}, force=True,
-                        markers=[Marker(str(target), b"the record", torch_file=True)])
+                        markers=[Marker(str(target), Derived("torch", record=b"the record"))])
         engine.wait()
         assert_same(torch.load(target, weights_only=True), {"w": torch.ones(3)})
         with open(target, "rb") as f:
@@ -131,3 +132,31 @@ def test_a_record_is_read_from_a_crafted_file_boundedly(tmp_path):
     assert Marker.record_in(io.BytesIO(b"PK\x03\x04 not a zip")) is None
     cut = archive([("a/.data/async_ckpt", b"x", stored)]).getvalue()[:-10]
     assert Marker.record_in(io.BytesIO(cut)) is None
+
+
+def test_an_entry_as_safetensors_is_contiguous_and_leaves_tied_weights_out(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    shared = torch.randn(6, 4)
+    weights = {"embed": shared, "head": shared, "t": torch.randn(3, 5).t(), "b": torch.arange(4.),
+               "half": torch.ones(2, 3, dtype=torch.bfloat16), "cut": torch.arange(10)[2:7]}
+    snapshot(tmp_path / "ckpt", {"model": weights, "optimizer": {"lr": 0.1}})
+    (tmp_path / "m.safetensors").write_bytes(
+        as_file(tmp_path / "ckpt", derived=Derived("safetensors", "model")))
+    loaded = safetensors_torch.load_file(tmp_path / "m.safetensors")
+    assert set(loaded) == set(weights) - {"head"}  # the same bytes as "embed": tied
+    assert_same(loaded, {k: v.contiguous() for k, v in weights.items() if k != "head"})
+    with safetensors_torch.safe_open(tmp_path / "m.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what from_pretrained asks for
+
+
+def test_a_file_the_format_cannot_hold_fails_the_marker_with_a_typed_error(tmp_path):
+    with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
+        engine.snapshot(0, state={"model": {"w": torch.ones(2)}, "optimizer": {"lr": 0.1}},
+                        force=True, markers=[Marker(str(tmp_path / "o.safetensors"),
+                                                    Derived("safetensors", "optimizer"))])
+        with pytest.raises(SnapshotWriteError, match="not a dict of tensors"):
+            engine.wait()
+        assert engine.committed_steps() == [0]  # the snapshot itself stays committed
+    assert not (tmp_path / "o.safetensors").exists()
+    with pytest.raises(ValueError):
+        Derived("pickle")

@@ -1,0 +1,355 @@
+"""A committed snapshot, or one entry of it, written again in a framework's own file format, for
+the files its users open without async_ckpt (docs/FORMAT.md section 9): a Lightning ``.ckpt``
+given to ``load_from_checkpoint``, a ``checkpoint-N/model.safetensors`` given to
+``from_pretrained``. The writer process makes such a file (a ``Derived`` of a ``Marker``) from the
+shard it committed, every chunk verified on the way. It never imports torch.
+
+- ``"torch"``: what ``torch.save`` writes and ``torch.load(path, weights_only=True)`` reads. A zip
+  of stored entries: ``archive/data.pkl``, a pickle of the values in which each tensor is
+  ``torch._utils._rebuild_tensor_v3(storage, offset, size, stride, False, OrderedDict(), dtype)``
+  over the persistent id ``("storage", torch.storage.UntypedStorage, key, "cpu", nbytes)`` and
+  every reference to torch is written as a name, as ``torch.save`` writes it; ``archive/data/KEY``,
+  each storage's bytes at a file offset that is a multiple of 64 (torch's own alignment, so that
+  ``torch.load(mmap=True)`` views are aligned for every dtype); ``byteorder``, ``version``,
+  ``.format_version`` and ``.storage_alignment`` as torch writes them; and ``.data/async_ckpt``,
+  the caller's record (torch ignores entries it does not know).
+- ``"safetensors"``: a flat dict of tensors, each stored contiguous in row-major order (a view is
+  gathered), a tensor that views exactly the bytes of an earlier one (tied weights) left out, as
+  ``save_pretrained`` leaves it out.
+
+The engine's own entry (the global RNG states) is never written: the file holds what was
+snapshotted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Iterator, Optional
+
+import numpy
+
+from ..errors import LayoutError
+from ..storage.names import RNG_KEY
+from . import tree as tree_model
+from .manifest import SnapshotRecord
+from .references import References
+
+ARCHIVE = "archive"
+RECORD_ENTRY = ".data/async_ckpt"
+MAX_RECORD_BYTES = 4096
+ALIGNMENT = 64
+PICKLE_PROTOCOL = 2  # torch.save's
+_PADDING_FIELD = 0x4246  # the zip extra field torch pads its entries with ("FB")
+_DATE = (1980, 1, 1, 0, 0, 0)  # the same bytes for the same snapshot
+ITEMSIZES = {name: size for size, names in {
+    1: "bool int8 uint8 bits8 bits1x8 bits2x4 bits4x2 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+       "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2",
+    2: "bfloat16 float16 int16 uint16 bits16",
+    4: "float32 int32 uint32 complex32",
+    8: "float64 int64 uint64 complex64",
+    16: "complex128"}.items() for name in names.split()}
+"""Element sizes of the dtypes a saved tensor may have (``tensors.DTYPES``, checked by a test):
+torch's offsets count elements, the index's bytes."""
+
+
+class _Global:
+    """A name in a module of torch (or any module), pickled as a reference to it without
+    importing the module."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:  # pickle insists that what a reduction calls is callable
+        raise TypeError(f"{self.module}.{self.name} is a stand-in, not the function")
+
+
+_REBUILD_TENSOR = _Global("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED_STORAGE = _Global("torch.storage", "UntypedStorage")
+_TORCH_SIZE = _Global("torch", "Size")
+_TORCH_DEVICE = _Global("torch", "device")
+_PICKLE_LOADS = _Global("pickle", "loads")
+
+
+class _Storage:
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key, self.nbytes = key, nbytes
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, offset: int, shape: tuple, stride: tuple,
+                 dtype: str) -> None:
+        self.storage, self.offset, self.shape, self.stride, self.dtype = (
+            storage, offset, shape, stride, dtype)
+        self.nbytes = math.prod(shape) * ITEMSIZES[dtype]
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for n, s in zip(reversed(self.shape), reversed(self.stride)):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
+
+
+class _Call:
+    """``function(*args)`` when unpickled."""
+
+    def __init__(self, function: _Global, args: tuple) -> None:
+        self.function, self.args = function, args
+
+
+class _Pickled:
+    """A value the snapshot holds pickled (``allow_pickle=True``): unpickled by ``pickle.loads``
+    when the file is loaded (so ``weights_only=True`` refuses it, as it refuses the object)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table takes our stand-ins
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.storages: dict[str, _Storage] = {}  # those the pickle refers to, by key
+
+    def persistent_id(self, obj: Any) -> Optional[tuple]:
+        if type(obj) is _Storage:
+            self.storages[obj.key] = obj
+            return ("storage", _UNTYPED_STORAGE, obj.key, "cpu", obj.nbytes)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is _Tensor:
+            return _REBUILD_TENSOR, (obj.storage, obj.offset, obj.shape, obj.stride, False,
+                                     _Call(_Global("collections", "OrderedDict"), ()),
+                                     _Global("torch", obj.dtype))
+        if t is _Call:
+            return obj.function, obj.args
+        if t is _Pickled:
+            return _PICKLE_LOADS, (obj.data,)
+        return NotImplemented
+
+    def _save_global_name(self, obj: _Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
+        self.memoize(obj)
+
+    dispatch[_Global] = _save_global_name
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A file the writer makes from the committed snapshot: entry ``entry`` of its state (a
+    top-level key; None: the whole state) in ``format``, ``"torch"`` (keeping ``record`` as its
+    ``.data/async_ckpt`` entry) or ``"safetensors"`` (the entry must be a dict of tensors)."""
+
+    format: str
+    entry: Optional[str] = None
+    record: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"a derived file's format is one of {FORMATS}, not {self.format!r}")
+        if len(self.record) > MAX_RECORD_BYTES or (self.record and self.format != "torch"):
+            raise ValueError(f"a record (at most {MAX_RECORD_BYTES} bytes) is kept in torch "
+                             "files only")
+
+
+FORMATS = ("torch", "safetensors")
+
+
+def write_committed(out: BinaryIO, references: References, record: SnapshotRecord, rank: int,
+                    derived: Derived) -> None:
+    """Write ``derived`` of ``rank``'s shard of the committed snapshot ``record`` to ``out``,
+    every byte read back from the shard (and from the earlier snapshots an incremental one
+    refers to) and verified, a chunk at a time. A snapshot the format cannot hold raises
+    LayoutError."""
+    reader = references.open(record.dir, rank)
+    index = reader.index
+    where = reader.path if derived.entry is None else f"{reader.path} entry {derived.entry!r}"
+    storages = [_Storage(str(n), s["nbytes"]) for n, s in enumerate(index["storages"])]
+    state = _state(index, storages, derived.entry, where)
+
+    def pieces(n: int) -> Iterator[memoryview]:
+        entry = index["storages"][n]
+        if "ref" in entry:
+            source, i = references.resolve(record, rank, entry, f"{reader.path} storage {n}")
+            return source.storage_pieces(i)
+        return reader.storage_pieces(n)
+
+    if derived.format == "torch":
+        _write_torch_file(out, state, pieces, index["byteorder"], derived.record)
+    else:
+        _write_safetensors(out, state, pieces, where)
+
+
+def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: str) -> Any:
+    """The snapshot's state as the values a file holds (without the engine's RNG entry), or
+    only its top-level ``entry``."""
+    empty = _Storage(str(len(storages)), 0)
+    tensors = [_tensor(record, storages, empty, where) for record in index["tensors"]]
+
+    def leaf(node: dict) -> Any:
+        (tag, v), = node.items()
+        if tag == "$tensor":
+            return tensors[v]
+        if tag == "$dtype":
+            return _Global("torch", v)
+        if tag == "$size":
+            return _Call(_TORCH_SIZE, (tuple(v),))
+        if tag == "$device":
+            return _Call(_TORCH_DEVICE, (v,))
+        if tag == "$dtensor":
+            raise LayoutError(f"{where} holds sharded tensors (DTensor): a framework's file "
+                              "holds whole tensors only")
+        return NotImplemented
+
+    root = tree_model.rebuild(index["tree"], leaf, True, where, unpickle=_Pickled)
+    root.value.pop(RNG_KEY, None)
+    if entry is None:
+        return root.plain()
+    if entry not in root.value:
+        raise LayoutError(f"{where}: the snapshot has no entry {entry!r}")
+    return root.value[entry].plain()
+
+
+def _tensor(record: dict, storages: list[_Storage], empty: _Storage, where: str) -> _Tensor:
+    if "rank" in record:
+        raise LayoutError(f"{where} refers to another rank's storage: a framework's file holds "
+                          "one process's state")
+    dtype = record["dtype"]
+    if dtype not in ITEMSIZES:
+        raise LayoutError(f"{where} holds a tensor of dtype {dtype}, whose element size this "
+                          "release does not know: it cannot be written in a framework's format")
+    storage = empty if record["storage"] is None else storages[record["storage"]]
+    return _Tensor(storage, record["offset"] // ITEMSIZES[dtype], tuple(record["shape"]),
+                   tuple(record["stride"]), dtype)
+
+
+# --- torch's format ------------------------------------------------------------------------------
+
+
+def _write_torch_file(out: BinaryIO, state: Any, pieces: Callable[[int], Iterator[memoryview]],
+                      byteorder: str, record: bytes) -> None:
+    data = io.BytesIO()
+    pickler = _Pickler(data, protocol=PICKLE_PROTOCOL)
+    pickler.dump(state)
+    storages = sorted(pickler.storages.values(), key=lambda s: int(s.key))
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        def entry(name: str, content, size: int) -> None:
+            with archive.open(_aligned_entry(out.tell(), f"{ARCHIVE}/{name}", size), "w",
+                              force_zip64=size > zipfile.ZIP64_LIMIT) as f:
+                for piece in content:
+                    f.write(piece)
+
+        entry("data.pkl", [data.getbuffer()], len(data.getbuffer()))
+        for name, content in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                              ("byteorder", byteorder.encode("ascii"))):
+            entry(name, [content], len(content))
+        for storage in storages:
+            entry(f"data/{storage.key}", pieces(int(storage.key)) if storage.nbytes else (),
+                  storage.nbytes)
+        entry("version", [b"3\n"], 2)
+        entry(RECORD_ENTRY, [record], len(record))
+
+
+def _aligned_entry(offset: int, name: str, size: int) -> zipfile.ZipInfo:
+    """A stored entry whose local header (at ``offset``) is padded so that its data starts at a
+    multiple of ``ALIGNMENT``, as torch pads its own."""
+    info = zipfile.ZipInfo(name, date_time=_DATE)
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0  # zipfile adds this extra field
+    header = offset + zipfile.sizeFileHeader + len(name.encode("utf-8")) + zip64
+    pad = -(header + 4) % ALIGNMENT
+    info.extra = struct.pack("<HH", _PADDING_FIELD, pad) + b"Z" * pad
+    return info
+
+
+def read_record(source: BinaryIO) -> Optional[bytes]:
+    """The ``.data/async_ckpt`` record of a file in torch's format, None when it has none (a file
+    ``torch.save`` wrote, or not a zip). Reads only the archive's directory and that entry, at
+    most ``MAX_RECORD_BYTES``: the file is untrusted."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            for info in archive.infolist():
+                _, _, name = info.filename.partition("/")
+                if name == RECORD_ENTRY and info.compress_type == zipfile.ZIP_STORED:
+                    if info.file_size > MAX_RECORD_BYTES:
+                        return None
+                    return archive.read(info)[:MAX_RECORD_BYTES]
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError,
+            NotImplementedError):
+        return None
+    return None
+
+
+# --- safetensors ---------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64", "uint64": "U64", "uint32": "U32",
+    "uint16": "U16"}
+"""The dtypes safetensors stores, by torch's name (``safetensors.torch``'s table)."""
+
+
+def _write_safetensors(out: BinaryIO, state: Any, pieces: Callable[[int], Iterator[memoryview]],
+                       where: str) -> None:
+    if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
+        raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
+    header, seen, kept, end = {}, set(), [], 0
+    for name, tensor in state.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise LayoutError(f"{where}: {name} is of dtype {tensor.dtype}, which safetensors "
+                              "cannot hold")
+        view = (tensor.storage.key, tensor.offset, tensor.shape, tensor.stride, tensor.dtype)
+        if view in seen and tensor.nbytes:
+            continue  # the same bytes under another name: tied weights
+        seen.add(view)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [end, end + tensor.nbytes]}
+        kept.append(tensor)
+        end += tensor.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    out.write(struct.pack("<Q", len(text)) + text)
+    for tensor in kept:
+        for piece in _tensor_bytes(tensor, pieces):
+            out.write(piece)
+
+
+def _tensor_bytes(tensor: _Tensor, pieces: Callable[[int], Iterator[memoryview]]
+                  ) -> Iterator[memoryview]:
+    """The tensor's elements in row-major order: a contiguous tensor's byte range streamed from
+    its storage's pieces, any other view gathered from the whole storage."""
+    if not tensor.nbytes:
+        return
+    size = ITEMSIZES[tensor.dtype]
+    start, stop = tensor.offset * size, tensor.offset * size + tensor.nbytes
+    if tensor.is_contiguous():
+        position = 0
+        for piece in pieces(int(tensor.storage.key)):
+            lo, hi = max(start, position), min(stop, position + len(piece))
+            if lo < hi:
+                yield piece[lo - position:hi - position]
+            position += len(piece)
+            if position >= stop:
+                return
+        return
+    whole = bytearray()
+    for piece in pieces(int(tensor.storage.key)):
+        whole += piece
+    elements = numpy.frombuffer(whole, dtype=f"V{size}")
+    view = numpy.lib.stride_tricks.as_strided(
+        elements[tensor.offset:], tensor.shape, [s * size for s in tensor.stride], writeable=False)
+    yield memoryview(numpy.ascontiguousarray(view)).cast("B")
