@@ -13,7 +13,11 @@ trained with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=1)`` through ea
 **Blocking per save** is the time the training loop spends in ``ModelCheckpoint``'s hook at a save
 step (Lightning's ``dump_checkpoint``, the plugin's save, the removal of the previous checkpoint),
 the median of a run's saves after its first (the first one, which allocates what later saves
-reuse, is reported apart); **fit time** is the whole run's wall time (a background writer still
+reuse, is reported apart); **.ckpt written after the save** is the last save's ``.ckpt``
+modification time less the wall time at which its save began (the writer's file is written once
+its snapshot is committed); **bytes written per save** is what the last save left on disk (its
+``.ckpt`` and, for ``AsyncCkptIO``, its snapshot's shard) over the state's bytes; **fit time** is
+the whole run's wall time (a background writer still
 takes CPU from training on this 2-core machine). Each figure is the median of interleaved rounds
 (rotated order; the first round a warm-up, not reported) with its min-max spread; ratios are taken
 round by round against the two Lightning plugins and against the floor: one ``copy_`` of the
@@ -55,13 +59,14 @@ def _fit(system: str, directory: Path, config: dict) -> dict:
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.blocking = []
+            self.blocking, self.saved_at = [], []
 
         def on_train_batch_end(self, trainer, *args):
-            start = time.perf_counter()
+            start, saved_at = time.perf_counter(), time.time()
             super().on_train_batch_end(trainer, *args)
             if trainer.global_step % every == 0:
                 self.blocking.append(time.perf_counter() - start)
+                self.saved_at.append(saved_at)
 
     class MLP(L.LightningModule):
         def __init__(self):
@@ -98,7 +103,12 @@ def _fit(system: str, directory: Path, config: dict) -> dict:
         trainer.fit(model, train_dataloaders=loader)
     fit_s = time.perf_counter() - start  # teardown included: every plugin waited for its writes
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # + Adam
-    return {"blocking_s": checkpoint.blocking, "fit_s": fit_s, "state_bytes": state_bytes}
+    # save_top_k=1: one .ckpt is left, the last save's (its file written last), and one snapshot
+    ckpt, = (directory / "ckpts").iterdir()
+    stored = sum(f.stat().st_size for f in (directory / "engine").rglob("*.ackpt"))
+    return {"blocking_s": checkpoint.blocking, "fit_s": fit_s, "state_bytes": state_bytes,
+            "file_after_s": ckpt.stat().st_mtime - checkpoint.saved_at[-1],
+            "bytes_per_save": ckpt.stat().st_size + stored}
 
 
 def _copy_floor(config: dict) -> float:
@@ -136,6 +146,9 @@ def run(root: str, quick: bool) -> dict:
     figures = {s: {"blocking_s": spread(steady[s]),
                    "blocking_x_floor": ratio_spread(steady[s], floors),
                    "first_save_s": spread([r[s]["blocking_s"][0] for r in measured]),
+                   "file_after_s": spread([r[s]["file_after_s"] for r in measured]),
+                   "bytes_x_state": spread([r[s]["bytes_per_save"] / r[s]["state_bytes"]
+                                            for r in measured]),
                    "fit_s": spread([r[s]["fit_s"] for r in measured])} for s in SYSTEMS}
     figures["copy_floor_s"] = spread(floors)
     ratios = {peer: {"blocking": ratio_spread(steady["AsyncCkptIO"], steady[peer]),
@@ -169,11 +182,16 @@ def render(results: dict) -> str:
         f"{f['AsyncCkptIO']['blocking_s']['n']} interleaved rounds after a warm-up; ratios "
         "round by round. Floor: one `copy_` of the state into preallocated memory, "
         f"{seconds(f['copy_floor_s'])} s.", "",
-        "| plugin | blocking per save s · ×floor | first save s | fit s |", "|---|---|---|---|"]
+        "| plugin | blocking per save s · ×floor | first save s | fit s | .ckpt written after "
+        "the save s | bytes written per save ÷ state |", "|---|---|---|---|---|---|"]
     for system in SYSTEMS:
         s, x = f[system], f[system]["blocking_x_floor"]
+        after = seconds(s["file_after_s"]) if "file_after_s" in s else "–"
+        written = (spread_text(s["bytes_x_state"], lambda v: f"{v:.2f}×")
+                   if "bytes_x_state" in s else "–")
         lines.append(f"| {system} | {seconds(s['blocking_s'])} · {x['median']:.2g}× | "
-                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} |")
+                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} | {after} | "
+                     f"{written} |")
     lines += ["", "| AsyncCkptIO against | blocking per save | fit time |", "|---|---|---|"]
     lines += [f"| {peer} | {ratio(peer, 'blocking')} | {ratio(peer, 'fit')} |" for peer in PEERS]
     return "\n".join(lines)

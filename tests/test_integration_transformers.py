@@ -239,3 +239,45 @@ def test_nothing_in_the_library_imports_the_integrations():
     importers = {m for m, imports in GRAPH.items() if not m.startswith("async_ckpt.integrations")
                  and any(i.startswith("async_ckpt.integrations") for i in imports)}
     assert importers == set()
+
+
+def test_checkpoint_n_holds_the_stock_trainer_s_files_and_a_stock_trainer_resumes_from_it(
+        tmp_path):
+    """Each checkpoint-N the adapter writes holds the files the stock Trainer writes, with the
+    same contents: from_pretrained, safetensors and torch.load read them without async_ckpt,
+    and a stock Trainer resumes from one as from its own."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    settings = dict(max_steps=8, save_steps=4, accelerator_config={"use_seedable_sampler": True})
+    for name, cls in (("stock", transformers.Trainer), ("async", AsyncCkptTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            build_trainer(str(tmp_path / name), cls, **settings).train()
+    for step in (4, 8):
+        stock, ours = tmp_path / "stock" / f"checkpoint-{step}", tmp_path / "async" / f"checkpoint-{step}"
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(stock) + [POINTER_NAME])
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+            assert_same(without_arrays(torch.load(ours / name, weights_only=False)),
+                        without_arrays(torch.load(stock / name, weights_only=False)), name)
+        assert (torch.load(ours / "training_args.bin", weights_only=False).to_dict()
+                == torch.load(stock / "training_args.bin", weights_only=False).to_dict()
+                | {"output_dir": str(tmp_path / "async")})
+        assert_same(dict(sorted(safetensors_torch.load_file(ours / "model.safetensors").items())),
+                    dict(sorted(safetensors_torch.load_file(stock / "model.safetensors").items())))
+        model = transformers.GPT2LMHeadModel.from_pretrained(str(ours))
+        assert_same(model.state_dict(),
+                    transformers.GPT2LMHeadModel.from_pretrained(str(stock)).state_dict())
+    resumed = build_trainer(str(tmp_path / "resumed"), transformers.Trainer, **settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "async" / "checkpoint-4"))
+    final = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "stock" / "checkpoint-8"))
+    assert_same(resumed.model.state_dict(), final.state_dict())
+
+
+def without_arrays(value):
+    """``value`` with its numpy arrays as tensors (an RNG state), for ``assert_same``."""
+    if isinstance(value, dict):
+        return {k: without_arrays(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(without_arrays(v) for v in value)
+    return torch.from_numpy(value) if type(value).__module__ == "numpy" and value.ndim else value

@@ -3,8 +3,12 @@
 ``AsyncCkptTrainer`` is a ``Trainer`` whose ``_save_checkpoint`` snapshots the model, optimizer,
 scheduler, scaler, ``TrainerState`` and the global RNG states into a ``CheckpointEngine`` and
 returns once they are staged (one copy into reused memory); the writer process writes and commits
-the snapshot, and only then writes ``checkpoint-N/`` (``trainer_state.json`` and a pointer naming
-the snapshot) through a directory ``Marker``. So ``get_last_checkpoint`` and
+the snapshot, and only then writes ``checkpoint-N/`` through a directory ``Marker``: the files the
+stock Trainer writes there (``model.safetensors``, ``optimizer.pt`` and ``scheduler.pt`` made by
+the writer from the committed snapshot; the config, generation config, tokenizer,
+``training_args.bin``, ``rng_state.pth`` and ``scaler.pt`` by the Trainer's own methods, small)
+and a pointer naming the snapshot. ``from_pretrained(checkpoint-N)`` and a stock Trainer
+resuming from it work as with the stock Trainer's checkpoints. So ``get_last_checkpoint`` and
 ``train(resume_from_checkpoint=True)`` only ever see committed steps, and the Trainer's resume
 path reads everything back from the snapshot through the load methods overridden here.
 
@@ -31,13 +35,14 @@ import logging
 import os
 import random
 import re
+import tempfile
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from .. import CheckpointEngine, Marker, load
+from .. import CheckpointEngine, Derived, Marker, load
 from ..errors import CheckpointError, CorruptSnapshotError, IntegrationError, NoSnapshotError
 from ..rng import GlobalRNG, check_torch_state
 
@@ -47,7 +52,9 @@ try:
     import transformers
     from packaging.version import Version
     from transformers import Trainer, TrainerCallback
-    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+    from transformers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+                                    WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
@@ -63,6 +70,9 @@ log = logging.getLogger(__name__)
 
 POINTER_NAME = "async_ckpt.json"  # in checkpoint-N/: which snapshot holds that checkpoint
 _POINTER_FORMAT = 1
+# What an empty state dict makes save_pretrained write, replaced by the snapshot's own weights.
+_WEIGHT_FILES = {SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME}
+_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory: a save writes no disk here
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")  # as get_last_checkpoint's
 _KEEP_ALL = 2**31 - 1  # the engine keeps every snapshot: the Trainer's save_total_limit decides
 _OWNED_OPTIONS = {"every": "save_steps", "keep_last": "save_total_limit",
@@ -76,6 +86,9 @@ _TRAINER_METHODS = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
     "_load_scaler": ("checkpoint",),
     "_load_rng_state": ("checkpoint",),
+    "_save": ("output_dir", "state_dict"),
+    "_save_rng_state": ("output_dir",),
+    "_save_scaler": ("output_dir",),
     "_load_best_model": (),
     "_finalize_training": ("trial", "num_train_samples", "start_time"),
     "get_resumed_dataloader": ("dataloader", "num_batches"),
@@ -137,6 +150,8 @@ class AsyncCkptTrainer(Trainer):
         self._engine: Optional[CheckpointEngine] = None
         self._resume: Optional[_Resume] = None
         self._last_snapshot_step: Optional[int] = None
+        # the model's configs when its files were last written, and those files (see below)
+        self._model_files: Optional[tuple[tuple[str, ...], tuple[tuple[str, bytes], ...]]] = None
         self._epoch_start = _EpochStart()
         unsupported = self._unsupported_features()
         if unsupported:
@@ -216,10 +231,31 @@ class AsyncCkptTrainer(Trainer):
         self._apply_retention_if_idle(engine)
         pointer = json.dumps({"format": _POINTER_FORMAT, "step": step,
                               "directory": os.path.relpath(self.async_ckpt_dir, checkpoint)})
-        if engine.snapshot(step, force=True, state=self._training_state(trainer_state), markers=[
-                Marker(checkpoint, files=((TRAINER_STATE_NAME, trainer_state.encode()),
-                                          (POINTER_NAME, pointer.encode())))]):
+        files = ((TRAINER_STATE_NAME, trainer_state.encode()), (POINTER_NAME, pointer.encode()),
+                 (SAFE_WEIGHTS_NAME, Derived("safetensors", "model")),
+                 (OPTIMIZER_NAME, Derived("torch", "optimizer")),
+                 (SCHEDULER_NAME, Derived("torch", "scheduler")), *self._small_stock_files())
+        if engine.snapshot(step, force=True, state=self._training_state(trainer_state),
+                           markers=[Marker(checkpoint, files=files)]):
             self._last_snapshot_step = step  # else skipped (when_busy="skip"), and logged
+
+    def _small_stock_files(self) -> tuple[tuple[str, bytes], ...]:
+        """The files of the Trainer's own checkpoint but the weights, optimizer and scheduler
+        (made by the writer from the snapshot), written by the Trainer's own methods and read
+        back: the model's config and generation config, the tokenizer or processor and
+        ``training_args.bin`` (the model saved with no weights; kept while the model's configs
+        stay the same, as saving them costs several milliseconds), ``rng_state.pth`` and
+        ``scaler.pt``."""
+        configs = tuple(config.to_json_string() for config in (
+            getattr(self.model, "config", None), getattr(self.model, "generation_config", None))
+            if hasattr(config, "to_json_string"))
+        if self._model_files is None or self._model_files[0] != configs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # about the empty state dict it is given
+                self._model_files = (configs, _files_written_by(
+                    lambda directory: self._save(directory, state_dict={})))
+        return self._model_files[1] + _files_written_by(
+            lambda directory: (self._save_rng_state(directory), self._save_scaler(directory)))
 
     def _open_engine(self) -> CheckpointEngine:
         if self._engine is None:
@@ -496,6 +532,20 @@ def _only_seeds_drawn(start: torch.Tensor, now: torch.Tensor) -> bool:
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def _files_written_by(write: Callable[[str], object]) -> tuple[tuple[str, bytes], ...]:
+    """The (name, bytes) of the files ``write(directory)`` writes into a fresh directory (the
+    weights files of an empty state dict left out)."""
+    with tempfile.TemporaryDirectory(prefix="async_ckpt-hf-", dir=_SCRATCH) as directory:
+        write(directory)
+        files = []
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if name not in _WEIGHT_FILES and os.path.isfile(path):
+                with open(path, "rb") as f:
+                    files.append((name, f.read()))
+    return tuple(files)
 
 
 def _checkpoints_newest_first(output_dir: str) -> list[str]:
