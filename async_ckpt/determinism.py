@@ -76,7 +76,8 @@ def deterministic(threads: int = 1, warn_only: bool = False) -> dict[str, str]:
                                            f"{CUBLAS_WORKSPACE}")
     elif torch.cuda.is_initialized():
         done["CUBLAS_WORKSPACE_CONFIG"] = ("not set: CUDA is already initialised; start the "
-                                           f"process with CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}")
+                                           "process with CUBLAS_WORKSPACE_CONFIG="
+                                           f"{CUBLAS_WORKSPACE}")
     else:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
         done["CUBLAS_WORKSPACE_CONFIG"] = f"{CUBLAS_WORKSPACE} (read when cuBLAS starts)"

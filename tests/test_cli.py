@@ -742,12 +742,14 @@ def test_compare_loss_tells_a_run_that_is_not_reproducible_from_a_resume_that_di
     assert "B resumed from step 2 (its \"resumed_from\" line 7)" in out
     assert "first difference: step 0: A loss 0.3333333333333333, B loss 0.3333333666666667 " \
         "(relative difference 1e-07)" in out
-    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from step 2" in out
+    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from " \
+        "step 2" in out
 
     # a seamless log shows no resume point: only --resumed-from can tell
     seamless = write_log(tmp_path / "seamless.jsonl", noisy)
     code, out, _ = run(capsys, "compare-loss", a, seamless)
-    assert code == 1 and "B tells no step it resumed from" in out and out.rstrip().endswith("DIFFERENT")
+    assert code == 1 and "B tells no step it resumed from" in out
+    assert out.rstrip().endswith("DIFFERENT")
     code, out, _ = run(capsys, "compare-loss", "--resumed-from", "2", a, seamless)
     assert code == 3 and "B resumed from step 2 (--resumed-from)" in out
 
@@ -757,7 +759,8 @@ def test_compare_loss_tells_a_run_that_is_not_reproducible_from_a_resume_that_di
     assert "A and C (both uninterrupted): differ first at step 0: A loss 0.3333333333333333, " \
         "C loss 0.3333333666666667 (relative difference 1e-07)" in out
     assert "result: NOT REPRODUCIBLE: the two uninterrupted runs differ" in out
-    twin = write_log(tmp_path / "twin.jsonl", [{"step": s, "loss": x} for s, x in enumerate(losses)])
+    twin = write_log(tmp_path / "twin.jsonl",
+                     [{"step": s, "loss": x} for s, x in enumerate(losses)])
     code, out, _ = run(capsys, "compare-loss", a, b, twin)
     assert code == 1 and "A and C (both uninterrupted): bit-identical on every common step" in out
     assert "result: RESUME DIFFERS" in out and "pass a second uninterrupted run" not in out
@@ -774,7 +777,8 @@ def test_compare_loss_infers_the_first_resume_only(capsys, tmp_path):
                                          for i, s in enumerate(restarts)])
     code, out, _ = run(capsys, "compare-loss", a, b)
     assert code == 1 and "B resumed from" not in out and "B tells no step it resumed from" in out
-    code, _, err = run(capsys, "compare-loss", a, write_log(tmp_path / "c.jsonl", [{"step": 9, "loss": 0.0}]),
+    code, _, err = run(capsys, "compare-loss", a,
+                       write_log(tmp_path / "c.jsonl", [{"step": 9, "loss": 0.0}]),
                        write_log(tmp_path / "d.jsonl", [{"step": 7, "loss": 0.0}]))
     assert code == 2 and "have no step in common" in one_error_line(err)
     for bad in ('{"resumed_from": -1}', '{"resumed_from": "3"}'):

@@ -59,7 +59,30 @@ def test_runs_made_non_reproducible_are_told_apart_from_a_resume(tmp_path, capsy
     assert "B resumed from step 4 (its \"resumed_from\" line 7)" in out
     # the noise moves every loss by about 1e-5 of itself, ~100 float32 ulps: the first steps differ
     assert "first difference: step 0: A loss " in out and "(relative difference " in out
-    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from step 4" in out
+    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from " \
+        "step 4" in out
     code, out = compare(capsys, a, b, c)
     assert code == 3 and "A and C (both uninterrupted): differ first at step 0" in out
     assert "result: NOT REPRODUCIBLE: the two uninterrupted runs differ" in out
+
+
+# The training programs whose losses or state the tests compare across processes (and, for
+# ddp_checks.py and sharded.py, before and after a restore in one process).
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+COMPARED = sorted(
+    [os.path.join("tests", "programs", n) for n in os.listdir(os.path.join(ROOT, "tests", "programs"))
+     if n.endswith(".py")] + [os.path.join("examples", n) for n in ("train.py", "train_ddp.py",
+                                                                    "train_fsdp.py")])
+
+
+@pytest.mark.parametrize("path", COMPARED)
+def test_every_training_program_whose_losses_are_compared_pins_its_threads(path):
+    """A BLAS that splits a product by the machine's load makes 1 process in 12 train otherwise
+    (docs/data.md, "Reproducible runs"): a test comparing such losses would flake under load."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        source = f.read()
+    if '"loss"' not in source and "losses" not in source:
+        return  # logs no loss
+    pinned = ("torch.set_num_threads(1)" in source or "deterministic()" in source
+              or "torch.set_num_threads(THREADS)" in source and "\nTHREADS = 1 " in source)
+    assert pinned, f"{path} logs losses that tests compare, without pinning one thread"
