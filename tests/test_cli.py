@@ -731,7 +731,8 @@ def test_compare_loss_tells_a_run_that_is_not_reproducible_from_a_resume_that_di
     b = write_log(tmp_path / "b.jsonl", wrong)
     code, out, _ = run(capsys, "compare-loss", a, b)
     assert code == 1 and "B resumed from step 3 (step 4 logged again)" in out
-    assert "before the resume (B's steps up to 3, as first logged): bit-identical to A" in out
+    assert "before the resume (B's steps up to 3, as first logged): bit-identical on every " \
+        "common step" in out
     assert "result: RESUME DIFFERS: identical to A up to step 3" in out
     assert "different from step 4 on; a run that is not reproducible" in out
 

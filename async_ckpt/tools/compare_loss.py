@@ -92,6 +92,29 @@ def cmd_compare_loss(args: argparse.Namespace) -> int:
     if resumed_from is not None:
         print(f"B resumed from step {resumed_from} ({evidence})")
     d = compare(a.last, b.last)
+    _print_difference(d, a, b, args.lr)
+    uninterrupted = None  # how A and C compare, when C is given
+    if c is not None:
+        uninterrupted = compare(a.last, c.last)
+        if not uninterrupted.common:
+            raise UsageError(f"{args.a} and {args.c} have no step in common; pass two logs of the "
+                             "same uninterrupted training as A and C")
+        print("A and C (both uninterrupted): " + _agreement_text(uninterrupted, a.last, c.last,
+                                                                 "C", args.lr))
+    before = None  # how B, as it trained before its first resume, compares with A
+    if resumed_from is not None:
+        before = compare(a.last, {s: r for s, r in b.first.items() if s <= resumed_from})
+        if before.common:
+            print(f"before the resume (B's steps up to {resumed_from}, as first logged): "
+                  + _agreement_text(before, a.last, b.first, "B", args.lr))
+        else:
+            before = None
+    result, code = _verdict(d, uninterrupted, before, resumed_from, args.lr)
+    print(result)
+    return code
+
+
+def _print_difference(d: "Difference", a: LossLog, b: LossLog, lr: bool) -> None:
     print(f"common steps: {len(d.common)}")
     if d.first is None:
         print("losses: bit-identical on every common step")
@@ -100,61 +123,55 @@ def cmd_compare_loss(args: argparse.Namespace) -> int:
         print(f"largest absolute difference: {d.largest[0]!r} at step {d.largest[1]}")
     if d.lr_first is not None:
         s = d.lr_first
-        print(f"{'lr' if args.lr else 'note: lr'} differs first at step {s}: "
+        print(f"{'lr' if lr else 'note: lr'} differs first at step {s}: "
               f"A {a.last[s]['lr']!r}, B {b.last[s]['lr']!r}")
     print(f"only in A: {_steps_text(d.only_x)}")
     print(f"only in B: {_steps_text(d.only_y)}")
 
-    reference = None  # how A and C compare, when C is given
-    if c is not None:
-        reference = compare(a.last, c.last)
-        if not reference.common:
-            raise UsageError(f"{args.a} and {args.c} have no step in common; pass two logs of the "
-                             "same uninterrupted training as A and C")
-        print("A and C (both uninterrupted): " + (
-            "bit-identical on every common step" if reference.losses_same(args.lr) else
-            "differ first at " + _difference_text(reference.first_step(args.lr), a.last, c.last,
-                                                  "A", "C", args.lr)))
-    before = None  # how B, as it trained before its first resume, compares with A
-    if resumed_from is not None:
-        before = compare(a.last, {s: r for s, r in b.first.items() if s <= resumed_from})
-        if before.common:
-            print(f"before the resume (B's steps up to {resumed_from}, as first logged): " + (
-                "bit-identical to A" if before.losses_same(args.lr) else
-                "differ first at " + _difference_text(before.first_step(args.lr), a.last, b.first,
-                                                      "A", "B", args.lr)))
 
-    if d.losses_same(args.lr) and not d.only_x and not d.only_y:
-        if reference is not None and not reference.losses_same(args.lr):
-            print("note: A and C differ, so this set-up is not reproducible from process to "
-                  "process; B matched A all the same")
-        print("result: IDENTICAL")
-        return EXIT_OK
-    if reference is not None and not reference.losses_same(args.lr):
-        print("result: NOT REPRODUCIBLE: the two uninterrupted runs differ from each other, so a "
-              "difference from the resumed run says nothing about the resume; make the runs "
-              'reproducible (docs/data.md, "Reproducible runs") and compare again')
-        return EXIT_NOT_REPRODUCIBLE
-    if before is not None and before.common and not before.losses_same(args.lr):
-        print(f"result: NOT REPRODUCIBLE: B differs from A at step {before.first_step(args.lr)}, "
-              f"before it resumed from step {resumed_from}, so the difference is not the "
-              'resume\'s; make the runs reproducible (docs/data.md, "Reproducible runs") and '
-              "compare again")
-        return EXIT_NOT_REPRODUCIBLE
-    if before is not None and before.common and not d.losses_same(args.lr):
-        unsure = ("" if reference is not None else "; a run that is not reproducible can also "
+def _agreement_text(d: "Difference", a: dict[int, dict], y: dict[int, dict], yn: str,
+                    lr: bool) -> str:
+    if d.losses_same(lr):
+        return "bit-identical on every common step"
+    return "differ first at " + _difference_text(d.first_step(lr), a, y, "A", yn, lr)
+
+
+_MAKE_REPRODUCIBLE = ('make the runs reproducible (docs/data.md, "Reproducible runs") and compare '
+                      "again")
+
+
+def _verdict(d: "Difference", uninterrupted: Optional["Difference"],
+             before: Optional["Difference"], resumed_from: Optional[int],
+             lr: bool) -> tuple[str, int]:
+    """The result line and the exit code: A and B the same, runs that are not reproducible (A
+    and C differ, or B differs from A before its resume), a resume that differs, or just
+    different (nothing tells where B resumed)."""
+    if d.losses_same(lr) and not d.only_x and not d.only_y:
+        note = ("note: A and C differ, so this set-up is not reproducible from process to "
+                "process; B matched A all the same\n"
+                if uninterrupted is not None and not uninterrupted.losses_same(lr) else "")
+        return f"{note}result: IDENTICAL", EXIT_OK
+    if uninterrupted is not None and not uninterrupted.losses_same(lr):
+        return ("result: NOT REPRODUCIBLE: the two uninterrupted runs differ from each other, so "
+                "a difference from the resumed run says nothing about the resume; "
+                f"{_MAKE_REPRODUCIBLE}", EXIT_NOT_REPRODUCIBLE)
+    if before is not None and not before.losses_same(lr):
+        return (f"result: NOT REPRODUCIBLE: B differs from A at step {before.first_step(lr)}, "
+                f"before it resumed from step {resumed_from}, so the difference is not the "
+                f"resume's; {_MAKE_REPRODUCIBLE}", EXIT_NOT_REPRODUCIBLE)
+    if before is not None and not d.losses_same(lr):
+        unsure = ("" if uninterrupted is not None else "; a run that is not reproducible can also "
                   "first differ after the resume: pass a second uninterrupted run as C to rule "
                   "that out")
-        print(f"result: RESUME DIFFERS: identical to A up to step {resumed_from}, where B resumed, "
-              f"different from step {d.first_step(args.lr)} on{unsure}")
-        return EXIT_DAMAGE
-    if resumed_from is None and not d.losses_same(args.lr):
-        print(f"note: B tells no step it resumed from (a \"{RESUMED_FROM}\" line, or a step logged "
-              "again after a resume from a snapshot), so this cannot tell a resume that differs "
-              "from a run that is not reproducible; pass --resumed-from N, or a second "
-              "uninterrupted run as C")
-    print("result: DIFFERENT")
-    return EXIT_DAMAGE
+        return (f"result: RESUME DIFFERS: identical to A up to step {resumed_from}, where B "
+                f"resumed, different from step {d.first_step(lr)} on{unsure}", EXIT_DAMAGE)
+    note = ""
+    if resumed_from is None and not d.losses_same(lr):
+        note = (f"note: B tells no step it resumed from (a \"{RESUMED_FROM}\" line, or a step "
+                "logged again after a resume from a snapshot), so this cannot tell a resume that "
+                "differs from a run that is not reproducible; pass --resumed-from N, or a second "
+                "uninterrupted run as C\n")
+    return f"{note}result: DIFFERENT", EXIT_DAMAGE
 
 
 def compare(x: dict[int, dict], y: dict[int, dict]) -> Difference:
