@@ -56,3 +56,31 @@ def test_what_the_environment_already_says_is_kept_and_named(torch_settings):
 def test_a_thread_count_that_is_not_a_whole_number_is_refused(threads):
     with pytest.raises(InvalidArgumentError, match="threads"):
         async_ckpt.deterministic(threads=threads)
+
+
+_CUDA_RUN = """
+import os, torch, async_ckpt
+assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+done = async_ckpt.deterministic()
+assert done["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8 (read when cuBLAS starts)", done
+g = torch.Generator(device="cuda").manual_seed(0)
+a = torch.randn(512, 512, device="cuda", generator=g)
+b = torch.randn(512, 512, device="cuda", generator=g)
+first, again = a @ b, a @ b  # raises without a deterministic cuBLAS workspace
+assert torch.equal(first, again)
+print(first.sum().item())
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_it_sets_the_cublas_workspace_before_cuda_starts():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    runs = [subprocess.run([sys.executable, "-c", _CUDA_RUN], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    assert runs[0].stdout == runs[1].stdout  # the same product in two processes
