@@ -14,13 +14,14 @@ if sys.platform != "linux":  # refused here, not by a missing os function at the
         f"async_ckpt needs Linux (memfd staging buffers, flock, preadv, sync_file_range); this is "
         f"{sys.platform}. Run it on Linux, or in a Linux container")
 
-__all__ = ["CheckpointEngine", "Marker", "Derived", "load", "errors", "MAX_STEP"]
+__all__ = ["CheckpointEngine", "Marker", "Derived", "load", "errors", "MAX_STEP", "deterministic"]
 __version__ = "0.1.0"
 
 _LAZY = {"CheckpointEngine": "async_ckpt.engine", "Marker": "async_ckpt.write.protocol",
          "Derived": "async_ckpt.write.protocol",
          "load": "async_ckpt.read.snapshot", "errors": "async_ckpt.errors",
-         "MAX_STEP": "async_ckpt.storage.names"}  # steps are ints from 0 to MAX_STEP - 1
+         "MAX_STEP": "async_ckpt.storage.names",
+         "deterministic": "async_ckpt.determinism"}  # steps are ints from 0 to MAX_STEP - 1
 
 
 def __getattr__(name):

@@ -61,6 +61,7 @@ ALLOWED = {
     "distributed": set(),
     "stats": set(),
     "rng": set(),
+    "determinism": set(),
     "tensors": {"rng"},
     "train": {"tensors", "rng", "write", "format", "storage", "distributed"},
     "data": {"tensors"},

@@ -720,6 +720,73 @@ def test_compare_loss_usage_errors_name_the_line(capsys, tmp_path):
     assert code == 2 and "does not exist" in one_error_line(err)
 
 
+def test_compare_loss_tells_a_run_that_is_not_reproducible_from_a_resume_that_differs(capsys,
+                                                                                       tmp_path):
+    losses = [1.0 / (s + 3) for s in range(8)]
+    a = write_log(tmp_path / "a.jsonl", [{"step": s, "loss": x} for s, x in enumerate(losses)])
+    noisy = [{"step": s, "loss": x * (1 + 1e-7)} for s, x in enumerate(losses)]
+    # B resumed from the snapshot of step 3: steps 4-5 logged again, differing after the resume
+    wrong = [{"step": s, "loss": x} for s, x in enumerate(losses[:6])] + \
+        [{"step": s, "loss": x + (s > 3)} for s, x in enumerate(losses) if s >= 4]
+    b = write_log(tmp_path / "b.jsonl", wrong)
+    code, out, _ = run(capsys, "compare-loss", a, b)
+    assert code == 1 and "B resumed from step 3 (step 4 logged again)" in out
+    assert "before the resume (B's steps up to 3, as first logged): bit-identical on every " \
+        "common step" in out
+    assert "result: RESUME DIFFERS: identical to A up to step 3" in out
+    assert "different from step 4 on; a run that is not reproducible" in out
+
+    # the same run, noisy from step 0: its difference precedes the resume
+    n = write_log(tmp_path / "n.jsonl", noisy[:6] + [{"resumed_from": 2}] + noisy[3:])
+    code, out, _ = run(capsys, "compare-loss", a, n)
+    assert code == 3, out
+    assert "B resumed from step 2 (its \"resumed_from\" line 7)" in out
+    assert "first difference: step 0: A loss 0.3333333333333333, B loss 0.3333333666666667 " \
+        "(relative difference 1e-07)" in out
+    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from " \
+        "step 2" in out
+
+    # a seamless log shows no resume point: only --resumed-from can tell
+    seamless = write_log(tmp_path / "seamless.jsonl", noisy)
+    code, out, _ = run(capsys, "compare-loss", a, seamless)
+    assert code == 1 and "B tells no step it resumed from" in out
+    assert out.rstrip().endswith("DIFFERENT")
+    code, out, _ = run(capsys, "compare-loss", "--resumed-from", "2", a, seamless)
+    assert code == 3 and "B resumed from step 2 (--resumed-from)" in out
+
+    # a third log: do the uninterrupted runs agree with each other at all?
+    code, out, _ = run(capsys, "compare-loss", a, b, seamless)
+    assert code == 3, out
+    assert "A and C (both uninterrupted): differ first at step 0: A loss 0.3333333333333333, " \
+        "C loss 0.3333333666666667 (relative difference 1e-07)" in out
+    assert "result: NOT REPRODUCIBLE: the two uninterrupted runs differ" in out
+    twin = write_log(tmp_path / "twin.jsonl",
+                     [{"step": s, "loss": x} for s, x in enumerate(losses)])
+    code, out, _ = run(capsys, "compare-loss", a, b, twin)
+    assert code == 1 and "A and C (both uninterrupted): bit-identical on every common step" in out
+    assert "result: RESUME DIFFERS" in out and "pass a second uninterrupted run" not in out
+    code, out, _ = run(capsys, "compare-loss", a, a, seamless)  # B matched A: fine, with a note
+    assert code == 0 and "note: A and C differ" in out and out.rstrip().endswith("IDENTICAL")
+
+
+def test_compare_loss_infers_the_first_resume_only(capsys, tmp_path):
+    a = write_log(tmp_path / "a.jsonl", [{"step": s, "loss": float(s)} for s in range(6)])
+    # restarted from scratch (nothing was committed), then resumed from step 2: no step precedes
+    # the first resume, so it cannot tell
+    restarts = [0, 1, 0, 1, 2, 3, 3, 4, 5]
+    b = write_log(tmp_path / "b.jsonl", [{"step": s, "loss": float(s) + (i > 6)}
+                                         for i, s in enumerate(restarts)])
+    code, out, _ = run(capsys, "compare-loss", a, b)
+    assert code == 1 and "B resumed from" not in out and "B tells no step it resumed from" in out
+    code, _, err = run(capsys, "compare-loss", a,
+                       write_log(tmp_path / "c.jsonl", [{"step": 9, "loss": 0.0}]),
+                       write_log(tmp_path / "d.jsonl", [{"step": 7, "loss": 0.0}]))
+    assert code == 2 and "have no step in common" in one_error_line(err)
+    for bad in ('{"resumed_from": -1}', '{"resumed_from": "3"}'):
+        code, _, err = run(capsys, "compare-loss", a, write_log(tmp_path / "bad.jsonl", [bad]))
+        assert code == 2 and '"resumed_from" must be a non-negative integer' in one_error_line(err)
+
+
 # --- as installed --------------------------------------------------------------------------------
 
 

@@ -18,7 +18,10 @@ on stderr:
   manifest, a format version this release cannot read, no committed snapshot, logs that differ,
   gc refused because an engine holds the directory, an object store that cannot be reached;
 - exit 2: usage error: bad arguments, a missing path, a directory (or s3:// URL) that is not a
-  checkpoint directory, a step that is not committed, an entry that does not exist.
+  checkpoint directory, a step that is not committed, an entry that does not exist;
+- exit 3: ``compare-loss`` found the runs not reproducible: they differ before the resume, or
+  two uninterrupted runs differ, so the difference is not the resume's (``EXIT_NOT_REPRODUCIBLE``,
+  returned by the command itself, as its exit 0 and 1 are).
 
 A command on a checkpoint directory takes an ``s3://bucket/prefix`` URL as well: ``common.
 checkpoint_dir`` opens either as a ``Storage``, and the commands read only through it.

@@ -22,19 +22,22 @@ from ..storage.open import open_storage
 from ..storage.remote import is_remote
 
 PROG = "async-ckpt"
-EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_NOT_REPRODUCIBLE = 0, 1, 2, 3
 
 EXIT_CODES_HELP = """\
 exit codes:
   0  fine: everything named is intact, the logs are identical, gc finished
   1  damage found, or not done: a damaged, truncated or missing snapshot
      file, a damaged manifest, a format version this release cannot read,
-     no committed snapshot, loss logs that differ, gc refused (an engine is
-     writing to the directory, or a kept snapshot is damaged), an object
-     store that cannot be reached
+     no committed snapshot, loss logs that differ (after the resume, or
+     where no resume point is known), gc refused (an engine is writing to
+     the directory, or a kept snapshot is damaged), an object store that
+     cannot be reached
   2  usage error: bad arguments, a missing directory or file, a directory
      (or s3:// URL) that is not a checkpoint directory, a step that is not
      committed, an unknown entry
+  3  compare-loss: the runs are not reproducible (they differ before the
+     resume, or the two uninterrupted runs differ): not the resume's fault
 
 Errors are one line on stderr: "async-ckpt: error: <cause>; <what to do>".
 """

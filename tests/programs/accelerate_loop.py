@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--freeze-writer-at", type=int, default=None)
     args = parser.parse_args()
 
+    torch.set_num_threads(1)  # one thread: losses compared across processes agree bit for bit
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
         use_stateful_dataloader=True))  # cpu=True: several processes on CPU are MULTI_CPU (gloo)
     set_seed(0)

@@ -160,6 +160,7 @@ CHECKS = [check_replica_mismatch, check_settings_must_agree, check_directory_mus
 
 def main() -> None:
     base = sys.argv[1]
+    torch.set_num_threads(1)  # one thread: losses compared before and after a restore agree
     dist.init_process_group("gloo")
     try:  # a process left with a live gloo group aborts at exit ("terminate called ...")
         rank = dist.get_rank()

@@ -115,6 +115,7 @@ def main():
     parser.add_argument("--kill-before-last", type=int, default=None)
     args = parser.parse_args()
 
+    torch.set_num_threads(1)  # one thread: losses compared across processes agree bit for bit
     L.seed_everything(0, verbose=False)
     engine_dir = os.path.join(args.root, "engine")
     io = (AsyncCkptIO(engine_dir) if args.kill_before_last is None

@@ -13,6 +13,7 @@ import json
 
 import torch
 
+import async_ckpt
 from async_ckpt import CheckpointEngine
 from async_ckpt.data import ResumableLoader
 
@@ -40,6 +41,7 @@ def main():
     parser.add_argument("--staging", choices=["eager", "lazy"], default="eager")
     args = parser.parse_args()
 
+    async_ckpt.deterministic()  # as the README says: one thread, so runs agree bit for bit
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(16, 1))

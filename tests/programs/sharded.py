@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--damaged", help="a checkpoint directory to restore into 'fsdp'")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # one thread: our losses, DCP's and the saved state agree bit for bit
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     found = (save if args.phase == "save" else restore)(args, rank, world)
