@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 _LAZY = {"CheckpointEngine": "async_ckpt.engine", "Marker": "async_ckpt.write.protocol",
          "Derived": "async_ckpt.write.protocol",
          "load": "async_ckpt.read.snapshot", "errors": "async_ckpt.errors",
-         "MAX_STEP": "async_ckpt.storage.names",
-         "deterministic": "async_ckpt.determinism"}  # steps are ints from 0 to MAX_STEP - 1
+         "MAX_STEP": "async_ckpt.storage.names",  # steps are ints from 0 to MAX_STEP - 1
+         "deterministic": "async_ckpt.determinism"}
 
 
 def __getattr__(name):
