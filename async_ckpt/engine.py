@@ -21,7 +21,7 @@ import signal
 import time
 import warnings
 import weakref
-from typing import Any, Collection, Iterable, Literal, MutableMapping, Optional, Union
+from typing import Any, Callable, Collection, Iterable, Literal, MutableMapping, Optional, Union
 
 import psutil
 import torch
@@ -40,7 +40,7 @@ from .storage.names import RNG_KEY, check_step
 from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
-from .read.snapshot import Entry, read_committed
+from .read.snapshot import Entry, hold_verify_threads, read_committed
 from .stats import EngineCounts, SnapshotFigures
 from .tensors import registered_objects
 from .storage.local import LocalStorage
@@ -156,10 +156,11 @@ class CheckpointEngine:
                 os.close(session.lock_fd)
             raise
         self._fences = _install_fences(self) if o.staging == "lazy" else []
+        release_verify_threads = hold_verify_threads()  # its restores reuse them; close joins them
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         session.lock_fd, self._fences)
+                                         session.lock_fd, self._fences, release_verify_threads)
         self._old_handlers = self._install_preemption_handlers(r.preemption)
 
     # --- set-up -----------------------------------------------------------------------------
@@ -710,12 +711,13 @@ class CheckpointEngine:
 
 
 def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
-                       fences: list) -> None:
+                       fences: list, release_verify_threads: Callable[[], None]) -> None:
     for handle in fences:
         handle.remove()
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
+    release_verify_threads()
 
 
 @dataclasses.dataclass

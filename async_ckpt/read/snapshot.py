@@ -171,16 +171,62 @@ about 0.7x the time of one; zstd decodes on every core the process may run on (i
 container or ``taskset`` may allow fewer than the machine has)."""
 
 
-_verify_pool: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
+class _VerifyThreads:
+    """The threads of ``_in_parallel``: kept between reads while something holds them (an open
+    engine: starting them costs ~5 ms here, a fifth of a 256 MB restore), else made for one read
+    and joined before it returns, so that no thread of the library outlives the engine or the
+    ``load`` that used it (frameworks' test suites fail on threads left behind). Per process: a
+    forked child inherits the holders' count and the pool, not the threads."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._holders = 0
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def hold(self) -> Callable[[], None]:
+        """Keep the threads until the returned function is called (once; more calls do nothing)."""
+        self._forget_if_forked()
+        self._holders += 1
+        released, pid = False, os.getpid()
+
+        def release() -> None:
+            nonlocal released
+            if released or pid != os.getpid():
+                return
+            released = True
+            self._holders -= 1
+            if self._holders == 0 and self._pool is not None:
+                pool, self._pool = self._pool, None
+                pool.shutdown(wait=True)
+
+        return release
+
+    def map(self, run: Callable[[list], None], groups: list[list]) -> None:
+        """``run`` each group on a thread of its own; raises the first group's failure."""
+        self._forget_if_forked()
+        if self._holders == 0:
+            with ThreadPoolExecutor(len(groups), "async_ckpt-verify") as pool:
+                for _ in pool.map(run, groups):
+                    pass
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(VERIFY_THREADS, "async_ckpt-verify")
+        for _ in self._pool.map(run, groups):
+            pass
+
+    def _forget_if_forked(self) -> None:
+        if self._pid != os.getpid():
+            self._pid, self._holders, self._pool = os.getpid(), 0, None
+
+
+_verify_threads = _VerifyThreads()
+hold_verify_threads = _verify_threads.hold
 
 
 def _in_parallel(checks: list[Callable[[], None]]) -> None:
     """Run every task (a chunk's check, or its read): in ``VERIFY_THREADS`` contiguous runs, each
     on a thread of its own (one task per thread: a task per chunk costs more in hand-offs than it
-    balances). The threads are kept between restores (starting two costs ~5 ms here, a fifth of a
-    256 MB restore), and made anew in a forked child, which inherits the pool but not its
-    threads."""
-    global _verify_pool
+    balances), kept between reads while an engine holds them (``hold_verify_threads``)."""
 
     def run(group: list[Callable[[], None]]) -> None:
         for check in group:
@@ -190,10 +236,7 @@ def _in_parallel(checks: list[Callable[[], None]]) -> None:
     groups = [checks[start:start + size] for start in range(0, len(checks), size)]
     if len(groups) < 2:
         return run(checks)
-    if _verify_pool is None or _verify_pool[0] != os.getpid():
-        _verify_pool = (os.getpid(), ThreadPoolExecutor(VERIFY_THREADS, "async_ckpt-verify"))
-    for _ in _verify_pool[1].map(run, groups):  # raises the first group's failure
-        pass
+    _verify_threads.map(run, groups)
 
 
 def _is_reference(r: dict, record: SnapshotRecord) -> bool:
