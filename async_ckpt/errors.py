@@ -140,6 +140,12 @@ class IntegrationError(CheckpointError, ImportError):
     ImportError too, since most are raised when the adapter's module is imported."""
 
 
+class UnsupportedOptionError(CheckpointError, TypeError):
+    """A framework passed an adapter an option it does not support (Lightning's
+    ``storage_options``); the message names what to do instead. A TypeError too, as the
+    frameworks' own plugins raise for an option they do not take."""
+
+
 class PointerFileError(CheckpointError):
     """A file that stands for a snapshot in a framework's own layout (a Lightning ``.ckpt`` written
     by ``async_ckpt.integrations``) is malformed, or names a snapshot of another checkpoint

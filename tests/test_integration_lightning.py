@@ -32,7 +32,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from lightning.pytorch.strategies import (FSDPStrategy, ModelParallelStrategy,  # noqa: E402
+                                          SingleDeviceStrategy)
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from async_ckpt import Marker, load  # noqa: E402
@@ -311,13 +312,23 @@ def test_a_resume_from_an_epoch_s_last_batch_counts_epochs_as_lightning_s_own_do
     resumed.teardown()
 
 
+def in_a_stage(io, fn="validate"):
+    """``io`` as while a Trainer's stage runs (its callback set up): saves are asynchronous and
+    the engine stays open until ``io.teardown()`` (outside a stage each save waits for its commit
+    and closes the engine)."""
+    trainer = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"), state=SimpleNamespace(fn=fn),
+                              checkpoint_callbacks=[])
+    io.callback.setup(trainer, None, fn)
+    return io
+
+
 def plain_checkpoint(global_step, value=1.0):
     return {"state_dict": {"w": torch.full((4,), value)}, "global_step": global_step, "epoch": 0}
 
 
 def test_removing_a_save_still_in_flight_does_not_wait_and_leaves_neither_pointer_nor_snapshot(
         tmp_path):
-    io = AsyncCkptIO(tmp_path / "engine")
+    io = in_a_stage(AsyncCkptIO(tmp_path / "engine"))
     path = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
     engine = io._open()
     os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits while the writer is stopped
@@ -337,7 +348,7 @@ def test_a_removal_queued_when_the_job_is_killed_keeps_the_pointer_and_its_snaps
     """save_top_k removes the old best after saving the new one; killed before the writer got
     to the removal, both pointers and both snapshots stay (never a snapshot nothing names, as
     when the pointer was deleted at once and the drop lost)."""
-    io = AsyncCkptIO(tmp_path / "engine")
+    io = in_a_stage(AsyncCkptIO(tmp_path / "engine"))
     old, new = tmp_path / "ckpts" / "epoch=0-step=2.ckpt", tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
     io.save_checkpoint(plain_checkpoint(2), old)
     engine = io._open()
@@ -357,7 +368,7 @@ def test_a_removal_queued_when_the_job_is_killed_keeps_the_pointer_and_its_snaps
 
 
 def test_a_replaced_pointer_drops_its_snapshot_unless_another_pointer_names_it(tmp_path):
-    io = AsyncCkptIO(tmp_path / "engine")
+    io = in_a_stage(AsyncCkptIO(tmp_path / "engine"))
     last, copied = tmp_path / "ckpts" / "last.ckpt", tmp_path / "ckpts" / "kept.ckpt"
     io.save_checkpoint(plain_checkpoint(1), last)
     io._engine.wait()
@@ -376,7 +387,7 @@ def test_a_pointer_the_writer_is_writing_keeps_no_snapshot(tmp_path):
     """The writer writes a pointer as NAME.tmp-PID, then renames it over NAME. Replacing
     last.ckpt while the writer is between the two (or was killed there) must still drop the
     snapshot last.ckpt named: that file is not a pointer that names it."""
-    io = AsyncCkptIO(tmp_path / "engine")
+    io = in_a_stage(AsyncCkptIO(tmp_path / "engine"))
     last = tmp_path / "ckpts" / "last.ckpt"
     io.save_checkpoint(plain_checkpoint(1), last)
     engine = io._engine
@@ -394,6 +405,7 @@ def test_a_pointer_the_writer_is_writing_keeps_no_snapshot(tmp_path):
 
 def save_four(io, ckpts):
     """Two global steps saved as Lightning does: a top-k file, then last.ckpt (snapshots 0-3)."""
+    in_a_stage(io)
     for global_step in (2, 4):
         io.save_checkpoint(plain_checkpoint(global_step),
                            ckpts / f"epoch=0-step={global_step}.ckpt")

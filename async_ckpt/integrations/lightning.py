@@ -56,7 +56,7 @@ except ImportError as e:  # the optional extra
 
 from .. import MAX_STEP, CheckpointEngine, Derived, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
-                      PointerFileError)
+                      PointerFileError, UnsupportedOptionError)
 from ..rng import GlobalRNG
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
@@ -176,7 +176,9 @@ class AsyncCkptIO(CheckpointIO):
         self._removing: set[str] = set()
         # checkpoint directory -> {path: (stat signature, step it names or None)} (_release)
         self._scanned: dict[str, dict[str, tuple]] = {}
-        self._trainer_attached = False  # the callback is in the running Trainer's callbacks
+        self._trainer_attached = False  # a Trainer stage runs, with the callback among its own
+        self._callback_seen = False  # the callback has run in a stage (it is in use)
+        self._patched: list[ModelCheckpoint] = []  # whose file_exists sees the saves in flight
         self._resuming = False  # a fit on the saving rank, before its training starts
         self._rng_to_restore: Optional[dict] = None  # set back at on_train_start
         self._warned: set[str] = set()
@@ -190,8 +192,11 @@ class AsyncCkptIO(CheckpointIO):
         ``path`` once it is committed; the snapshot that ``path`` named before is dropped after,
         unless another pointer names it."""
         if storage_options is not None:
-            raise TypeError("AsyncCkptIO.save_checkpoint takes no storage_options; pass engine "
-                            "settings to AsyncCkptIO(directory, **options)")
+            raise UnsupportedOptionError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg "
+                "is not supported for AsyncCkptIO: every save of a Trainer goes to the same "
+                "engine, whose settings are given once, as AsyncCkptIO(directory, **options) "
+                "(compression=, remote= for an object store, ...). Save without storage_options")
         path = self._local_path(path)
         engine = self._open()
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
@@ -216,6 +221,7 @@ class AsyncCkptIO(CheckpointIO):
         self._saves[path] = step
         if replaced is not None:
             self._release(replaced, path)
+        self._close_outside_a_stage()
 
     def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -233,6 +239,8 @@ class AsyncCkptIO(CheckpointIO):
         ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
         """
         path = self._local_path(path)
+        if self._engine is not None and self._pending_step(path) is not None:
+            self._engine.wait()  # a save to it (or to what it links to) may be in flight
         pointer = read_pointer(path)
         if pointer is None:
             stock = {} if map_location is None else {"map_location": map_location}
@@ -259,24 +267,35 @@ class AsyncCkptIO(CheckpointIO):
         not wait, and a kill leaves a pointer with its snapshot or neither. Any other file is
         removed as Lightning's stock IO removes it."""
         path = self._local_path(path)
-        self._open()
-        pending = self._saves.pop(path, None)
-        pointer = self._own_pointer(path) if pending is None else None
-        step = pending if pending is not None else pointer.step if pointer is not None else None
+        step = self._step_named_by(path)
         if step is None:
-            TorchCheckpointIO().remove_checkpoint(path)
+            if os.path.islink(path):  # a link to nothing of ours: the stock IO keeps a dangling one
+                os.unlink(path)
+            else:
+                TorchCheckpointIO().remove_checkpoint(path)
             return
+        self._open()
+        self._saves.pop(path, None)
         self._removing.add(path)
         self._release(step, path, remove=True)
+        self._close_outside_a_stage()
 
     def teardown(self) -> None:
-        """Wait for the saves in flight (their pointers are written), then stop the writer."""
+        """Wait for the saves in flight (their pointers are written), then stop the writer and
+        free the directory (its lock), the staging memory and the engine's threads."""
         if self._engine is not None:
             engine, self._engine = self._engine, None
             self._saves.clear()
             self._removing.clear()
             self._scanned.clear()
             engine.close()
+
+    def __getstate__(self) -> dict:
+        """A copy (pickled into ``ddp_spawn``'s workers, ``torch.save(trainer)``) has no engine:
+        an engine is its process's own (its writer, lock and staging memory stay with it); the
+        copy opens its own on its first save."""
+        return {**self.__dict__, "_engine": None, "_saves": {}, "_removing": set(),
+                "_scanned": {}, "_patched": []}
 
     # --- the engine and its steps -----------------------------------------------------------
 
@@ -323,10 +342,32 @@ class AsyncCkptIO(CheckpointIO):
 
     def _step_named_by(self, path: str) -> Optional[int]:
         """The snapshot the pointer at ``path`` names, or will once the saves in flight commit."""
-        if path in self._saves:
-            return self._saves[path]
+        step = self._pending_step(path)
+        if step is not None:
+            return step
         pointer = self._own_pointer(path)
         return None if pointer is None else pointer.step
+
+    def _pending_step(self, path: str) -> Optional[int]:
+        """The step of this engine's newest save to ``path``, or to the file ``path`` is a
+        symbolic link to (``save_last="link"`` links to a save that may still be in flight):
+        its pointer is there, or will be once it commits. None for anything else."""
+        step = self._saves.get(path)
+        if step is None and os.path.islink(path):
+            step = self._saves.get(os.path.realpath(path))
+        return step
+
+    def _exists(self, path: str, fs: Any) -> bool:
+        """Whether ``ModelCheckpoint`` should see a file at ``path`` (``fs``: its file system),
+        as it would with a CheckpointIO that writes before it returns: a save in flight there
+        (or to the file it links to) is a file, one whose removal is queued is none."""
+        try:
+            local = self._local_path(path)
+        except ValueError:  # another file system's URL: nothing of ours
+            return fs.exists(path)
+        if self._pending_step(local) is not None:
+            return True
+        return local not in self._removing and fs.exists(path)
 
     def _own_pointer(self, path: str) -> Optional[Pointer]:
         """The pointer at ``path`` if it names a snapshot of this directory, else None: a file of
@@ -367,6 +408,8 @@ class AsyncCkptIO(CheckpointIO):
         (``save_top_k=-1``) is scanned at every save that replaces ``last.ckpt``."""
         if entry.path in self._saves:
             return self._saves[entry.path]
+        if entry.is_symlink() and os.path.realpath(entry.path) in self._saves:
+            return self._saves[os.path.realpath(entry.path)]  # a link to a save in flight
         try:
             info = entry.stat()  # through a symlink: the pointer it links to
         except OSError:
@@ -420,14 +463,33 @@ class AsyncCkptIO(CheckpointIO):
                             "checkpoint that is committed only later: a run killed in between "
                             "finds no last checkpoint (a dangling link) and ckpt_path='last' "
                             "starts over from scratch. Use save_last=True")
-        self._trainer_attached = True
+        for checkpoint in trainer.checkpoint_callbacks:
+            if isinstance(checkpoint, ModelCheckpoint) and "file_exists" not in vars(checkpoint):
+                checkpoint.file_exists = _FileExists(checkpoint, self)
+                self._patched.append(checkpoint)
+        self._trainer_attached = self._callback_seen = True
         if trainer.state.fn == TrainerFn.FITTING and _global_rank() == 0:
             self._open()  # waits for a killed run's writer to finish; spares the first save
             self._resuming = True
 
     def _detach(self) -> None:
+        """The stage is over (after the strategy's teardown, which closed the engine): close it
+        again if a hook saved since, and give the ModelCheckpoints their own file_exists back."""
         self._trainer_attached = self._resuming = False
         self._rng_to_restore = None
+        for checkpoint in self._patched:
+            vars(checkpoint).pop("file_exists", None)
+        self._patched.clear()
+        self.teardown()
+
+    def _close_outside_a_stage(self) -> None:
+        """A save or removal with no Trainer stage running (``trainer.save_checkpoint`` before or
+        after ``fit``, ``ddp_spawn``'s hand-over of the weights) is synchronous: committed, its
+        file written and the engine closed before the call returns, since no teardown follows
+        that would close it, and what runs next (``validate(ckpt_path=...)``, another Trainer on
+        the same directory) expects the file there and the directory free."""
+        if not self._trainer_attached:
+            self.teardown()
 
     def _restore_rng(self) -> None:
         self._resuming = False
@@ -436,14 +498,16 @@ class AsyncCkptIO(CheckpointIO):
             self._rng_to_restore = None
 
     def _warn_unless_attached(self) -> None:
-        if not self._trainer_attached:
-            self._warn_once("callback", "AsyncCkptIO.callback is not among the Trainer's "
-                            "callbacks: checkpoints are saved and loaded, but a resumed run does "
-                            "not get the saved global RNG back (it must be set after Lightning "
-                            "builds and iterates the DataLoaders, which draw from it), so it "
-                            "draws other random numbers (dropout) than the run it continues; and "
-                            "strategies that bypass CheckpointIO are not detected. Pass "
-                            "Trainer(plugins=[io], callbacks=[io.callback, ...])")
+        if not self._callback_seen:
+            self._warn_once("callback", "AsyncCkptIO saved with no Trainer stage running its "
+                            "callback (a save before the first fit, or AsyncCkptIO.callback is "
+                            "not among the Trainer's callbacks): such a save waits for its "
+                            "commit. If the callback is missing, every save waits so; a resumed "
+                            "run does not get the saved global RNG back (it must be set after "
+                            "Lightning builds and iterates the DataLoaders, which draw from it), "
+                            "so it draws other random numbers (dropout) than the run it "
+                            "continues; and strategies that bypass CheckpointIO are not "
+                            "detected. Pass Trainer(plugins=[io], callbacks=[io.callback, ...])")
 
     def _warn_if_data_position_is_lost(self, checkpoint: dict) -> None:
         """A save in the middle of an epoch whose training DataLoader cannot save its position:
@@ -482,6 +546,20 @@ class AsyncCkptCallback(Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.io._detach()
+
+
+class _FileExists:
+    """``ModelCheckpoint.file_exists`` while a stage runs with :class:`AsyncCkptIO`: global rank 0
+    decides with :meth:`AsyncCkptIO._exists` (a save in flight is a file), and the decision is
+    shared as Lightning's own method shares it, so that every rank picks the same versioned
+    name. Set on the instance at ``setup``, taken off at ``teardown``."""
+
+    def __init__(self, checkpoint: ModelCheckpoint, io: AsyncCkptIO) -> None:
+        self.checkpoint, self.io = checkpoint, io
+
+    def __call__(self, filepath, trainer) -> bool:
+        local = self.io._exists(filepath, self.checkpoint._fs) if trainer.is_global_zero else False
+        return trainer.strategy.reduce_boolean_decision(local, all=False)
 
 
 def _global_rank() -> int:
