@@ -527,3 +527,68 @@ def test_warnings_name_a_missing_callback_and_a_loader_that_cannot_resume(tmp_pa
     assert len(messages) == 2  # each once, though three saves were taken
     assert any("io.callback" in m for m in messages)
     assert any("StatefulDataLoader" in m for m in messages)
+
+
+# --- Lightning's contracts of names, time and lifetime ------------------------------------------
+
+class HoldWriter(L.Callback):
+    """Stops the writer for the whole training (SIGSTOP at on_train_start, SIGCONT at
+    on_train_end, before the teardown that waits for it): every save of the fit is still in
+    flight when ModelCheckpoint picks the next name, whatever the machine's load."""
+
+    def __init__(self, io):
+        self.io = io
+
+    def on_train_start(self, trainer, pl_module):
+        os.kill(self.io._engine._writer.pid, signal.SIGSTOP)
+
+    def on_train_end(self, trainer, pl_module):
+        os.kill(self.io._engine._writer.pid, signal.SIGCONT)
+
+
+def fit_with(root, io, model=None, ckpt_path=None, **checkpoint_args):
+    """A short fit (4 epochs of 2 batches) saving into ``root`` through ``io`` (the writer held
+    with an AsyncCkptIO); returns the Trainer and its ModelCheckpoint."""
+    L.seed_everything(0, verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=root, **checkpoint_args)
+    ours = [io.callback, HoldWriter(io)] if isinstance(io, AsyncCkptIO) else []
+    trainer = L.Trainer(max_epochs=4, limit_train_batches=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        plugins=[io], callbacks=ours + [checkpoint])
+    trainer.fit(model or TinyModel(), ckpt_path=ckpt_path)
+    return trainer, checkpoint
+
+
+def test_a_save_in_flight_counts_as_a_file_for_versioned_names(tmp_path):
+    """ModelCheckpoint versions a name taken by an existing file (test.ckpt, test-v1.ckpt...);
+    the previous save is still in flight when it picks the next: it must count as a file."""
+    every = {"filename": "test", "save_top_k": -1, "monitor": "epoch"}
+    fit_with(tmp_path / "stock", TorchCheckpointIO(), **every)
+    io = AsyncCkptIO(tmp_path / "engine", slots=5)  # four saves in flight at once
+    _, checkpoint = fit_with(tmp_path / "async", io, **every)
+    files = sorted(os.listdir(tmp_path / "async"))
+    assert files == sorted(os.listdir(tmp_path / "stock"))
+    assert files == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"]
+    assert sorted(map(os.path.basename, checkpoint.best_k_models)) == files
+    assert sorted(read_pointer(tmp_path / "async" / f).epoch for f in files) == [0, 1, 2, 3]
+
+
+def test_save_last_links_with_versioned_names_leave_no_stale_link(tmp_path, monkeypatch):
+    """save_last="link" with a last name per epoch: each epoch links last-epoch=N.ckpt to that
+    epoch's file (a save still in flight) and removes the previous link, as the stock IO does."""
+    monkeypatch.setattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", "last-{epoch}")
+    fit_with(tmp_path / "stock", TorchCheckpointIO(), save_top_k=-1, save_last="link")
+    io = AsyncCkptIO(tmp_path / "engine", slots=5)
+    with pytest.warns(RuntimeWarning, match="save_last=True"):
+        _, checkpoint = fit_with(tmp_path / "async", io, save_top_k=-1, save_last="link")
+
+    def layout(root):
+        return {f: os.readlink(root / f) if os.path.islink(root / f) else None
+                for f in os.listdir(root)}
+
+    assert layout(tmp_path / "async") == layout(tmp_path / "stock")
+    assert sorted(layout(tmp_path / "async").values(), key=str) == [
+        None, None, None, None, "epoch=3-step=8.ckpt"]  # one link, to the last epoch's file
+    last = tmp_path / "async" / "last-epoch=3.ckpt"
+    assert checkpoint.last_model_path == str(last)
+    assert io.load_checkpoint(last)["epoch"] == 3
