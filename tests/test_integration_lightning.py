@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,7 +40,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from async_ckpt import Marker, load  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
                                IntegrationError, NoSnapshotError, PointerFileError,
-                               WriterDiedError)
+                               UnsupportedOptionError, WriterDiedError)
 from async_ckpt.storage.names import replacement_name  # noqa: E402
 from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa: E402
 from conftest import assert_same  # noqa: E402
@@ -592,3 +593,97 @@ def test_save_last_links_with_versioned_names_leave_no_stale_link(tmp_path, monk
     last = tmp_path / "async" / "last-epoch=3.ckpt"
     assert checkpoint.last_model_path == str(last)
     assert io.load_checkpoint(last)["epoch"] == 3
+
+
+class WithValidation(TinyModel):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_a_load_of_a_save_in_flight_waits_for_its_commit(tmp_path):
+    io = in_a_stage(AsyncCkptIO(tmp_path / "engine"))
+    path, link = tmp_path / "ckpts" / "epoch=0-step=2.ckpt", tmp_path / "ckpts" / "last.ckpt"
+    engine = io._open()
+    os.kill(engine._writer.pid, signal.SIGSTOP)  # nothing commits while the writer is stopped
+    try:
+        io.save_checkpoint(plain_checkpoint(2, value=3.0), path)
+        os.symlink(path.name, link)  # as save_last="link" does
+        assert not path.exists()
+    finally:
+        os.kill(engine._writer.pid, signal.SIGCONT)
+    assert io.load_checkpoint(link)["global_step"] == 2  # through the link: waits too
+    assert_same(io.load_checkpoint(path)["state_dict"], plain_checkpoint(2, 3.0)["state_dict"])
+    io.teardown()
+
+
+def test_save_checkpoint_then_validate_from_it_at_once(tmp_path):
+    """``trainer.save_checkpoint(p)`` returns with ``p`` there: a save outside a stage waits for
+    its commit and closes the engine (no teardown follows that would)."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    trainer = L.Trainer(max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", plugins=[io],
+                        callbacks=[io.callback], enable_checkpointing=False)
+    model = WithValidation()
+    trainer.fit(model)
+    saved = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(saved)
+    assert io._engine is None and read_pointer(saved).global_step == 2
+    (metrics,) = trainer.validate(model, ckpt_path=saved, verbose=False)
+    assert "val_loss" in metrics
+
+
+def test_a_second_trainer_on_the_directory_right_after_a_save_outside_fit(tmp_path):
+    """A new Trainer with a new AsyncCkptIO on the same directory, right after the first one's
+    ``save_checkpoint`` outside fit, opens it at once (lock_timeout=0: a lock still held would
+    raise DirectoryInUseError instead of waiting) and resumes from that save."""
+    first = AsyncCkptIO(tmp_path / "engine")
+    trainer = L.Trainer(max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[first], callbacks=[first.callback],
+                        enable_checkpointing=False)
+    trainer.fit(TinyModel())
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    second = AsyncCkptIO(tmp_path / "engine", lock_timeout=0)
+    trainer = L.Trainer(max_steps=4, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[second],
+                        callbacks=[second.callback,
+                                   ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)])
+    trainer.fit(TinyModel(), ckpt_path=tmp_path / "saved.ckpt")
+    assert trainer.global_step == 4 and first._engine is None and second._engine is None
+    assert second.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 4
+
+
+def test_storage_options_raise_a_typed_error_naming_what_to_do(tmp_path):
+    io = AsyncCkptIO(tmp_path / "engine")
+    with pytest.raises(UnsupportedOptionError, match=r"AsyncCkptIO\(directory, \*\*options\)"):
+        io.save_checkpoint(plain_checkpoint(1), tmp_path / "a.ckpt", storage_options={"x": 1})
+    with pytest.raises(TypeError):  # what Lightning's own CheckpointIO raises
+        io.save_checkpoint(plain_checkpoint(1), tmp_path / "a.ckpt", storage_options="x")
+    assert io._engine is None and not (tmp_path / "a.ckpt").exists()
+
+
+def test_no_thread_outlives_the_trainer(tmp_path):
+    """A resumed fit reads through the engine, whose verify threads it keeps while it is open;
+    after the fit (and an engine-free load) none of the library's threads is left, as
+    Lightning's own test suite checks with threading.enumerate()."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    train(tmp_path, io, steps=4, model=TinyModel(hidden=256))
+    before = set(threading.enumerate())
+    seen = []
+
+    class Threads(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.extend(t.name for t in threading.enumerate() if t.name.startswith("async_ckpt"))
+
+    resumed = AsyncCkptIO(tmp_path / "engine")
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=6, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[resumed],
+                        callbacks=[resumed.callback, Threads(),
+                                   ModelCheckpoint(dirpath=tmp_path / "ckpts")])
+    trainer.fit(TinyModel(hidden=256), ckpt_path="last")
+    assert any(name.startswith("async_ckpt-verify") for name in seen)  # kept while open
+    resumed.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
+    assert set(threading.enumerate()) - before == set()
