@@ -687,3 +687,26 @@ def test_no_thread_outlives_the_trainer(tmp_path):
     assert any(name.startswith("async_ckpt-verify") for name in seen)  # kept while open
     resumed.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
     assert set(threading.enumerate()) - before == set()
+
+
+@pytest.mark.slow
+def test_ddp_spawn_saves_in_its_workers_and_leaves_nothing_open(tmp_path):
+    """``strategy="ddp_spawn"`` pickles the plugin into 2 worker processes (gloo): rank 0's
+    saves, and its hand-over of the weights to the main process (a save and a removal after the
+    fit), leave no engine open anywhere, so the Trainer pickles and the directory is free."""
+    io = AsyncCkptIO(tmp_path / "engine")
+    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=4,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        plugins=[io],
+                        callbacks=[io.callback, ModelCheckpoint(dirpath=tmp_path / "ckpts",
+                                                                every_n_train_steps=2,
+                                                                save_last=True)])
+    trainer.fit(TinyModel())
+    assert io._engine is None
+    torch.save(trainer, tmp_path / "trainer.pt")  # failed on the engine's locks
+    assert read_pointer(tmp_path / "ckpts" / "last.ckpt").global_step == 4
+    free = AsyncCkptIO(tmp_path / "engine", lock_timeout=0)  # no writer holds the directory
+    assert free.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 4
+    named = sorted(read_pointer(p).step for p in (tmp_path / "ckpts").iterdir())
+    assert free._open().committed_steps() == named  # the hand-over's snapshot went with it
+    free.teardown()
