@@ -24,6 +24,32 @@ global step twice (a top-k file, then ``last.ckpt``, whose callback state differ
 dropped once no pointer names it any more (deleted by ``save_top_k``, or replaced, as
 ``last.ckpt`` is at every save), after the saves in flight, never racing a write.
 
+Lightning treats a save as done when ``save_checkpoint`` returns, and a file as its name: the
+adapter keeps the contracts that follow, whatever the ``.ckpt`` holds.
+
+- *A save in flight is a file.* ``ModelCheckpoint`` picks a free name (``test.ckpt``, then
+  ``test-v1.ckpt``...) and versions ``last`` by asking ``file_exists`` (its file system), and
+  ``save_last="link"`` links to the save just made and removes the previous link. The callback
+  sets, at ``setup``, each ``ModelCheckpoint``'s ``file_exists`` on the instance (taken off at
+  ``teardown``): rank 0 asks the plugin first (a path saved to, or a link to one, exists; one
+  whose removal is queued does not), then the file system, and the answer is shared across ranks
+  as Lightning's own method shares it. Rejected: a placeholder file at the path at once (a job
+  killed before the commit would leave a file that names no committed snapshot, which the
+  ``ckpt_path="last"`` search and other readers would take for a checkpoint), and names reserved
+  in the callback's state (a second bookkeeping of what the plugin knows). ``remove_checkpoint``
+  of a link to a save in flight deletes the link in the drop's turn.
+- *A load waits.* ``load_checkpoint`` of a path saved to in this stage (or a link to one) waits
+  for the saves in flight (``engine.wait()``), then reads the committed file.
+- *The engine lives as long as a stage.* It opens at the first save (at ``setup`` of a fit on
+  rank 0) and closes at the strategy's teardown (and again at the callback's, after hooks that
+  ran in between). A save or removal with no stage running (``trainer.save_checkpoint`` before or
+  after ``fit``, ``ddp_spawn``'s hand-over of the weights to the main process) waits for its
+  commit and closes the engine: no teardown follows that would, and what runs next (a
+  ``validate(ckpt_path=...)``, another Trainer on the directory) needs the file and the lock.
+  Without the callback among the Trainer's callbacks the plugin cannot see stages, so every save
+  is such a save (correct, training waits for each write; warned). A pickled copy (``ddp_spawn``,
+  ``torch.save(trainer)``) has no engine: it opens its own.
+
 The global RNG (Python, NumPy, torch, CUDA) is saved with every snapshot, and the callback sets
 it back at ``on_train_start`` of the resumed fit: after Lightning has built and iterated the
 DataLoaders (which draw from it), before the first batch, which is where the interrupted run
@@ -148,10 +174,13 @@ class AsyncCkptIO(CheckpointIO):
 
     ``save_checkpoint`` returns once the dict's tensors are copied into staging memory (the
     live parameters and optimizer state may change right after); the ``.ckpt`` at ``path`` (the
-    snapshot in torch's format, with its pointer) appears once the snapshot is committed. ``load_checkpoint`` reads a pointer's
-    snapshot (any other file with Lightning's stock ``torch.load``, ``weights_only=True`` unless
-    asked otherwise); ``remove_checkpoint`` deletes a pointer and drops its snapshot once no
-    pointer names it; ``teardown`` waits for the saves in flight and stops the writer.
+    snapshot in torch's format, with its pointer) appears once the snapshot is committed (before
+    the call returns when no Trainer stage runs: see the module's docstring).
+    ``load_checkpoint`` reads a pointer's snapshot, waiting for a save in flight to it (any other
+    file with Lightning's stock ``torch.load``, ``weights_only=True`` unless asked otherwise);
+    ``remove_checkpoint`` deletes a pointer and drops its snapshot once no pointer names it;
+    ``teardown`` waits for the saves in flight and stops the writer. ``storage_options`` are
+    refused (``UnsupportedOptionError``).
 
     ``engine_options``: settings of the engine (``async_ckpt.options.EngineOptions``), such as
     ``compression``, ``slots``, ``mode="sync"`` or ``remote``; the adapter sets ``rank``,
