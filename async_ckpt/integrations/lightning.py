@@ -267,14 +267,14 @@ class AsyncCkptIO(CheckpointIO):
         RNG is set back at ``on_train_start``; anywhere else (other ranks, ``validate``,
         ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
         """
-        path = self._local_path(path)
+        given, path = path, self._local_path(path)
         if self._engine is not None and self._pending_step(path) is not None:
             self._engine.wait()  # a save to it (or to what it links to) may be in flight
         pointer = read_pointer(path)
-        if pointer is None:
+        if pointer is None:  # the path as given: the stock IO's errors name it so
             stock = {} if map_location is None else {"map_location": map_location}
             return TorchCheckpointIO().load_checkpoint(
-                path, weights_only=True if weights_only is None else weights_only, **stock)
+                given, weights_only=True if weights_only is None else weights_only, **stock)
         self._check_directory(pointer, path)
         step, checkpoint = self._read_snapshot(pointer, path)
         if step == pointer.step:
