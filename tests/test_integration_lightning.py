@@ -635,15 +635,28 @@ def test_save_checkpoint_then_validate_from_it_at_once(tmp_path):
     assert "val_loss" in metrics
 
 
-def test_a_second_trainer_on_the_directory_right_after_a_save_outside_fit(tmp_path):
+class FailsAtStep(TinyModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1:
+            raise KeyError("stop")  # Lightning runs the strategy's teardown, not the callbacks'
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("fit_fails", [False, True])
+def test_a_second_trainer_on_the_directory_right_after_a_save_outside_fit(tmp_path, fit_fails):
     """A new Trainer with a new AsyncCkptIO on the same directory, right after the first one's
-    ``save_checkpoint`` outside fit, opens it at once (lock_timeout=0: a lock still held would
-    raise DirectoryInUseError instead of waiting) and resumes from that save."""
+    ``save_checkpoint`` outside fit (after a fit that ended, or that raised), opens it at once
+    (lock_timeout=0: a lock still held would raise DirectoryInUseError instead of waiting) and
+    resumes from that save."""
     first = AsyncCkptIO(tmp_path / "engine")
     trainer = L.Trainer(max_steps=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, plugins=[first], callbacks=[first.callback],
                         enable_checkpointing=False)
-    trainer.fit(TinyModel())
+    if fit_fails:
+        with pytest.raises(KeyError):
+            trainer.fit(FailsAtStep())
+    else:
+        trainer.fit(TinyModel())
     trainer.save_checkpoint(tmp_path / "saved.ckpt")
     second = AsyncCkptIO(tmp_path / "engine", lock_timeout=0)
     trainer = L.Trainer(max_steps=4, logger=False, enable_progress_bar=False,

@@ -41,11 +41,12 @@ adapter keeps the contracts that follow, whatever the ``.ckpt`` holds.
 - *A load waits.* ``load_checkpoint`` of a path saved to in this stage (or a link to one) waits
   for the saves in flight (``engine.wait()``), then reads the committed file.
 - *The engine lives as long as a stage.* It opens at the first save (at ``setup`` of a fit on
-  rank 0) and closes at the strategy's teardown (and again at the callback's, after hooks that
-  ran in between). A save or removal with no stage running (``trainer.save_checkpoint`` before or
-  after ``fit``, ``ddp_spawn``'s hand-over of the weights to the main process) waits for its
-  commit and closes the engine: no teardown follows that would, and what runs next (a
-  ``validate(ckpt_path=...)``, another Trainer on the directory) needs the file and the lock.
+  rank 0) and closes at the strategy's teardown, which Lightning runs after an exception too
+  (where the callbacks' ``teardown`` is not called). A save or removal with no stage running
+  (``trainer.save_checkpoint`` before or after ``fit``, ``ddp_spawn``'s hand-over of the weights
+  to the main process) waits for its commit and closes the engine: no teardown follows that
+  would, and what runs next (a ``validate(ckpt_path=...)``, another Trainer on the directory)
+  needs the file and the lock.
   Without the callback among the Trainer's callbacks the plugin cannot see stages, so every save
   is such a save (correct, training waits for each write; warned). A pickled copy (``ddp_spawn``,
   ``torch.save(trainer)``) has no engine: it opens its own.
@@ -310,8 +311,17 @@ class AsyncCkptIO(CheckpointIO):
         self._close_outside_a_stage()
 
     def teardown(self) -> None:
-        """Wait for the saves in flight (their pointers are written), then stop the writer and
-        free the directory (its lock), the staging memory and the engine's threads."""
+        """The end of a Trainer stage (the strategy's teardown, after an exception too, and the
+        callback's): wait for the saves in flight (their pointers are written), then stop the
+        writer and free the directory (its lock), the staging memory and the engine's threads.
+        The ModelCheckpoints get their own ``file_exists`` back, and a save from here on (a hook
+        after the strategy's teardown, ``trainer.save_checkpoint`` after the fit) waits for its
+        commit, until the next stage's ``setup``."""
+        self._trainer_attached = self._resuming = False
+        self._rng_to_restore = None
+        for checkpoint in self._patched:
+            vars(checkpoint).pop("file_exists", None)
+        self._patched.clear()
         if self._engine is not None:
             engine, self._engine = self._engine, None
             self._saves.clear()
@@ -501,16 +511,6 @@ class AsyncCkptIO(CheckpointIO):
             self._open()  # waits for a killed run's writer to finish; spares the first save
             self._resuming = True
 
-    def _detach(self) -> None:
-        """The stage is over (after the strategy's teardown, which closed the engine): close it
-        again if a hook saved since, and give the ModelCheckpoints their own file_exists back."""
-        self._trainer_attached = self._resuming = False
-        self._rng_to_restore = None
-        for checkpoint in self._patched:
-            vars(checkpoint).pop("file_exists", None)
-        self._patched.clear()
-        self.teardown()
-
     def _close_outside_a_stage(self) -> None:
         """A save or removal with no Trainer stage running (``trainer.save_checkpoint`` before or
         after ``fit``, ``ddp_spawn``'s hand-over of the weights) is synchronous: committed, its
@@ -574,7 +574,7 @@ class AsyncCkptCallback(Callback):
         self.io._restore_rng()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.io._detach()
+        self.io.teardown()  # the strategy's teardown did; this one comes after every stage hook
 
 
 class _FileExists:
