@@ -6,7 +6,10 @@ loss at every step as an uninterrupted run, bit for bit (dropout and in-process 
 draw from the global RNG); resumed from a save at an epoch's last batch, it counts epochs as
 Lightning's own resume does. ``save_top_k`` deletions drop exactly the snapshots no pointer
 names, never before a save in flight is written; a damaged snapshot fails a given path with a
-typed error and makes ``last`` fall back; a killed save leaves no pointer.
+typed error and makes ``last`` fall back; a killed save leaves no pointer. Lightning's contracts
+of names, time and lifetime hold with every save in flight: versioned names and ``last`` links
+come out as with the stock IO, a load waits for the save, a save outside a stage is there when
+it returns, and nothing (engine, lock, thread) outlives a Trainer, ``ddp_spawn`` included.
 """
 
 import copy
