@@ -458,23 +458,35 @@ except CheckpointDirError as e:
 """
 
 
-def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_path):
+@pytest.mark.parametrize("kind", ["device", "fifo", "symlink to a device"])
+def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_path, kind):
     """Issue 28, finding 6: a character device at ``.lock-rank00000`` was opened O_RDWR|O_CREAT
-    (opening a device can act) and only then found not to be a file. The trace shows it is
-    refused before any open but the exclusive create, which fails."""
+    (opening a device can act) and only then found not to be a file. Issue 40: not even an open
+    that would fail (the exclusive create), and no check-then-open race: the trace shows the
+    name opened only with O_PATH, then refused (a typed error). A copy of /dev/null's device
+    numbers needs CAP_MKNOD (root here): skipped where mknod is refused."""
     root = tmp_path / "ckpt"
     root.mkdir()
-    try:
-        os.mknod(root / ".lock-rank00000", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    except PermissionError:
-        os.mkfifo(root / ".lock-rank00000")  # no CAP_MKNOD: a FIFO is refused the same way
+    planted = root / ".lock-rank00000"
+    if kind == "fifo":
+        os.mkfifo(planted)
+    else:
+        device = planted if kind == "device" else tmp_path / "device"
+        try:
+            os.mknod(device, 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD, which this process lacks")
+        if device != planted:
+            os.symlink(device, planted)
     trace = tmp_path / "trace.txt"
     done = subprocess.run([shutil.which("strace"), "-f", "-e", "trace=openat", "-o", str(trace),
                            sys.executable, "-c", PLANTED_LOCK, str(root)], capture_output=True,
                           text=True, timeout=120)
     assert "refused:" in done.stdout and "is not a regular file" in done.stdout, done.stderr[-2000:]
-    opens = [line for line in trace.read_text().splitlines() if ".lock-rank00000" in line]
-    assert opens and all("O_EXCL" in line and "EEXIST" in line for line in opens), opens
+    opens = [line for line in trace.read_text().splitlines()
+             if ".lock-rank00000" in line or str(tmp_path / "device") in line]
+    assert opens and all("O_PATH" in line and "O_NOFOLLOW" in line for line in opens), opens
+    assert not any(mode in line for line in opens for mode in ("O_RDWR", "O_WRONLY", "O_CREAT"))
 
 
 def test_a_manifest_the_reader_would_refuse_is_never_written(root):
