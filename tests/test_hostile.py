@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 
@@ -357,7 +358,7 @@ def test_a_scheduler_state_with_keys_of_its_own_is_refused(pristine, root, edit)
     state = make_state(7)
     before = dict(vars(state["scheduler"]))
     with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
-        with pytest.raises(StateMismatchError, match="scheduler state has keys"):
+        with pytest.raises(StateMismatchError, match="saved state has .*which the registered"):
             engine.restore()
     assert vars(state["scheduler"]) == before and state["scheduler"].optimizer is state["optimizer"]
 
@@ -699,3 +700,184 @@ def test_a_tensor_record_over_misaligned_memory_is_built_over_an_aligned_copy():
     t = _tensor_from_record(record, {(0, 0): buffer}, 0, "shard", 0)
     assert t.data_ptr() % 16 == 0 and t.stride() == (0, 1)
     assert t.clone().view(torch.uint8).reshape(-1).equal(backing[24:56].repeat(3))
+
+
+# --- hyper-parameters of the wrong type or structure (issue 40) --------------------------------
+
+def _edit_step(root, step, edit):
+    """Rewrite the shard of ``step`` (one rank) with ``edit(index)`` applied, trailer and
+    manifest fixed up."""
+    record = read_manifest(root).find(step)
+    path = os.path.join(root, record.dir, record.shards[0].file)
+    data = open(path, "rb").read()
+    offset, length = struct.unpack("<QQ", data[-32:-16])
+    index = json.loads(data[offset:offset + length])
+    edit(index)
+    data, digest = rewrite_shard(data[:offset], json.dumps(index, separators=(",", ":")).encode())
+    with open(path, "wb") as f:
+        f.write(data)
+    write_manifest_doc(root, fix_manifest(manifest_doc(root), record.dir, len(data), digest))
+
+
+def _training(optimizer: str, scheduler: str) -> dict:
+    """A model, a torch optimizer and scheduler of the given kinds, after two steps."""
+    from torch.optim import lr_scheduler as lrs
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = {"adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+           "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+           "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[optimizer](model.parameters())
+    sched = {"step": lambda o: lrs.StepLR(o, step_size=2, gamma=0.5),
+             "lambda": lambda o: lrs.LambdaLR(o, lambda epoch: 0.9 ** epoch),
+             "onecycle": lambda o: lrs.OneCycleLR(o, max_lr=0.1, total_steps=20),
+             "sequential": lambda o: lrs.SequentialLR(
+                 o, [lrs.ConstantLR(o, factor=0.5, total_iters=2), lrs.ExponentialLR(o, 0.9)],
+                 milestones=[2])}[scheduler](opt)
+    return {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+def _step(state):
+    state["model"](torch.ones(4, 3)).sum().backward()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+    state["scheduler"].step()
+
+
+COMBINATIONS = [("adam", "step"), ("adamw-fused", "lambda"), ("sgd", "onecycle"),
+                ("adam", "sequential")]
+
+
+@pytest.mark.parametrize("optimizer,scheduler", COMBINATIONS)
+def test_hyper_parameters_of_real_optimizers_and_schedulers_round_trip(tmp_path, optimizer,
+                                                                       scheduler):
+    """What the checks must let through: every saved group and scheduler state, into objects
+    built alike; training continues exactly as if never interrupted."""
+    state = _training(optimizer, scheduler)
+    for _ in range(2):
+        _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(2, force=True)
+    _step(state)
+    again = _training(optimizer, scheduler)
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        assert engine.restore() == 2
+    _step(again)
+    assert diff(state["model"].state_dict(), again["model"].state_dict()) is None
+    assert state["scheduler"].get_last_lr() == again["scheduler"].get_last_lr()
+
+
+def test_an_optimizer_restores_without_the_scheduler_it_was_saved_with_and_with_one(tmp_path):
+    """What a scheduler adds to its optimizer's groups (``initial_lr``, OneCycleLR's bounds) is
+    not the optimizer's structure: an optimizer restores without it, and with it."""
+    state = _training("sgd", "onecycle")
+    _step(state)
+    with CheckpointEngine(tmp_path / "a", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    with CheckpointEngine(tmp_path / "b", {"model": state["model"],
+                                           "optimizer": state["optimizer"]},
+                          heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    plain = _training("sgd", "onecycle")
+    del plain["scheduler"]
+    plain["optimizer"] = torch.optim.SGD(plain["model"].parameters(), lr=0.1, momentum=0.9)
+    with CheckpointEngine(tmp_path / "a", plain, heartbeat_interval=None) as engine:
+        assert engine.restore(strict=False) == 1
+    assert plain["optimizer"].param_groups[0]["max_lr"] == 0.1
+    full = _training("sgd", "onecycle")
+    del full["scheduler"]
+    with CheckpointEngine(tmp_path / "b", full, heartbeat_interval=None) as engine:
+        assert engine.restore() == 1
+    _step({**full, "scheduler": torch.optim.lr_scheduler.StepLR(full["optimizer"], 1)})
+
+
+def test_an_optimizer_state_of_an_older_torch_without_newer_options_restores(tmp_path):
+    """An option a later torch added (``decoupled_weight_decay``, ``fused``) is missing from a
+    group saved by an older one: the optimizer's class fills it in, so it is not refused; one it
+    does not fill in (``eps``) is (HOSTILE_HYPER_PARAMETERS)."""
+    state = _training("adam", "step")
+    _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _edit_step(str(tmp_path / "ckpt"), 1, lambda i: [_group(i).pop(k) for k in
+                                                     ("decoupled_weight_decay", "fused")])
+    again = _training("adam", "step")
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        assert engine.restore() == 1
+    assert again["optimizer"].param_groups[0]["decoupled_weight_decay"] is False
+    _step(again)
+
+
+def _group(index):
+    return index["tree"]["entries"]["optimizer"]["state"]["param_groups"][0]
+
+
+def _scheduler_state(index):
+    return index["tree"]["entries"]["scheduler"]["state"]
+
+
+HOSTILE_HYPER_PARAMETERS = {
+    # name: (optimizer, scheduler, edit of the index, what the error names)
+    "lr as a string": ("adam", "step", lambda i: _group(i).update(lr="0.01"),
+                       r"param_groups\[0\]\.lr is a str"),
+    "differentiable added to a fused AdamW": (
+        "adamw-fused", "lambda", lambda i: _group(i).update(differentiable=True),
+        r"param_groups\[0\]\.differentiable is True"),
+    "fused turned on": ("adam", "step", lambda i: _group(i).update(fused=True),
+                        r"param_groups\[0\]\.fused is True, the optimizer's None"),
+    "foreach turned off": ("sgd", "onecycle", lambda i: _group(i).update(foreach=False),
+                           r"param_groups\[0\]\.foreach is False"),
+    "a key the optimizer lacks": ("sgd", "step", lambda i: _group(i).update(betas=[0.9, 0.99]),
+                                  r"param_groups\[0\] has betas"),
+    "a key the optimizer needs removed": ("adam", "step", lambda i: _group(i).pop("eps"),
+                                          r"param_groups\[0\] lacks eps"),
+    "betas of three": ("adam", "step",
+                       lambda i: _group(i).update(betas={"$tuple": [0.9, 0.99, 0.5]}),
+                       r"param_groups\[0\]\.betas is not a list of 2"),
+    "a beta as a string": ("adam", "step", lambda i: _group(i).update(betas=["0.9", 0.99]),
+                           r"param_groups\[0\]\.betas\[0\] is a str"),
+    "weight decay as None": ("sgd", "step", lambda i: _group(i).update(weight_decay=None),
+                             r"param_groups\[0\]\.weight_decay is None"),
+    "maximize as a number": ("adam", "step", lambda i: _group(i).update(maximize=1),
+                             r"param_groups\[0\]\.maximize is 1"),
+    "a scheduler's bound that is not a number": (
+        "sgd", "onecycle", lambda i: _group(i).update(max_lr="0.1"),
+        r"param_groups\[0\]\.max_lr is a str"),
+    "a scheduler's bound the optimizer lacks, not a number": (
+        "adam", "step", lambda i: _group(i).update(max_lr=[1]), r"max_lr is a list, not a number"),
+    "a scheduler's gamma as a string": ("adam", "step",
+                                        lambda i: _scheduler_state(i).update(gamma="x"),
+                                        r"saved gamma is a str"),
+    "a lambda's state as a number": ("adam", "lambda",
+                                     lambda i: _scheduler_state(i).update(lr_lambdas=[3]),
+                                     r"saved lr_lambdas\[0\] is 3"),
+    "a one-cycle phase's bound as a number": (
+        "sgd", "onecycle", lambda i: _scheduler_state(i)["_schedule_phases"][0].update(start_lr=1),
+        r"_schedule_phases\[0\]\.start_lr is 1"),
+    "a sequence's inner scheduler with a key too many": (
+        "adam", "sequential", lambda i: _scheduler_state(i)["_schedulers"][1].update(optimizer=1),
+        r"_schedulers\[1\] has optimizer"),
+    "a sequence of one scheduler": (
+        "adam", "sequential", lambda i: _scheduler_state(i)["_schedulers"].pop(),
+        r"_schedulers is not a list of 2"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_HYPER_PARAMETERS)
+def test_hyper_parameters_of_another_type_or_structure_are_refused_before_loading(tmp_path, case):
+    """Issue 40: ``lr`` as a string, or ``differentiable`` added to a fused Adam, restored without
+    complaint and the next ``step()`` raised. The saved groups and scheduler states must now have
+    the registered objects' keys and value types (and the same kernel options): a typed error
+    naming the key, nothing loaded, training goes on."""
+    optimizer, scheduler, edit, named = HOSTILE_HYPER_PARAMETERS[case]
+    state = _training(optimizer, scheduler)
+    _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _edit_step(str(tmp_path / "ckpt"), 1, edit)
+    again = _training(optimizer, scheduler)
+    before = copy.deepcopy((again["optimizer"].state_dict(), again["scheduler"].state_dict()))
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match=named):
+            engine.restore()
+    assert diff(before, (again["optimizer"].state_dict(), again["scheduler"].state_dict())) is None
+    _step(again)
