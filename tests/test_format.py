@@ -311,6 +311,20 @@ def test_padding_is_accepted_only_in_version_5_and_only_up_to_the_next_aligned_o
             ShardReader(str(path))
 
 
+def test_verify_reports_padding_that_is_not_zero(tmp_path):
+    path = tmp_path / "v5.ackpt"
+    write_shard(path, [(b"ab", 1, False), (b"cd", 1, False)], compression=None, version=5)
+    with ShardReader(str(path)) as reader:
+        assert reader.verify() == []
+    data = bytearray(path.read_bytes())
+    data[100] = 1  # between storage 0 (at 64, 2 bytes) and storage 1 (at 128)
+    path.write_bytes(bytes(data))
+    with ShardReader(str(path)) as reader:
+        assert reader.verify() == [f"{path}: the 62 bytes of padding before storage 1 are not "
+                                   "zero (damaged on disk, or written by something else)"]
+    assert read_storages(path) == [b"ab", b"cd"]  # padding means nothing to a reader
+
+
 def test_padding_between_chunks_of_one_storage_is_damage(tmp_path):
     """Only a storage's first chunk may follow padding: the rest of it is contiguous, so that it
     maps as one run of bytes."""
