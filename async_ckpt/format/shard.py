@@ -189,7 +189,9 @@ class ShardWriter:
         self.version = version
         self._encoders = [encoder] + [encoder.twin() for _ in range(workers - 1)]
         self._pool = ThreadPoolExecutor(workers, "shard-encode") if workers else None
-        self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size)
+        self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size),
+        # or (None, None, 0): pad there (version 5)
+        self._encoding = 0  # futures in _pending: chunks being encoded, each with its encoder
         self._submitted = 0
         self._chunk_bytes = chunk_bytes
         self._sink = sink if isinstance(sink, ShardSink) else new_shard_file(os.fspath(sink))
@@ -230,10 +232,11 @@ class ShardWriter:
             if self._pool is None:
                 self._append(chunks, len(raw), *_encoded(self._encoders[0], raw, itemsize, is_float))
                 continue
-            while len(self._pending) >= len(self._encoders):
+            while self._encoding >= len(self._encoders):
                 self._write_oldest()
             encoder = self._encoders[self._submitted % len(self._encoders)]  # free: its last
             self._submitted += 1  # chunk was written by the loop above
+            self._encoding += 1
             self._pending.append((self._pool.submit(_encoded, encoder, raw, itemsize, is_float),
                                   chunks, len(raw)))
 
@@ -242,6 +245,7 @@ class ShardWriter:
         if future is None:
             self._pad()
         else:
+            self._encoding -= 1
             self._append(chunks, raw, *future.result())
 
     def _pad(self) -> None:
@@ -293,6 +297,7 @@ class ShardWriter:
                     future.cancel()
             self._pool.shutdown(wait=True)  # a chunk being encoded still reads its memory
             self._pending.clear()
+            self._encoding = 0
 
 
 class ShardReader:
