@@ -52,6 +52,7 @@ from hypothesis import strategies as st
 # --- the on-disk format, from docs/FORMAT.md (not imported from the library under test) ---------
 
 HEADER_SIZE = 16
+STORAGE_ALIGNMENT = 64  # version 5: each storage's first chunk at a multiple of it
 TRAILER = struct.Struct("<QQQ8s")  # index offset, index length, xxh3-64 of the index, magic
 TRAILER_MAGIC = b"ACKPTEND"
 MANIFEST = "manifest.json"
@@ -909,6 +910,8 @@ def rebuild_shard(p: Pristine, alias: str, edits: dict) -> tuple[bytes, str]:
     body = bytearray(shard.data[:HEADER_SIZE])
     for i, s in enumerate(index["storages"]):
         for j, c in enumerate(s.get("chunks", ())):
+            if j == 0 and index["format_version"] >= 5:  # each storage aligned, zeros before it
+                body += bytes(-len(body) % STORAGE_ALIGNMENT)
             stored = shard.data[c["offset"]:c["offset"] + c["stored"]]
             if (i, j) in edits:
                 stored = edits[i, j](c, stored)
@@ -969,11 +972,61 @@ def tensor_bytes_replaced(p: Pristine, alias: str, si: int, offset: int, width: 
     return rebuild_shard(p, alias, edits)
 
 
+@dataclass(frozen=True, repr=False)
+class MisalignedViews(Mutation):
+    """A shard laid out again as an older version writes it (4: chunks back to back, no
+    alignment) behind a filler storage of ``shift`` bytes, so that its storages start off their
+    dtypes' alignment; and tensor ``retype`` (if any) made a stride-0 view of ``length`` elements
+    of ``dtype`` (the view of issue 40 whose ``clone`` crashed on a misaligned mapping)."""
+
+    shard: str
+    shift: int
+    retype: Optional[int] = None
+    dtype: str = "complex128"
+    length: int = 1000346
+
+    relaxed = True  # other storages numbers and, retyped, other data
+
+    def __repr__(self):
+        what = "" if self.retype is None else (
+            f", tensor {self.retype} as {self.dtype}[{self.length}] stride 0")
+        return f"MisalignedViews({self.shard}: storages shifted by {self.shift}{what})"
+
+    def apply(self, p, root, ctx):
+        shard = p.shard_by_alias(self.shard)
+        index = copy.deepcopy(shard.index)
+        area = [bytes(self.shift)]
+        position = HEADER_SIZE + self.shift
+        for storage in index["storages"]:
+            for chunk in storage.get("chunks", ()):
+                area.append(shard.data[chunk["offset"]:chunk["offset"] + chunk["stored"]])
+                chunk["offset"] = position
+                position += chunk["stored"]
+        filler = {"nbytes": self.shift, "itemsize": 1, "float": False, "chunks": [
+            {"offset": HEADER_SIZE, "stored": self.shift, "raw": self.shift,
+             "xxh3": xxhash.xxh3_64_hexdigest(bytes(self.shift)), "codec": "raw"}]}
+        index["storages"].insert(0, filler)
+        for t in index["tensors"]:
+            if type(t.get("storage")) is int and "rank" not in t:
+                t["storage"] += 1
+        if self.retype is not None and self.retype < len(index["tensors"]):
+            t = index["tensors"][self.retype]
+            if type(t.get("storage")) is int:
+                t.update(dtype=self.dtype, shape=[self.length], stride=[0], offset=0)
+        index["format_version"] = 4
+        header = shard.data[:8] + struct.pack("<II", 4, 0)
+        data, digest = rewrite_shard(header + b"".join(area), index_bytes(index))
+        _write(os.path.join(root, shard.relpath), data)
+        _write(os.path.join(root, MANIFEST),
+               manifest_bytes(fix_manifest(p.manifest, shard.dir, len(data), digest)))
+
+
 # --- strategies -------------------------------------------------------------------------------
 
 MUTATION_KINDS = ["byte_flip", "truncate", "index_json", "manifest_json", "replace_file",
-                  "chunk_data"]
-RESTORE_ONLY_KINDS = ["rng_state"]  # only restore() loads generator states
+                  "chunk_data", "misaligned_view"]
+RESTORE_ONLY_KINDS = ["rng_state", "hyper_parameter"]  # only restore() loads generator states,
+# and checks hyper-parameters against live objects
 _FLIP_FILES = [MANIFEST, "step1-shard", "step2-shard"]
 
 
@@ -1088,12 +1141,56 @@ def _rng_states(p):
     return st.one_of(edits, positions, positions, tensor_bytes)
 
 
+WIDE_DTYPES = ["complex128", "complex64", "float64", "int64", "float32", "int32", "bfloat16",
+               "complex32"]
+
+
+def _misaligned_views(p):
+    return st.builds(
+        MisalignedViews, st.sampled_from(sorted(p.shards)), st.integers(1, 63),
+        st.one_of(st.none(), st.integers(0, 12)), st.sampled_from(WIDE_DTYPES),
+        st.one_of(st.just(1000346), st.integers(1, 64), st.just(2**40), st.just(2**61)))
+# (lengths: issue 40's view, small ones, more than memory once copied whole, more than a tensor
+# can hold once copied whole; not a few GB, which an export with that much memory copies, slowly)
+
+
+_OPTIMIZER = ("tree", "entries", "optimizer", "state")
+_SCHEDULER = ("tree", "entries", "scheduler", "state")
+_KERNEL_OPTIONS = ["differentiable", "fused", "foreach", "capturable"]
+WRONG_TYPED = [_py("0.01"), _py(None), _py(True), _py(False), _py([0.9, 0.999, 0.5]), _py([]),
+               _py({"$tuple": ["0.9", 0.999]}), _py({"a": 1}), _py(-1), _py(10**30),
+               _py({"$int": "0x" + "f" * 40}), _py({"$bytes": "AA=="}), _py(1e308),
+               _py({"$float": "nan"}), _py({"$tensor": 0})]
+
+
+def _hyper_parameters(p):
+    """Hyper-parameters of another type (or a key too many or too few) in the newest snapshot's
+    optimizer groups and scheduler state, and the optimizer's kernel options turned on."""
+    alias = f"step{STEPS[-1]}-shard"
+    index = p.shard_by_alias(alias).index
+    group = _OPTIMIZER + ("param_groups", 0)
+    group_keys = sorted(k for k in _node(index, group) if k != "params")
+    scheduler_keys = sorted(_node(index, _SCHEDULER))
+    replaced = st.builds(lambda path, value: IndexEdit(alias, path, "replace", value),
+                         st.one_of(st.sampled_from([group + (k,) for k in group_keys]),
+                                   st.sampled_from([_SCHEDULER + (k,) for k in scheduler_keys])),
+                         st.sampled_from(WRONG_TYPED))
+    kernel = st.builds(lambda key, value: IndexEdit(alias, group, "add_key", _py(value), key),
+                       st.sampled_from(_KERNEL_OPTIONS + ["bogus"]),
+                       st.sampled_from([True, False, None]))
+    removed = st.sampled_from([group + (k,) for k in group_keys]
+                              + [_SCHEDULER + (k,) for k in scheduler_keys]).map(
+        lambda path: IndexEdit(alias, path, "delete"))
+    return st.one_of(replaced, replaced, kernel, removed)
+
+
 def mutation_strategy(p: Pristine, kind: str) -> st.SearchStrategy:
     """The strategy of one kind of mutation of ``p`` (see MUTATION_KINDS), or of all of them."""
     if kind not in p._strategies:
         make = {"byte_flip": _byte_flips, "truncate": _truncations, "index_json": _index_edits,
                 "manifest_json": _manifest_edits, "replace_file": _replacements,
-                "chunk_data": _chunk_data, "rng_state": _rng_states}
+                "chunk_data": _chunk_data, "rng_state": _rng_states,
+                "misaligned_view": _misaligned_views, "hyper_parameter": _hyper_parameters}
         p._strategies[kind] = (st.one_of(*(m(p) for m in make.values())) if kind == "any"
                                else make[kind](p))
     return p._strategies[kind]

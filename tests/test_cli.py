@@ -257,9 +257,9 @@ def test_verify_reports_a_shard_of_an_unknown_format_version(capsys, ckpt):
     path = shard_path(ckpt, 30)
     with open(path, "r+b") as f:
         f.seek(8)
-        f.write(struct.pack("<I", 5))
+        f.write(struct.pack("<I", 6))
     code, out, _ = run(capsys, "verify", ckpt)
-    assert code == 1 and "format version 5" in out
+    assert code == 1 and "format version 6" in out
     assert "restore() would pick step 20" in out
 
 
@@ -479,6 +479,27 @@ def test_export_bounds_the_copies_it_makes_before_making_them(capsys, tmp_path, 
     code, _, err = run(capsys, "export", tmp_path / "ckpt", to, target)
     assert code == 1 and "needs 274.88 GB of host memory" in one_error_line(err)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("to", ["--to", "--to-dcp"])
+def test_export_refuses_a_tensor_too_large_to_copy_whole_in_one_line(capsys, tmp_path, to):
+    """Issue 40: a stride-0 tensor of shape [2^31, 2^31] is 2^64 bytes whole, past what torch's
+    size arithmetic holds: its ``nbytes`` wrapped to 0, the memory check passed, and the copy
+    failed with an untyped RuntimeError. Now: a typed one-line error, naming it, nothing
+    written; the .pt export it advises keeps the view as it is."""
+    state = {"model": {"e": torch.ones(1).expand(2**31, 2**31)}}
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    target = tmp_path / ("m.safetensors" if to == "--to" else "dcp")
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", "--only", "model", to, target)
+    line = one_error_line(err)
+    assert code == 2 and "[2147483648, 2147483648] of float32" in line
+    assert "more than a tensor can hold" in line and "export to a .pt file" in line
+    assert (to == "--to") == ("tensor e " in line)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    code, out, _ = run(capsys, "export", tmp_path / "ckpt", "--only", "model", "--to",
+                       tmp_path / "m.pt")
+    assert code == 0 and torch.load(tmp_path / "m.pt")["e"].stride() == (0, 0)
 
 
 def test_a_deep_tree_of_long_keys_is_shown_and_exported_in_bounded_memory(capsys, tmp_path):

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, TRAILER_MAGIC, TRAILER_SIZE, ChunkCache,
-                               ChunkEncoder, ShardReader, ShardWriter)
+from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, STORAGE_ALIGNMENT, TRAILER_MAGIC,
+                                    TRAILER_SIZE, ChunkCache, ChunkEncoder, ShardReader,
+                                    ShardWriter, version_needed)
 
 META = {"step": 7, "rank": 0}
 SMALL_CHUNK = 4096
@@ -41,10 +42,11 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def write_shard(path, storages, compression="zstd", chunk_bytes=SMALL_CHUNK, meta=META, workers=0):
+def write_shard(path, storages, compression="zstd", chunk_bytes=SMALL_CHUNK, meta=META, workers=0,
+                version=1):
     """Write ``storages`` (a list of (data, itemsize, is_float)) and return finish()'s result."""
     writer = ShardWriter(str(path), ChunkEncoder(compression), chunk_bytes=chunk_bytes,
-                         workers=workers)
+                         workers=workers, version=version)
     for data, itemsize, is_float in storages:
         writer.add_storage(memoryview(as_bytes(data)), itemsize, is_float)
     return writer.finish(dict(meta))
@@ -229,6 +231,111 @@ def test_golden_bytes_of_a_tiny_raw_file(tmp_path):
     assert path.read_bytes() == expected
     assert (size, digest) == (len(expected), f"{index_digest:016x}")
     assert xxhash.xxh3_64_hexdigest(payload) == "3a1c2d7c85af88f8"
+
+
+def test_golden_bytes_of_a_version_5_file(tmp_path):
+    """Version 5 pins where the padding goes: each storage's first chunk at the next multiple of
+    64 (zero bytes before it), chunks of one storage back to back, the index right after the
+    last chunk, and no padding for a storage without chunks."""
+    a, b = bytes(range(8)), bytes(range(100, 170))  # b: 70 bytes, two chunks of 64 and 6
+    path = tmp_path / "golden5.ackpt"
+    size, digest = write_shard(path, [(a, 1, False), (b"", 1, False), (b, 2, False)],
+                               compression=None, chunk_bytes=64, meta={"step": 7}, version=5)
+
+    header = b"ACKPT\x00\r\n" + struct.pack("<II", 5, 0)
+    index = {
+        "format_version": 5,
+        "byteorder": sys.byteorder,
+        "step": 7,
+        "storages": [
+            {"nbytes": 8, "itemsize": 1, "float": False, "chunks": [
+                {"offset": 64, "stored": 8, "raw": 8, "xxh3": "3a1c2d7c85af88f8", "codec": "raw"}]},
+            {"nbytes": 0, "itemsize": 1, "float": False, "chunks": []},
+            {"nbytes": 70, "itemsize": 2, "float": False, "chunks": [
+                {"offset": 128, "stored": 64, "raw": 64, "xxh3": xxhash.xxh3_64_hexdigest(b[:64]),
+                 "codec": "raw"},
+                {"offset": 192, "stored": 6, "raw": 6, "xxh3": xxhash.xxh3_64_hexdigest(b[64:]),
+                 "codec": "raw"}]}],
+    }
+    blob = json.dumps(index, separators=(",", ":")).encode()
+    trailer = struct.pack("<QQQ", 198, len(blob), xxhash.xxh3_64_intdigest(blob)) + b"ACKPTEND"
+    expected = header + bytes(48) + a + bytes(56) + b + blob + trailer
+
+    assert STORAGE_ALIGNMENT == 64
+    assert path.read_bytes() == expected
+    assert (size, digest) == (len(expected), f"{xxhash.xxh3_64_intdigest(blob):016x}")
+    assert read_storages(path) == [a, b"", b]
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_version_5_aligns_every_storage_whatever_the_chunk_sizes(tmp_path, workers):
+    """Compressed chunks end anywhere; the next storage still starts aligned, also when chunks
+    are encoded on threads and written in order."""
+    path = tmp_path / "v5.ackpt"
+    write_shard(path, mixed_storages() * 2, workers=workers, version=5)
+    index = index_of(path)
+    firsts = [s["chunks"][0]["offset"] for s in index["storages"] if s["chunks"]]
+    assert len(firsts) == 8 and all(offset % STORAGE_ALIGNMENT == 0 for offset in firsts)
+    assert read_storages(path) == [as_bytes(d) for d, _, _ in mixed_storages() * 2]
+
+
+def test_the_writer_uses_version_5_exactly_when_the_shard_stores_bytes():
+    """Padding is what an older reader would refuse as damage, so the version says it's there;
+    a shard without stored chunks (values only, or only references) keeps the older version."""
+    assert version_needed(False, stores_bytes=True) == 5
+    assert version_needed(True, True, True, stores_bytes=True) == 5
+    assert [version_needed(False), version_needed(True), version_needed(True, True),
+            version_needed(True, True, True)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("version,first_offset,ok", [
+    (5, 64, True), (5, 16, False), (5, 128, False), (5, 32, False),
+    (4, 64, False), (4, 16, True)])
+def test_padding_is_accepted_only_in_version_5_and_only_up_to_the_next_aligned_offset(
+        tmp_path, version, first_offset, ok):
+    payload = bytes(range(8))
+    path = tmp_path / "padded.ackpt"
+    index = {"format_version": version, "byteorder": sys.byteorder, "storages": [
+        {"nbytes": 8, "itemsize": 1, "float": False, "chunks": [
+            {"offset": first_offset, "stored": 8, "raw": 8,
+             "xxh3": xxhash.xxh3_64_hexdigest(payload), "codec": "raw"}]}]}
+    blob = json.dumps(index).encode()
+    area = bytes(first_offset - 16) + payload
+    path.write_bytes(b"ACKPT\x00\r\n" + struct.pack("<II", version, 0) + area + blob
+                     + struct.pack("<QQQ", 16 + len(area), len(blob), xxhash.xxh3_64_intdigest(blob))
+                     + b"ACKPTEND")
+    if ok:
+        assert read_storages(path) == [payload]
+    else:
+        with pytest.raises(CorruptSnapshotError, match="storage 0 chunk 0 is not where"):
+            ShardReader(str(path))
+
+
+def test_verify_reports_padding_that_is_not_zero(tmp_path):
+    path = tmp_path / "v5.ackpt"
+    write_shard(path, [(b"ab", 1, False), (b"cd", 1, False)], compression=None, version=5)
+    with ShardReader(str(path)) as reader:
+        assert reader.verify() == []
+    data = bytearray(path.read_bytes())
+    data[100] = 1  # between storage 0 (at 64, 2 bytes) and storage 1 (at 128)
+    path.write_bytes(bytes(data))
+    with ShardReader(str(path)) as reader:
+        assert reader.verify() == [f"{path}: the 62 bytes of padding before storage 1 are not "
+                                   "zero (damaged on disk, or written by something else)"]
+    assert read_storages(path) == [b"ab", b"cd"]  # padding means nothing to a reader
+
+
+def test_padding_between_chunks_of_one_storage_is_damage(tmp_path):
+    """Only a storage's first chunk may follow padding: the rest of it is contiguous, so that it
+    maps as one run of bytes."""
+    path = tmp_path / "v5.ackpt"
+    write_shard(path, [(random_bytes(100), 1, False)], compression=None, chunk_bytes=64, version=5)
+    index = index_of(path)
+    index["storages"][0]["chunks"][1]["offset"] += 64
+    bad = tmp_path / "bad.ackpt"
+    rewrite_index(path, bad, index)
+    with pytest.raises(CorruptSnapshotError, match="chunk 1 is not where"):
+        ShardReader(str(bad))
 
 
 def test_header_and_trailer_layout(mixed_file):

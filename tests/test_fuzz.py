@@ -30,9 +30,12 @@ incremental snapshot whose shard refers to step 1's chunks, so that the referenc
 manifest's ``refers`` are fuzzed too) and keeps its bytes in memory; every case
 copies them into a fresh sandbox, applies ONE mutation (``fuzzing.MUTATION_KINDS``: byte flips,
 truncation, shard-index JSON edits with trailer and manifest fixed up, manifest JSON edits,
-files replaced by directories/FIFOs/symlinks or deleted, and chunk data rewritten with checksums
+files replaced by directories/FIFOs/symlinks or deleted, shards laid out again with storages off
+their dtypes' alignment and tensors retyped to wide stride-0 views (``misaligned_view``), and chunk
+data rewritten with checksums
 fixed up: zstd frames replaced by bombs and broken frames, tensor bytes such as a generator's
-state overwritten; for restore() also crafted generator states: ``rng_state``) and runs the
+state overwritten; for restore() also crafted generator states, ``rng_state``, and optimizer and
+scheduler hyper-parameters of other types, ``hyper_parameter``) and runs the
 targets. Each kind has its own load+CLI test and restore test (one engine per test function), so
 one failing kind does not hide the others.
 
@@ -51,7 +54,7 @@ and Hypothesis reports distinct bugs separately.
 
 Environment:
 
-- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 13 test functions and both pristine
+- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 16 test functions and both pristine
   checkpoints (default 300); setting it
   also drops the fixed seed unless ``ASYNC_CKPT_FUZZ_SEED`` is set.
 - ``ASYNC_CKPT_FUZZ_KEEP_GOING=1``: do not stop at the first failing case of a test; record every
@@ -80,6 +83,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, seed, settings
 
 import async_ckpt
@@ -358,6 +362,23 @@ def run_cli(case: Case, words: list[str]) -> str:
     return f"exit:{code}"
 
 
+def _cloned(loaded: tuple) -> tuple:
+    """``load()``'s result with every tensor cloned: what torch's kernels do with a mapped view
+    (a misaligned one crashed them, issue 40)."""
+    step, state = loaded
+
+    def clone(v):  # in place: the containers keep their types (a module state's _metadata)
+        if isinstance(v, torch.Tensor):  # a corner of the view, where the tensor is huge
+            # (a crafted stride-0 one): the kernels see the same address, the copy stays small
+            return v.clone() if v.numel() <= 2**20 else v[(slice(0, 2),) * v.dim()].clone()
+        if isinstance(v, (dict, list)):
+            for k in (v if isinstance(v, dict) else range(len(v))):
+                v[k] = clone(v[k])
+        return v
+
+    return step, clone(state)
+
+
 def run_load_cli_case(test: str, mutation: fz.Mutation, p: fz.Pristine, log: fz.FuzzLog,
                       sandbox_root: str) -> None:
     sandbox = fz.Sandbox(sandbox_root)
@@ -369,7 +390,9 @@ def run_load_cli_case(test: str, mutation: fz.Mutation, p: fz.Pristine, log: fz.
             mutation.apply(p, root, sandbox.ctx)
             for target, fn, allowed in (
                     ("load(dir)", lambda: async_ckpt.load(root), (2, 1)),
-                    ("load(dir, step=1)", lambda: async_ckpt.load(root, step=1), (1,))):
+                    ("load(dir, step=1)", lambda: async_ckpt.load(root, step=1), (1,)),
+                    ("load(dir, mmap=True), every tensor cloned",
+                     lambda: _cloned(async_ckpt.load(root, mmap=True)), (2, 1))):
                 outcome = check_load(case, target, case.call(target, fn), allowed, p.refs)
                 log.outcome(test, target, outcome)
                 event(f"{target}: {outcome}")

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 
@@ -357,7 +358,7 @@ def test_a_scheduler_state_with_keys_of_its_own_is_refused(pristine, root, edit)
     state = make_state(7)
     before = dict(vars(state["scheduler"]))
     with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
-        with pytest.raises(StateMismatchError, match="scheduler state has keys"):
+        with pytest.raises(StateMismatchError, match="saved state has .*which the registered"):
             engine.restore()
     assert vars(state["scheduler"]) == before and state["scheduler"].optimizer is state["optimizer"]
 
@@ -458,23 +459,35 @@ except CheckpointDirError as e:
 """
 
 
-def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_path):
+@pytest.mark.parametrize("kind", ["device", "fifo", "symlink to a device"])
+def test_a_device_planted_as_the_lock_file_is_refused_without_being_opened(tmp_path, kind):
     """Issue 28, finding 6: a character device at ``.lock-rank00000`` was opened O_RDWR|O_CREAT
-    (opening a device can act) and only then found not to be a file. The trace shows it is
-    refused before any open but the exclusive create, which fails."""
+    (opening a device can act) and only then found not to be a file. Issue 40: not even an open
+    that would fail (the exclusive create), and no check-then-open race: the trace shows the
+    name opened only with O_PATH, then refused (a typed error). A copy of /dev/null's device
+    numbers needs CAP_MKNOD (root here): skipped where mknod is refused."""
     root = tmp_path / "ckpt"
     root.mkdir()
-    try:
-        os.mknod(root / ".lock-rank00000", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    except PermissionError:
-        os.mkfifo(root / ".lock-rank00000")  # no CAP_MKNOD: a FIFO is refused the same way
+    planted = root / ".lock-rank00000"
+    if kind == "fifo":
+        os.mkfifo(planted)
+    else:
+        device = planted if kind == "device" else tmp_path / "device"
+        try:
+            os.mknod(device, 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD, which this process lacks")
+        if device != planted:
+            os.symlink(device, planted)
     trace = tmp_path / "trace.txt"
     done = subprocess.run([shutil.which("strace"), "-f", "-e", "trace=openat", "-o", str(trace),
                            sys.executable, "-c", PLANTED_LOCK, str(root)], capture_output=True,
                           text=True, timeout=120)
     assert "refused:" in done.stdout and "is not a regular file" in done.stdout, done.stderr[-2000:]
-    opens = [line for line in trace.read_text().splitlines() if ".lock-rank00000" in line]
-    assert opens and all("O_EXCL" in line and "EEXIST" in line for line in opens), opens
+    opens = [line for line in trace.read_text().splitlines()
+             if ".lock-rank00000" in line or str(tmp_path / "device") in line]
+    assert opens and all("O_PATH" in line and "O_NOFOLLOW" in line for line in opens), opens
+    assert not any(mode in line for line in opens for mode in ("O_RDWR", "O_WRONLY", "O_CREAT"))
 
 
 def test_a_manifest_the_reader_would_refuse_is_never_written(root):
@@ -603,3 +616,283 @@ def test_inspect_says_which_file_and_entry_hold_a_value_the_walker_refuses(prist
     code, out, err = run_cli(capsys, "inspect", root, "--step", "2")
     assert code == 1 and pristine.shards[STEP2].relpath.split("/")[-1] in err
     assert "malformed state tree near" in err
+
+
+# --- misaligned mapped views (issue 40) -------------------------------------------------------
+
+def _every_dtype_state() -> dict:
+    """One tensor of every dtype a snapshot may hold (``tensors.DTYPES``), of known bytes, plus
+    the stride-0 complex128 view that crashed export (``clone`` of a view 8 bytes off its
+    16-byte alignment)."""
+    from async_ckpt.tensors import DTYPES
+    g = torch.Generator().manual_seed(40)
+    state = {}
+    for name, dtype in DTYPES.items():
+        t = torch.empty(6, dtype=dtype)
+        bytes_ = t.view(torch.uint8)
+        bytes_.copy_(torch.randint(0, 2 if dtype == torch.bool else 256, bytes_.shape,
+                                   dtype=torch.uint8, generator=g))
+        state[name] = t
+    state["expanded"] = torch.full((1,), 1 + 2j, dtype=torch.complex128).expand(1000346)
+    return state
+
+
+def _relaid_misaligned(root: str, misalignment: int) -> None:
+    """Rewrite step 1's shard as an older reader's file (version 1: chunks back to back) in which
+    every storage starts ``misalignment`` bytes past a multiple of 16 (a filler storage before
+    each), manifest fixed up: what an old file, or a crafted one, may hold."""
+    from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
+    record = read_manifest(root).find(1)
+    path = os.path.join(root, record.dir, record.shards[0].file)
+    with ShardReader(path) as reader:
+        index = reader.index
+        contents = []
+        for i, s in enumerate(index["storages"]):
+            out = bytearray(s["nbytes"])
+            reader.read_storage(i, out)
+            contents.append(out)
+    os.unlink(path)
+    writer = ShardWriter(path, ChunkEncoder(None), version=1)
+    offset, number = 16, {}
+    for i, data in enumerate(contents):
+        filler = (misalignment - offset) % 16 or 16
+        writer.add_storage(memoryview(bytes(filler)), 1, False)
+        number[i] = 2 * i + 1
+        writer.add_storage(memoryview(data), 1, False)  # element size 1, as for a storage that
+        # tensors of several dtypes view: the storage's own fields say nothing of alignment
+        offset += filler + len(data)
+    tensors = [dict(t, storage=None if t["storage"] is None else number[t["storage"]])
+               for t in index["tensors"]]
+    size, digest = writer.finish({k: index[k] for k in ("step", "rank", "world_size", "created",
+                                                         "tree")} | {"tensors": tensors})
+    write_manifest_doc(root, fix_manifest(manifest_doc(root), record.dir, size, digest))
+
+
+@pytest.mark.parametrize("misalignment", range(1, 16))
+def test_a_misaligned_storage_is_never_handed_to_torch_as_a_misaligned_view(tmp_path, misalignment):
+    """Issue 40: a mapped view is as aligned as the file put it; torch's kernels assume a dtype's
+    alignment (complex128: 16 bytes) and an export's ``clone`` died of SIGSEGV. Every dtype at
+    every misalignment: ``load(mmap=True)`` gives aligned tensors, equal to what was saved, that
+    clone. In-process on purpose: a crash kills the test run."""
+    state = _every_dtype_state()
+    root = str(tmp_path / "ckpt")
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _relaid_misaligned(root, misalignment)
+    for mmap in (True, False):
+        step, loaded = load(root, mmap=mmap, verify=True)
+        assert step == 1 and loaded.keys() == state.keys()
+        for name, saved in state.items():
+            got = loaded[name]
+            assert got.dtype == saved.dtype and got.shape == saved.shape
+            assert got.data_ptr() % got.element_size() == 0, (name, mmap)
+            copy_ = got.clone()
+            assert copy_.view(torch.uint8).equal(saved.clone().view(torch.uint8)), (name, mmap)
+
+
+def test_the_misaligned_view_of_the_issue_exports_to_safetensors(tmp_path, capsys):
+    """Issue 40 as reported: `async-ckpt export --to x.safetensors` of a snapshot holding a
+    stride-0 complex128 view 8 bytes off its alignment died of SIGSEGV in the export's clone.
+    Now the copy is made, and safetensors (which has no complex128) refuses it in one line."""
+    state = {"x": torch.full((1,), 1 + 2j, dtype=torch.complex128).expand(1000346)}
+    root = str(tmp_path / "ckpt")
+    with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _relaid_misaligned(root, 8)
+    code, out, err = run_cli(capsys, "export", root, "--to", str(tmp_path / "x.safetensors"))
+    assert code == 2 and err.count("\n") == 1 and "safetensors cannot hold" in err, err
+    code, out, err = run_cli(capsys, "export", root, "--to", str(tmp_path / "x.pt"))
+    assert code == 0 and torch.load(tmp_path / "x.pt")["x"].equal(state["x"])
+
+
+def test_a_tensor_record_over_misaligned_memory_is_built_over_an_aligned_copy():
+    """The last line of defence: whatever buffer a record views, the tensor built on it is
+    aligned for its dtype (a copy of the bytes it views where the buffer is not)."""
+    from async_ckpt.read.snapshot import _tensor_from_record
+    backing = torch.arange(64, dtype=torch.uint8)
+    buffer = backing[8:]  # 8 bytes off the allocation's 64-byte alignment
+    record = {"storage": 0, "offset": 16, "dtype": "complex128", "shape": [3, 2], "stride": [0, 1]}
+    t = _tensor_from_record(record, {(0, 0): buffer}, 0, "shard", 0)
+    assert t.data_ptr() % 16 == 0 and t.stride() == (0, 1)
+    assert t.clone().view(torch.uint8).reshape(-1).equal(backing[24:56].repeat(3))
+
+
+# --- hyper-parameters of the wrong type or structure (issue 40) --------------------------------
+
+def _edit_step(root, step, edit):
+    """Rewrite the shard of ``step`` (one rank) with ``edit(index)`` applied, trailer and
+    manifest fixed up."""
+    record = read_manifest(root).find(step)
+    path = os.path.join(root, record.dir, record.shards[0].file)
+    data = open(path, "rb").read()
+    offset, length = struct.unpack("<QQ", data[-32:-16])
+    index = json.loads(data[offset:offset + length])
+    edit(index)
+    data, digest = rewrite_shard(data[:offset], json.dumps(index, separators=(",", ":")).encode())
+    with open(path, "wb") as f:
+        f.write(data)
+    write_manifest_doc(root, fix_manifest(manifest_doc(root), record.dir, len(data), digest))
+
+
+def _training(optimizer: str, scheduler: str) -> dict:
+    """A model, a torch optimizer and scheduler of the given kinds, after two steps."""
+    from torch.optim import lr_scheduler as lrs
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = {"adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+           "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+           "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[optimizer](model.parameters())
+    sched = {"step": lambda o: lrs.StepLR(o, step_size=2, gamma=0.5),
+             "lambda": lambda o: lrs.LambdaLR(o, lambda epoch: 0.9 ** epoch),
+             "onecycle": lambda o: lrs.OneCycleLR(o, max_lr=0.1, total_steps=20),
+             "sequential": lambda o: lrs.SequentialLR(
+                 o, [lrs.ConstantLR(o, factor=0.5, total_iters=2), lrs.ExponentialLR(o, 0.9)],
+                 milestones=[2])}[scheduler](opt)
+    return {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+def _step(state):
+    state["model"](torch.ones(4, 3)).sum().backward()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+    state["scheduler"].step()
+
+
+COMBINATIONS = [("adam", "step"), ("adamw-fused", "lambda"), ("sgd", "onecycle"),
+                ("adam", "sequential")]
+
+
+@pytest.mark.parametrize("optimizer,scheduler", COMBINATIONS)
+def test_hyper_parameters_of_real_optimizers_and_schedulers_round_trip(tmp_path, optimizer,
+                                                                       scheduler):
+    """What the checks must let through: every saved group and scheduler state, into objects
+    built alike; training continues exactly as if never interrupted."""
+    state = _training(optimizer, scheduler)
+    for _ in range(2):
+        _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(2, force=True)
+    _step(state)
+    again = _training(optimizer, scheduler)
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        assert engine.restore() == 2
+    _step(again)
+    assert diff(state["model"].state_dict(), again["model"].state_dict()) is None
+    assert state["scheduler"].get_last_lr() == again["scheduler"].get_last_lr()
+
+
+def test_an_optimizer_restores_without_the_scheduler_it_was_saved_with_and_with_one(tmp_path):
+    """What a scheduler adds to its optimizer's groups (``initial_lr``, OneCycleLR's bounds) is
+    not the optimizer's structure: an optimizer restores without it, and with it."""
+    state = _training("sgd", "onecycle")
+    _step(state)
+    with CheckpointEngine(tmp_path / "a", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    with CheckpointEngine(tmp_path / "b", {"model": state["model"],
+                                           "optimizer": state["optimizer"]},
+                          heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    plain = _training("sgd", "onecycle")
+    del plain["scheduler"]
+    plain["optimizer"] = torch.optim.SGD(plain["model"].parameters(), lr=0.1, momentum=0.9)
+    with CheckpointEngine(tmp_path / "a", plain, heartbeat_interval=None) as engine:
+        assert engine.restore(strict=False) == 1
+    assert plain["optimizer"].param_groups[0]["max_lr"] == 0.1
+    full = _training("sgd", "onecycle")
+    del full["scheduler"]
+    with CheckpointEngine(tmp_path / "b", full, heartbeat_interval=None) as engine:
+        assert engine.restore() == 1
+    _step({**full, "scheduler": torch.optim.lr_scheduler.StepLR(full["optimizer"], 1)})
+
+
+def test_an_optimizer_state_of_an_older_torch_without_newer_options_restores(tmp_path):
+    """An option a later torch added (``decoupled_weight_decay``, ``fused``) is missing from a
+    group saved by an older one: the optimizer's class fills it in, so it is not refused; one it
+    does not fill in (``eps``) is (HOSTILE_HYPER_PARAMETERS)."""
+    state = _training("adam", "step")
+    _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _edit_step(str(tmp_path / "ckpt"), 1, lambda i: [_group(i).pop(k) for k in
+                                                     ("decoupled_weight_decay", "fused")])
+    again = _training("adam", "step")
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        assert engine.restore() == 1
+    assert again["optimizer"].param_groups[0]["decoupled_weight_decay"] is False
+    _step(again)
+
+
+def _group(index):
+    return index["tree"]["entries"]["optimizer"]["state"]["param_groups"][0]
+
+
+def _scheduler_state(index):
+    return index["tree"]["entries"]["scheduler"]["state"]
+
+
+HOSTILE_HYPER_PARAMETERS = {
+    # name: (optimizer, scheduler, edit of the index, what the error names)
+    "lr as a string": ("adam", "step", lambda i: _group(i).update(lr="0.01"),
+                       r"param_groups\[0\]\.lr is a str"),
+    "differentiable added to a fused AdamW": (
+        "adamw-fused", "lambda", lambda i: _group(i).update(differentiable=True),
+        r"param_groups\[0\]\.differentiable is True"),
+    "fused turned on": ("adam", "step", lambda i: _group(i).update(fused=True),
+                        r"param_groups\[0\]\.fused is True, the optimizer's None"),
+    "foreach turned off": ("sgd", "onecycle", lambda i: _group(i).update(foreach=False),
+                           r"param_groups\[0\]\.foreach is False"),
+    "a key the optimizer lacks": ("sgd", "step", lambda i: _group(i).update(betas=[0.9, 0.99]),
+                                  r"param_groups\[0\] has betas"),
+    "a key the optimizer needs removed": ("adam", "step", lambda i: _group(i).pop("eps"),
+                                          r"param_groups\[0\] lacks eps"),
+    "betas of three": ("adam", "step",
+                       lambda i: _group(i).update(betas={"$tuple": [0.9, 0.99, 0.5]}),
+                       r"param_groups\[0\]\.betas is not a list of 2"),
+    "a beta as a string": ("adam", "step", lambda i: _group(i).update(betas=["0.9", 0.99]),
+                           r"param_groups\[0\]\.betas\[0\] is a str"),
+    "weight decay as None": ("sgd", "step", lambda i: _group(i).update(weight_decay=None),
+                             r"param_groups\[0\]\.weight_decay is None"),
+    "maximize as a number": ("adam", "step", lambda i: _group(i).update(maximize=1),
+                             r"param_groups\[0\]\.maximize is 1"),
+    "a scheduler's bound that is not a number": (
+        "sgd", "onecycle", lambda i: _group(i).update(max_lr="0.1"),
+        r"param_groups\[0\]\.max_lr is a str"),
+    "a scheduler's bound the optimizer lacks, not a number": (
+        "adam", "step", lambda i: _group(i).update(max_lr=[1]), r"max_lr is a list, not a number"),
+    "a scheduler's gamma as a string": ("adam", "step",
+                                        lambda i: _scheduler_state(i).update(gamma="x"),
+                                        r"saved gamma is a str"),
+    "a lambda's state as a number": ("adam", "lambda",
+                                     lambda i: _scheduler_state(i).update(lr_lambdas=[3]),
+                                     r"saved lr_lambdas\[0\] is 3"),
+    "a one-cycle phase's bound as a number": (
+        "sgd", "onecycle", lambda i: _scheduler_state(i)["_schedule_phases"][0].update(start_lr=1),
+        r"_schedule_phases\[0\]\.start_lr is 1"),
+    "a sequence's inner scheduler with a key too many": (
+        "adam", "sequential", lambda i: _scheduler_state(i)["_schedulers"][1].update(optimizer=1),
+        r"_schedulers\[1\] has optimizer"),
+    "a sequence of one scheduler": (
+        "adam", "sequential", lambda i: _scheduler_state(i)["_schedulers"].pop(),
+        r"_schedulers is not a list of 2"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_HYPER_PARAMETERS)
+def test_hyper_parameters_of_another_type_or_structure_are_refused_before_loading(tmp_path, case):
+    """Issue 40: ``lr`` as a string, or ``differentiable`` added to a fused Adam, restored without
+    complaint and the next ``step()`` raised. The saved groups and scheduler states must now have
+    the registered objects' keys and value types (and the same kernel options): a typed error
+    naming the key, nothing loaded, training goes on."""
+    optimizer, scheduler, edit, named = HOSTILE_HYPER_PARAMETERS[case]
+    state = _training(optimizer, scheduler)
+    _step(state)
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    _edit_step(str(tmp_path / "ckpt"), 1, edit)
+    again = _training(optimizer, scheduler)
+    before = copy.deepcopy((again["optimizer"].state_dict(), again["scheduler"].state_dict()))
+    with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
+        with pytest.raises(StateMismatchError, match=named):
+            engine.restore()
+    assert diff(before, (again["optimizer"].state_dict(), again["scheduler"].state_dict())) is None
+    _step(again)

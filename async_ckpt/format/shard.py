@@ -1,6 +1,7 @@
 """The shard file: one rank's part of a snapshot. Specified in docs/FORMAT.md; keep the two in step.
 
-Layout: a 16-byte header, the chunks of every storage back to back (no holes), a UTF-8 JSON index,
+Layout: a 16-byte header, the chunks of every storage back to back (from version 5 each storage's
+first chunk at a multiple of ``STORAGE_ALIGNMENT``, zero bytes before it), a UTF-8 JSON index,
 and a 32-byte trailer that locates and checksums the index. The index is written last so the writer
 can stream chunks without knowing their compressed sizes; a file cut short loses its trailer and is
 refused before anything is read.
@@ -36,7 +37,7 @@ from ..storage.local import new_shard_file, open_shard_file
 
 log = logging.getLogger(__name__)
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -47,16 +48,22 @@ CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compr
 MAX_CHUNK_BYTES = 1 << 30
 MAX_INDEX_BYTES = 1 << 30
 CODECS = ("raw", "zstd", "planes")
+STORAGE_ALIGNMENT = 64
+"""From version 5, the file offset of each storage's first chunk is a multiple of this: more than
+any dtype's alignment (16, complex128), so a tensor over a mapped storage is as aligned as torch's
+kernels assume (docs/FORMAT.md 3.4). The one place the file's alignment is decided."""
 
 
 def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
-                   sharded: bool = False) -> int:
+                   sharded: bool = False, stores_bytes: bool = False) -> int:
     """The format version to write a shard in: the oldest that can express it. Version 2 adds
     references to storages in other ranks' shards (state replicated across ranks is stored once),
     version 3 storages that are stored in an earlier committed snapshot (incremental snapshots),
-    version 4 sharded tensors (``dtensors``, pieces of one tensor in several ranks' shards), so a
-    shard without them stays readable by older readers."""
-    return 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1
+    version 4 sharded tensors (``dtensors``, pieces of one tensor in several ranks' shards),
+    version 5 aligned storages (``STORAGE_ALIGNMENT``; any shard that stores a chunk), so a shard
+    without them stays readable by older readers."""
+    return (5 if stores_bytes else 4 if sharded else 3 if refers_to_snapshots
+            else 2 if uses_references else 1)
 
 
 def referenced_dirs(index: dict) -> list[str]:
@@ -182,7 +189,9 @@ class ShardWriter:
         self.version = version
         self._encoders = [encoder] + [encoder.twin() for _ in range(workers - 1)]
         self._pool = ThreadPoolExecutor(workers, "shard-encode") if workers else None
-        self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size)
+        self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size),
+        # or (None, None, 0): pad there (version 5)
+        self._encoding = 0  # futures in _pending: chunks being encoded, each with its encoder
         self._submitted = 0
         self._chunk_bytes = chunk_bytes
         self._sink = sink if isinstance(sink, ShardSink) else new_shard_file(os.fspath(sink))
@@ -207,26 +216,42 @@ class ShardWriter:
                                "ref": ref})
 
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
-        """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``)."""
+        """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
+        version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``)."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
         chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
+        if self.version >= 5 and len(data):
+            if self._pool is None:
+                self._pad()
+            else:  # where the previous storage ends is known once its chunks are written
+                self._pending.append((None, None, 0))
         for start in range(0, len(data), step):
             raw = data[start:start + step]
             if self._pool is None:
                 self._append(chunks, len(raw), *_encoded(self._encoders[0], raw, itemsize, is_float))
                 continue
-            while len(self._pending) >= len(self._encoders):
+            while self._encoding >= len(self._encoders):
                 self._write_oldest()
             encoder = self._encoders[self._submitted % len(self._encoders)]  # free: its last
             self._submitted += 1  # chunk was written by the loop above
+            self._encoding += 1
             self._pending.append((self._pool.submit(_encoded, encoder, raw, itemsize, is_float),
                                   chunks, len(raw)))
 
     def _write_oldest(self) -> None:
         future, chunks, raw = self._pending.popleft()
-        self._append(chunks, raw, *future.result())
+        if future is None:
+            self._pad()
+        else:
+            self._encoding -= 1
+            self._append(chunks, raw, *future.result())
+
+    def _pad(self) -> None:
+        """Zero bytes up to the next multiple of ``STORAGE_ALIGNMENT``."""
+        if self._offset % STORAGE_ALIGNMENT:
+            self._write([bytes(STORAGE_ALIGNMENT - self._offset % STORAGE_ALIGNMENT)])
 
     def _append(self, chunks: list, raw: int, fields: dict, buffers: list, digest: str) -> None:
         chunks.append({"offset": self._offset, "stored": sum(len(b) for b in buffers), "raw": raw,
@@ -268,9 +293,11 @@ class ShardWriter:
     def _stop_workers(self) -> None:
         if self._pool is not None:
             for future, _, _ in self._pending:
-                future.cancel()
+                if future is not None:
+                    future.cancel()
             self._pool.shutdown(wait=True)  # a chunk being encoded still reads its memory
             self._pending.clear()
+            self._encoding = 0
 
 
 class ShardReader:
@@ -432,18 +459,19 @@ class ShardReader:
                     cache.put(key, data)
             view[a - start:b - start] = data[a - lo:b - lo]
 
-    def mapped_storage(self, i: int) -> Optional[memoryview]:
+    def mapped_storage(self, i: int, alignment: int) -> Optional[memoryview]:
         """Storage ``i`` as a view of the file's private mapping, not yet verified (see
         ``mapped_checks``), or None when it cannot be mapped: the source does not map, a chunk is
-        encoded, or the storage does not start at a multiple of its element size (tensors over it
-        would be misaligned).
+        encoded, or the storage does not start at a multiple of ``alignment`` (the largest
+        alignment of the dtypes that view it: tensors over it would be misaligned, which torch's
+        kernels do not expect; an older or crafted file).
 
         A page-cache hit costs no copy here: the checksums read the cached pages in place, and
         the caller copies them once, into the tensors that hold the state."""
         storage = self.index["storages"][i]
         chunks = storage["chunks"]
         if (not chunks or any(c["codec"] != "raw" for c in chunks)
-                or chunks[0]["offset"] % storage["itemsize"] or self._map() is None):
+                or chunks[0]["offset"] % alignment or self._map() is None):
             return None
         start = chunks[0]["offset"]
         return memoryview(self._mapping)[start:start + storage["nbytes"]]
@@ -521,9 +549,26 @@ class ShardReader:
         filters.unshuffle(shuffled, itemsize, target)
 
     def verify(self) -> list[str]:
-        """Read every chunk stored here and return one line per damaged chunk (empty when
-        intact). References to earlier snapshots are not followed (see format/references.py)."""
-        return [p for i in range(len(self.index["storages"])) for p in self.verify_storage(i)]
+        """Read every chunk stored here and return one line per damaged chunk, or padding that
+        is not zero (empty when intact). References to earlier snapshots are not followed (see
+        format/references.py)."""
+        return ([p for i in range(len(self.index["storages"])) for p in self.verify_storage(i)]
+                + self._padding_problems())
+
+    def _padding_problems(self) -> list[str]:
+        """One line per storage whose alignment padding (version 5) is not zero bytes: no
+        checksum covers it, so this is the one check that it holds nothing."""
+        position, problems = HEADER_SIZE, []
+        for i, storage in enumerate(self.index["storages"]):
+            chunks = storage.get("chunks") or ()
+            if not chunks:
+                continue
+            gap = chunks[0]["offset"] - position
+            if gap and any(self._pread(gap, position)):
+                problems.append(f"{self.path}: the {gap} bytes of padding before storage {i} are "
+                                "not zero (damaged on disk, or written by something else)")
+            position = chunks[-1]["offset"] + chunks[-1]["stored"]
+        return problems
 
     def verify_storage(self, i: int) -> list[str]:
         """One line per damaged chunk of storage ``i`` (none for a reference)."""
@@ -626,8 +671,12 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
                     and is_int(c.get("raw"), 1, MAX_CHUNK_BYTES) and c.get("codec") in CODECS
                     and isinstance(c.get("xxh3"), str)):
                 raise bad(f"storage {i} chunk {j} is malformed")
+            if j == 0 and version >= 5:  # the one place padding may be
+                position += -position % STORAGE_ALIGNMENT
             if c["offset"] != position or c["offset"] + c["stored"] > data_end:
-                raise bad(f"storage {i} chunk {j} is not where the previous chunk ended")
+                raise bad(f"storage {i} chunk {j} is not where the previous chunk ended"
+                          + (" (or at the next aligned offset, for a storage's first chunk)"
+                             if version >= 5 and j == 0 else ""))
             if c["codec"] == "raw" and c["stored"] != c["raw"]:
                 raise bad(f"storage {i} chunk {j}: raw chunk with stored != raw")
             if c["codec"] == "zstd" and c["stored"] == 0:

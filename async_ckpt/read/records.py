@@ -35,3 +35,17 @@ def tensor_layout(r: Any, path: str, i: int) -> tuple[torch.dtype, list, list]:
             and type(r.get("offset", 0)) is int):
         raise bad("bad storage reference")
     return dtype, shape, stride
+
+
+def alignments(records: Any, rank: int) -> dict[tuple[int, int], int]:
+    """(rank, storage) -> the largest alignment the dtypes of the (not yet validated) tensor
+    records that view it need: a mapped storage must start at a multiple of it. A dtype's
+    alignment is its element size (complex128: 16). Malformed records count for nothing here;
+    ``tensor_layout`` refuses them."""
+    need: dict[tuple[int, int], int] = {}
+    for r in records if isinstance(records, list) else ():
+        dtype = DTYPES.get(r.get("dtype")) if isinstance(r, dict) and type(r.get("dtype")) is str else None
+        if dtype is not None and type(r.get("storage")) is int and type(r.get("rank", rank)) is int:
+            key = (r.get("rank", rank), r["storage"])
+            need[key] = max(need.get(key, 1), dtype.itemsize)
+    return need

@@ -180,21 +180,124 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
             if key in _PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
                 return (f"saved {key} of parameter {n} has shape {tuple(value.shape)}, the "
                         f"parameter {tuple(param.shape)}")
+    filled = _filled_in(optimizer)
+    for n, (live, group) in enumerate(zip(optimizer.param_groups, groups)):
+        # what a scheduler adds may be on one side only (an optimizer restored without the
+        # scheduler it was saved with, or with one it was not), always a number; what the
+        # optimizer's class fills in may be missing (saved by an older torch)
+        added = {k for k in _SCHEDULER_KEYS if (k in live) != (k in group)}
+        for key in added & group.keys():
+            if not _is_number(group[key]):
+                return f"saved param_groups[{n}].{key} is {_shown(group[key])}, not a number"
+        live = {k: v for k, v in live.items() if k != "params" and k not in added
+                and (k in group or k not in filled)}
+        group = {k: v for k, v in group.items() if k != "params" and k not in added}
+        for key in _KERNEL_OPTIONS:
+            if key in live and key in group and not _same_option(live[key], group[key]):
+                return (f"saved param_groups[{n}].{key} is {_shown(group[key])}, the optimizer's "
+                        f"{_shown(live[key])}: it picks the kernels step() runs; build the "
+                        "optimizer with the saved setting")
+        problem = _value_mismatch(f"param_groups[{n}]", live, group, missing_ok=False)
+        if problem:
+            return problem
     return None
+
+
+def _filled_in(optimizer: torch.optim.Optimizer) -> frozenset:
+    """The keys of a parameter group that ``optimizer``'s class sets to a default when a loaded
+    group lacks them (its ``__setstate__``: options added by later torch releases), found on a
+    scratch instance; none when that cannot be told."""
+    cls = type(optimizer)
+    group: dict = {"params": []}
+    try:
+        cls.__setstate__(cls.__new__(cls), {"defaults": dict(optimizer.defaults), "state": {},
+                                            "param_groups": [group]})
+    except Exception:  # noqa: BLE001 - a class of the user's that needs more: fill in nothing
+        return frozenset()
+    return frozenset(group) - {"params"}
+
+
+_SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")
+"""What torch's LR schedulers add to their optimizer's parameter groups (``initial_lr``; the
+cyclic ones the rest), which the optimizer itself never reads."""
+
+_KERNEL_OPTIONS = ("differentiable", "fused", "foreach", "capturable")
+"""Options of torch's optimizers that pick the kernels ``step()`` runs rather than what it
+computes: a snapshot saved with others is refused, not loaded over the optimizer's (some
+combinations fail only at the next step: ``fused`` with ``differentiable``, ``fused`` on a device
+without fused kernels)."""
+
+
+def _same_option(live: Any, saved: Any) -> bool:
+    return type(live) is type(saved) and live == saved
+
+
+def _shown(value: Any) -> str:
+    if value is None or type(value) in (bool, int, float):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _is_number(value: Any) -> bool:
+    """A hyper-parameter torch takes as a number: an int or float (not a bool), or a tensor of one
+    real value (torch accepts ``lr`` as either)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
+    return type(value) in (int, float)
+
+
+def _value_mismatch(path: str, live: Any, saved: Any, missing_ok: bool) -> Optional[str]:
+    """Why the ``saved`` hyper-parameters (an optimizer's parameter group, a scheduler's state)
+    cannot stand in for the ``live`` object's, or None: the same keys (a key the live one lacks
+    would be set as a new attribute or option; with ``missing_ok``, one it has that the snapshot
+    lacks keeps its value), and values of the live ones' types, recursively: numbers for numbers
+    (int and float alike, or a one-value tensor), None only for None, a list or tuple of as many
+    values, a tensor of the same shape and dtype, else the same type. Names the first key that
+    differs, by its path."""
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return f"saved {path} is a {type(saved).__name__}, not a dict"
+        unexpected = sorted(map(str, saved.keys() - live.keys()))
+        missing = [] if missing_ok else sorted(map(str, live.keys() - saved.keys()))
+        if unexpected or missing:
+            keys, what = (unexpected, "has") if unexpected else (missing, "lacks")
+            return (f"saved {path or 'state'} {what} {', '.join(k[:40] for k in keys[:5])}, "
+                    f"which the registered object's {'does not' if unexpected else 'has'}")
+        for key in live.keys() & saved.keys():
+            problem = _value_mismatch(child_path(path, str(key)), live[key], saved[key], missing_ok)
+            if problem:
+                return problem
+        return None
+    if isinstance(live, (list, tuple)):
+        if not (isinstance(saved, (list, tuple)) and len(saved) == len(live)):
+            return f"saved {path} is not a list of {len(live)} values, as the registered object's is"
+        for i, (a, b) in enumerate(zip(live, saved)):
+            problem = _value_mismatch(f"{path}[{i}]", a, b, missing_ok)
+            if problem:
+                return problem
+        return None
+    if _is_number(live):
+        ok = _is_number(saved)
+    elif isinstance(live, torch.Tensor):
+        ok = (isinstance(saved, torch.Tensor) and saved.shape == live.shape
+              and saved.dtype == live.dtype)
+    elif live is None:
+        ok = saved is None
+    else:
+        ok = type(saved) is type(live)
+    return None if ok else (f"saved {path} is {_shown(saved)}, the registered object's "
+                            f"{_shown(live)}")
 
 
 def _scheduler_mismatch(scheduler: Any, saved: Any) -> Optional[str]:
     """Why ``saved`` is not a state of ``scheduler``'s class, or None. torch's schedulers load a
     state by updating their attributes with it, whatever it holds: a key its own state does not
-    have would give it an attribute it never had, or replace one it needs (its ``optimizer``).
-    Keys it has that the saved state lacks (saved by an older torch) keep their values."""
+    have would give it an attribute it never had, or replace one it needs (its ``optimizer``), and
+    a value of another type fails at the next ``step()``. Keys it has that the saved state lacks
+    (saved by an older torch) keep their values."""
     if not isinstance(saved, dict):
         return "the saved state is not a scheduler state dict"
-    unexpected = sorted(map(str, saved.keys() - scheduler.state_dict().keys()))
-    if unexpected:
-        return (f"the saved scheduler state has keys this {type(scheduler).__name__}'s does not: "
-                f"{', '.join(k[:40] for k in unexpected[:5])}")
-    return None
+    return _value_mismatch("", scheduler.state_dict(), saved, missing_ok=True)
 
 
 def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int], borrowed: frozenset,

@@ -30,7 +30,7 @@ from ..storage.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
 from .memory import allocating, require_memory
-from .records import tensor_layout
+from .records import alignments, tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.local import as_storage
@@ -78,7 +78,9 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         wanted += sorted({(r["rank"], r["storage"]) for r in plain if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
-        views = {key: reader.mapped_storage(i) for key, (reader, i) in sources.items()
+        aligned = alignments(records, rank)
+        views = {key: reader.mapped_storage(i, aligned.get(key, 1))
+                 for key, (reader, i) in sources.items()
                  if mapped and reader.index["storages"][i]["nbytes"]}
         views = {key: view for key, view in views.items() if view is not None}
         held = _held_by(index.get("tree"), records, rank)
@@ -291,6 +293,11 @@ def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], ra
     end = offset + span_bytes(shape, stride, itemsize)
     if offset % itemsize or end > buffer.numel():
         raise bad("view lies outside its storage")
+    if (buffer.data_ptr() + offset) % itemsize:  # never reached by read_snapshot's buffers
+        # (mapped ones start aligned for every dtype viewing them), kept so that no path hands
+        # torch a misaligned tensor, which its kernels may crash on: a copy of the bytes viewed
+        buffer = allocating(lambda: buffer[offset:end].clone(), end - offset, f"tensor {i}")
+        offset = 0
     return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
 
 

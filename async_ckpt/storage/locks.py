@@ -65,37 +65,42 @@ def join_rank_lock(path: str) -> int:
 
 def _open_lock_file(path: str) -> int:
     """A descriptor of the lock file ``path``, created when absent; only ever a regular file: what
-    else is at the name (a device, a FIFO, a link) is refused before it is opened, since opening a
-    device for writing can do things of its own."""
-    for _ in range(2):  # a lock file removed between the two opens: create it again
+    else is at the name (a device, a FIFO, a link) is refused without ever being opened for
+    reading or writing, since opening a device can do things of its own.
+
+    Race-free: the name is first opened ``O_PATH | O_NOFOLLOW`` (which opens nothing: no device
+    driver runs, a link is not followed), that very inode is checked to be a regular file, and
+    only it is opened for writing, through ``/proc/self/fd``; what the name points to by then does
+    not matter. It is created (``O_EXCL``, which opens nothing that exists) only when absent."""
+    for _ in range(2):  # a lock file removed between two opens: create it again
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                           0o644)
-        except FileExistsError:
-            pass
+            handle = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                               | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise _unusable(path, e) from e
         except OSError as e:
             raise _unusable(path, e) from e
         try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):
+            if not stat.S_ISREG(os.fstat(handle).st_mode):
                 raise CheckpointDirError(f"{path} is not a regular file; remove it (an engine "
                                          "creates its lock file itself)")
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:  # no /proc mounted, or the file's permissions
             raise _unusable(path, e) from e
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            os.set_blocking(fd, True)
-            return fd
-        os.close(fd)
-        raise CheckpointDirError(f"{path} is not a regular file; remove it")
+        finally:
+            os.close(handle)
     raise CheckpointDirError(f"{path} keeps vanishing while opened; is another program removing "
                              "files in the checkpoint directory?")
 
 
 def _unusable(path: str, e: OSError) -> CheckpointDirError:
     return CheckpointDirError(f"cannot open the lock file {path}: {e.strerror}; check the "
-                              "directory's permissions")
+                              "directory's permissions (and that /proc is mounted)")
 
 
 @contextlib.contextmanager

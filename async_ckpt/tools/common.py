@@ -8,6 +8,7 @@ import argparse
 import datetime
 import importlib
 import io
+import math
 import sys
 import textwrap
 import time
@@ -16,6 +17,7 @@ from typing import Callable, Iterator, Optional
 from .argtypes import duration_text, int_arg
 from ..errors import NoSnapshotError
 from ..format.manifest import Manifest, SnapshotRecord
+from ..format.shard import MAX_EXTENT
 from ..storage.names import MANIFEST_NAME, RANK_ROOT, SNAPSHOT_DIR, is_lock_file
 from ..storage.base import Storage
 from ..storage.open import open_storage
@@ -222,4 +224,25 @@ def iter_tensors(state) -> Iterator:
 def count_tensors(state) -> tuple[int, int]:
     """How many tensors ``state`` holds, and their bytes."""
     tensors = list(iter_tensors(state))
-    return len(tensors), sum(t.nbytes for t in tensors)
+    return len(tensors), sum(map(dense_bytes, tensors))
+
+
+def dense_bytes(t) -> int:
+    """The bytes of tensor ``t`` made whole and contiguous, in Python's integers: torch's
+    ``nbytes`` wraps around past 2^63 (an expanded, stride-0 tensor of shape [2^31, 2^31] of
+    float32 says 0)."""
+    return math.prod(t.shape) * t.element_size()
+
+
+def copy_bytes(t, name: str) -> int:
+    """``dense_bytes(t)`` of a tensor an export is about to copy whole (``name`` it in the
+    message); UsageError when that is more than any tensor can hold (2^62 bytes: torch's size
+    arithmetic would overflow), before anything is allocated."""
+    n = dense_bytes(t)
+    if n > MAX_EXTENT:
+        shape = ", ".join(map(str, t.shape[:8])) + (", ..." if t.dim() > 8 else "")
+        raise UsageError(f"{name} would take {n} bytes copied whole (shape [{shape}] of "
+                         f"{str(t.dtype).removeprefix('torch.')}, saved as a view of "
+                         f"{t.untyped_storage().nbytes()} bytes): more than a tensor can hold "
+                         "(2^62 bytes); export to a .pt file, which keeps it as the view it is")
+    return n

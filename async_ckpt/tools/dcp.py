@@ -40,7 +40,7 @@ from ..read.memory import allocating, require_memory
 from ..read.reshard import exact_cover
 from ..storage.local import open_regular, umask
 from ..tensors import ALL_DTYPES, DTYPES
-from .common import iter_tensors
+from .common import copy_bytes, dense_bytes, iter_tensors
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 256 << 20  # ~a million chunk records; a larger file is refused unread
@@ -85,7 +85,8 @@ def write_dcp(state: dict, target: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     # DCP writes a tensor that views only part of its storage, or expands it, as a copy
-    need = sum(t.nbytes for t in iter_tensors(state) if t.untyped_storage().nbytes() != t.nbytes)
+    need = sum(copy_bytes(t, "a tensor") for t in iter_tensors(state)
+               if t.untyped_storage().nbytes() != dense_bytes(t))
     require_memory(need, "copying the tensors DCP writes as copies (views and expanded tensors)",
                    "free memory first. Nothing was written")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-",  # exclusive, unguessable

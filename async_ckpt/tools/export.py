@@ -11,7 +11,8 @@ import tempfile
 from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     count_tensors, optional_module, pick_record, size_text, step_arg)
+                     copy_bytes, count_tensors, dense_bytes, optional_module, pick_record,
+                     size_text, step_arg)
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
 from ..read.memory import allocating, require_memory
@@ -137,7 +138,7 @@ def _write_safetensors(state: Any, target: str, step: int, what: str,
         raise UsageError(f"{what} of step {step} holds no tensors; export it to a .pt file")
     metadata = {"format": "pt", "async_ckpt.step": str(step), "async_ckpt.entry": only or ""}
     _write_atomically(target, lambda tmp: _save_safetensors(tensors, tmp, metadata))
-    return len(tensors), sum(t.nbytes for t in tensors.values()), skipped
+    return len(tensors), sum(map(dense_bytes, tensors.values())), skipped
 
 
 MAX_KEY_PATH = 4096
@@ -192,14 +193,15 @@ def _save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
     users = collections.Counter(t.untyped_storage().data_ptr() for t in tensors.values() if t.numel())
     copied = {key for key, t in tensors.items()
               if t.numel() and (users[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous())}
-    need = sum(tensors[key].nbytes for key in copied)  # a stride-0 tensor of a few bytes may expand
+    need = sum(copy_bytes(tensors[key], f"tensor {key[:80]}") for key in copied)  # a
+    # stride-0 tensor of a few bytes may expand to more than memory, or than a tensor can hold
     require_memory(need, "copying the tensors safetensors cannot hold as they are (shared or not "
                    "contiguous)", "export to a .pt file, which keeps them as they are")
     ready = {}
     for key, t in tensors.items():
         if key in copied:
-            t = allocating(lambda t=t: t.clone(memory_format=torch.contiguous_format), t.nbytes,
-                           f"a copy of {key[:80]}")
+            t = allocating(lambda t=t: t.clone(memory_format=torch.contiguous_format),
+                           dense_bytes(t), f"a copy of {key[:80]}")
         ready[key] = t
     try:
         save_file(ready, path, metadata=metadata)

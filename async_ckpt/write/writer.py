@@ -193,8 +193,10 @@ class SnapshotWriter:
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
         shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
-                            self.encoder, version=version_needed(layout.uses_references, bool(refer),
-                                                   bool(job.dtensors)),
+                            self.encoder, version=version_needed(
+                                layout.uses_references, bool(refer), bool(job.dtensors),
+                                any(r.nbytes for n, r in zip(layout.written, regions)
+                                    if n not in refer)),
                             workers=ENCODE_WORKERS)
         try:
             with References(self.storage,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from async_ckpt import CheckpointEngine, errors
 from async_ckpt.distributed import newest_common_step
 from async_ckpt.format.manifest import read_manifest
+from async_ckpt.format.shard import ShardReader
 
 
 def replicated_state(rank: int) -> dict:
@@ -84,10 +85,13 @@ def check_restore_agrees_on_a_step_every_rank_can_read(base: str, rank: int) -> 
     dist.barrier()
     if rank == 0:
         record = read_manifest(base).snapshots[-1]
-        with open(os.path.join(base, record.dir, record.shards[1].file), "r+b") as f:
-            f.seek(20)
+        path = os.path.join(base, record.dir, record.shards[1].file)
+        with ShardReader(path) as reader:  # a byte of its first chunk (not the padding before it)
+            at = next(s["chunks"][0]["offset"] for s in reader.index["storages"] if s.get("chunks"))
+        with open(path, "r+b") as f:
+            f.seek(at)
             byte = f.read(1)
-            f.seek(20)
+            f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
     state["mine"].zero_()
