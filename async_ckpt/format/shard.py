@@ -346,13 +346,19 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
+        budget = values.READ_ALLOWANCE + offset  # a read checks the data area: its index may
+        if values.JSON_BYTES_PER_BYTE * length > budget:  # cost in proportion (json_cost)
+            raise CorruptSnapshotError(f"{self.path}: its index of {length} bytes is larger "
+                                       f"than a shard of {self.size} bytes has (crafted?)")
         blob = self._pread(length, offset)
         self.index_xxh3 = f"{digest:016x}"
         if xxhash.xxh3_64_intdigest(blob) != digest or (
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
         try:
-            index = values.parse_json(blob)
+            index = values.parse_json(blob, budget)
+        except values.JSONTooCostly as e:
+            raise CorruptSnapshotError(f"{self.path}: the index is refused: {e}") from e
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
         _validate_index(index, self.path, data_end=offset, version=self.version)
