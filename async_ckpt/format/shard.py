@@ -30,7 +30,8 @@ import zstandard
 from . import filters, values
 from ..checks import is_int, short_repr
 from ..storage.names import SHARD_FILE, SNAPSHOT_DIR, checked_name
-from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
+from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
+                      UnsupportedFormatError)
 from ..storage.base import ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file
 
@@ -92,6 +93,13 @@ def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
         raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which holds "
                                    "other bytes")
     return i
+
+
+def index_budget(data_end: int) -> int:
+    """The memory parsing the index of a shard whose data area ends at ``data_end`` may take
+    (``values.json_cost``): the fixed allowance, and as much as the data a read of it checks.
+    The writer refuses to write an index the reader would refuse."""
+    return values.READ_ALLOWANCE + data_end
 
 
 def checksum(*buffers) -> str:
@@ -254,6 +262,11 @@ class ShardWriter:
         index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
+        if values.json_cost(blob) > index_budget(self._offset):
+            raise EncodingError(f"the non-tensor state is too large to read back: its index would "
+                                f"take about {values.json_cost(blob) >> 20} MiB to parse, more "
+                                "than a reader allows for a shard of this size. Store long lists "
+                                "and large values as tensors or numpy arrays")
         digest = xxhash.xxh3_64_intdigest(blob)
         self._write([blob, _TRAILER.pack(self._offset, len(blob), digest, TRAILER_MAGIC)])
         self._sink.finish()
@@ -346,8 +359,8 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
-        budget = values.READ_ALLOWANCE + offset  # a read checks the data area: its index may
-        if values.JSON_BYTES_PER_BYTE * length > budget:  # cost in proportion (json_cost)
+        budget = index_budget(offset)
+        if values.JSON_BYTES_PER_BYTE * length > budget:  # at least what json_cost counts
             raise CorruptSnapshotError(f"{self.path}: its index of {length} bytes is larger "
                                        f"than a shard of {self.size} bytes has (crafted?)")
         blob = self._pread(length, offset)
