@@ -13,6 +13,9 @@ The rule, for any mutated checkpoint directory:
   ones registered, and every generator (``random``, ``numpy.random``, ``torch``, the registered
   ``torch.Generator`` and NumPy ``Generator``) can still draw (checked in a forked child, so a
   crafted state that crashes the process is reported, not fatal);
+- every target's peak memory (VmHWM, reset before it) grows by at most 1.2x the bytes the
+  mutation rightly asks to read (``Mutation.asked_bytes``) plus ``READ_ALLOWANCE``, and it takes
+  at most ``SLOW_S`` seconds (issue 40; ``huge_counts`` makes counts and values huge);
 - the command line (``cli.main([...])`` for ls, inspect, verify, export, gc --dry-run and a real
   gc) always returns an int exit code (0, 1 or 2): no exception escapes ``main()`` and nothing it
   prints holds a "Traceback".
@@ -51,7 +54,7 @@ and Hypothesis reports distinct bugs separately.
 
 Environment:
 
-- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 13 test functions and both pristine
+- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 15 test functions and both pristine
   checkpoints (default 300); setting it
   also drops the fixed seed unless ``ASYNC_CKPT_FUZZ_SEED`` is set.
 - ``ASYNC_CKPT_FUZZ_KEEP_GOING=1``: do not stop at the first failing case of a test; record every
