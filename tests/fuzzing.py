@@ -646,6 +646,7 @@ class Mutation:
 
     relaxed = False
     manifest_level = False  # whether it can make the manifest list nothing at all
+    asked_bytes = 0  # bytes a read may rightly return or check beyond the pristine's (memory bound)
 
     def _repr_pretty_(self, printer, cycle) -> None:  # how Hypothesis prints a failing case
         printer.text(repr(self))
@@ -1023,8 +1024,137 @@ class MisalignedViews(Mutation):
 
 # --- strategies -------------------------------------------------------------------------------
 
+BLOATS = {  # what a Bloat makes huge, in the manifest or in a shard's index
+    "manifest": ["world_size_listed", "world_size", "whitespace", "extra_list", "extra_string",
+                 "dropped"],
+    "index": ["value_list", "value_nested", "value_string", "value_dict", "whitespace",
+              "tensor_records", "empty_storages", "one_zstd_chunk", "stride0"],
+}
+BLOAT_SIZES = [2**10, 2**14, 2**17, 2**20, 2**21, 2**26]  # counts, bytes, elements
+_COUNT, _BYTES = 2**21, 2**26  # beyond these, building the case costs the campaign, not the reader
+
+
+@dataclass(frozen=True, repr=False)
+class Bloat(Mutation):
+    """A count or a value made huge (issue 40): ``n`` shard records, ranks, list elements,
+    characters, spaces, tensor records or storages; ``one_zstd_chunk``: a storage of ``n`` zero
+    bytes stored as one zstd chunk (a few KiB on disk); ``stride0``: a tensor expanded by a stride
+    of 0 to ``n`` elements. Checksums and the manifest fixed up. Sizes over what the library
+    refuses unread are capped where writing them would only cost the campaign time."""
+
+    target: str  # MANIFEST or a shard alias
+    what: str
+    n: int
+
+    def __repr__(self):
+        return f"Bloat({self.target}: {self.what} x {self.n})"
+
+    @property
+    def relaxed(self):  # other, well-formed data with a valid structure
+        return self.what in ("value_list", "value_nested", "value_string", "value_dict",
+                             "tensor_records", "one_zstd_chunk", "stride0")
+
+    @property
+    def manifest_level(self):
+        return self.target == MANIFEST
+
+    @property
+    def asked_bytes(self) -> int:
+        """The bytes a read of this snapshot may rightly take: a storage of that many zeros, a
+        tensor that many bytes large once expanded (what an export writes). At most 64 MiB."""
+        return min(self.n, 2**26) if self.what in ("one_zstd_chunk", "stride0") else 0
+
+    def apply(self, p, root, ctx):
+        if self.target == MANIFEST:
+            doc = copy.deepcopy(p.manifest)
+            last = doc["snapshots"][-1]
+            n = min(self.n, _COUNT)
+            if self.what == "world_size_listed":
+                last["world_size"] = n
+                last["shards"] = [dict(last["shards"][0], rank=r, file=f"rank-{r:05d}.ackpt")
+                                  for r in range(n)]
+            elif self.what == "world_size":
+                last["world_size"] = self.n
+            elif self.what == "extra_list":
+                doc["extra"] = {"x": [0] * min(self.n, _COUNT)}
+            elif self.what == "extra_string":
+                doc["extra"] = {"x": "y" * min(self.n, _BYTES)}
+            elif self.what == "dropped":
+                doc["dropped"] = [{"step": 0, "dir": last["dir"]}] * n
+            text = manifest_bytes(doc)
+            if self.what == "whitespace":
+                text = text[:1] + b" " * min(self.n, _BYTES) + text[1:]
+            _write(os.path.join(root, MANIFEST), text)
+            return
+        shard = p.shard_by_alias(self.target)
+        index, prefix = copy.deepcopy(shard.index), shard.prefix
+        entries = index["tree"]["entries"]
+        value_key = "extra" if "extra" in entries else next(iter(entries))
+        n = min(self.n, _COUNT)
+        if self.what == "value_list":
+            entries[value_key] = {"kind": "value", "state": [0] * n}
+        elif self.what == "value_nested":
+            entries[value_key] = {"kind": "value", "state": [[]] * n}
+        elif self.what == "value_string":
+            entries[value_key] = {"kind": "value", "state": "y" * min(self.n, _BYTES)}
+        elif self.what == "value_dict":
+            entries[value_key] = {"kind": "value", "state": {f"k{i}": 0 for i in range(n)}}
+        elif self.what == "tensor_records":
+            index["tensors"] = index["tensors"] + [index["tensors"][0]] * n
+        elif self.what == "empty_storages":
+            index["storages"] = index["storages"] + [{"nbytes": 0, "itemsize": 1, "float": False,
+                                                      "chunks": []}] * n
+        elif self.what == "one_zstd_chunk":
+            prefix = _one_zstd_storage(index, prefix, self.asked_bytes)
+        elif self.what == "stride0":
+            t = index["tensors"][0]
+            t["shape"], t["stride"] = [self.asked_bytes // _ITEMSIZE.get(t["dtype"], 8)], [0]
+        blob = index_bytes(index)
+        if self.what == "whitespace":
+            blob = blob[:1] + b" " * min(self.n, _BYTES) + blob[1:]
+        data, digest = rewrite_shard(prefix, blob)
+        _write(os.path.join(root, shard.relpath), data)
+        _write(os.path.join(root, MANIFEST),
+               manifest_bytes(fix_manifest(p.manifest, shard.dir, len(data), digest)))
+
+
+_ZEROS: dict = {}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _one_zstd_storage(index: dict, prefix: bytes, size: int) -> bytes:
+    """The data area with the first stored storage replaced by one zstd chunk of ``size`` zero
+    bytes (its tensors keep their views, now of zeros), the later chunks moved."""
+    i = next(i for i, s in enumerate(index["storages"]) if s.get("chunks"))
+    storage = index["storages"][i]
+    first, last = storage["chunks"][0], storage["chunks"][-1]
+    start, end = first["offset"], last["offset"] + last["stored"]
+    size -= size % storage["itemsize"]
+    if size not in _ZEROS:
+        _ZEROS[size] = zstandard.ZstdCompressor(level=3).compress(bytes(size))
+    stored = _ZEROS[size]
+    storage["nbytes"] = size
+    storage["chunks"] = [{"offset": start, "stored": len(stored), "raw": size, "codec": "zstd",
+                          "xxh3": xxhash.xxh3_64_hexdigest(stored)}]
+    shift = len(stored) - (end - start)
+    for other in index["storages"][i + 1:]:
+        for c in other.get("chunks", ()):
+            c["offset"] += shift
+    return prefix[:start] + stored + prefix[end:]
+
+
+def _bloats(p):
+    targets = [(MANIFEST, w) for w in BLOATS["manifest"]] + [
+        (alias, w) for alias in sorted(p.shards) for w in BLOATS["index"]]
+    long_run = "ASYNC_CKPT_FUZZ_CASES" in os.environ  # the suite's cases stay cheap to build;
+    sizes = BLOAT_SIZES if long_run else BLOAT_SIZES[:2]  # tests/test_memory.py has large ones
+    return st.builds(lambda tw, n: Bloat(tw[0], tw[1], n), st.sampled_from(targets),
+                     st.sampled_from(sizes))
+
+
 MUTATION_KINDS = ["byte_flip", "truncate", "index_json", "manifest_json", "replace_file",
-                  "chunk_data", "misaligned_view"]
+                  "chunk_data", "misaligned_view", "huge_counts"]
 RESTORE_ONLY_KINDS = ["rng_state", "hyper_parameter"]  # only restore() loads generator states,
 # and checks hyper-parameters against live objects
 _FLIP_FILES = [MANIFEST, "step1-shard", "step2-shard"]
@@ -1190,7 +1320,8 @@ def mutation_strategy(p: Pristine, kind: str) -> st.SearchStrategy:
         make = {"byte_flip": _byte_flips, "truncate": _truncations, "index_json": _index_edits,
                 "manifest_json": _manifest_edits, "replace_file": _replacements,
                 "chunk_data": _chunk_data, "rng_state": _rng_states,
-                "misaligned_view": _misaligned_views, "hyper_parameter": _hyper_parameters}
+                "misaligned_view": _misaligned_views, "hyper_parameter": _hyper_parameters,
+                "huge_counts": _bloats}
         p._strategies[kind] = (st.one_of(*(m(p) for m in make.values())) if kind == "any"
                                else make[kind](p))
     return p._strategies[kind]
@@ -1521,6 +1652,7 @@ class FuzzLog:
         self.outcomes: Counter = Counter()
         self.failures: dict[tuple, dict] = {}
         self.cases: Counter = Counter()
+        self.costs: dict[str, dict] = {}  # target group -> the largest peak and time, and what
 
     def outcome(self, test: str, target: str, outcome: str) -> None:
         self.outcomes[test, target, outcome] += 1
@@ -1535,6 +1667,16 @@ class FuzzLog:
         text = repr(mutation)
         if entry["mutation"] is None or len(text) < len(entry["mutation"]):
             entry["mutation"], entry["message"] = text, failure.message[:300]
+
+    def cost(self, target: str, peak: int, seconds: float, mutation: Mutation) -> None:
+        """Record what one target took (peak memory added, seconds); keep the largest of each."""
+        entry = self.costs.setdefault(_target_group(target), {"calls": 0, "peak": 0,
+                                                              "seconds": 0.0})
+        entry["calls"] += 1
+        if peak > entry["peak"]:
+            entry.update(peak=peak, peak_mutation=repr(mutation))
+        if seconds > entry["seconds"]:
+            entry.update(seconds=seconds, seconds_mutation=repr(mutation))
 
     def failures_of(self, test: str) -> list[dict]:
         return [f for f in self.failures.values() if test in f["tests"]]
@@ -1553,6 +1695,11 @@ class FuzzLog:
         for (_, target, outcome), n in self.outcomes.items():
             totals[outcome.split(":")[0]] += n
         lines.append("totals: " + ", ".join(f"{k}={v}" for k, v in sorted(totals.items())))
+        lines.append("largest cost per target (peak memory added, seconds)")
+        for target, c in sorted(self.costs.items()):
+            lines.append(f"  {target}: {c['calls']} calls, peak {c['peak'] >> 20} MiB "
+                         f"({c.get('peak_mutation', '-')}), {c['seconds']:.2f} s "
+                         f"({c.get('seconds_mutation', '-')})")
         lines.append(f"distinct failures: {len(self.failures)}")
         for f in sorted(self.failures.values(), key=lambda f: (f["rule"], f["target"], f["where"])):
             lines.append(f"  [{f['rule']}] {f['exception']} {f['target']} at {f['where'] or '-'} "
@@ -1560,7 +1707,7 @@ class FuzzLog:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"cases": dict(self.cases),
+        return {"cases": dict(self.cases), "costs": self.costs,
                 "outcomes": [{"test": t, "target": g, "outcome": o, "count": n}
                              for (t, g, o), n in sorted(self.outcomes.items())],
                 "failures": [{**f, "tests": sorted(f["tests"])} for f in self.failures.values()]}

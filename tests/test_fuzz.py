@@ -13,6 +13,9 @@ The rule, for any mutated checkpoint directory:
   ones registered, and every generator (``random``, ``numpy.random``, ``torch``, the registered
   ``torch.Generator`` and NumPy ``Generator``) can still draw (checked in a forked child, so a
   crafted state that crashes the process is reported, not fatal);
+- every target's peak memory (VmHWM, reset before it) grows by at most 1.2x the bytes the
+  mutation rightly asks to read (``Mutation.asked_bytes``) plus ``READ_ALLOWANCE``, and it takes
+  at most ``SLOW_S`` seconds (issue 40; ``huge_counts`` makes counts and values huge);
 - the command line (``cli.main([...])`` for ls, inspect, verify, export, gc --dry-run and a real
   gc) always returns an int exit code (0, 1 or 2): no exception escapes ``main()`` and nothing it
   prints holds a "Traceback".
@@ -54,7 +57,7 @@ and Hypothesis reports distinct bugs separately.
 
 Environment:
 
-- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 16 test functions and both pristine
+- ``ASYNC_CKPT_FUZZ_CASES``: total cases across the 18 test functions and both pristine
   checkpoints (default 300); setting it
   also drops the fixed seed unless ``ASYNC_CKPT_FUZZ_SEED`` is set.
 - ``ASYNC_CKPT_FUZZ_KEEP_GOING=1``: do not stop at the first failing case of a test; record every
@@ -81,6 +84,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -88,6 +92,8 @@ from hypothesis import HealthCheck, event, given, seed, settings
 
 import async_ckpt
 import fuzzing as fz
+from async_ckpt.format.values import READ_ALLOWANCE
+from memory_cases import peak_added, reset_peak
 from async_ckpt import CheckpointEngine
 from async_ckpt.tools import cli
 from async_ckpt.errors import CheckpointError
@@ -99,6 +105,7 @@ CI_SEED = 20240607
 KEEP_GOING = os.environ.get("ASYNC_CKPT_FUZZ_KEEP_GOING", "") not in ("", "0")
 HANG_S = float(os.environ.get("ASYNC_CKPT_FUZZ_HANG_S", "10"))
 HANG_NEXT_S = float(os.environ.get("ASYNC_CKPT_FUZZ_HANG_NEXT_S", "2"))
+SLOW_S = 10  # issue 40: no read takes longer, but in proportion to the bytes asked for
 REPORT = os.environ.get("ASYNC_CKPT_FUZZ_REPORT")
 BREADCRUMB = os.environ.get("ASYNC_CKPT_FUZZ_BREADCRUMB",
                             os.path.join(tempfile.gettempdir(), "async_ckpt_fuzz_current_case.txt"))
@@ -162,12 +169,17 @@ class BadCliExit(FuzzFailure):
     pass
 
 
+class MemoryBound(FuzzFailure):
+    pass
+
+
 _RULE_ERRORS = {"wrong data": WrongData, "objects changed on error": ObjectsChanged,
                 "registered object replaced": ObjectsChanged, "stray deletion": StrayDeletion,
                 "checkpoint dir deleted": StrayDeletion, "code from the file ran": CodeExecuted,
                 "hang": Hang, "rng draw after restore": DrawFailed, "cli exit code": BadCliExit,
                 "objects unusable after restore()": ObjectsChanged,
-                "cli printed a traceback": BadCliExit}
+                "cli printed a traceback": BadCliExit, "memory bound": MemoryBound,
+                "slow": Hang}
 
 
 class Case:
@@ -186,6 +198,7 @@ class Case:
         """Run one target under the hang guard: ("ok", value), ("error", CheckpointError) or
         ("failed", None) when it broke a rule (recorded)."""
         limit = HANG_NEXT_S if self.hung else HANG_S
+        base, start = reset_peak(), time.perf_counter()
         try:
             try:
                 with fz.hang_guard(limit, target):
@@ -204,7 +217,19 @@ class Case:
             self.fail("untyped exception", target, message, e, fz.where_raised(e))
         finally:
             self.check_sandbox(target)
+            self.check_cost(target, peak_added(base), time.perf_counter() - start)
         return "failed", None
+
+    def check_cost(self, target: str, peak: int, seconds: float) -> None:
+        """Issue 40: a read takes at most 1.2x the bytes it may rightly read, plus the fixed
+        allowance, and no more than SLOW_S seconds (the pristine's bytes are a few KiB)."""
+        self.log.cost(target, peak, seconds, self.mutation)
+        bound = int(1.2 * self.mutation.asked_bytes) + READ_ALLOWANCE
+        if peak > bound:
+            self.fail("memory bound", target, f"peak memory grew by {peak >> 20} MiB, more than "
+                      f"the {bound >> 20} MiB allowed")
+        if seconds > SLOW_S:
+            self.fail("slow", target, f"took {seconds:.1f} s")
 
     def check_sandbox(self, target: str) -> None:
         for rule, problem in self.sandbox.problems():

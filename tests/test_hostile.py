@@ -201,14 +201,14 @@ def test_a_crafted_rng_state_falls_back_and_never_reaches_the_generator(pristine
 _BOMB = r"""
 import resource, sys, zstandard
 from async_ckpt.errors import CorruptSnapshotError
-from async_ckpt.format.shard import _unzstd
+from async_ckpt.format.shard import _unzstd_into
 # 1 GiB of zeros declared in the frame header, 8 KiB in the index: a decoder that trusts the
 # frame allocates 1 GiB, which this address-space limit refuses (MemoryError, not a typed error).
 writer = zstandard.ZstdCompressor().compressobj(size=1 << 30)
 frame = b"".join(writer.compress(bytes(1 << 20)) for _ in range(1024)) + writer.flush()
 resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
 try:
-    _unzstd(frame, 8192, "shard", "chunk")
+    _unzstd_into(frame, 8192, memoryview(bytearray(8192)), "shard", "chunk")
 except CorruptSnapshotError as e:
     print("refused", len(frame))
 """
@@ -219,18 +219,25 @@ def test_a_zstd_frame_declaring_more_than_its_chunk_is_refused_before_allocating
     assert out.returncode == 0 and out.stdout.startswith("refused"), out.stderr
 
 
-@pytest.mark.parametrize("frame", ["no-content-size", "trailing-bytes", "two-frames", "short"])
+@pytest.mark.parametrize("frame", ["no-content-size", "trailing-bytes", "two-frames", "short",
+                                   "empty-frame-after", "skippable-frame-after", "long"])
 def test_a_zstd_frame_that_is_not_exactly_the_chunk_is_damage(frame):
+    import struct
     import zstandard
-    from async_ckpt.format.shard import _unzstd
+    from async_ckpt.format.shard import _unzstd_into
     data = bytes(range(256)) * 32
-    good = zstandard.ZstdCompressor().compress(data)
+    z = zstandard.ZstdCompressor()
+    good = z.compress(data)
     stored = {"no-content-size": zstandard.ZstdCompressor(write_content_size=False).compress(data),
               "trailing-bytes": good + b"junk", "two-frames": good + good,
-              "short": good[:-3]}[frame]
-    assert _unzstd(good, len(data), "shard", "chunk") == data
-    with pytest.raises(CorruptSnapshotError):
-        _unzstd(stored, len(data), "shard", "chunk")
+              "short": good[:-3], "empty-frame-after": good + z.compress(b""),
+              "skippable-frame-after": good + b"\x50\x2a\x4d\x18" + struct.pack("<I", 4) + b"skip",
+              "long": z.compress(data + b"x")}[frame]
+    for target in (memoryview(bytearray(len(data))), None):  # a read, and verify's check
+        _unzstd_into(good, len(data), target, "shard", "chunk")
+        assert target is None or bytes(target) == data
+        with pytest.raises(CorruptSnapshotError):
+            _unzstd_into(stored, len(data), target, "shard", "chunk")
 
 
 # --- 4. untyped exceptions, no fallback, hangs ------------------------------------------------

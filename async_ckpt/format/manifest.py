@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "async_ckpt.manifest"
 READABLE_MANIFEST_VERSIONS = (1, 2, 3)  # which one a manifest is written as: Manifest.version
-MAX_MANIFEST_BYTES = 256 << 20  # ~a million shard records; a larger file is refused unread
+MAX_MANIFEST_BYTES = values.READ_ALLOWANCE // values.JSON_BYTES_PER_BYTE  # ~80,000 shard
+# records: a larger file is refused unread, a smaller one that would build more objects than a
+# read allows (values.json_cost) unparsed
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
 _MAX_RANKS = 1 << 20
 _LATEST_TIME = 253402300799  # 9999-12-31T23:59:59Z: any later Unix time cannot be shown as a date
@@ -224,6 +226,9 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     reader accepts, and so, through ``write_manifest``, all that the writer may write."""
     try:
         doc = values.parse_json(raw)
+    except values.JSONTooCostly as e:
+        raise ManifestError(f"{path} is refused: {e}. Committed snapshot directories are "
+                            "still on disk: run `async-ckpt verify` on the directory") from e
     except (ValueError, RecursionError) as e:
         raise ManifestError(
             f"{path} is not valid JSON (damaged?). Committed snapshot directories are still on disk: "

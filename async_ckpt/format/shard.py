@@ -31,7 +31,8 @@ import zstandard
 from . import filters, values
 from ..checks import is_int, short_repr
 from ..storage.names import SHARD_FILE, SNAPSHOT_DIR, checked_name
-from ..errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
+from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
+                      UnsupportedFormatError)
 from ..storage.base import ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file
 
@@ -47,6 +48,7 @@ TRAILER_SIZE = _TRAILER.size
 CHUNK_BYTES = 8 << 20  # raw bytes per chunk: the unit of checksumming and compression
 MAX_CHUNK_BYTES = 1 << 30
 MAX_INDEX_BYTES = 1 << 30
+DECODE_PIECE = 1 << 20  # scratch for decoding and checking: what a chunk is decoded through
 CODECS = ("raw", "zstd", "planes")
 STORAGE_ALIGNMENT = 64
 """From version 5, the file offset of each storage's first chunk is a multiple of this: more than
@@ -98,6 +100,13 @@ def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
         raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which holds "
                                    "other bytes")
     return i
+
+
+def index_budget(data_end: int) -> int:
+    """The memory parsing the index of a shard whose data area ends at ``data_end`` may take
+    (``values.json_cost``): the fixed allowance, and as much as the data a read of it checks.
+    The writer refuses to write an index the reader would refuse."""
+    return values.READ_ALLOWANCE + data_end
 
 
 def checksum(*buffers) -> str:
@@ -278,6 +287,11 @@ class ShardWriter:
         index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
+        if values.json_cost(blob) > index_budget(self._offset):
+            raise EncodingError(f"the non-tensor state is too large to read back: its index would "
+                                f"take about {values.json_cost(blob) >> 20} MiB to parse, more "
+                                "than a reader allows for a shard of this size. Store long lists "
+                                "and large values as tensors or numpy arrays")
         digest = xxhash.xxh3_64_intdigest(blob)
         self._write([blob, _TRAILER.pack(self._offset, len(blob), digest, TRAILER_MAGIC)])
         self._sink.finish()
@@ -372,13 +386,19 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
+        budget = index_budget(offset)
+        if values.JSON_BYTES_PER_BYTE * length > budget:  # at least what json_cost counts
+            raise CorruptSnapshotError(f"{self.path}: its index of {length} bytes is larger "
+                                       f"than a shard of {self.size} bytes has (crafted?)")
         blob = self._pread(length, offset)
         self.index_xxh3 = f"{digest:016x}"
         if xxhash.xxh3_64_intdigest(blob) != digest or (
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
         try:
-            index = values.parse_json(blob)
+            index = values.parse_json(blob, budget)
+        except values.JSONTooCostly as e:
+            raise CorruptSnapshotError(f"{self.path}: the index is refused: {e}") from e
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
         _validate_index(index, self.path, data_end=offset, version=self.version)
@@ -503,7 +523,14 @@ class ShardReader:
                 self._mapping = False
         return self._mapping or None
 
-    def _read_chunk(self, chunk: dict, itemsize: int, target: memoryview, where: str) -> None:
+    def _read_chunk(self, chunk: dict, itemsize: int, target: Optional[memoryview],
+                    where: str) -> None:
+        """Chunk ``chunk``, verified and decoded into ``target`` (``chunk["raw"]`` bytes), or with
+        ``target`` None only verified and decoded into scratch of at most ``DECODE_PIECE`` bytes
+        (``verify``): no buffer the size of the chunk."""
+        if chunk["codec"] == "raw" and target is None:
+            self._check_raw(chunk, where)
+            return
         if chunk["codec"] == "raw":
             stored = target
             try:
@@ -518,9 +545,25 @@ class ShardReader:
             raise ChecksumMismatchError(
                 f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
         if chunk["codec"] == "zstd":
-            target[:] = _unzstd(stored, len(target), self.path, where)
+            _unzstd_into(stored, chunk["raw"], target, self.path, where)
         elif chunk["codec"] == "planes":
             self._decode_planes(chunk, itemsize, stored, target, where)
+
+    def _check_raw(self, chunk: dict, where: str) -> None:
+        """The checksum of a raw chunk, read in pieces of at most ``DECODE_PIECE`` bytes."""
+        h, scratch = xxhash.xxh3_64(), memoryview(bytearray(min(chunk["raw"], DECODE_PIECE)))
+        for at in range(0, chunk["raw"], len(scratch)):
+            piece = scratch[:min(len(scratch), chunk["raw"] - at)]
+            try:
+                got = self._source.read_into(piece, chunk["offset"] + at)
+            except OSError as e:
+                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
+            if got != len(piece):
+                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+            h.update(piece)
+        if h.hexdigest() != chunk["xxh3"]:
+            raise ChecksumMismatchError(
+                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
 
     def _read_chunk_part(self, chunk: dict, part: memoryview, skip: int, where: str) -> None:
         """Bytes ``[skip, skip + len(part))`` of a raw chunk into ``part``, the chunk verified
@@ -537,16 +580,32 @@ class ShardReader:
             raise ChecksumMismatchError(
                 f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
 
-    def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes, target: memoryview,
-                       where: str) -> None:
-        plane = len(target) // itemsize
-        shuffled = bytearray(len(target))
-        src = memoryview(stored)
-        for p, (codec, length) in enumerate(chunk["planes"]):
+    def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes,
+                       target: Optional[memoryview], where: str) -> None:
+        """Un-shuffle a planes chunk into ``target`` (None: check it decodes) a block of elements
+        at a time: each plane is read (or zstd-decoded) block by block into scratch of at most
+        ``DECODE_PIECE`` bytes, never whole."""
+        plane = chunk["raw"] // itemsize
+        src, sources = memoryview(stored), []
+        for codec, length in chunk["planes"]:
             part, src = src[:length], src[length:]
-            out = memoryview(shuffled)[p * plane:(p + 1) * plane]
-            out[:] = part if codec == "raw" else _unzstd(part, plane, self.path, where)
-        filters.unshuffle(shuffled, itemsize, target)
+            sources.append(part if codec == "raw" else _ZstdFrame(part, plane, self.path, where))
+        block = max(1, DECODE_PIECE // itemsize)
+        scratch = memoryview(bytearray(min(plane, block) * itemsize))
+        out = memoryview(bytearray(len(scratch))) if target is None else None
+        for first in range(0, plane, block):
+            n = min(block, plane - first)
+            for p, source in enumerate(sources):
+                piece = scratch[p * n:(p + 1) * n]
+                if isinstance(source, _ZstdFrame):
+                    source.fill(piece)
+                else:
+                    piece[:] = source[first:first + n]
+            dst = out[:n * itemsize] if target is None else target[first * itemsize:(first + n) * itemsize]
+            filters.unshuffle(scratch[:n * itemsize], itemsize, dst)
+        for source in sources:
+            if isinstance(source, _ZstdFrame):
+                source.finish()
 
     def verify(self) -> list[str]:
         """Read every chunk stored here and return one line per damaged chunk, or padding that
@@ -574,9 +633,8 @@ class ShardReader:
         """One line per damaged chunk of storage ``i`` (none for a reference)."""
         storage, problems = self.index["storages"][i], []
         for j, chunk in enumerate(storage.get("chunks", ())):
-            scratch = memoryview(bytearray(chunk["raw"]))
             try:
-                self._read_chunk(chunk, storage["itemsize"], scratch, f"storage {i} chunk {j}")
+                self._read_chunk(chunk, storage["itemsize"], None, f"storage {i} chunk {j}")
             except CorruptSnapshotError as e:
                 problems.append(str(e))
         return problems
@@ -606,24 +664,80 @@ def _prefetch(mapping: mmap.mmap, start: int, length: int) -> None:
         pass
 
 
-def _unzstd(data, size: int, path: str, where: str) -> bytes:
-    """Decode one zstd frame that must hold exactly ``size`` bytes, never allocating more.
+class _ZstdFrame:
+    """The one zstd frame ``data`` that must hold exactly ``size`` bytes, decoded piece by piece
+    into buffers the caller gives (``fill``), so that no buffer of the decoded size is made.
 
     The frame must declare its content size (our writer always does) and declare ``size``: a
-    frame may claim any size, and a decoder trusting the claim allocates it. Streaming decode stops
-    at the frame's end; bytes after it, or a frame that is cut short, are damage."""
-    try:
-        declared = zstandard.frame_content_size(data)
-        if declared != size:
-            raise CorruptSnapshotError(
-                f"{path}: {where} is a zstd frame declaring {declared} bytes, the index {size}")
-        decoder = zstandard.ZstdDecompressor().decompressobj()
-        out = decoder.decompress(data)
-    except zstandard.ZstdError as e:
-        raise CorruptSnapshotError(f"{path}: {where} does not decompress: {e}") from e
-    if len(out) != size or not decoder.eof or decoder.unused_data:
-        raise CorruptSnapshotError(f"{path}: {where} is not one zstd frame of exactly {size} bytes")
-    return out
+    frame may claim any size, and a decoder trusting the claim allocates it. Nothing may follow
+    the frame (another frame, skippable or empty, included). ``finish`` checks that every byte was
+    taken and the frame ended there; a frame that is cut short or decodes to more is damage."""
+
+    def __init__(self, data, size: int, path: str, where: str):
+        self.path, self.where, self.size, self.done = path, where, size, 0
+        try:
+            declared = zstandard.frame_content_size(data)
+            if declared != size:
+                raise CorruptSnapshotError(
+                    f"{path}: {where} is a zstd frame declaring {declared} bytes, the index {size}")
+            if _frame_length(data) != len(data):
+                raise self._not_one_frame()
+            self._reader = zstandard.ZstdDecompressor().stream_reader(
+                data, read_size=DECODE_PIECE, read_across_frames=False)
+        except zstandard.ZstdError as e:
+            raise CorruptSnapshotError(f"{path}: {where} does not decompress: {e}") from e
+
+    def _not_one_frame(self) -> CorruptSnapshotError:
+        return CorruptSnapshotError(
+            f"{self.path}: {self.where} is not one zstd frame of exactly {self.size} bytes")
+
+    def fill(self, out: memoryview) -> None:
+        """Decode the next ``len(out)`` bytes straight into ``out``."""
+        got = 0
+        try:
+            while got < len(out):
+                n = self._reader.readinto(out[got:])
+                if not n:
+                    raise self._not_one_frame()
+                got += n
+        except zstandard.ZstdError as e:
+            raise CorruptSnapshotError(f"{self.path}: {self.where} does not decompress: {e}") from e
+        self.done += got
+
+    def finish(self) -> None:
+        try:
+            more = self._reader.readinto(bytearray(1))
+        except zstandard.ZstdError as e:
+            raise CorruptSnapshotError(f"{self.path}: {self.where} does not decompress: {e}") from e
+        if more or self.done != self.size:
+            raise self._not_one_frame()
+
+
+def _frame_length(data) -> int:
+    """The length of the zstd frame at the start of ``data`` by its block headers (RFC 8878
+    3.1.1), -1 when they run past the end: the frame must be all of ``data``, and a decoder
+    stops at its end without saying how much it read."""
+    view = memoryview(data)
+    position, has_checksum = zstandard.frame_header_size(data), view[4] & 4
+    while position + 3 <= len(view):
+        header = int.from_bytes(view[position:position + 3], "little")
+        position += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)  # an RLE block holds 1
+        if header & 1:  # the last block
+            return position + (4 if has_checksum else 0)
+    return -1
+
+
+def _unzstd_into(data, size: int, target: Optional[memoryview], path: str, where: str) -> None:
+    """Decode one zstd frame that must hold exactly ``size`` bytes straight into ``target``, or
+    (None) into scratch of at most ``DECODE_PIECE`` bytes, to check that it decodes."""
+    frame = _ZstdFrame(data, size, path, where)
+    if target is not None:
+        frame.fill(target)
+    else:
+        scratch = memoryview(bytearray(min(size, DECODE_PIECE)))
+        for at in range(0, size, len(scratch)):
+            frame.fill(scratch[:min(len(scratch), size - at)])
+    frame.finish()
 
 
 def _validate_index(index, path: str, data_end: int, version: int) -> None:

@@ -130,10 +130,37 @@ def decode(
     return _Decoder(allow_pickle, leaf, unpickle)(tree, "", 0)
 
 
-def parse_json(text: Union[str, bytes]) -> Any:
+READ_ALLOWANCE = 64 << 20
+"""The memory any read may take beyond 1.2x the bytes it returns or checks (docs/SECURITY.md):
+what parsing the manifest and a shard's index may cost when the snapshot holds few bytes."""
+JSON_BYTES_PER_BYTE = 5  # the text and the str it decodes to (4 bytes a character at worst)
+JSON_BYTES_PER_TOKEN = 80  # at most one object per ',' ':' '[' '{', built twice (parsed, decoded)
+
+
+class JSONTooCostly(ValueError):
+    """A JSON document whose parse would cost more memory than its caller allows."""
+
+
+def json_cost(text: Union[str, bytes]) -> int:
+    """An upper bound of the memory parsing ``text`` and decoding its values take, counted in one
+    pass of C code before a Python object is made: a document that is mostly whitespace, or a
+    list of ten million empty lists, costs in proportion to what it would build."""
+    marks = (",", ":", "[", "{") if isinstance(text, str) else (b",", b":", b"[", b"{")
+    return (JSON_BYTES_PER_BYTE * len(text)
+            + JSON_BYTES_PER_TOKEN * sum(text.count(m) for m in marks))
+
+
+def parse_json(text: Union[str, bytes], budget: int = READ_ALLOWANCE) -> Any:
     """A manifest's or an index's JSON text as FORMAT.md allows it: strict, so ``NaN``,
     ``Infinity`` and ``-Infinity`` (which Python's json reads but never writes with
-    ``allow_nan=False``) are a ``ValueError`` like any other invalid JSON."""
+    ``allow_nan=False``) are a ``ValueError`` like any other invalid JSON; ``JSONTooCostly``
+    (a ValueError) before anything is parsed when its ``json_cost`` exceeds ``budget``."""
+    cost = json_cost(text)
+    if cost > budget:
+        raise JSONTooCostly(f"parsing its {len(text)} bytes of JSON would take about "
+                            f"{cost >> 20} MiB, more than the {budget >> 20} MiB a read allows "
+                            "for it (a document of that many values or that much whitespace is "
+                            "not one async_ckpt writes)")
     return json.loads(text, parse_constant=_non_finite)
 
 
