@@ -29,6 +29,8 @@ from typing import Optional
 import xxhash
 import zstandard
 
+from async_ckpt.format.shard import STORAGE_ALIGNMENT
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 KINDS = ("zstd_zeros", "planes_zeros", "stride0", "big_list", "world_size", "whitespace")
@@ -97,14 +99,18 @@ def _one_big_chunk(index: dict, storage_no: int, prefix: bytes, size: int, plane
     else:
         stored = compress(bytes(size))
         fields = {"codec": "zstd"}
-    shift = len(stored) - old["stored"]
     storage["nbytes"] = size
     storage["chunks"] = [dict(offset=old["offset"], stored=len(stored), raw=size,
                               xxh3=xxhash.xxh3_64_hexdigest(stored), **fields)]
+    old_end, new_end = old["offset"] + old["stored"], old["offset"] + len(stored)
+    if old_end == len(prefix):  # the last chunk: the index follows it directly
+        return prefix[:old["offset"]] + stored
+    # a later storage's first chunk starts at the next aligned offset (format 5)
+    old_next, new_next = (n + -n % STORAGE_ALIGNMENT for n in (old_end, new_end))
     for other in index["storages"][storage_no + 1:]:
         for c in other.get("chunks", ()):
-            c["offset"] += shift
-    return prefix[:old["offset"]] + stored + prefix[old["offset"] + old["stored"]:]
+            c["offset"] += new_next - old_next
+    return prefix[:old["offset"]] + stored + bytes(new_next - new_end) + prefix[old_next:]
 
 
 _CHILD = r"""

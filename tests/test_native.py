@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine, Derived, Marker
-from async_ckpt.errors import SnapshotWriteError
+from async_ckpt.errors import InvalidArgumentError, SnapshotWriteError
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.format.references import References
 from async_ckpt.format.native import ALIGNMENT, ITEMSIZES, MAX_RECORD_BYTES, write_committed
@@ -158,5 +158,5 @@ def test_a_file_the_format_cannot_hold_fails_the_marker_with_a_typed_error(tmp_p
             engine.wait()
         assert engine.committed_steps() == [0]  # the snapshot itself stays committed
     assert not (tmp_path / "o.safetensors").exists()
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError):
         Derived("pickle")

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import numpy
 
-from ..errors import LayoutError
+from ..errors import InvalidArgumentError, LayoutError
 from ..storage.names import RNG_KEY
 from . import tree as tree_model
 from .manifest import SnapshotRecord
@@ -156,10 +156,11 @@ class Derived:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"a derived file's format is one of {FORMATS}, not {self.format!r}")
+            raise InvalidArgumentError(f"a derived file's format is one of {FORMATS}, not "
+                                       f"{self.format!r}")
         if len(self.record) > MAX_RECORD_BYTES or (self.record and self.format != "torch"):
-            raise ValueError(f"a record (at most {MAX_RECORD_BYTES} bytes) is kept in torch "
-                             "files only")
+            raise InvalidArgumentError(f"a record (at most {MAX_RECORD_BYTES} bytes) is kept in "
+                                       "torch files only")
 
 
 FORMATS = ("torch", "safetensors")
