@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ..errors import CorruptSnapshotError
 from . import values
