@@ -23,6 +23,7 @@ snapshotted.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import math
@@ -164,6 +165,38 @@ class Derived:
 
 
 FORMATS = ("torch", "safetensors")
+SUFFIXES = {"torch": "pt", "safetensors": "safetensors"}  # of a shard's data files (names.DATA_FILE)
+
+Pieces = Callable[[int], Iterator[memoryview]]
+"""Storage ``n``'s bytes, in order, in pieces."""
+
+
+class NativeFile:
+    """A ``Derived`` of a snapshot whose index (``storages`` sizes, ``tensors``, ``tree``,
+    ``byteorder``) is ``index``, laid out: what it holds, and which storages it holds whole, in
+    one piece of the file each (``whole``), so that the file can be a shard's data file: its
+    bytes are those storages' chunks (docs/FORMAT.md 3.8). Raises LayoutError for a snapshot the
+    format cannot hold."""
+
+    def __init__(self, index: dict, derived: Derived, where: str) -> None:
+        if derived.entry is not None:
+            where = f"{where} entry {derived.entry!r}"
+        storages = [_Storage(str(n), s["nbytes"]) for n, s in enumerate(index["storages"])]
+        state = _state(index, storages, derived.entry, where)
+        self.derived = derived
+        self.suffix = SUFFIXES[derived.format]
+        if derived.format == "torch":
+            self._layout: _TorchLayout | _SafetensorsLayout = _TorchLayout(
+                state, index["byteorder"], derived.record)
+        else:
+            self._layout = _SafetensorsLayout(state, where)
+        self.whole = self._layout.whole
+
+    def write(self, out: BinaryIO, pieces: Pieces) -> None:
+        """Write the file to ``out`` (seekable), each storage's bytes from ``pieces``: a storage
+        of ``whole`` is asked for once, and its pieces written in a row where the file's
+        position is when each is handed out."""
+        self._layout.write(out, pieces)
 
 
 def write_committed(out: BinaryIO, references: References, record: SnapshotRecord, rank: int,
@@ -174,9 +207,6 @@ def write_committed(out: BinaryIO, references: References, record: SnapshotRecor
     LayoutError."""
     reader = references.open(record.dir, rank)
     index = reader.index
-    where = reader.path if derived.entry is None else f"{reader.path} entry {derived.entry!r}"
-    storages = [_Storage(str(n), s["nbytes"]) for n, s in enumerate(index["storages"])]
-    state = _state(index, storages, derived.entry, where)
 
     def pieces(n: int) -> Iterator[memoryview]:
         entry = index["storages"][n]
@@ -185,10 +215,7 @@ def write_committed(out: BinaryIO, references: References, record: SnapshotRecor
             return source.storage_pieces(i)
         return reader.storage_pieces(n)
 
-    if derived.format == "torch":
-        _write_torch_file(out, state, pieces, index["byteorder"], derived.record)
-    else:
-        _write_safetensors(out, state, pieces, where)
+    NativeFile(index, derived, reader.path).write(out, pieces)
 
 
 def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: str) -> Any:
@@ -237,28 +264,34 @@ def _tensor(record: dict, storages: list[_Storage], empty: _Storage, where: str)
 # --- torch's format ------------------------------------------------------------------------------
 
 
-def _write_torch_file(out: BinaryIO, state: Any, pieces: Callable[[int], Iterator[memoryview]],
-                      byteorder: str, record: bytes) -> None:
-    data = io.BytesIO()
-    pickler = _Pickler(data, protocol=PICKLE_PROTOCOL)
-    pickler.dump(state)
-    storages = sorted(pickler.storages.values(), key=lambda s: int(s.key))
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        def entry(name: str, content, size: int) -> None:
-            with archive.open(_aligned_entry(out.tell(), f"{ARCHIVE}/{name}", size), "w",
-                              force_zip64=size > zipfile.ZIP64_LIMIT) as f:
-                for piece in content:
-                    f.write(piece)
+class _TorchLayout:
+    """A zip whose entries ``data/K`` are the storages the pickled state uses, each whole."""
 
-        entry("data.pkl", [data.getbuffer()], len(data.getbuffer()))
-        for name, content in ((".format_version", b"1"), (".storage_alignment", b"64"),
-                              ("byteorder", byteorder.encode("ascii"))):
-            entry(name, [content], len(content))
-        for storage in storages:
-            entry(f"data/{storage.key}", pieces(int(storage.key)) if storage.nbytes else (),
-                  storage.nbytes)
-        entry("version", [b"3\n"], 2)
-        entry(RECORD_ENTRY, [record], len(record))
+    def __init__(self, state: Any, byteorder: str, record: bytes) -> None:
+        self.data = io.BytesIO()
+        pickler = _Pickler(self.data, protocol=PICKLE_PROTOCOL)
+        pickler.dump(state)
+        self.storages = sorted(pickler.storages.values(), key=lambda s: int(s.key))
+        self.whole = tuple(int(s.key) for s in self.storages if s.nbytes)
+        self.byteorder, self.record = byteorder, record
+
+    def write(self, out: BinaryIO, pieces: Pieces) -> None:
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            def entry(name: str, content, size: int) -> None:
+                with archive.open(_aligned_entry(out.tell(), f"{ARCHIVE}/{name}", size), "w",
+                                  force_zip64=size > zipfile.ZIP64_LIMIT) as f:
+                    for piece in content:
+                        f.write(piece)
+
+            entry("data.pkl", [self.data.getbuffer()], len(self.data.getbuffer()))
+            for name, content in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                                  ("byteorder", self.byteorder.encode("ascii"))):
+                entry(name, [content], len(content))
+            for storage in self.storages:
+                entry(f"data/{storage.key}", pieces(int(storage.key)) if storage.nbytes else (),
+                      storage.nbytes)
+            entry("version", [b"3\n"], 2)
+            entry(RECORD_ENTRY, [self.record], len(self.record))
 
 
 def _aligned_entry(offset: int, name: str, size: int) -> zipfile.ZipInfo:
@@ -303,34 +336,42 @@ SAFETENSORS_DTYPES = {
 """The dtypes safetensors stores, by torch's name (``safetensors.torch``'s table)."""
 
 
-def _write_safetensors(out: BinaryIO, state: Any, pieces: Callable[[int], Iterator[memoryview]],
-                       where: str) -> None:
-    if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
-        raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
-    header, seen, kept, end = {}, set(), [], 0
-    for name, tensor in state.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise LayoutError(f"{where}: {name} is of dtype {tensor.dtype}, which safetensors "
-                              "cannot hold")
-        view = (tensor.storage.key, tensor.offset, tensor.shape, tensor.stride, tensor.dtype)
-        if view in seen and tensor.nbytes:
-            continue  # the same bytes under another name: tied weights
-        seen.add(view)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [end, end + tensor.nbytes]}
-        kept.append(tensor)
-        end += tensor.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    out.write(struct.pack("<Q", len(text)) + text)
-    for tensor in kept:
-        for piece in _tensor_bytes(tensor, pieces):
-            out.write(piece)
+class _SafetensorsLayout:
+    """The tensors of a flat dict, each contiguous, back to back: a storage is held whole where
+    one tensor covers exactly its bytes and no other tensor of the file views it."""
+
+    def __init__(self, state: Any, where: str) -> None:
+        if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
+            raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
+        header, seen, self.kept, end = {}, set(), [], 0
+        for name, tensor in state.items():
+            if tensor.dtype not in SAFETENSORS_DTYPES:
+                raise LayoutError(f"{where}: {name} is of dtype {tensor.dtype}, which "
+                                  "safetensors cannot hold")
+            view = (tensor.storage.key, tensor.offset, tensor.shape, tensor.stride, tensor.dtype)
+            if view in seen and tensor.nbytes:
+                continue  # the same bytes under another name: tied weights
+            seen.add(view)
+            header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype],
+                            "shape": list(tensor.shape), "data_offsets": [end, end + tensor.nbytes]}
+            self.kept.append(tensor)
+            end += tensor.nbytes
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        self.header = struct.pack("<Q", len(text) + -len(text) % 8) + text + b" " * (-len(text) % 8)
+        users = collections.Counter(t.storage.key for t in self.kept if t.nbytes)
+        self.whole = tuple(int(t.storage.key) for t in self.kept
+                           if t.nbytes and users[t.storage.key] == 1 and t.offset == 0
+                           and t.nbytes == t.storage.nbytes and t.is_contiguous())
+
+    def write(self, out: BinaryIO, pieces: Pieces) -> None:
+        out.write(self.header)
+        for tensor in self.kept:
+            for piece in _tensor_bytes(tensor, pieces):
+                out.write(piece)
 
 
-def _tensor_bytes(tensor: _Tensor, pieces: Callable[[int], Iterator[memoryview]]
-                  ) -> Iterator[memoryview]:
+def _tensor_bytes(tensor: _Tensor, pieces: Pieces) -> Iterator[memoryview]:
     """The tensor's elements in row-major order: a contiguous tensor's byte range streamed from
     its storage's pieces, any other view gathered from the whole storage."""
     if not tensor.nbytes:

@@ -22,6 +22,7 @@ import os
 import re
 import struct
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional, Union
 
@@ -30,7 +31,7 @@ import zstandard
 
 from . import filters, values
 from ..checks import is_int, short_repr
-from ..storage.names import SHARD_FILE, SNAPSHOT_DIR, checked_name
+from ..storage.names import DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
                       UnsupportedFormatError)
 from ..storage.base import ShardSink, ShardSource
@@ -38,7 +39,7 @@ from ..storage.local import new_shard_file, open_shard_file
 
 log = logging.getLogger(__name__)
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -57,14 +58,16 @@ kernels assume (docs/FORMAT.md 3.4). The one place the file's alignment is decid
 
 
 def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
-                   sharded: bool = False, stores_bytes: bool = False) -> int:
+                   sharded: bool = False, stores_bytes: bool = False,
+                   data_files: bool = False) -> int:
     """The format version to write a shard in: the oldest that can express it. Version 2 adds
     references to storages in other ranks' shards (state replicated across ranks is stored once),
     version 3 storages that are stored in an earlier committed snapshot (incremental snapshots),
     version 4 sharded tensors (``dtensors``, pieces of one tensor in several ranks' shards),
-    version 5 aligned storages (``STORAGE_ALIGNMENT``; any shard that stores a chunk), so a shard
-    without them stays readable by older readers."""
-    return (5 if stores_bytes else 4 if sharded else 3 if refers_to_snapshots
+    version 5 aligned storages (``STORAGE_ALIGNMENT``; any shard that stores a chunk), version 6
+    chunks kept in data files beside the shard (a framework's own files), so a shard without them
+    stays readable by older readers."""
+    return (6 if data_files else 5 if stores_bytes else 4 if sharded else 3 if refers_to_snapshots
             else 2 if uses_references else 1)
 
 
@@ -224,6 +227,15 @@ class ShardWriter:
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
                                "ref": ref})
 
+    def add_stored(self, nbytes: int, itemsize: int, is_float: bool, chunks: list[dict],
+                   **extra) -> None:
+        """Append a storage whose raw chunks were written into a data file (``chunks``, each with
+        its ``file``); nothing is written here. Version 6 only."""
+        if self.version < 6:
+            raise ValueError(f"shard format version {self.version} keeps no data files")
+        self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
+                               **extra, "chunks": chunks})
+
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
         version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``)."""
@@ -325,8 +337,11 @@ class ShardReader:
         self._source = (source if isinstance(source, ShardSource)
                         else open_shard_file(os.fspath(source)))
         self.path = self._source.name
-        self._mapping: Union[mmap.mmap, bool, None] = None  # False: tried, cannot map
-        self._prefetched = False
+        # by data file number (None: this file): its mapping, False when it cannot map
+        self._mappings: dict[Optional[int], Union[mmap.mmap, bool]] = {}
+        self._prefetched: set[Optional[int]] = set()
+        self._data_files: dict[int, ShardSource] = {}  # opened when first read
+        self._opening = threading.Lock()
         try:
             self.size = self._source.size
             if expected_bytes is not None and self.size != expected_bytes:
@@ -346,6 +361,26 @@ class ShardReader:
 
     def close(self) -> None:
         self._source.close()
+        for source in self._data_files.values():
+            source.close()
+
+    def _source_of(self, chunk: dict) -> ShardSource:
+        """The file that holds ``chunk``: this one, or one of its data files (version 6), opened
+        the first time and checked to have the size the index records."""
+        number = chunk.get("file")
+        if number is None:
+            return self._source
+        with self._opening:
+            if number not in self._data_files:
+                entry = self.index["files"][number]
+                source = self._source.sibling(entry["name"])
+                if source.size != entry["bytes"]:
+                    source.close()
+                    raise CorruptSnapshotError(
+                        f"{source.name} has {source.size} bytes, its shard {self.path} recorded "
+                        f"{entry['bytes']}: the file was truncated or replaced")
+                self._data_files[number] = source
+            return self._data_files[number]
 
     def _pread(self, n: int, offset: int) -> bytearray:
         data = bytearray(n)
@@ -491,37 +526,49 @@ class ShardReader:
         storage = self.index["storages"][i]
         chunks = storage["chunks"]
         if (not chunks or any(c["codec"] != "raw" for c in chunks)
-                or chunks[0]["offset"] % alignment or self._map() is None):
+                or chunks[0]["offset"] % alignment):
+            return None
+        mapping = self._map(chunks[0].get("file"))  # a storage's chunks are in one file, in a row
+        if mapping is None:
             return None
         start = chunks[0]["offset"]
-        return memoryview(self._mapping)[start:start + storage["nbytes"]]
+        return memoryview(mapping)[start:start + storage["nbytes"]]
 
     def mapped_checks(self, i: int) -> list[Callable[[], None]]:
         """One check per chunk of mapped storage ``i`` (``mapped_storage``), each raising
         ChecksumMismatchError for a damaged chunk; independent, so callers may run them on
         several threads (the first touch of mapped pages is what costs, and it parallelises).
         The whole file is asked to be read ahead first, for a cold cache."""
-        if not self._prefetched:  # once, for the whole data area: one call costs as much as many
-            self._prefetched = True
-            _prefetch(self._mapping, HEADER_SIZE, self.size - TRAILER_SIZE - HEADER_SIZE)
         chunks = self.index["storages"][i]["chunks"]
-        view = memoryview(self._mapping)
+        number = chunks[0].get("file") if chunks else None
+        mapping = self._map(number)
+        if number not in self._prefetched:  # once, for a file's whole data area: one call costs
+            self._prefetched.add(number)  # as much as many
+            if number is None:
+                _prefetch(mapping, HEADER_SIZE, self.size - TRAILER_SIZE - HEADER_SIZE)
+            else:
+                _prefetch(mapping, 0, self.index["files"][number]["bytes"])
+        view = memoryview(mapping)
 
         def check(chunk_no: int, chunk: dict) -> None:
             if checksum(view[chunk["offset"]:chunk["offset"] + chunk["stored"]]) != chunk["xxh3"]:
-                raise ChecksumMismatchError(f"{self.path}: storage {i} chunk {chunk_no} fails its "
-                                            "checksum (bytes damaged on disk)")
+                raise ChecksumMismatchError(f"{self._source_of(chunk).name}: storage {i} chunk "
+                                            f"{chunk_no} fails its checksum (bytes damaged on "
+                                            "disk)")
 
         return [functools.partial(check, n, c) for n, c in enumerate(chunks)]
 
-    def _map(self) -> Optional[mmap.mmap]:
-        if self._mapping is None:
+    def _map(self, number: Optional[int]) -> Optional[mmap.mmap]:
+        """The mapping of this file (``number`` None) or of data file ``number``; None when it
+        cannot be mapped."""
+        if number not in self._mappings:
+            source = self._source_of({"file": number})
             try:
-                self._mapping = self._source.map() or False
+                self._mappings[number] = source.map() or False
             except (OSError, ValueError) as e:  # a file system that cannot map: read instead
-                log.debug("cannot map %s (%s); reading it", self.path, e)
-                self._mapping = False
-        return self._mapping or None
+                log.debug("cannot map %s (%s); reading it", source.name, e)
+                self._mappings[number] = False
+        return self._mappings[number] or None
 
     def _read_chunk(self, chunk: dict, itemsize: int, target: Optional[memoryview],
                     where: str) -> None:
@@ -531,19 +578,20 @@ class ShardReader:
         if chunk["codec"] == "raw" and target is None:
             self._check_raw(chunk, where)
             return
+        source = self._source_of(chunk)
         if chunk["codec"] == "raw":
             stored = target
             try:
-                got = self._source.read_into(stored, chunk["offset"])
+                got = source.read_into(stored, chunk["offset"])
             except OSError as e:
-                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
+                raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
             if got != chunk["stored"]:
-                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+                raise CorruptSnapshotError(f"{source.name}: short read of {where}")
         else:
             stored = self._pread(chunk["stored"], chunk["offset"])
         if checksum(stored) != chunk["xxh3"]:
             raise ChecksumMismatchError(
-                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
+                f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
         if chunk["codec"] == "zstd":
             _unzstd_into(stored, chunk["raw"], target, self.path, where)
         elif chunk["codec"] == "planes":
@@ -551,34 +599,36 @@ class ShardReader:
 
     def _check_raw(self, chunk: dict, where: str) -> None:
         """The checksum of a raw chunk, read in pieces of at most ``DECODE_PIECE`` bytes."""
+        source = self._source_of(chunk)
         h, scratch = xxhash.xxh3_64(), memoryview(bytearray(min(chunk["raw"], DECODE_PIECE)))
         for at in range(0, chunk["raw"], len(scratch)):
             piece = scratch[:min(len(scratch), chunk["raw"] - at)]
             try:
-                got = self._source.read_into(piece, chunk["offset"] + at)
+                got = source.read_into(piece, chunk["offset"] + at)
             except OSError as e:
-                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
+                raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
             if got != len(piece):
-                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+                raise CorruptSnapshotError(f"{source.name}: short read of {where}")
             h.update(piece)
         if h.hexdigest() != chunk["xxh3"]:
             raise ChecksumMismatchError(
-                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
+                f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
 
     def _read_chunk_part(self, chunk: dict, part: memoryview, skip: int, where: str) -> None:
         """Bytes ``[skip, skip + len(part))`` of a raw chunk into ``part``, the chunk verified
         whole: the bytes around them are read into scratch for the checksum."""
+        source = self._source_of(chunk)
         head, tail = bytearray(skip), bytearray(chunk["raw"] - skip - len(part))
         for buffer, at in ((head, 0), (part, skip), (tail, skip + len(part))):
             try:
-                got = self._source.read_into(buffer, chunk["offset"] + at) if len(buffer) else 0
+                got = source.read_into(buffer, chunk["offset"] + at) if len(buffer) else 0
             except OSError as e:
-                raise CorruptSnapshotError(f"{self.path}: cannot read {where}: {e.strerror}") from e
+                raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
             if got != len(buffer):
-                raise CorruptSnapshotError(f"{self.path}: short read of {where}")
+                raise CorruptSnapshotError(f"{source.name}: short read of {where}")
         if checksum(head, part, tail) != chunk["xxh3"]:
             raise ChecksumMismatchError(
-                f"{self.path}: {where} fails its checksum (bytes damaged on disk)")
+                f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
 
     def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes,
                        target: Optional[memoryview], where: str) -> None:
@@ -620,7 +670,7 @@ class ShardReader:
         position, problems = HEADER_SIZE, []
         for i, storage in enumerate(self.index["storages"]):
             chunks = storage.get("chunks") or ()
-            if not chunks:
+            if not chunks or "file" in chunks[0]:  # a data file's other bytes are its format's
                 continue
             gap = chunks[0]["offset"] - position
             if gap and any(self._pread(gap, position)):
@@ -764,6 +814,8 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
         if version < 4:
             raise bad("'dtensors' needs format version 4")
         _validate_dtensors(index["dtensors"], bad)
+    files = _validated_data_files(index, version, bad)
+    in_files: list[list[tuple[int, int, int]]] = [[] for _ in files]  # (start, end, storage)
     storages = index.get("storages")
     if not isinstance(storages, list):
         raise bad("'storages' is not a list")
@@ -779,11 +831,12 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             continue
         if not isinstance(s.get("chunks"), list):
             raise bad(f"storage {i} is malformed")
+        if s["chunks"] and isinstance(s["chunks"][0], dict) and "file" in s["chunks"][0]:
+            _check_stored_elsewhere(s, i, files, in_files, bad)
+            continue
         total = 0
         for j, c in enumerate(s["chunks"]):
-            if not (isinstance(c, dict) and is_int(c.get("offset")) and is_int(c.get("stored"))
-                    and is_int(c.get("raw"), 1, MAX_CHUNK_BYTES) and c.get("codec") in CODECS
-                    and isinstance(c.get("xxh3"), str)):
+            if not _is_chunk(c) or "file" in c:
                 raise bad(f"storage {i} chunk {j} is malformed")
             if j == 0 and version >= 5:  # the one place padding may be
                 position += -position % STORAGE_ALIGNMENT
@@ -803,6 +856,58 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             raise bad(f"storage {i}: chunks hold {total} bytes, the storage {s['nbytes']}")
     if position != data_end:
         raise bad(f"{data_end - position} bytes between the last chunk and the index")
+    for number, ranges in enumerate(in_files):
+        ranges.sort()
+        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise bad(f"storages {first} and {second} overlap in data file {number}")
+
+
+def _is_chunk(c) -> bool:
+    return (isinstance(c, dict) and is_int(c.get("offset")) and is_int(c.get("stored"))
+            and is_int(c.get("raw"), 1, MAX_CHUNK_BYTES) and c.get("codec") in CODECS
+            and isinstance(c.get("xxh3"), str))
+
+
+def _validated_data_files(index: dict, version: int, bad) -> list[dict]:
+    """The index's data files (version 6): each named as ``DATA_FILE`` for this shard's rank and
+    its place in the list, before the name becomes a path."""
+    if "files" not in index:
+        return []
+    files, rank = index["files"], index.get("rank")
+    if version < 6:
+        raise bad("'files' needs format version 6")
+    if not (isinstance(files, list) and 0 < len(files) <= MAX_DATA_FILES and is_int(rank)
+            and all(isinstance(f, dict) and f.keys() == {"name", "bytes"} and is_int(f["bytes"])
+                    and type(f["name"]) is str for f in files)):
+        raise bad("'files' is malformed")
+    for number, f in enumerate(files):
+        match = DATA_FILE.fullmatch(f["name"])
+        if match is None or (int(match.group(1)), int(match.group(2))) != (rank, number):
+            raise bad(f"data file {number} is not named as rank {rank}'s data file {number}: "
+                      f"{short_repr(f['name'], 60)}")
+    return files
+
+
+def _check_stored_elsewhere(s: dict, i: int, files: list[dict], in_files: list, bad) -> None:
+    """A storage kept in a data file (version 6): raw chunks, all in that file, one after the
+    other, inside it; its byte range noted in ``in_files`` for the overlap check."""
+    number, total, start = s["chunks"][0]["file"], 0, s["chunks"][0].get("offset")
+    if not (type(number) is int and 0 <= number < len(files)):
+        raise bad(f"storage {i} names no data file of the shard")
+    position = start
+    for j, c in enumerate(s["chunks"]):
+        if not (_is_chunk(c) and c.get("file") == number and c["codec"] == "raw"
+                and c["stored"] == c["raw"] and c["offset"] == position):
+            raise bad(f"storage {i} chunk {j} is malformed, or not where the previous one ended "
+                      "in the same data file")
+        position += c["stored"]
+        total += c["raw"]
+    if position > files[number]["bytes"]:
+        raise bad(f"storage {i} ends past the end of data file {number}")
+    if total != s["nbytes"]:
+        raise bad(f"storage {i}: chunks hold {total} bytes, the storage {s['nbytes']}")
+    in_files[number].append((start, position, i))
 
 
 _DTENSOR_FIELDS = {"key", "dtype", "global_shape", "offset", "tensor"}

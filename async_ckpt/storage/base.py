@@ -32,7 +32,7 @@ import mmap
 from abc import ABC, abstractmethod
 from typing import Callable, ContextManager, Hashable, Iterable, Optional, Type
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedFormatError
 
 
 class ShardSink(ABC):
@@ -73,6 +73,13 @@ class ShardSource(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the file; harmless when already closed. A mapping outlives it."""
+
+    def sibling(self, name: str) -> "ShardSource":
+        """The file ``name`` (a checked name) of the same snapshot directory, for reading: a
+        shard's data files (docs/FORMAT.md 3.8). Storages that do not keep data files say so."""
+        raise UnsupportedFormatError(f"{self.name} keeps its chunks in a data file ({name}), "
+                                     "which this storage does not read; read the snapshot from "
+                                     "the local directory that wrote it")
 
 
 class Storage(ABC):

@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import tempfile
+from dataclasses import dataclass
 from typing import BinaryIO, Callable, ContextManager, Iterable, Optional, Type, Union
 
 from .base import ShardSink, ShardSource, Storage
@@ -80,17 +81,44 @@ def write_all(fd: int, data) -> None:
         view = view[written:]
 
 
-Content = Union[bytes, Callable[[BinaryIO], None]]
-"""A file's bytes, or a function that writes them to the (seekable) file it is given: for a file
-too large to hold in memory."""
+@dataclass(frozen=True)
+class Linked:
+    """A file's bytes as the file ``path`` holds them, which nothing writes to any more: a hard
+    link to it (no byte written again), or where the file system cannot link there (another file
+    system), what ``copy`` writes."""
+
+    path: str
+    copy: Callable[[BinaryIO], None]
 
 
-def _write_content(fd: int, data: Content) -> None:
-    if callable(data):
-        with open(fd, "wb", closefd=False) as f:
-            data(f)
-    else:
-        write_all(fd, data)
+Content = Union[bytes, Callable[[BinaryIO], None], Linked]
+"""A file's bytes, a function that writes them to the (seekable) file it is given (for a file
+too large to hold in memory), or an existing file's bytes."""
+
+
+def _create_file(path: str, data: Content, durable: bool = True) -> None:
+    """Create the new file ``path`` holding ``data`` (fsynced when ``durable``; the caller makes
+    the directory entry durable)."""
+    if isinstance(data, Linked):
+        try:
+            os.link(data.path, path, follow_symlinks=False)
+            return
+        except FileExistsError:
+            raise
+        except OSError as e:  # EXDEV, EPERM, EMLINK: write the bytes instead
+            log.debug("cannot link %s to %s (%s); copying it", data.path, path, e.strerror)
+            data = data.copy
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        if callable(data):
+            with open(fd, "wb", closefd=False) as f:
+                data(f)
+        else:
+            write_all(fd, data)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str, data: Content, durable: bool = True) -> None:
@@ -104,16 +132,11 @@ def atomic_write(path: str, data: Content, durable: bool = True) -> None:
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, replacement_name(os.path.basename(path), os.getpid()))
     _unlink_quietly(tmp)  # a stale one (or a planted link): never written through
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        _write_content(fd, data)
-        if durable:
-            os.fsync(fd)
+        _create_file(tmp, data, durable)
     except BaseException:
-        os.close(fd)
         _unlink_quietly(tmp)
         raise
-    os.close(fd)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -137,12 +160,7 @@ def atomic_directory(path: str, files: Iterable[tuple[str, Content]]) -> None:
         for name, data in files:
             if not name or name in (".", "..") or os.sep in name or "\0" in name:
                 raise ValueError(f"{name!r} is not a file name")
-            fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_content(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _create_file(os.path.join(tmp, name), data)
         os.chmod(tmp, 0o777 & ~umask())  # as mkdir would have made it, not mkdtemp's 0700
         fsync_dir(tmp)
         aside = None
@@ -458,6 +476,9 @@ class LocalShardSource(ShardSource):
             os.close(self._fd)
             self._fd = -1
 
+    def sibling(self, name: str) -> "LocalShardSource":
+        return open_shard_file(os.path.join(os.path.dirname(self.name), name))
+
 
 def new_shard_file(path: str) -> LocalShardSink:
     """A sink writing the new file ``path`` directly (no temporary name): for files outside a
@@ -497,6 +518,16 @@ class LocalStorage(Storage):
     def create_shard(self, dir: str, file: str) -> LocalShardSink:
         final = self.location(dir, file)
         return LocalShardSink(final + PARTIAL_SUFFIX, final)
+
+    def create_data_file(self, dir: str, file: str) -> BinaryIO:
+        """The new data file ``file`` of a shard of snapshot ``dir`` (docs/FORMAT.md 3.8), open
+        for writing and seeking, under its final name: the shard that names it is made durable
+        after it (``LocalShardSink.finish`` syncs the directory). Read-only once closed (mode
+        0444): a framework's file linked to it is the snapshot's bytes, and a program that
+        rewrote that file in place instead of replacing it would damage the snapshot."""
+        fd = os.open(self.location(dir, file),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+        return os.fdopen(fd, "wb")
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
         """Empty also when ``dir`` is not a directory (a link is not followed); an entry that

@@ -25,6 +25,9 @@ MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"[0-9]{1,10
 REPLACEMENT_FILE = re.compile(r".+" + re.escape(_REPLACEMENT) + r"[0-9]{1,10}")  # of any file
 SNAPSHOT_DIR = re.compile(r"step-([0-9]{20})\.([0-9a-f]{8})")
 SHARD_FILE = re.compile(r"rank-([0-9]{5})\.ackpt")
+DATA_FILE = re.compile(r"rank-([0-9]{5})\.([0-9]{1,2})\.(pt|safetensors)")
+"""A file of a shard's chunks in a framework's format (format version 6): rank, number, suffix."""
+MAX_DATA_FILES = 100  # what DATA_FILE's number can count
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
 LOCK_PREFIX = ".lock-rank"
@@ -77,6 +80,12 @@ def is_lock_file(name) -> bool:
 
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.ackpt"
+
+
+def data_file_name(rank: int, number: int, suffix: str) -> str:
+    """The name of data file ``number`` of ``rank``'s shard, a file in a framework's format whose
+    suffix (``pt``, ``safetensors``) says which: what ``DATA_FILE`` matches."""
+    return f"rank-{rank:05d}.{number}.{suffix}"
 
 
 def rank_root_name(rank: int) -> str:

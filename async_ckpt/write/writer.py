@@ -27,7 +27,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
-from typing import BinaryIO, Callable, Optional, Union
+from typing import BinaryIO, Callable, Iterator, Optional, Union
 
 import psutil
 
@@ -35,15 +35,17 @@ from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatc
 from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, JobOutcome, Marker,
                        Ready, Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
-from ..errors import CheckpointError, DiskFullError, SnapshotWriteError
+from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
 from ..format.references import References
-from ..format.native import Derived, write_committed
-from ..format.shard import ChunkEncoder, ShardWriter, checksum, reference_to, version_needed
-from ..storage.local import Content, LocalStorage, atomic_directory, atomic_write, make_dirs
+from ..format.native import Derived, NativeFile, write_committed
+from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardWriter, checksum, reference_to,
+                            version_needed)
+from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
+                             make_dirs)
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
-from ..storage.names import shard_file_name
+from ..storage.names import MAX_DATA_FILES, data_file_name, shard_file_name
 from ..format.layout import Plan, Region, shard_layout, ShardLayout
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class SnapshotWriter:
         self.stored_ratio = 1.0
         # by job: its snapshot directory and markers, written once it is committed
         self.markers: dict[int, tuple[str, tuple[Marker, ...]]] = {}
+        # by job: the data files its shard keeps its storages in, by the Derived each is
+        self.data_files: dict[int, dict[Derived, str]] = {}
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -149,9 +153,10 @@ class SnapshotWriter:
         """Tell the trainer; a job's markers are written first, once it is committed."""
         if isinstance(event, JobOutcome) and event.job in self.markers:
             directory, markers = self.markers.pop(event.job)
+            data_files = self.data_files.pop(event.job, {})
             if isinstance(event, Committed):
                 event = _write_markers(event, markers, functools.partial(
-                    self.derive, directory))
+                    self.derive, directory), data_files)
         try:
             self.conn.send(event)
         except OSError:
@@ -190,19 +195,27 @@ class SnapshotWriter:
         raw_bytes = sum(r.nbytes for r in regions)
         referred_bytes = sum(plan.regions[i].nbytes for i in refer)
         self.check_space(raw_bytes - referred_bytes)
+        natives = self.native_files(job, regions)
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
         shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
                             self.encoder, version=version_needed(
                                 layout.uses_references, bool(refer), bool(job.dtensors),
                                 any(r.nbytes for n, r in zip(layout.written, regions)
-                                    if n not in refer)),
+                                    if n not in refer), bool(natives)),
                             workers=ENCODE_WORKERS)
+        data_bytes = 0
         try:
             with References(self.storage,
                             read_manifest(self.storage).snapshots if refer else ()) as references:
+                stored_elsewhere, files = self.write_data_files(job, natives, buf, regions,
+                                                                references)
+                data_bytes = sum(f["bytes"] for f in files)
                 for n, (region, fields) in enumerate(zip(regions, layout.replica_fields)):
-                    if layout.written[n] in refer:
+                    if n in stored_elsewhere:
+                        shard.add_stored(region.nbytes, region.itemsize, region.is_float,
+                                         stored_elsewhere[n], **fields)
+                    elif layout.written[n] in refer:
                         shard.add_reference(region.nbytes, region.itemsize, region.is_float,
                                             self.reference(references, refer[layout.written[n]], n,
                                                            region))
@@ -220,7 +233,8 @@ class SnapshotWriter:
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": replicas} if replicas else {}),
-                **({"dtensors": list(job.dtensors)} if job.dtensors else {})})
+                **({"dtensors": list(job.dtensors)} if job.dtensors else {}),
+                **({"files": files} if files else {})})
         except BaseException:
             shard.abort()
             if self.world_size == 1 or self.own_root:  # a shared directory: rank 0 cleans
@@ -228,14 +242,64 @@ class SnapshotWriter:
             raise
         t_durable = time.monotonic()
         if not refer:  # a shard with references says little about how well the state encodes
-            self.stored_ratio = size / max(raw_bytes, 1)
+            self.stored_ratio = (size + data_bytes) / max(raw_bytes, 1)
         return Attempt(job=job.job, step=step, dir=job.dir,
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
                        replicas=replicas, raw_bytes=raw_bytes, figures={
                            "queue_s": t_start - job.submitted, "write_s": t_written - t_start,
-                           "fsync_s": t_durable - t_written, "shard_bytes": size,
+                           "fsync_s": t_durable - t_written, "shard_bytes": size + data_bytes,
                            "referred_bytes": referred_bytes},
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable)
+
+    def native_files(self, job: SnapshotJob, regions: list[Region]) -> list[NativeFile]:
+        """The framework files of the job's markers that its shard can keep its storages in (a
+        framework file is then the snapshot's bytes, linked after the commit, and nothing is
+        written twice). Not with a remote tier, which uploads shard files only; a file the
+        snapshot cannot be written as is left to ``derive``, whose error the marker reports."""
+        if self.uploader is not None or job.job not in self.markers:
+            return []
+        _, markers = self.markers[job.job]
+        wanted = dict.fromkeys(c for m in markers
+                               for c in ([m.content] if m.files is None else
+                                         [c for _, c in m.files]) if isinstance(c, Derived))
+        index = {"storages": [{"nbytes": r.nbytes} for r in regions],
+                 "tensors": list(self.layout.tensors), "tree": job.tree,
+                 "byteorder": sys.byteorder}
+        natives = []
+        for derived in wanted:
+            try:
+                natives.append(NativeFile(index, derived, f"the snapshot of step {job.step}"))
+            except LayoutError:
+                continue
+        return natives[:MAX_DATA_FILES]
+
+    def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
+                         regions: list[Region], references: References
+                         ) -> tuple[dict[int, list[dict]], list[dict]]:
+        """Write the shard's data files (``native_files``) from the staging buffer, durably;
+        returns the chunks of each storage kept in one (by storage number, each storage in the
+        first file that holds it whole, never one referred to an earlier snapshot) and the
+        index's ``files`` table."""
+        refer, written = dict(job.refer), self.layout.written
+        chunks: dict[int, list[dict]] = {}
+        files, paths = [], {}
+        for number, native in enumerate(natives):
+            name = data_file_name(self.rank, number, native.suffix)
+            kept = {n: [] for n in native.whole if n not in chunks and written[n] not in refer}
+            chunks.update(kept)
+            with self.storage.create_data_file(job.dir, name) as out:
+                def pieces(n: int) -> Iterator[memoryview]:
+                    if written[n] in refer:  # unchanged: not staged, read from where it is
+                        return references.open(refer[written[n]], self.rank).storage_pieces(n)
+                    return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
+                                     regions[n].itemsize, out, number, kept.get(n))
+                native.write(out, pieces)
+                out.flush()
+                os.fsync(out.fileno())
+                files.append({"name": name, "bytes": out.tell()})
+            paths[native.derived] = self.storage.location(job.dir, name)
+        self.data_files[job.job] = paths
+        return chunks, files
 
     def reference(self, references: References, holder: str, n: int, region: Region) -> dict:
         """The reference to storage ``n`` of this rank's shard of committed snapshot ``holder``,
@@ -307,13 +371,31 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
     return None
 
 
+def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
+              chunks: Optional[list[dict]]) -> Iterator[memoryview]:
+    """``data`` in chunks as the shard cuts them; with ``chunks``, each also recorded there as a
+    raw chunk of data file ``file`` at the position ``out`` has when it is handed out (where the
+    file's writer writes it)."""
+    step = CHUNK_BYTES - CHUNK_BYTES % itemsize
+    for start in range(0, len(data), step):
+        piece = data[start:start + step]
+        if chunks is not None:
+            chunks.append({"offset": out.tell(), "stored": len(piece), "raw": len(piece),
+                           "xxh3": checksum(piece), "codec": "raw", "file": file})
+        yield piece
+
+
 def _write_markers(committed: Committed, markers: tuple[Marker, ...],
-                   derive: Callable[[Derived], Callable[[BinaryIO], None]]) -> WriterEvent:
-    """Write the markers of a committed snapshot (``derive(d)`` writes ``Derived`` d to a file);
-    the event to send: ``committed``, or Failed when a marker could not be written (the snapshot
-    stays committed, but whoever looks for the marker will not see it)."""
+                   derive: Callable[[Derived], Callable[[BinaryIO], None]],
+                   data_files: dict[Derived, str]) -> WriterEvent:
+    """Write the markers of a committed snapshot (``derive(d)`` writes ``Derived`` d to a file;
+    one its shard keeps as a data file is linked from ``data_files``); the event to send:
+    ``committed``, or Failed when a marker could not be written (the snapshot stays committed,
+    but whoever looks for the marker will not see it)."""
     def content(c: Union[bytes, Derived]) -> Content:
-        return derive(c) if isinstance(c, Derived) else c
+        if isinstance(c, Derived):
+            return Linked(data_files[c], derive(c)) if c in data_files else derive(c)
+        return c
 
     for marker in markers:
         try:

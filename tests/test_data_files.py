@@ -1,0 +1,298 @@
+"""A shard's storages kept in data files (format version 6): a framework's file made from a
+snapshot is the snapshot's own bytes, written once, linked after the commit; what reads the
+snapshot checks a data file as it checks the shard."""
+
+import errno
+import io
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import async_ckpt
+from async_ckpt import CheckpointEngine, Derived, Marker
+from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError
+from async_ckpt.format.native import SUFFIXES
+from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
+from async_ckpt.storage import local
+from async_ckpt.storage.names import DATA_FILE, data_file_name
+from conftest import assert_same
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def model_state():
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(300, 200), "b": torch.randn(200),
+                      "half": torch.randn(64, 8).to(torch.bfloat16)},
+            "optimizer": {"state": {0: {"exp_avg": torch.randn(300, 200), "step": torch.tensor(3.)}},
+                          "param_groups": [{"lr": 0.1, "params": [0]}]}}
+
+
+def hf_markers(out):
+    return [Marker(str(out), files=(("model.safetensors", Derived("safetensors", "model")),
+                                    ("optimizer.pt", Derived("torch", "optimizer"))))]
+
+
+def state_bytes(state) -> int:
+    return sum(t.untyped_storage().nbytes() for t in _tensors(state))
+
+
+def _tensors(node):
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from _tensors(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _tensors(v)
+
+
+def bytes_in_files(*tops) -> int:
+    """The bytes of the files under ``tops``, a file linked in several places counted once."""
+    sizes = {}
+    for top in tops:
+        for parent, _, names in os.walk(top):
+            for name in names:
+                info = os.stat(os.path.join(parent, name))
+                sizes[info.st_ino] = info.st_size
+    return sum(sizes.values())
+
+
+def snapshot_dir(root):
+    (name,) = [n for n in os.listdir(root) if n.startswith("step-")]
+    return os.path.join(root, name)
+
+
+def test_framework_files_are_the_snapshot_s_bytes_written_once(tmp_path):
+    state = model_state()
+    with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=hf_markers(tmp_path / "checkpoint-0"))
+        engine.wait()
+        counted = engine.stats()["snapshots"][-1]["shard_bytes"]
+    on_disk = bytes_in_files(snapshot_dir(tmp_path / "ckpt"), tmp_path / "checkpoint-0")
+    assert counted == on_disk
+    assert on_disk <= 1.05 * state_bytes(state)  # not the shard and the files: each byte once
+    directory = snapshot_dir(tmp_path / "ckpt")
+    for name, suffix in (("model.safetensors", "safetensors"), ("optimizer.pt", "pt")):
+        linked = os.stat(tmp_path / "checkpoint-0" / name)
+        (data,) = [n for n in os.listdir(directory) if n.endswith("." + suffix)]
+        assert DATA_FILE.fullmatch(data)
+        assert (linked.st_ino, linked.st_nlink) == (os.stat(os.path.join(directory, data)).st_ino, 2)
+        assert linked.st_mode & 0o222 == 0  # read-only: rewriting it in place would damage it
+    assert_same(safetensors_torch.load_file(tmp_path / "checkpoint-0" / "model.safetensors"),
+                state["model"])
+    assert_same(torch.load(tmp_path / "checkpoint-0" / "optimizer.pt", weights_only=True),
+                state["optimizer"])
+    for mmap in (False, True):  # a torch entry maps aligned; safetensors' tensors are copied
+        assert_same(async_ckpt.load(str(tmp_path / "ckpt"), mmap=mmap)[1], state)
+
+
+def test_a_whole_snapshot_file_keeps_the_engine_s_own_entry_in_the_shard(tmp_path):
+    target = tmp_path / "last.ckpt"
+    state = {"w": torch.randn(1000), "views": torch.arange(12.)[3:9]}
+    with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=[Marker(str(target),
+                                                                    Derived("torch"))])
+        engine.wait()
+    assert os.stat(target).st_nlink == 2
+    assert_same(torch.load(target, weights_only=True), state)
+    with ShardReader(os.path.join(snapshot_dir(tmp_path / "ckpt"), "rank-00000.ackpt")) as r:
+        assert r.version == 6
+        kept_in_file = [("file" in s["chunks"][0]) for s in r.index["storages"] if s["chunks"]]
+    assert any(kept_in_file) and not all(kept_in_file)  # the RNG states stay in the shard
+
+
+def test_storages_a_safetensors_file_does_not_hold_whole_stay_in_the_shard(tmp_path):
+    shared = torch.randn(6, 4)
+    model = {"embed": shared, "head": shared, "t": torch.randn(3, 5).t(),
+             "cut": torch.arange(10)[2:7], "b": torch.arange(4.)}
+    with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
+        engine.snapshot(0, state={"model": model}, force=True, markers=[
+            Marker(str(tmp_path / "m.safetensors"), Derived("safetensors", "model"))])
+        engine.wait()
+    loaded = safetensors_torch.load_file(tmp_path / "m.safetensors")
+    assert_same(loaded, {k: v.contiguous() for k, v in model.items() if k != "head"})
+    assert_same(async_ckpt.load(str(tmp_path / "ckpt"))[1], {"model": model})
+
+
+def test_an_incremental_snapshot_s_file_holds_every_byte_and_refers_for_the_rest(tmp_path):
+    frozen, trained = torch.randn(1000), torch.randn(10)
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), {"model": {"frozen": frozen, "trained": trained}},
+                          incremental=True, keep_last=5) as engine:
+        for step in (0, 1):
+            engine.snapshot(step, markers=[Marker(str(tmp_path / f"{step}.pt"),
+                                                  Derived("torch", "model"))])
+            engine.wait()
+            trained.add_(1)
+        assert engine.stats()["snapshots"][-1]["referred_bytes"] > 0
+    assert_same(torch.load(tmp_path / "1.pt", weights_only=True),
+                {"frozen": frozen, "trained": trained - 1})
+    assert_same(async_ckpt.load(str(root), 1)[1]["model"],
+                {"frozen": frozen, "trained": trained - 1})
+
+
+def test_a_damaged_missing_or_cut_data_file_is_damage_of_its_snapshot(tmp_path):
+    root = tmp_path / "ckpt"
+    state = {"model": {"w": torch.randn(5000)}}
+    with CheckpointEngine(str(root), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=[
+            Marker(str(tmp_path / "m.safetensors"), Derived("safetensors", "model"))])
+        engine.wait()
+    directory = snapshot_dir(root)
+    data = os.path.join(directory, data_file_name(0, 0, "safetensors"))
+    os.unlink(tmp_path / "m.safetensors")  # the framework's link: the snapshot keeps its bytes
+    assert_same(async_ckpt.load(str(root))[1], state)
+    original = open(data, "rb").read()
+
+    def replaced(content: bytes):
+        os.unlink(data)
+        with open(data, "wb") as f:
+            f.write(content)
+
+    damaged = bytearray(original)
+    damaged[-100] ^= 1
+    replaced(bytes(damaged))
+    with pytest.raises(ChecksumMismatchError, match="fails its checksum"):
+        async_ckpt.load(str(root), 0)
+    replaced(original[:-1])
+    with pytest.raises(CorruptSnapshotError, match="truncated or replaced"):
+        async_ckpt.load(str(root), 0)
+    os.unlink(data)
+    with pytest.raises(CorruptSnapshotError, match="missing"):
+        async_ckpt.load(str(root), 0)
+
+
+def test_a_marker_is_copied_where_the_file_system_cannot_link(tmp_path, monkeypatch):
+    def cannot_link(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(local.os, "link", cannot_link)
+    source = tmp_path / "source"
+    source.write_bytes(b"bytes")
+    local.atomic_write(str(tmp_path / "out"), local.Linked(str(source),
+                                                           lambda f: f.write(b"copied")))
+    assert (tmp_path / "out").read_bytes() == b"copied"
+
+
+def test_suffixes_of_data_files_are_the_names_that_match():
+    for fmt, suffix in SUFFIXES.items():
+        assert DATA_FILE.fullmatch(data_file_name(3, 7, suffix))
+
+
+def crafted_shard(tmp_path, files, chunks_of, data=b"\0" * 128):
+    """A version 6 shard of rank 0 whose one storage has ``chunks_of(xxh3)`` and whose index
+    lists ``files``; its data file holds ``data``."""
+    (tmp_path / data_file_name(0, 0, "pt")).write_bytes(data)
+    writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), ChunkEncoder(None), version=6)
+    writer.add_stored(64, 1, False, chunks_of(checksum(data[:64])))
+    writer.finish({"step": 0, "rank": 0, "world_size": 1, "created": 0.0, "tensors": [],
+                   "tree": {}, "files": files})
+    return str(tmp_path / "rank-00000.ackpt")
+
+
+def chunk(digest, **fields):
+    return [{"offset": 0, "stored": 64, "raw": 64, "xxh3": digest, "codec": "raw", "file": 0,
+             **fields}]
+
+
+@pytest.mark.parametrize("files, fields, problem", [
+    ([{"name": "../../etc/passwd", "bytes": 128}], {}, "not named"),
+    ([{"name": "rank-00001.0.pt", "bytes": 128}], {}, "not named"),  # another rank's
+    ([{"name": "rank-00000.1.pt", "bytes": 128}], {}, "not named"),  # numbered otherwise
+    ([{"name": "rank-00000.0.pt", "bytes": 32}], {}, "past the end"),
+    ([{"name": "rank-00000.0.pt", "bytes": 128}], {"file": 1}, "names no data file"),
+    ([{"name": "rank-00000.0.pt", "bytes": 128}], {"codec": "zstd"}, "malformed"),
+    ([], {}, "malformed"),
+])
+def test_a_crafted_data_file_table_is_refused_before_a_file_is_opened(tmp_path, files, fields,
+                                                                      problem):
+    path = crafted_shard(tmp_path, files, lambda digest: chunk(digest, **fields))
+    with pytest.raises(CorruptSnapshotError, match=problem):
+        ShardReader(path)
+
+
+def test_storages_that_overlap_in_a_data_file_are_refused(tmp_path):
+    (tmp_path / data_file_name(0, 0, "pt")).write_bytes(b"\0" * 128)
+    writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), ChunkEncoder(None), version=6)
+    for offset in (0, 32):
+        writer.add_stored(64, 1, False, chunk(checksum(b"\0" * 64), offset=offset))
+    writer.finish({"step": 0, "rank": 0, "world_size": 1, "created": 0.0, "tensors": [],
+                   "tree": {}, "files": [{"name": "rank-00000.0.pt", "bytes": 128}]})
+    with pytest.raises(CorruptSnapshotError, match="overlap"):
+        ShardReader(str(tmp_path / "rank-00000.ackpt"))
+
+
+def test_a_crafted_shard_reads_its_data_file_verified(tmp_path):
+    path = crafted_shard(tmp_path, [{"name": "rank-00000.0.pt", "bytes": 128}], chunk,
+                         data=bytes(range(128)))
+    with ShardReader(path) as reader:
+        out = bytearray(64)
+        reader.read_storage(0, out)
+        assert bytes(out) == bytes(range(64))
+        assert reader.verify() == []
+
+
+HOSTILE = [None, -1, 0, 1, 2, 63, 64, 2**63, 1.5, "0", "../rank-00000.0.pt", "/etc/passwd",
+           "rank-00000.0.pt", "rank-00000.1.safetensors", "rank-00000.0.pt\0", [], {}, True]
+
+
+@pytest.fixture(scope="module")
+def v6_snapshot(tmp_path_factory):
+    """A committed snapshot whose storages are kept in a torch and a safetensors data file, as
+    (root, the shard's path, its bytes, the state)."""
+    root = tmp_path_factory.mktemp("v6") / "ckpt"
+    state = model_state()
+    with CheckpointEngine(str(root), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=hf_markers(root.parent / "out"))
+        engine.wait()
+    shard = os.path.join(snapshot_dir(root), "rank-00000.ackpt")
+    return str(root), shard, open(shard, "rb").read(), state
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_crafted_data_file_fields_give_the_state_or_a_typed_error(v6_snapshot, data):
+    """The attacker rewrites the index and its checksums (which then prove nothing): whatever it
+    says of data files, a read returns the state bit for bit or raises a CheckpointError."""
+    root, shard, original, state = v6_snapshot
+    from fuzzing import TRAILER, rewrite_shard
+    offset, length, _, _ = TRAILER.unpack(original[-TRAILER.size:])
+    index = json.loads(original[offset:offset + length])
+    in_files = [c for s in index["storages"] for c in s["chunks"] if "file" in c]
+    target = data.draw(st.sampled_from(["file table", "chunk"]))
+    if target == "file table":
+        entry = index["files"][data.draw(st.integers(0, len(index["files"]) - 1))]
+    else:
+        entry = in_files[data.draw(st.integers(0, len(in_files) - 1))]
+    key = data.draw(st.sampled_from(sorted(entry) + ["extra"]))
+    if data.draw(st.booleans()) and key in entry:
+        del entry[key]
+    else:
+        entry[key] = data.draw(st.sampled_from(HOSTILE))
+    crafted, digest = rewrite_shard(original[:offset], json.dumps(index).encode())
+    manifest_path = os.path.join(root, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    saved = json.dumps(manifest)
+    manifest["snapshots"][0]["shards"][0].update(bytes=len(crafted), index_xxh3=digest)
+    try:
+        with open(shard, "wb") as f:
+            f.write(crafted)
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f)
+        try:
+            loaded = async_ckpt.load(root, 0)[1]
+        except async_ckpt.errors.CheckpointError:
+            return
+        assert_same(loaded, state)
+    finally:
+        with open(shard, "wb") as f:
+            f.write(original)
+        with open(manifest_path, "w") as f:
+            f.write(saved)
