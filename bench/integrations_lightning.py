@@ -16,7 +16,8 @@ the median of a run's saves after its first (the first one, which allocates what
 reuse, is reported apart); **.ckpt written after the save** is the last save's ``.ckpt``
 modification time less the wall time at which its save began (the writer's file is written once
 its snapshot is committed); **bytes written per save** is what the last save left on disk (its
-``.ckpt`` and, for ``AsyncCkptIO``, its snapshot's shard) over the state's bytes; **fit time** is
+``.ckpt`` and, for ``AsyncCkptIO``, its snapshot's files, a file linked twice counted once)
+over the state's bytes; **fit time** is
 the whole run's wall time (a background writer still
 takes CPU from training on this 2-core machine). Each figure is the median of interleaved rounds
 (rotated order; the first round a warm-up, not reported) with its min-max spread; ratios are taken
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .markdown import spread_text
-from .measure import log, ratio_spread, rotated, spread, standalone
+from .measure import dir_bytes, log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
 QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
@@ -105,10 +106,10 @@ def _fit(system: str, directory: Path, config: dict) -> dict:
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # + Adam
     # save_top_k=1: one .ckpt is left, the last save's (its file written last), and one snapshot
     ckpt, = (directory / "ckpts").iterdir()
-    stored = sum(f.stat().st_size for f in (directory / "engine").rglob("*.ackpt"))
+    snapshots = [str(d) for d in (directory / "engine").glob("step-*")]
     return {"blocking_s": checkpoint.blocking, "fit_s": fit_s, "state_bytes": state_bytes,
             "file_after_s": ckpt.stat().st_mtime - checkpoint.saved_at[-1],
-            "bytes_per_save": ckpt.stat().st_size + stored}
+            "bytes_per_save": dir_bytes(str(ckpt), *snapshots)}
 
 
 def _copy_floor(config: dict) -> float:

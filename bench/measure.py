@@ -220,9 +220,15 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def dir_bytes(path: str) -> int:
-    """Bytes of the files at or under ``path``."""
-    return sum(os.path.getsize(name) for name in files_under(path))
+def dir_bytes(*paths: str) -> int:
+    """Bytes of the files at or under ``paths``, a file linked in several places counted once
+    (a framework's file linked to a snapshot's data file is one write)."""
+    sizes = {}
+    for path in paths:
+        for name in files_under(path):
+            info = os.stat(name)
+            sizes[info.st_dev, info.st_ino] = info.st_size
+    return sum(sizes.values())
 
 
 def files_under(path: str) -> list[str]:
