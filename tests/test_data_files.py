@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import async_ckpt
+import async_ckpt.format.manifest
 from async_ckpt import CheckpointEngine, Derived, Marker
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError
 from async_ckpt.format.native import SUFFIXES
@@ -76,6 +77,8 @@ def test_framework_files_are_the_snapshot_s_bytes_written_once(tmp_path):
         counted = engine.stats()["snapshots"][-1]["shard_bytes"]
     on_disk = bytes_in_files(snapshot_dir(tmp_path / "ckpt"), tmp_path / "checkpoint-0")
     assert counted == on_disk
+    (record,) = async_ckpt.format.manifest.read_manifest(str(tmp_path / "ckpt")).snapshots
+    assert record.stored_bytes == on_disk  # what `ls` and retention's accounting show
     assert on_disk <= 1.05 * state_bytes(state)  # not the shard and the files: each byte once
     directory = snapshot_dir(tmp_path / "ckpt")
     for name, suffix in (("model.safetensors", "safetensors"), ("optimizer.pt", "pt")):

@@ -406,7 +406,7 @@ def _complete_snapshot(storage: Storage, name: str,
     """The record of snapshot directory ``name`` if every rank's shard in it (or ``only_rank``'s,
     in that rank's own root) is whole, else None (also when ``name`` is not a directory, or a
     link to one)."""
-    from .shard import ShardReader, referenced_dirs  # needed only for this repair
+    from .shard import ShardReader, data_file_bytes, referenced_dirs  # only for this repair
 
     shards, indexes = {}, []
     for file, _ in storage.list_snapshot(name):
@@ -440,7 +440,8 @@ def _complete_snapshot(storage: Storage, name: str,
     raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
                           world_size=world_size, shards=tuple(shards[r] for r in needed),
-                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values()),
+                          raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values())
+                          + sum(map(data_file_bytes, indexes)),
                           refers=refers)
 
 

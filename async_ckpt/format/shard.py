@@ -71,6 +71,12 @@ def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
             else 2 if uses_references else 1)
 
 
+def data_file_bytes(index: dict) -> int:
+    """The bytes of a (validated) index's data files (version 6), which a snapshot stores
+    besides its shard files."""
+    return sum(f["bytes"] for f in index.get("files", ()))
+
+
 def referenced_dirs(index: dict) -> list[str]:
     """The earlier snapshot directories whose shards a (validated) index's storages refer to."""
     return sorted({s["ref"]["dir"] for s in index["storages"] if "ref" in s})

@@ -32,7 +32,7 @@ from ..errors import (CheckpointError, CorruptSnapshotError, InternalError, Mani
 from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
                                write_manifest)
 from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
-from ..format.shard import ShardReader, referenced_dirs
+from ..format.shard import ShardReader, data_file_bytes, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_storage, write_error
 from .protocol import Abandoned, Committed, Dropped, Failed, WriterEvent
@@ -54,6 +54,7 @@ class Attempt:
     raw_bytes: int
     figures: dict
     refers: tuple[str, ...] = ()  # earlier snapshots rank 0's shard refers to (incremental)
+    data_bytes: int = 0  # of rank 0's data files (format version 6), besides its shard
     durable_at: float = field(default_factory=time.monotonic)
     last_change: float = field(default_factory=time.monotonic)
     seen: tuple = ()
@@ -196,7 +197,8 @@ class Committer:
             self.storage.sync_snapshot(attempt.dir)
         own = SnapshotRecord(step=attempt.step, seq=0, dir=attempt.dir, committed_at=time.time(),
                              world_size=self.world_size, shards=(attempt.shard,),
-                             raw_bytes=attempt.raw_bytes, stored_bytes=attempt.shard.bytes,
+                             raw_bytes=attempt.raw_bytes,
+                             stored_bytes=attempt.shard.bytes + attempt.data_bytes,
                              refers=tuple(sorted(attempt.refers)))
         return with_shards(self.storage, own, attempt.replicas, others)
 
@@ -303,6 +305,7 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
     The committer completes a snapshot in a shared directory this way, and rank 0's uploader one
     in the object store when the ranks share no directory."""
     shards, raw, refers = list(record.shards), record.raw_bytes, set(record.refers)
+    stored = record.stored_bytes
     for rank in ranks:
         with ShardReader(storage.open_shard(record.dir, shard_file_name(rank))) as reader:
             index = reader.index
@@ -314,10 +317,10 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
             _check_replicas(record.step, replicas, rank, index.get("replicas", []))
             shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
             raw += sum(s["nbytes"] for s in index["storages"])
+            stored += reader.size + data_file_bytes(index)
             refers.update(referenced_dirs(index))
     shards.sort(key=lambda s: s.rank)
-    return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw,
-                               stored_bytes=sum(s.bytes for s in shards),
+    return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw, stored_bytes=stored,
                                refers=tuple(sorted(refers)))
 
 

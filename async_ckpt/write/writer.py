@@ -249,7 +249,8 @@ class SnapshotWriter:
                            "queue_s": t_start - job.submitted, "write_s": t_written - t_start,
                            "fsync_s": t_durable - t_written, "shard_bytes": size + data_bytes,
                            "referred_bytes": referred_bytes},
-                       refers=tuple(sorted(set(refer.values()))), durable_at=t_durable)
+                       refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
+                       data_bytes=data_bytes)
 
     def native_files(self, job: SnapshotJob, regions: list[Region]) -> list[NativeFile]:
         """The framework files of the job's markers that its shard can keep its storages in (a
