@@ -79,6 +79,23 @@ def test_committed_snapshots_reach_the_bucket_and_restore_on_a_fresh_node(tmp_pa
     assert_same(loaded["m"], m.state_dict())
 
 
+def test_data_files_reach_the_bucket_and_restore_from_it(tmp_path, remote):
+    """A shard that keeps storages in data files (a framework's file, format version 6) is
+    uploaded with them, read from the bucket directly, and downloaded with them."""
+    m = model()
+    with CheckpointEngine(tmp_path / "node1", {"m": m}, remote=remote) as engine:
+        engine.snapshot(0, markers=[async_ckpt.Marker(str(tmp_path / "m.safetensors"),
+                                                      async_ckpt.Derived("safetensors", "m"))])
+        engine.wait(remote=True)
+    record = read_manifest(ObjectStorage(remote)).snapshots[-1]
+    names = dict(ObjectStorage(remote).list_snapshot(record.dir))
+    assert names["rank-00000.0.safetensors"] == os.path.getsize(tmp_path / "m.safetensors")
+    assert_same(async_ckpt.load(remote)[1]["m"], m.state_dict())  # ranged reads, no copy
+    step, restored = restore_fresh(tmp_path, remote)  # a local copy, its data file beside it
+    assert step == 0
+    assert_same(restored.state_dict(), m.state_dict())
+
+
 def test_restore_prefers_the_newer_tier(tmp_path, remote, server):
     """The local directory is newer than the bucket while uploads lag; a fresh one is older."""
     m = model()

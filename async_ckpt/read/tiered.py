@@ -20,6 +20,7 @@ from ..errors import CheckpointError, CorruptSnapshotError, RemoteStorageError
 from ..format.manifest import Manifest, read_manifest
 from ..storage.base import ShardSink, ShardSource, Storage
 from ..storage.local import LocalStorage
+from ..storage.names import SHARD_FILE, data_files_of
 from ..storage.remote import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -88,23 +89,33 @@ class TieredStorage(Storage):
         if source.size != expected:
             raise CorruptSnapshotError(f"{source.name} has {source.size} bytes, the manifest "
                                        f"records {expected}; it is damaged or was replaced")
+        rank = int(SHARD_FILE.fullmatch(file).group(1))
+        # its data files first (format version 6): a local shard has them beside it
+        for name, size in (*data_files_of(rank, self.remote.list_snapshot(dir)), (file, source.size)):
+            if not self._keep_copy(dir, name, size):
+                return source  # read from the store, data files too (ShardSource.sibling)
+        source.close()
+        return self.local.open_shard(dir, file)
+
+    def _keep_copy(self, dir: str, file: str, size: int) -> bool:
+        """Download ``dir/file`` into the local directory; False when no local copy can be kept
+        (another rank downloads it now, or no room)."""
         try:
             self.local.make_snapshot_dir(dir)
             sink = self.local.create_shard(dir, file)
         except FileExistsError:  # another rank downloads it now: read it from the store
-            return source
+            return False
         except OSError as e:  # no room for a cache copy: read it from the store
             log.warning("cannot keep a local copy of %s (%s); reading it from the store",
-                        source.name, e.strerror)
-            return source
+                        self.remote.location(dir, file), e.strerror)
+            return False
         try:
-            self.remote.download(dir, file, sink, source.size)
+            self.remote.download(dir, file, sink, size)
             sink.finish()
         except BaseException:
             sink.abort()
             raise
-        source.close()
-        return self.local.open_shard(dir, file)
+        return True
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
         return self.manifest_tier.list_snapshot(dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Optional, Type
+from typing import Iterable, Optional, Type
 
 from ..checks import is_int, short_repr
 from ..errors import CheckpointError, InvalidArgumentError
@@ -80,6 +80,12 @@ def is_lock_file(name) -> bool:
 
 def shard_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.ackpt"
+
+
+def data_files_of(rank: int, names: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The data files of ``rank``'s shard among a snapshot directory's (name, size) listing."""
+    return [(name, size) for name, size in names
+            if (m := DATA_FILE.fullmatch(name)) and int(m.group(1)) == rank]
 
 
 def data_file_name(rank: int, number: int, suffix: str) -> str:

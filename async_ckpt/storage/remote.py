@@ -251,14 +251,17 @@ class ObjectStorage(Storage):
         return sorted(set(names))
 
     def open_shard(self, dir: str, file: str) -> ShardSource:
+        return self._open(self._key(dir, file))
+
+    def _open(self, key: str) -> "_ObjectSource":
         import obstore
 
         try:
-            meta = self._call(f"reading {dir}/{file}", obstore.head, self._key(dir, file))
+            meta = self._call(f"reading {key}", obstore.head, key)
         except FileNotFoundError as e:
-            raise CorruptSnapshotError(f"{self.location(dir, file)} is missing; the snapshot is "
+            raise CorruptSnapshotError(f"{self.location(key)} is missing; the snapshot is "
                                        "incomplete") from e
-        return _ObjectSource(self, self._key(dir, file), meta["size"])
+        return _ObjectSource(self, key, meta["size"])
 
     def read_file(self, name: str, limit: int, error: Type[CheckpointError]) -> bytes:
         import obstore
@@ -356,6 +359,9 @@ class _ObjectSource(ShardSource):
 
     def close(self) -> None:
         pass
+
+    def sibling(self, name: str) -> "_ObjectSource":
+        return self._storage._open(f"{self._key.rsplit('/', 1)[0]}/{name}")
 
 
 def _first_line(e: Exception) -> str:

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteConflictError, SnapshotWriteError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
-from ..storage.names import MANIFEST_NAME, shard_file_name
+from ..storage.names import MANIFEST_NAME, data_files_of, shard_file_name
 from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.remote import ObjectStorage
@@ -176,15 +176,19 @@ class Uploader:
             upload.closure = self._closure(upload.record)
         for record in (*upload.closure, upload.record):
             shard = record.shard_of(self.rank)
-            if (shard.file, shard.bytes) in self.remote.list_snapshot(record.dir):
+            present = self.remote.list_snapshot(record.dir)
+            if (shard.file, shard.bytes) in present:
                 continue  # uploaded before a retry or a restart
+            # its data files first (format version 6): a shard in the bucket has them there
+            files = [(name, size) for name, size in data_files_of(
+                self.rank, self.local.list_snapshot(record.dir)) if (name, size) not in present]
             try:
-                self.remote.upload_file(record.dir, shard.file,
-                                        self.local.location(record.dir, shard.file))
+                for name, size in (*files, (shard.file, shard.bytes)):
+                    self.remote.upload_file(record.dir, name, self.local.location(record.dir, name))
+                    self.uploaded_bytes += size
             except FileNotFoundError:  # dropped locally since (engine.drop): nothing to upload
                 log.info("remote: step %d was dropped before it was uploaded", record.step)
                 return "skip"
-            self.uploaded_bytes += shard.bytes
         return "peers" if self.rank == 0 else "watch"
 
     def _check_peers(self, upload: _Upload) -> str:

@@ -255,9 +255,9 @@ class SnapshotWriter:
     def native_files(self, job: SnapshotJob, regions: list[Region]) -> list[NativeFile]:
         """The framework files of the job's markers that its shard can keep its storages in (a
         framework file is then the snapshot's bytes, linked after the commit, and nothing is
-        written twice). Not with a remote tier, which uploads shard files only; a file the
-        snapshot cannot be written as is left to ``derive``, whose error the marker reports."""
-        if self.uploader is not None or job.job not in self.markers:
+        written twice). A file the snapshot cannot be written as is left to ``derive``, whose
+        error the marker reports."""
+        if job.job not in self.markers:
             return []
         _, markers = self.markers[job.job]
         wanted = dict.fromkeys(c for m in markers
