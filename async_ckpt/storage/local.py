@@ -457,6 +457,52 @@ class LocalShardSink(ShardSink):
             self._fd = -1
 
 
+class LocalDataFile:
+    """A new file written as a shard is (pieces of ``WRITE_PIECE_BYTES`` under a ``WriteBack``
+    window, so that the disk works while it is written), by a framework format's writer that
+    seeks back now and then to complete a header (a zip's): the file-like calls it needs, then
+    ``finish()``, which makes it durable. Read-only (mode 0444): a framework's file linked to it
+    is the snapshot's bytes, and a program that rewrote that file in place instead of replacing
+    it would damage the snapshot."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                           | os.O_CLOEXEC, 0o444)
+        self._position = self._end = 0
+        self._write_back = WriteBack(self._fd)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), WRITE_PIECE_BYTES):
+            write_all(self._fd, view[start:start + WRITE_PIECE_BYTES])
+            self._position += min(WRITE_PIECE_BYTES, len(view) - start)
+            if self._position > self._end:
+                self._end = self._position
+                self._write_back.wrote(self._end)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._position = os.lseek(self._fd, offset, whence)
+        return self._position
+
+    def flush(self) -> None:
+        pass  # nothing is buffered here
+
+    def finish(self) -> int:
+        """Make the file durable; its size."""
+        os.fsync(self._fd)
+        return self._end
+
+    def __enter__(self) -> "LocalDataFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)
+
+
 class LocalShardSource(ShardSource):
     """An open regular file (see ``open_shard_file``)."""
 
@@ -519,15 +565,11 @@ class LocalStorage(Storage):
         final = self.location(dir, file)
         return LocalShardSink(final + PARTIAL_SUFFIX, final)
 
-    def create_data_file(self, dir: str, file: str) -> BinaryIO:
-        """The new data file ``file`` of a shard of snapshot ``dir`` (docs/FORMAT.md 3.8), open
-        for writing and seeking, under its final name: the shard that names it is made durable
-        after it (``LocalShardSink.finish`` syncs the directory). Read-only once closed (mode
-        0444): a framework's file linked to it is the snapshot's bytes, and a program that
-        rewrote that file in place instead of replacing it would damage the snapshot."""
-        fd = os.open(self.location(dir, file),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
-        return os.fdopen(fd, "wb")
+    def create_data_file(self, dir: str, file: str) -> "LocalDataFile":
+        """The new data file ``file`` of a shard of snapshot ``dir`` (docs/FORMAT.md 3.8), under
+        its final name: the shard that names it is made durable after it
+        (``LocalShardSink.finish`` syncs the directory)."""
+        return LocalDataFile(self.location(dir, file))
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
         """Empty also when ``dir`` is not a directory (a link is not followed); an entry that

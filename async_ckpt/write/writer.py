@@ -295,9 +295,7 @@ class SnapshotWriter:
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
                                      regions[n].itemsize, out, number, kept.get(n))
                 native.write(out, pieces)
-                out.flush()
-                os.fsync(out.fileno())
-                files.append({"name": name, "bytes": out.tell()})
+                files.append({"name": name, "bytes": out.finish()})
             paths[native.derived] = self.storage.location(job.dir, name)
         self.data_files[job.job] = paths
         return chunks, files
