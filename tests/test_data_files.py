@@ -299,3 +299,12 @@ def test_crafted_data_file_fields_give_the_state_or_a_typed_error(v6_snapshot, d
             f.write(original)
         with open(manifest_path, "w") as f:
             f.write(saved)
+
+
+def test_a_data_file_download_that_fails_leaves_nothing(tmp_path):
+    storage = local.LocalStorage(str(tmp_path))
+    storage.make_snapshot_dir("step-00000000000000000001.00000000")
+    sink = storage.create_shard("step-00000000000000000001.00000000", data_file_name(0, 0, "pt"))
+    sink.write([b"half of it"])
+    sink.abort()  # the store went down mid-download
+    assert os.listdir(tmp_path / "step-00000000000000000001.00000000") == []

@@ -30,6 +30,7 @@ DATA_FILE = re.compile(r"rank-([0-9]{5})\.([0-9]{1,2})\.(pt|safetensors)")
 MAX_DATA_FILES = 100  # what DATA_FILE's number can count
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
+PARTIAL_DATA_FILE = re.compile(DATA_FILE.pattern + re.escape(PARTIAL_SUFFIX))  # being downloaded
 LOCK_PREFIX = ".lock-rank"
 LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"[0-9]{5}")
 SESSION_NAME = "session.json"  # the current run's session token, with several ranks
@@ -37,12 +38,13 @@ HEARTBEAT_FILE = re.compile(r"heartbeat\.rank[0-9]{5}\.json")  # liveness, not p
 RANK_ROOT = re.compile(r"rank-([0-9]{5})")  # a rank's own root when the ranks share no directory
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
-_DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE)
+_DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE, DATA_FILE,
+              PARTIAL_DATA_FILE)
 
 
 def is_ours(name) -> bool:
     """Whether ``name`` is an entry the library writes and may delete (snapshot directories,
-    shard files finished or not, interrupted manifest replacements)."""
+    shard and data files finished or not, interrupted manifest replacements)."""
     return type(name) is str and any(p.fullmatch(name) for p in _DELETABLE)
 
 
