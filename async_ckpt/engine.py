@@ -527,7 +527,8 @@ class CheckpointEngine:
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
-        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
+        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory), ``pin_failures``
+        (staging memories CUDA refused to page-lock: their device-to-host copies are synchronous);
         ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer process's ``writer_pid``,
         ``writer_rss`` and ``writer_shared`` (for a monitor that samples its memory itself).
 
@@ -545,6 +546,7 @@ class CheckpointEngine:
             **self._counts.as_dict(),
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
+            "pin_failures": self._pool.pin_failures,
             "disk_free_bytes": self._session.directory.free_bytes(),
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),
