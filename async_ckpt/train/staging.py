@@ -116,11 +116,12 @@ class StagingPool:
     def free_slot(self) -> Optional[Slot]:
         return next((s for s in self.slots if not s.busy), None)
 
-    def scratch(self) -> Optional[memoryview]:
-        """The memory of the largest free slot, for a restore to decode into (``read_snapshot``'s
-        ``scratch``): faulted in already, and the next snapshot's to overwrite. None before any
-        slot is allocated."""
-        free = [s for s in self.slots if not s.busy and s._map is not None]
+    def scratch(self, slot: Optional[Slot] = None) -> Optional[memoryview]:
+        """The memory of ``slot``, or of the largest free slot, for a restore to read into
+        (``read_snapshot``'s ``scratch``): faulted in already, and the next snapshot's to
+        overwrite. None before any slot is allocated."""
+        free = [slot] if slot is not None else [
+            s for s in self.slots if not s.busy and s._map is not None]
         return memoryview(max(free, key=lambda s: s.nbytes)._map) if free else None
 
     def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
