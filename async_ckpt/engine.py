@@ -218,8 +218,7 @@ class CheckpointEngine:
                         self._counts.skipped)
             return False
         t_slot = time.perf_counter()
-        captured = capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
-                           self.options.allow_pickle)
+        captured = self._capture(state)
         replicated = self.options.resolved.replicated
         replica_of = [key if key in replicated else None for key in captured.entry_of]
         sharded = [d for d in captured.dtensors if d["tensor"] is not None
@@ -229,11 +228,7 @@ class CheckpointEngine:
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
         plan, sources = self._planner.plan(captured.tensors, replica_of)
-        old_buffer = slot.buffer_id
-        if self._pool.fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors)):
-            if old_buffer >= 0:
-                self._writer.detach(old_buffer)
-            self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
+        self._fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))
         t_captured = time.perf_counter()
         job, directory = next(self._jobs), self._session.snapshot_dir(step)
         refer = ({} if self._tracker is None else
@@ -276,6 +271,36 @@ class CheckpointEngine:
                         "NOT committed (see the warning above)", Preempted(step, 0).code)
             raise Preempted(step, self._preempted_by)
         return True
+
+    def _capture(self, state: MutableMapping[str, Any]):
+        """``capture`` of ``state`` and, with ``rng``, the global RNG states."""
+        return capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
+                       self.options.allow_pickle)
+
+    def _fit(self, slot, plan, pin: bool) -> None:
+        """Make ``slot`` fit ``plan`` (page-locked if ``pin``), telling the writer of new memory."""
+        old_buffer = slot.buffer_id
+        if self._pool.fit(slot, plan, pin):
+            if old_buffer >= 0:
+                self._writer.detach(old_buffer)
+            self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
+
+    def _restore_memory(self) -> tuple[bool, Optional[memoryview]]:
+        """(``mapped``, ``scratch``) of a restore's read. With CUDA tensors registered, every
+        storage is read into a page-locked staging slot, fitted to the state as its first
+        snapshot would fit it (the same memory, so nothing extra is held), so that the copies
+        onto the device run from pinned memory at full bandwidth and need no bounce through
+        CUDA's own staging, as copies from the files' pageable mappings do. Otherwise (or where
+        CUDA refuses to pin the slot) the files are mapped, and a free slot, if any, is
+        scratch for what must be decoded."""
+        slot = self._pool.free_slot()
+        if slot is not None and torch.cuda.is_available():  # (no state is on CUDA without it)
+            tensors = self._capture(self.state).tensors
+            if any(t.is_cuda for t in tensors):
+                self._fit(slot, self._planner.plan(tensors)[0], pin=True)
+                if slot.pinned:
+                    return False, self._pool.scratch(slot)
+        return True, self._pool.scratch()
 
     def fence(self) -> None:
         """Wait until the tensors of the last snapshot are copied (lazy staging; at once with
@@ -371,10 +396,11 @@ class CheckpointEngine:
         self._check_usable()
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
+        mapped, scratch = self._restore_memory()
         record, loaded = read_committed(
             self._committed_source(), step, self.rank, self.options.allow_pickle,
             self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded,
-            mapped=True, scratch=self._pool.scratch(), targets=self.state)
+            mapped=mapped, scratch=scratch, targets=self.state)
         if loaded is None:
             return None
         return self._load(record, loaded, strict, reshard)
@@ -527,7 +553,8 @@ class CheckpointEngine:
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``
-        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory);
+        (``stats.EngineCounts``); ``pool_slots``, ``pool_bytes`` (staging memory), ``pin_failures``
+        (staging memories CUDA refused to page-lock: their device-to-host copies are synchronous);
         ``disk_free_bytes``; ``trainer_rss`` and, while open, the writer process's ``writer_pid``,
         ``writer_rss`` and ``writer_shared`` (for a monitor that samples its memory itself).
 
@@ -545,6 +572,7 @@ class CheckpointEngine:
             **self._counts.as_dict(),
             "pool_slots": len(self._pool.slots),
             "pool_bytes": self._pool.nbytes,
+            "pin_failures": self._pool.pin_failures,
             "disk_free_bytes": self._session.directory.free_bytes(),
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),

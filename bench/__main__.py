@@ -21,6 +21,11 @@ rotting (``tests/test_bench.py``), not a measurement; ``--stall``, the focused s
 the sweep alone, at 1 GB in 7 rounds, async_ckpt's modes against torch.save + fsync: how long a
 snapshot stops training (against the copy floor) and how long until it is durable (against the
 disk floor), with the targets of ``bench/targets.py``.
+
+``--device cuda`` (or ``cpu``) runs the GPU benchmark instead (``bench/gpu.py``): a bf16
+transformer with fused AdamW on the device, async_ckpt's eager and lazy staging against DCP's
+stagers and torch.save, restore onto the device, the device's copy floors; its report goes to
+``bench/results/gpu/`` (a full CUDA run) or a scratch directory.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, decode, figures, incremental, integrations_accelerate,
+from . import (article, dcp, decode, figures, gpu, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
                records, remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
@@ -108,6 +113,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     presets.add_argument("--stall", action="store_true",
                          help="the focused stall benchmark: the sweep alone, async_ckpt's modes "
                               "against torch.save + fsync (default 1 GB, 7 rounds)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="run the GPU benchmark (bench/gpu.py) on this device instead: "
+                             "at most 5 minutes on one GPU; --quick: a tiny model")
+    parser.add_argument("--params-gb", type=float, default=None, metavar="GB",
+                        help="--device: GB of bf16 parameters of its transformer (default 1 on "
+                             "cuda, 0.02 on cpu; the state is three times that)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="--device: end the rounds early when the next would end past this "
+                             "many seconds of rounds (default 270 on cuda, none on cpu)")
     parser.add_argument("--sizes", type=_floats, default=None, metavar="GB,GB,...",
                         help="fp32 state sizes of the sweep in GB (default 0.256,1,2; "
                              "--quick: 0.008; --stall: 1)")
@@ -135,6 +149,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
     args = parser.parse_args(argv)
+    args.command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    if args.device is not None:
+        return _device_args(parser, args)
+    if args.params_gb is not None or args.budget is not None:
+        parser.error("--params-gb and --budget go with --device")
     args.preset = preset = STALL if args.stall else QUICK if args.quick else FULL
     args.sizes = preset.sizes if args.sizes is None else args.sizes
     args.bf16_sizes = preset.bf16_sizes if args.bf16_sizes is None else args.bf16_sizes
@@ -154,7 +173,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.out = COMMITTED_RESULTS if full else tempfile.mkdtemp(prefix="bench-results-")
     if importlib.util.find_spec("matplotlib") is None:  # the plots: checked before measuring
         parser.error("the benchmark's plots need matplotlib: pip install -e '.[bench]'")
-    args.command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def _device_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The GPU benchmark's options: its own presets (``gpu.PRESETS``), none of the sweep's."""
+    other = [flag for flag, value in (("--stall", args.stall), ("--sizes", args.sizes),
+                                      ("--bf16-sizes", args.bf16_sizes), ("--ks", args.ks),
+                                      ("--render", args.render)) if value]
+    if other:
+        parser.error(f"{', '.join(other)} do not go with --device")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if (args.params_gb is not None and args.params_gb <= 0) or (
+            args.budget is not None and args.budget <= 0):
+        parser.error("--params-gb and --budget must be positive")
+    if args.out is None:
+        args.out = gpu.default_out(args)
     return args
 
 
@@ -168,6 +203,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.device is not None:
+        return gpu.run(args)
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             results = json.load(f)

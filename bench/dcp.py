@@ -14,6 +14,13 @@ starts its own store and would otherwise bind to the host name). Variants, as DC
   CUDA-only options are off on this CPU machine). With the thread executor or with DCP's process
   executor (a spawned daemon process that writes; the shared-memory staging is what lets the state
   reach it without another copy).
+* ``async_save`` with a cached pinned-memory stager, what torchtitan's ``async_with_pinned_mem``
+  uses: ``DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+  use_async_staging=True, use_non_blocking_copy=True))``, the thread executor: the device-to-host
+  copy runs on a side stream in a background thread after ``async_save`` returns, so training
+  must wait for it (``fence``: the response's ``staging_completion``) before the state changes.
+  Pinned memory and non-blocking copies need a CUDA device: with a CPU state (the GPU
+  benchmark's ``--device cpu``) both are off and the staging is still asynchronous.
 
 Only one ``async_save`` is kept in flight: the cached stager has one set of buffers, and staging the
 next save into them while the previous is still being written would corrupt it. So ``save`` first
@@ -24,6 +31,7 @@ future completes (stamped by a done-callback).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import time
@@ -125,7 +133,8 @@ def _stderr_to_devnull(active: bool):
 
 class DcpAsync(DcpSave):
     """``torch.distributed.checkpoint.async_save`` with the thread or process executor and the
-    default or a cached shared-memory stager."""
+    default, a cached shared-memory or a cached pinned-memory stager (``stager``: "default",
+    "cached" or "pinned")."""
 
     def __init__(self, name: str, state: dict, directory: str, executor: str, stager: str):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -133,15 +142,18 @@ class DcpAsync(DcpSave):
         super().__init__(name, state, directory)
         self._type = {"thread": AsyncCheckpointerType.THREAD,
                       "process": AsyncCheckpointerType.PROCESS}[executor]
-        self._stager = None
-        if stager == "cached":
+        self._stager = self.staging_options = None
+        if stager in ("cached", "pinned"):
             try:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             except ImportError as e:
                 raise Unavailable(f"this torch has no DefaultStager/StagingOptions: {e}") from e
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
-                use_non_blocking_copy=False))
+            cuda = stager == "pinned" and _on_cuda(state)
+            self.staging_options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=stager == "cached",
+                use_async_staging=stager == "pinned", use_non_blocking_copy=cuda)
+            self._stager = DefaultStager(self.staging_options)
+        self._staging: Optional[Future] = None  # the copy an asynchronous stager still runs
         self._future: Optional[Future] = None
         self._pending: Optional[tuple[int, str]] = None
         self._done_at: dict[int, float] = {}
@@ -156,12 +168,19 @@ class DcpAsync(DcpSave):
             response = dcp.async_save(self.state, checkpoint_id=path, async_stager=self._stager,
                                       async_checkpointer_type=self._type)
             future = getattr(response, "upload_completion", response)  # AsyncSaveResponse/Future
+            self._staging = getattr(response, "staging_completion", None)
             if first_of_process:  # the child is started by a thread of DCP's during this save:
                 future.result()  # wait for it here (the first save is always a warm-up)
         future.add_done_callback(lambda _, s=step: self._done_at.setdefault(s, time.perf_counter()))
         self._future, self._pending = future, (step, path)
 
+    def fence(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
+
     def wait(self) -> None:
+        self.fence()
         if self._future is None:
             return
         future, (step, path) = self._future, self._pending
@@ -169,6 +188,10 @@ class DcpAsync(DcpSave):
         future.result()  # raises the save's error
         self._durable_at[step] = self._done_at.pop(step, time.perf_counter())
         self._durable(step, path)
+
+    def details(self) -> dict:
+        return ({} if self.staging_options is None
+                else {"staging_options": dataclasses.asdict(self.staging_options)})
 
     def writer_pids(self) -> list[int]:
         if self._type.name != "PROCESS":
@@ -185,3 +208,9 @@ class DcpAsync(DcpSave):
         finally:
             if self._stager is not None:
                 self._stager.close()
+
+
+def _on_cuda(state: dict) -> bool:
+    """Whether a registered module of ``state`` has parameters on a CUDA device."""
+    return any(p.is_cuda for obj in state.values() if hasattr(obj, "parameters")
+               for p in obj.parameters())

@@ -33,7 +33,7 @@ from async_ckpt.train import staging
 
 from .markdown import hundredths, spread_text
 from .measure import ratio_spread, spread, standalone
-from .registry import DCP_CACHED, OURS_ASYNC, SystemSpec
+from .registry import DCP_CACHED, OURS_ASYNC, OURS_LAZY, SystemSpec
 from .systems import Engine
 from .training import run_training
 
@@ -42,7 +42,6 @@ FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10),
 QUICK = {"workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 10),
          "steps": {1: 4, 10: 10}, "rounds": 1}
 NICE = 10
-LAZY = "async_ckpt async, lazy staging"
 NICED = "async_ckpt async, lazy, niced copy thread"
 FEWER = "async_ckpt async, lazy, one torch thread fewer"
 
@@ -72,7 +71,7 @@ def _lazy(name: str, **options) -> SystemSpec:
                       blocking=False)
 
 
-SPECS = (OURS_ASYNC, _lazy(LAZY), _lazy(NICED, nice=NICE), _lazy(FEWER, fewer_threads=True),
+SPECS = (OURS_ASYNC, OURS_LAZY, _lazy(NICED, nice=NICE), _lazy(FEWER, fewer_threads=True),
          DCP_CACHED)
 
 

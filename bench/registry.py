@@ -4,8 +4,9 @@ A ``SystemSpec`` names a system and opens it (``systems.System``'s interface; th
 implementations are ``systems.py`` for async_ckpt and torch.save, ``dcp.py`` and ``tsnap.py``
 for the peers). Each part of ``python -m bench`` runs a selection of these specs: ``SYSTEMS``
 (the sweep and the training loop), ``BIG_SYSTEMS`` (the sweep's biggest states),
-``STALL_SYSTEMS`` (the ``--stall`` preset), ``RANK_SYSTEMS`` (two ranks, replicated state) and
-``SHARDED_SYSTEMS`` (FSDP2 state); ``lazy.py`` adds its variants of the engine as specs too.
+``STALL_SYSTEMS`` (the ``--stall`` preset), ``RANK_SYSTEMS`` (two ranks, replicated state),
+``SHARDED_SYSTEMS`` (FSDP2 state) and ``GPU_SYSTEMS`` (``python -m bench --device``);
+``lazy.py`` adds its variants of the engine as specs too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ TORCH_SAVE = SystemSpec(TorchSave.name, TorchSave, ours=False, blocking=True)
 OURS_SYNC = _engine("async_ckpt sync", "sync")
 OURS_ASYNC = _engine("async_ckpt async")
 OURS_ASYNC_ZSTD = _engine("async_ckpt async zstd", compression="zstd")
+OURS_LAZY = _engine("async_ckpt async, lazy staging", staging="lazy")
 OURS_REPLICATED = _engine("async_ckpt async, replicated written by rank 0", replicated=REPLICATED)
 OURS_REPLICATED_SPREAD = _engine("async_ckpt async, replicated spread over ranks",
                                 replicated=REPLICATED, spread_replicated=True)
@@ -57,6 +59,7 @@ DCP_DEFAULT = _dcp("DCP async_save (default stager)", executor="thread", stager=
 DCP_CACHED = _dcp("DCP async_save (cached shm stager)", executor="thread", stager="cached")
 DCP_PROCESS = _dcp("DCP async_save (cached shm stager, process executor)", executor="process",
                    stager="cached")
+DCP_PINNED = _dcp("DCP async_save (cached pinned stager)", executor="thread", stager="pinned")
 TORCHSNAPSHOT = SystemSpec(tsnap.TorchSnapshotAsync.name, tsnap.TorchSnapshotAsync, ours=False,
                            blocking=False)
 
@@ -75,6 +78,9 @@ RANK_SYSTEMS = (OURS_REPLICATED, OURS_REPLICATED_SPREAD, DCP_DEFAULT, DCP_CACHED
 """Two ranks under torchrun, replicated state (``bench/ranks.py``)."""
 SHARDED_SYSTEMS = (OURS_ASYNC, DCP_DEFAULT, DCP_CACHED)
 """Sharded (FSDP2) state under torchrun (``bench/sharded.py``)."""
+GPU_SYSTEMS = (OURS_ASYNC, OURS_LAZY, DCP_DEFAULT, DCP_PINNED, TORCH_SAVE)
+"""The GPU benchmark's systems (``bench/gpu.py``): eager and lazy staging against DCP's default
+and pinned-memory stagers and the periodic blocking save."""
 
 
 def by_name(name: str) -> SystemSpec:

@@ -8,11 +8,14 @@ directory of its own, then:
    asynchronous system may return before the snapshot is durable; one that allows a single save
    in flight (DCP, torchsnapshot) first waits for the previous one here, which is where a training
    loop would wait too.
-2. ``wait()``: returns once every save so far is durable; then ``to_commit_s()`` is the time from
+2. ``fence()``: returns once the state may change again: where a save's copy of the state runs on
+   after ``save`` returned (lazy staging, DCP's asynchronous staging), the GPU benchmark calls it
+   right before the optimizer's step, as those systems' users must; a no-op for the others.
+3. ``wait()``: returns once every save so far is durable; then ``to_commit_s()`` is the time from
    the newest ``save`` call to its durability and ``stored_bytes()`` its size on disk.
-3. ``restore()``: loads the newest durable snapshot into the live objects, the way each system's
+4. ``restore()``: loads the newest durable snapshot into the live objects, the way each system's
    users resume; returns the restored step when the system reports one.
-4. ``close()``.
+5. ``close()``.
 
 Peers keep the newest three snapshots, like the engine's default ``keep_last=3``, so that disk use
 and page-cache pressure are alike. A peer that cannot run here raises ``Unavailable`` from its
@@ -59,6 +62,9 @@ class System:
         self._called_at[step] = time.perf_counter()
         self._newest_saved = step
         self._save(step, self._path(step))
+
+    def fence(self) -> None:
+        """A save that returned has copied the state already (see the module docstring)."""
 
     def wait(self) -> None:
         """Synchronous systems are durable when ``save`` returns."""
@@ -163,6 +169,9 @@ class Engine(System):
     def save(self, step: int) -> None:
         self._newest_saved = step
         self._blocking = timed(lambda: self.engine.snapshot(step, force=True))
+
+    def fence(self) -> None:
+        self.engine.fence()
 
     def wait(self) -> None:
         self.engine.wait()

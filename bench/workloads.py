@@ -7,12 +7,14 @@
 * ``TrainingWorkload``: a small MLP trained with AdamW on the CPU on a fixed batch; what the
   training-loop benchmark runs between snapshots. Its step time sets how much a snapshot of its
   ~100 MB state costs relative to training, which is what the interval K trades off.
+* ``TransformerWorkload``: bf16 transformer blocks with fused AdamW, on a GPU or the CPU: the GPU
+  benchmark's model (``bench/gpu.py``).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -68,27 +70,12 @@ def state_tensors(state: dict) -> list[torch.Tensor]:
     return [t.detach() for t in tensors]
 
 
-class TrainingWorkload:
-    """An MLP of ``depth`` ``Linear(width, width)`` + GELU blocks trained with AdamW on one fixed
-    random batch (data loading is not what is measured). Defaults: 8.4 M parameters, a ~100 MB
-    state with AdamW, tens of milliseconds per step on two cores."""
+class Workload:
+    """What every training-loop benchmark needs of its state besides ``step()``: its bytes, and
+    copies of its tensors to start each run from and to compare a restore with, bit for bit.
+    Subclasses set ``state`` (``{"model", "optimizer"}``)."""
 
-    def __init__(self, width: int = 1024, depth: int = 8, batch: int = 16, seed: int = 0):
-        torch.manual_seed(seed)
-        blocks = [(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)]
-        self.model = torch.nn.Sequential(*[m for block in blocks for m in block])
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.x = torch.randn(batch, width)
-        self.y = torch.randn(batch, width)
-        self.state = {"model": self.model, "optimizer": self.optimizer}
-        self.step()  # the AdamW moments exist from here on
-
-    def step(self) -> float:
-        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss.item()
+    state: dict
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +100,73 @@ class TrainingWorkload:
         if len(current) != len(expected):
             return max(len(current), len(expected))
         return sum(not _bit_equal(a, b) for a, b in zip(current, expected))
+
+
+class TrainingWorkload(Workload):
+    """An MLP of ``depth`` ``Linear(width, width)`` + GELU blocks trained with AdamW on one fixed
+    random batch (data loading is not what is measured). Defaults: 8.4 M parameters, a ~100 MB
+    state with AdamW, tens of milliseconds per step on two cores."""
+
+    def __init__(self, width: int = 1024, depth: int = 8, batch: int = 16, seed: int = 0):
+        torch.manual_seed(seed)
+        blocks = [(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)]
+        self.model = torch.nn.Sequential(*[m for block in blocks for m in block])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, width)
+        self.y = torch.randn(batch, width)
+        self.state = {"model": self.model, "optimizer": self.optimizer}
+        self.step()  # the AdamW moments exist from here on
+
+    def step(self) -> float:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+class TransformerWorkload(Workload):
+    """Pre-norm transformer blocks (``nn.TransformerEncoderLayer``: attention and a 4x MLP) in
+    bf16 on ``device``, trained with fused AdamW (its moments in bf16 too, so the state is three
+    times the parameters) on one fixed random batch of ``batch`` x ``seq`` tokens: the GPU
+    benchmark's model (``bench/gpu.py``). ``params_gb`` sets the parameter bytes (at least one
+    block); heads are ``width / 128`` (at least one)."""
+
+    def __init__(self, params_gb: float, width: int, seq: int, batch: int,
+                 device: str = "cpu", seed: int = 0):
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        block_params = 12 * width * width + 13 * width  # attention 4w², MLP 8w², biases, norms
+        self.depth = max(1, round(params_gb * 1e9 / (2 * block_params)))
+        layer = dict(d_model=width, nhead=max(1, width // 128), dim_feedforward=4 * width,
+                     dropout=0.0, batch_first=True, norm_first=True, device=self.device,
+                     dtype=torch.bfloat16)
+        self.model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(**layer)
+                                           for _ in range(self.depth)])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.x = torch.randn(batch, seq, width, device=self.device, dtype=torch.bfloat16)
+        self.y = torch.randn(batch, seq, width, device=self.device)
+        self.state = {"model": self.model, "optimizer": self.optimizer}
+        self.step()  # the AdamW moments exist from here on
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
+
+    def step(self, before_update: Callable[[], None] = lambda: None) -> None:
+        """Forward, backward, ``before_update()`` (where a checkpoint's fence goes: the last
+        moment before the state changes), the optimizer's step; then wait for the device, as a
+        loop that logs its loss every step does."""
+        loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y)
+        loss.backward()
+        before_update()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

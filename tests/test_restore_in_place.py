@@ -293,3 +293,60 @@ def test_a_failed_copy_in_place_is_not_undone_and_says_so(ckpt_dir):
         other.fail = False
         assert engine.restore() == 0
         assert_same(saved, state_of(model, opt, other))
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what the engine looks at to choose how to read."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_a_state_on_cuda_is_read_into_a_pinned_staging_slot_not_mapped(ckpt_dir, monkeypatch):
+    """With CUDA tensors registered, restore reads every storage into a staging slot fitted to
+    the state and page-locked (what tests/test_cuda.py runs on a device), so that the copies
+    onto the device come from pinned memory; here CUDA is stood in for, on the CPU."""
+    import async_ckpt.engine as engine_module
+
+    model, opt, _ = make_training_state()
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}) as engine:
+        engine.snapshot(1)
+    expected = copy.deepcopy(model.state_dict())
+    train_step(model, opt)
+
+    registered = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            registered.append(nbytes)
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    reads = []
+    real_read = engine_module.read_committed
+
+    def read_committed(*args, **kwargs):
+        reads.append((kwargs["mapped"], kwargs["scratch"]))
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(engine_module, "read_committed", read_committed)
+    with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}) as engine:
+        real_capture = engine._capture
+
+        def capture_on_cuda(state):
+            captured = real_capture(state)
+            captured.tensors = [t.detach().as_subclass(_OnCuda) for t in captured.tensors]
+            return captured
+
+        monkeypatch.setattr(engine, "_capture", capture_on_cuda)
+        assert engine.restore() == 1
+        slot = next(s for s in engine._pool.slots if s.pinned)
+        assert registered == [slot.nbytes]
+        [(mapped, scratch)] = reads
+        assert not mapped and len(scratch) == slot.nbytes
+    assert_same(model.state_dict(), expected)

@@ -120,3 +120,28 @@ def test_capture_turns_the_state_into_a_safe_tree_and_a_tensor_list():
 def test_capture_refuses_what_it_cannot_restore(value, error):
     with pytest.raises(error):
         capture({"x": value})
+
+
+def test_a_slot_cuda_refuses_to_pin_stays_pageable_said_once_counted_and_not_asked_again(
+        monkeypatch, caplog):
+    calls = []
+
+    class RefusingRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(nbytes)
+            return 712  # cudaErrorHostMemoryAlreadyRegistered: any code but 0 is a refusal
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingRuntime())
+    plan, _ = Planner().plan([torch.ones(1000)])
+    pool = StagingPool(2)
+    try:
+        with caplog.at_level("WARNING", logger="async_ckpt"):
+            for slot in pool.slots:
+                pool.fit(slot, plan, pin=True)
+                pool.fit(slot, plan, pin=True)  # the same memory: not asked again
+        assert len(calls) == 2 and pool.pin_failures == 2
+        assert not any(slot.pinned for slot in pool.slots)
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert len(caplog.records) == 1 and "pin_failures" in caplog.records[0].message
+    finally:
+        pool.close()

@@ -5,7 +5,9 @@ the writer process as a file descriptor, so the writer reads the staged bytes wi
 and no named file can leak in /dev/shm when a process dies. The first touch of fresh shared memory
 runs at ~0.7 GB/s against ~5 GB/s warm (measured), so slots are faulted in when allocated and kept
 for the engine's lifetime; they grow only when the state grows. With CUDA the slots are page-locked
-so device-to-host copies run at full speed and asynchronously.
+(``cudaHostRegister``) so device-to-host copies run at full speed and asynchronously; where the
+runtime refuses that (a sandbox), the slot stays pageable and its copies synchronous: said once,
+counted (``StagingPool.pin_failures``, the engine's ``stats()``), never retried for that memory.
 
 A copy into a slot (``Copy``) is started by ``start`` and runs in the background: CPU regions on
 the pool's copy thread, in pieces of ``PIECE_BYTES`` (torch's ``copy_`` releases the GIL), CUDA
@@ -101,6 +103,8 @@ class StagingPool:
 
     def __init__(self, slots: int):
         self.slots = [Slot(i) for i in range(slots)]
+        self.pin_failures = 0  # slot memories cudaHostRegister refused
+        self._refused: set[int] = set()  # their buffer ids: not asked again
         self._next_buffer_id = 0
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
         self._copier: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
@@ -112,11 +116,12 @@ class StagingPool:
     def free_slot(self) -> Optional[Slot]:
         return next((s for s in self.slots if not s.busy), None)
 
-    def scratch(self) -> Optional[memoryview]:
-        """The memory of the largest free slot, for a restore to decode into (``read_snapshot``'s
-        ``scratch``): faulted in already, and the next snapshot's to overwrite. None before any
-        slot is allocated."""
-        free = [s for s in self.slots if not s.busy and s._map is not None]
+    def scratch(self, slot: Optional[Slot] = None) -> Optional[memoryview]:
+        """The memory of ``slot``, or of the largest free slot, for a restore to read into
+        (``read_snapshot``'s ``scratch``): faulted in already, and the next snapshot's to
+        overwrite. None before any slot is allocated."""
+        free = [slot] if slot is not None else [
+            s for s in self.slots if not s.busy and s._map is not None]
         return memoryview(max(free, key=lambda s: s.nbytes)._map) if free else None
 
     def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
@@ -143,9 +148,24 @@ class StagingPool:
             slot.buffer_id = self._next_buffer_id
             self._next_buffer_id += 1
             log.info("staging slot %d: %.1f MB", slot.index, size / 1e6)
-        if pin and not slot.pinned:
-            _pin(slot)
+        if pin and not slot.pinned and slot.buffer_id not in self._refused:
+            self._pin(slot)
         return replaced
+
+    def _pin(self, slot: Slot) -> None:
+        """Page-lock the slot so CUDA copies into it are asynchronous and run at full bandwidth;
+        where that is refused, the slot stays pageable (copies into it synchronous)."""
+        err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), slot.nbytes, 0)
+        if int(err) == 0:
+            slot.pinned = True
+            return
+        self._refused.add(slot.buffer_id)
+        self.pin_failures += 1
+        if self.pin_failures == 1:
+            log.warning("could not page-lock staging slot %d (cudaHostRegister error %s); "
+                        "device-to-host copies into slots that cannot be pinned run "
+                        "synchronously, more slowly (counted in stats()['pin_failures'])",
+                        slot.index, err)
 
     def stage(self, plan: Plan, sources: list[Source], slot: Slot,
               skip: Collection[int] = ()) -> float:
@@ -225,13 +245,3 @@ def _lower_thread_priority() -> None:
     if COPY_THREAD_NICE:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COPY_THREAD_NICE)
-
-
-def _pin(slot: Slot) -> None:
-    """Page-lock the slot so CUDA copies into it are asynchronous and run at full bandwidth."""
-    err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), slot.nbytes, 0)
-    if int(err) == 0:
-        slot.pinned = True
-    else:
-        log.warning("could not pin staging slot %d (cudaHostRegister error %s); "
-                    "device-to-host copies will be slower", slot.index, err)
