@@ -680,6 +680,40 @@ def test_storage_options_raise_a_typed_error_naming_what_to_do(tmp_path):
     assert io._engine is None and not (tmp_path / "a.ckpt").exists()
 
 
+def test_checkpoints_on_another_file_system_are_the_stock_io_s_with_a_warning(tmp_path):
+    """A ModelCheckpoint dirpath (or a save_checkpoint path) that is an fsspec URL, which the
+    writer process cannot write: saved, kept by save_top_k, resumed from and removed by
+    Lightning's stock IO, as with it; none of them is a snapshot."""
+    fsspec = pytest.importorskip("fsspec")
+    memory = fsspec.filesystem("memory")
+    root = f"memory://{tmp_path.name}"
+    io = AsyncCkptIO(tmp_path / "engine")
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/ckpts", monitor="loss", save_top_k=2,
+                                 every_n_train_steps=2, save_last=True)
+    trainer = L.Trainer(max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[io],
+                        callbacks=[io.callback, checkpoint])
+    with pytest.warns(RuntimeWarning, match="stock TorchCheckpointIO, which blocks"):
+        trainer.fit(TinyModel())
+    try:
+        saved = sorted(os.path.basename(p) for p in memory.ls(f"{root}/ckpts", detail=False))
+        assert saved == sorted(os.path.basename(p) for p in checkpoint.best_k_models) + [
+            "last.ckpt"] and len(saved) == 3  # save_top_k=2 removed the others
+        trainer = L.Trainer(max_steps=10, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=tmp_path, plugins=[io], callbacks=[io.callback])
+        trainer.fit(TinyModel(), ckpt_path=f"{root}/ckpts/last.ckpt")
+        assert trainer.global_step == 10
+        trainer.save_checkpoint(f"{root}/end.ckpt")
+        assert io.load_checkpoint(f"{root}/end.ckpt")["global_step"] == 10
+        io.remove_checkpoint(f"{root}/end.ckpt")
+        assert not memory.exists(f"{root}/end.ckpt")
+        with memory.open(f"{root}/ckpts/last.ckpt", "rb") as f:
+            assert Marker.record_in(f) is None  # a file of the stock IO, not a snapshot's
+    finally:
+        memory.rm(root, recursive=True)
+
+
 def test_no_thread_outlives_the_trainer(tmp_path):
     """A resumed fit reads through the engine, whose verify threads it keeps while it is open;
     after the fit (and an engine-free load) none of the library's threads is left, as

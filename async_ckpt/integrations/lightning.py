@@ -220,7 +220,9 @@ class AsyncCkptIO(CheckpointIO):
                         storage_options: Optional[Any] = None) -> None:
         """Snapshot ``checkpoint`` (one copy of its tensors) and have its pointer written at
         ``path`` once it is committed; the snapshot that ``path`` named before is dropped after,
-        unless another pointer names it."""
+        unless another pointer names it. A ``path`` on another file system (an fsspec URL:
+        ``s3://``, ``memory://``) is saved by Lightning's stock IO, blocking (warned once)."""
+        given = path
         if storage_options is not None:
             raise UnsupportedOptionError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg "
@@ -228,6 +230,10 @@ class AsyncCkptIO(CheckpointIO):
                 "engine, whose settings are given once, as AsyncCkptIO(directory, **options) "
                 "(compression=, remote= for an object store, ...). Save without storage_options")
         path = self._local_path(path)
+        if path is None:
+            self._warn_not_local(given)
+            TorchCheckpointIO().save_checkpoint(checkpoint, given)
+            return
         engine = self._open()
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
@@ -269,13 +275,13 @@ class AsyncCkptIO(CheckpointIO):
         ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
         """
         given, path = path, self._local_path(path)
+        if path is None:
+            return _stock_load(given, map_location, weights_only)
         if self._engine is not None and self._pending_step(path) is not None:
             self._engine.wait()  # a save to it (or to what it links to) may be in flight
         pointer = read_pointer(path)
         if pointer is None:  # the path as given: the stock IO's errors name it so
-            stock = {} if map_location is None else {"map_location": map_location}
-            return TorchCheckpointIO().load_checkpoint(
-                given, weights_only=True if weights_only is None else weights_only, **stock)
+            return _stock_load(given, map_location, weights_only)
         self._check_directory(pointer, path)
         step, checkpoint = self._read_snapshot(pointer, path)
         if step == pointer.step:
@@ -296,7 +302,10 @@ class AsyncCkptIO(CheckpointIO):
         still in flight is committed, its pointer written, and then both go): training does
         not wait, and a kill leaves a pointer with its snapshot or neither. Any other file is
         removed as Lightning's stock IO removes it."""
-        path = self._local_path(path)
+        given, path = path, self._local_path(path)
+        if path is None:
+            TorchCheckpointIO().remove_checkpoint(given)
+            return
         step = self._step_named_by(path)
         if step is None:
             if os.path.islink(path):  # a link to nothing of ours: the stock IO keeps a dangling one
@@ -400,9 +409,8 @@ class AsyncCkptIO(CheckpointIO):
         """Whether ``ModelCheckpoint`` should see a file at ``path`` (``fs``: its file system),
         as it would with a CheckpointIO that writes before it returns: a save in flight there
         (or to the file it links to) is a file, one whose removal is queued is none."""
-        try:
-            local = self._local_path(path)
-        except ValueError:  # another file system's URL: nothing of ours
+        local = self._local_path(path)
+        if local is None:  # another file system's URL: nothing of ours
             return fs.exists(path)
         if self._pending_step(local) is not None:
             return True
@@ -476,13 +484,20 @@ class AsyncCkptIO(CheckpointIO):
                 f"AsyncCkptIO({named!r})")
 
     @staticmethod
-    def _local_path(path: PathLike) -> str:
+    def _local_path(path: PathLike) -> Optional[str]:
+        """``path`` made absolute, or None for a URL of another file system (fsspec's
+        ``s3://``, ``memory://``...), which the writer process cannot write to."""
         path = os.fspath(path)
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
-            raise ValueError(f"AsyncCkptIO writes its .ckpt pointers on a local file system, not "
-                             f"{path}; for an object store give AsyncCkptIO(directory, "
-                             "remote='s3://bucket/prefix') and a local ModelCheckpoint dirpath")
+            return None
         return os.path.abspath(path.removeprefix("file://"))
+
+    def _warn_not_local(self, path: PathLike) -> None:
+        self._warn_once("not local", f"AsyncCkptIO saves {path} with Lightning's stock "
+                        "TorchCheckpointIO, which blocks training for the whole write: the "
+                        "engine's writer writes local files only. For an object store, give "
+                        "ModelCheckpoint a local dirpath and AsyncCkptIO(directory, "
+                        "remote='s3://bucket/prefix'), which uploads committed snapshots")
 
     # --- the callback's part: the right moment for the RNG, strategies, warnings -------------
 
@@ -621,6 +636,14 @@ def _check_saved_counts(pointer: Pointer, checkpoint: dict, path: str, directory
                 f"{path} names snapshot {pointer.step} of {directory} as {key} {saved}, but that "
                 f"snapshot holds {key} {checkpoint.get(key)!r}: the pointer was written by "
                 "another run into a checkpoint directory of the same name")
+
+
+def _stock_load(path: PathLike, map_location: Optional[Any], weights_only: Optional[bool]) -> dict:
+    """A checkpoint that is not ours, read by Lightning's stock IO (``weights_only=True`` unless
+    asked otherwise)."""
+    stock = {} if map_location is None else {"map_location": map_location}
+    return TorchCheckpointIO().load_checkpoint(
+        path, weights_only=True if weights_only is None else weights_only, **stock)
 
 
 def _to_device(checkpoint: dict, map_location: Optional[Any]) -> dict:
