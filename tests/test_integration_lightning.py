@@ -498,6 +498,34 @@ def test_a_value_the_engine_cannot_encode_is_refused_at_save_naming_it(tmp_path)
     assert not (tmp_path / "ckpts" / "last.ckpt").exists()
 
 
+class ConfiguredModel(TinyModel):
+    """Hyperparameters given as one omegaconf config, as Hydra users give them: Lightning saves
+    the config and its class."""
+
+    def __init__(self, config):
+        super().__init__(hidden=config.hidden)
+        self.save_hyperparameters(config)
+
+
+def test_omegaconf_hparams_are_saved_without_pickling_and_loaded_back(tmp_path):
+    """The config is saved as its container and its class's name: the plugin gives the config
+    and its class back, and Lightning's own loading of the .ckpt (weights_only) takes it."""
+    omegaconf = pytest.importorskip("omegaconf")
+    fields = {"hidden": 8, "width": "${hidden}"}  # an interpolation stays one
+    io = AsyncCkptIO(tmp_path / "engine")
+    path = train(tmp_path, io, steps=4,
+                 model=ConfiguredModel(omegaconf.OmegaConf.create(fields))).last_model_path
+    loaded = io.load_checkpoint(path)
+    assert loaded["hparams_type"] is omegaconf.DictConfig
+    assert omegaconf.OmegaConf.to_container(loaded["hyper_parameters"]) == fields
+    assert loaded["hyper_parameters"].width == 8
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["hyper_parameters"] == fields
+    assert on_disk["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+    model = ConfiguredModel.load_from_checkpoint(path)
+    assert model.hparams.hidden == 8 and model.net[0].out_features == 8
+
+
 def test_strategies_that_bypass_checkpoint_io_are_refused_and_a_last_link_warns():
     io = AsyncCkptIO("unused")
     for strategy in (FSDPStrategy(), ModelParallelStrategy()):

@@ -72,6 +72,7 @@ import torch
 
 try:
     import lightning
+    from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
@@ -238,6 +239,7 @@ class AsyncCkptIO(CheckpointIO):
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
         self._warn_if_data_position_is_lost(checkpoint)
+        checkpoint = _encodable_hparams(checkpoint)
         replaced = None if path in self._removing else self._step_named_by(path)
         self._removing.discard(path)
         step = self._next_step
@@ -288,7 +290,7 @@ class AsyncCkptIO(CheckpointIO):
             _check_saved_counts(pointer, checkpoint, path, self.directory)
         if self._resuming:
             self._rng_to_restore = GlobalRNG().state_dict()  # as load() set it: set again later
-        return _to_device(checkpoint, map_location)
+        return _to_device(_restored_hparams(checkpoint), map_location)
 
     def export(self, path: PathLike, destination: PathLike) -> None:
         """Write the checkpoint ``path`` stands for as a stock Lightning ``.ckpt`` (``torch.save``)
@@ -636,6 +638,53 @@ def _check_saved_counts(pointer: Pointer, checkpoint: dict, path: str, directory
                 f"{path} names snapshot {pointer.step} of {directory} as {key} {saved}, but that "
                 f"snapshot holds {key} {checkpoint.get(key)!r}: the pointer was written by "
                 "another run into a checkpoint directory of the same name")
+
+
+# Where Lightning's dict holds hyperparameters, and their type when they are an omegaconf config.
+_HPARAMS = tuple((owner.CHECKPOINT_HYPER_PARAMS_KEY, owner.CHECKPOINT_HYPER_PARAMS_TYPE)
+                 for owner in (LightningModule, LightningDataModule))
+
+
+def _omegaconf_classes() -> dict[str, type]:
+    """omegaconf's config classes by qualified name; none without omegaconf."""
+    try:
+        from omegaconf import DictConfig, ListConfig
+    except ImportError:
+        return {}
+    return {f"{c.__module__}.{c.__qualname__}": c for c in (DictConfig, ListConfig)}
+
+
+def _encodable_hparams(checkpoint: dict) -> dict:
+    """``checkpoint`` with hyperparameters that are an omegaconf config (Hydra's), which Lightning
+    saves as the config and its class (no safe encoding holds either), as the config's plain
+    container (interpolations kept as strings) and the class's qualified name: Lightning's own
+    loading of the ``.ckpt`` takes a name for hparams of an ``AttributeDict``, and
+    :func:`_restored_hparams` makes the config again."""
+    classes, encodable = _omegaconf_classes(), None
+    for key, type_key in _HPARAMS:
+        kind = checkpoint.get(type_key)
+        name = f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else None
+        if name in classes and key in checkpoint:
+            from omegaconf import OmegaConf
+            encodable = dict(checkpoint) if encodable is None else encodable
+            encodable[key] = OmegaConf.to_container(checkpoint[key], resolve=False)
+            encodable[type_key] = name
+    return checkpoint if encodable is None else encodable
+
+
+def _restored_hparams(checkpoint: dict) -> dict:
+    """The omegaconf configs :func:`_encodable_hparams` saved as plain containers, made again
+    (only omegaconf's own classes, named in the file, are ever made: nothing is imported)."""
+    classes = _omegaconf_classes()
+    for key, type_key in _HPARAMS:
+        kind = checkpoint.get(type_key)
+        if isinstance(kind, str) and kind in classes and isinstance(checkpoint.get(key),
+                                                                     (dict, list)):
+            from omegaconf import OmegaConf
+            config = OmegaConf.create(checkpoint[key])
+            if isinstance(config, classes[kind]):  # a dict for a DictConfig, a list for a List...
+                checkpoint[key], checkpoint[type_key] = config, classes[kind]
+    return checkpoint
 
 
 def _stock_load(path: PathLike, map_location: Optional[Any], weights_only: Optional[bool]) -> dict:
