@@ -664,7 +664,7 @@ def _encodable_hparams(checkpoint: dict) -> dict:
     for key, type_key in _HPARAMS:
         kind = checkpoint.get(type_key)
         name = f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else None
-        if name in classes and key in checkpoint:
+        if name in classes and isinstance(checkpoint.get(key), classes[name]):
             from omegaconf import OmegaConf
             encodable = dict(checkpoint) if encodable is None else encodable
             encodable[key] = OmegaConf.to_container(checkpoint[key], resolve=False)
@@ -673,8 +673,8 @@ def _encodable_hparams(checkpoint: dict) -> dict:
 
 
 def _restored_hparams(checkpoint: dict) -> dict:
-    """The omegaconf configs :func:`_encodable_hparams` saved as plain containers, made again
-    (only omegaconf's own classes, named in the file, are ever made: nothing is imported)."""
+    """The omegaconf configs :func:`_encodable_hparams` saved as plain containers, made again:
+    the name in the file is looked up among omegaconf's two config classes, never imported."""
     classes = _omegaconf_classes()
     for key, type_key in _HPARAMS:
         kind = checkpoint.get(type_key)
@@ -682,7 +682,7 @@ def _restored_hparams(checkpoint: dict) -> dict:
                                                                      (dict, list)):
             from omegaconf import OmegaConf
             config = OmegaConf.create(checkpoint[key])
-            if isinstance(config, classes[kind]):  # a dict for a DictConfig, a list for a List...
+            if isinstance(config, classes[kind]):  # a DictConfig from a dict, a ListConfig...
                 checkpoint[key], checkpoint[type_key] = config, classes[kind]
     return checkpoint
 
