@@ -498,6 +498,34 @@ def test_a_value_the_engine_cannot_encode_is_refused_at_save_naming_it(tmp_path)
     assert not (tmp_path / "ckpts" / "last.ckpt").exists()
 
 
+class ConfiguredModel(TinyModel):
+    """Hyperparameters given as one omegaconf config, as Hydra users give them: Lightning saves
+    the config and its class."""
+
+    def __init__(self, config):
+        super().__init__(hidden=config.hidden)
+        self.save_hyperparameters(config)
+
+
+def test_omegaconf_hparams_are_saved_without_pickling_and_loaded_back(tmp_path):
+    """The config is saved as its container and its class's name: the plugin gives the config
+    and its class back, and Lightning's own loading of the .ckpt (weights_only) takes it."""
+    omegaconf = pytest.importorskip("omegaconf")
+    fields = {"hidden": 8, "width": "${hidden}"}  # an interpolation stays one
+    io = AsyncCkptIO(tmp_path / "engine")
+    path = train(tmp_path, io, steps=4,
+                 model=ConfiguredModel(omegaconf.OmegaConf.create(fields))).last_model_path
+    loaded = io.load_checkpoint(path)
+    assert loaded["hparams_type"] is omegaconf.DictConfig
+    assert omegaconf.OmegaConf.to_container(loaded["hyper_parameters"]) == fields
+    assert loaded["hyper_parameters"].width == 8
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["hyper_parameters"] == fields
+    assert on_disk["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+    model = ConfiguredModel.load_from_checkpoint(path)
+    assert model.hparams.hidden == 8 and model.net[0].out_features == 8
+
+
 def test_strategies_that_bypass_checkpoint_io_are_refused_and_a_last_link_warns():
     io = AsyncCkptIO("unused")
     for strategy in (FSDPStrategy(), ModelParallelStrategy()):
@@ -678,6 +706,40 @@ def test_storage_options_raise_a_typed_error_naming_what_to_do(tmp_path):
     with pytest.raises(TypeError):  # what Lightning's own CheckpointIO raises
         io.save_checkpoint(plain_checkpoint(1), tmp_path / "a.ckpt", storage_options="x")
     assert io._engine is None and not (tmp_path / "a.ckpt").exists()
+
+
+def test_checkpoints_on_another_file_system_are_the_stock_io_s_with_a_warning(tmp_path):
+    """A ModelCheckpoint dirpath (or a save_checkpoint path) that is an fsspec URL, which the
+    writer process cannot write: saved, kept by save_top_k, resumed from and removed by
+    Lightning's stock IO, as with it; none of them is a snapshot."""
+    fsspec = pytest.importorskip("fsspec")
+    memory = fsspec.filesystem("memory")
+    root = f"memory://{tmp_path.name}"
+    io = AsyncCkptIO(tmp_path / "engine")
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/ckpts", monitor="loss", save_top_k=2,
+                                 every_n_train_steps=2, save_last=True)
+    trainer = L.Trainer(max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[io],
+                        callbacks=[io.callback, checkpoint])
+    with pytest.warns(RuntimeWarning, match="stock TorchCheckpointIO, which blocks"):
+        trainer.fit(TinyModel())
+    try:
+        saved = sorted(os.path.basename(p) for p in memory.ls(f"{root}/ckpts", detail=False))
+        assert saved == sorted(os.path.basename(p) for p in checkpoint.best_k_models) + [
+            "last.ckpt"] and len(saved) == 3  # save_top_k=2 removed the others
+        trainer = L.Trainer(max_steps=10, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=tmp_path, plugins=[io], callbacks=[io.callback])
+        trainer.fit(TinyModel(), ckpt_path=f"{root}/ckpts/last.ckpt")
+        assert trainer.global_step == 10
+        trainer.save_checkpoint(f"{root}/end.ckpt")
+        assert io.load_checkpoint(f"{root}/end.ckpt")["global_step"] == 10
+        io.remove_checkpoint(f"{root}/end.ckpt")
+        assert not memory.exists(f"{root}/end.ckpt")
+        with memory.open(f"{root}/ckpts/last.ckpt", "rb") as f:
+            assert Marker.record_in(f) is None  # a file of the stock IO, not a snapshot's
+    finally:
+        memory.rm(root, recursive=True)
 
 
 def test_no_thread_outlives_the_trainer(tmp_path):

@@ -54,7 +54,7 @@ def checkpoint_steps(output_dir):
 
 
 def snapshot_steps(output_dir):
-    with open(os.path.join(output_dir, "async_ckpt", "manifest.json")) as f:
+    with open(os.path.join(hf.default_engine_dir(output_dir), "manifest.json")) as f:
         return sorted({r["step"] for r in json.load(f)["snapshots"]})
 
 
@@ -107,7 +107,7 @@ def test_killed_in_a_save_and_at_a_random_step_mid_epoch_resumes_bit_identical(t
     for r in records:  # replayed steps included
         assert r == reference[r["step"]], f"step {r['step']} differs (killed after {kill_after})"
     assert records[len(records) - (STEPS - resumed_from)]["step"] == resumed_from + 1
-    (_, state), (_, expected) = (load(os.path.join(d, "async_ckpt")) for d in (output_dir, ref_dir))
+    (_, state), (_, expected) = (load(hf.default_engine_dir(d)) for d in (output_dir, ref_dir))
     del state["rng"], expected["rng"]  # set by the runs' last steps: the same, as the losses show
     assert_same(state, expected)
     assert checkpoint_steps(output_dir) == snapshot_steps(output_dir) == checkpoint_steps(ref_dir)
@@ -132,8 +132,9 @@ def test_a_mid_epoch_resume_in_a_later_epoch_is_exact(tmp_path, seedable, stagin
     ref_dir, ref_log = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
     train_in_process(ref_dir, log=ref_log, **settings)
     output_dir, log = str(tmp_path / "out"), str(tmp_path / "loss.jsonl")
-    for name in ("checkpoint-25", "async_ckpt"):  # checkpoint-25: step 1 of epoch 2's 12
-        shutil.copytree(os.path.join(ref_dir, name), os.path.join(output_dir, name))
+    # step 1 of epoch 2's 12; its pointer names the reference run's snapshots, beside ref_dir
+    shutil.copytree(os.path.join(ref_dir, "checkpoint-25"),
+                    os.path.join(output_dir, "checkpoint-25"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # nothing to warn about: it is exact
         build_trainer(output_dir, log=log, **settings).train(resume_from_checkpoint=True)
@@ -145,7 +146,8 @@ def test_a_damaged_newest_snapshot_falls_back_and_a_named_one_raises(tmp_path):
     output_dir = str(tmp_path / "out")
     train_in_process(output_dir, max_steps=10)
     assert checkpoint_steps(output_dir) == [5, 10]
-    for path in glob.glob(os.path.join(output_dir, "async_ckpt", f"step-{10:020d}.*", "*")):
+    for path in glob.glob(os.path.join(hf.default_engine_dir(output_dir), f"step-{10:020d}.*",
+                                       "*")):
         os.truncate(path, os.path.getsize(path) // 2)
 
     log = str(tmp_path / "loss.jsonl")
@@ -176,7 +178,7 @@ def test_what_a_mid_epoch_resume_cannot_replay_is_warned_about(tmp_path):
             resume_from_checkpoint=True)
 
 
-def test_retention_and_the_best_model_as_with_the_stock_trainer(tmp_path):
+def test_retention_the_best_model_and_the_listing_as_with_the_stock_trainer(tmp_path):
     settings = dict(max_steps=14, save_steps=2, save_total_limit=2, eval_strategy="steps",
                     eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
                     greater_is_better=True)  # the worst loss: the best is an old checkpoint
@@ -191,6 +193,10 @@ def test_retention_and_the_best_model_as_with_the_stock_trainer(tmp_path):
     (stock_dir, stock), (async_dir, trained) = runs["stock"], runs["async"]
     best = os.path.basename(stock.state.best_model_checkpoint)
     assert best != "checkpoint-14" and checkpoint_steps(async_dir) == checkpoint_steps(stock_dir)
+    # output_dir lists what the stock Trainer's does: the engine's directory is beside it
+    assert sorted(os.listdir(async_dir)) == sorted(os.listdir(stock_dir))
+    assert os.path.isdir(trained.async_ckpt_dir) and not trained.async_ckpt_dir.startswith(
+        async_dir + os.sep)
     assert os.path.basename(trained.state.best_model_checkpoint) == best
     assert snapshot_steps(async_dir) == checkpoint_steps(async_dir)
     assert timeless(trained.state.log_history) == timeless(stock.state.log_history)
@@ -207,8 +213,8 @@ def test_unsupported_settings_fall_back_to_the_trainers_own_checkpoints(tmp_path
     with pytest.warns(RuntimeWarning, match="save_only_model"):
         trainer = build_trainer(output_dir, max_steps=5, save_only_model=True)
     trainer.train()
-    assert trainer.async_ckpt_dir is None and not os.path.exists(os.path.join(output_dir,
-                                                                              "async_ckpt"))
+    assert trainer.async_ckpt_dir is None
+    assert not os.path.exists(hf.default_engine_dir(output_dir))
     assert "model.safetensors" in os.listdir(os.path.join(output_dir, "checkpoint-5"))
     with pytest.raises(ValueError, match="save_total_limit"):
         AsyncCkptTrainer(model=trainer.model, args=trainer.args,

@@ -72,6 +72,7 @@ import torch
 
 try:
     import lightning
+    from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
@@ -220,7 +221,9 @@ class AsyncCkptIO(CheckpointIO):
                         storage_options: Optional[Any] = None) -> None:
         """Snapshot ``checkpoint`` (one copy of its tensors) and have its pointer written at
         ``path`` once it is committed; the snapshot that ``path`` named before is dropped after,
-        unless another pointer names it."""
+        unless another pointer names it. A ``path`` on another file system (an fsspec URL:
+        ``s3://``, ``memory://``) is saved by Lightning's stock IO, blocking (warned once)."""
+        given = path
         if storage_options is not None:
             raise UnsupportedOptionError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg "
@@ -228,10 +231,15 @@ class AsyncCkptIO(CheckpointIO):
                 "engine, whose settings are given once, as AsyncCkptIO(directory, **options) "
                 "(compression=, remote= for an object store, ...). Save without storage_options")
         path = self._local_path(path)
+        if path is None:
+            self._warn_not_local(given)
+            TorchCheckpointIO().save_checkpoint(checkpoint, given)
+            return
         engine = self._open()
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
         self._warn_if_data_position_is_lost(checkpoint)
+        checkpoint = _encodable_hparams(checkpoint)
         replaced = None if path in self._removing else self._step_named_by(path)
         self._removing.discard(path)
         step = self._next_step
@@ -269,20 +277,20 @@ class AsyncCkptIO(CheckpointIO):
         ``test``, another process reading a live run's checkpoints) engine-free, RNG untouched.
         """
         given, path = path, self._local_path(path)
+        if path is None:
+            return _stock_load(given, map_location, weights_only)
         if self._engine is not None and self._pending_step(path) is not None:
             self._engine.wait()  # a save to it (or to what it links to) may be in flight
         pointer = read_pointer(path)
         if pointer is None:  # the path as given: the stock IO's errors name it so
-            stock = {} if map_location is None else {"map_location": map_location}
-            return TorchCheckpointIO().load_checkpoint(
-                given, weights_only=True if weights_only is None else weights_only, **stock)
+            return _stock_load(given, map_location, weights_only)
         self._check_directory(pointer, path)
         step, checkpoint = self._read_snapshot(pointer, path)
         if step == pointer.step:
             _check_saved_counts(pointer, checkpoint, path, self.directory)
         if self._resuming:
             self._rng_to_restore = GlobalRNG().state_dict()  # as load() set it: set again later
-        return _to_device(checkpoint, map_location)
+        return _to_device(_restored_hparams(checkpoint), map_location)
 
     def export(self, path: PathLike, destination: PathLike) -> None:
         """Write the checkpoint ``path`` stands for as a stock Lightning ``.ckpt`` (``torch.save``)
@@ -296,7 +304,10 @@ class AsyncCkptIO(CheckpointIO):
         still in flight is committed, its pointer written, and then both go): training does
         not wait, and a kill leaves a pointer with its snapshot or neither. Any other file is
         removed as Lightning's stock IO removes it."""
-        path = self._local_path(path)
+        given, path = path, self._local_path(path)
+        if path is None:
+            TorchCheckpointIO().remove_checkpoint(given)
+            return
         step = self._step_named_by(path)
         if step is None:
             if os.path.islink(path):  # a link to nothing of ours: the stock IO keeps a dangling one
@@ -400,9 +411,8 @@ class AsyncCkptIO(CheckpointIO):
         """Whether ``ModelCheckpoint`` should see a file at ``path`` (``fs``: its file system),
         as it would with a CheckpointIO that writes before it returns: a save in flight there
         (or to the file it links to) is a file, one whose removal is queued is none."""
-        try:
-            local = self._local_path(path)
-        except ValueError:  # another file system's URL: nothing of ours
+        local = self._local_path(path)
+        if local is None:  # another file system's URL: nothing of ours
             return fs.exists(path)
         if self._pending_step(local) is not None:
             return True
@@ -476,13 +486,20 @@ class AsyncCkptIO(CheckpointIO):
                 f"AsyncCkptIO({named!r})")
 
     @staticmethod
-    def _local_path(path: PathLike) -> str:
+    def _local_path(path: PathLike) -> Optional[str]:
+        """``path`` made absolute, or None for a URL of another file system (fsspec's
+        ``s3://``, ``memory://``...), which the writer process cannot write to."""
         path = os.fspath(path)
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
-            raise ValueError(f"AsyncCkptIO writes its .ckpt pointers on a local file system, not "
-                             f"{path}; for an object store give AsyncCkptIO(directory, "
-                             "remote='s3://bucket/prefix') and a local ModelCheckpoint dirpath")
+            return None
         return os.path.abspath(path.removeprefix("file://"))
+
+    def _warn_not_local(self, path: PathLike) -> None:
+        self._warn_once("not local", f"AsyncCkptIO saves {path} with Lightning's stock "
+                        "TorchCheckpointIO, which blocks training for the whole write: the "
+                        "engine's writer writes local files only. For an object store, give "
+                        "ModelCheckpoint a local dirpath and AsyncCkptIO(directory, "
+                        "remote='s3://bucket/prefix'), which uploads committed snapshots")
 
     # --- the callback's part: the right moment for the RNG, strategies, warnings -------------
 
@@ -621,6 +638,61 @@ def _check_saved_counts(pointer: Pointer, checkpoint: dict, path: str, directory
                 f"{path} names snapshot {pointer.step} of {directory} as {key} {saved}, but that "
                 f"snapshot holds {key} {checkpoint.get(key)!r}: the pointer was written by "
                 "another run into a checkpoint directory of the same name")
+
+
+# Where Lightning's dict holds hyperparameters, and their type when they are an omegaconf config.
+_HPARAMS = tuple((owner.CHECKPOINT_HYPER_PARAMS_KEY, owner.CHECKPOINT_HYPER_PARAMS_TYPE)
+                 for owner in (LightningModule, LightningDataModule))
+
+
+def _omegaconf_classes() -> dict[str, type]:
+    """omegaconf's config classes by qualified name; none without omegaconf."""
+    try:
+        from omegaconf import DictConfig, ListConfig
+    except ImportError:
+        return {}
+    return {f"{c.__module__}.{c.__qualname__}": c for c in (DictConfig, ListConfig)}
+
+
+def _encodable_hparams(checkpoint: dict) -> dict:
+    """``checkpoint`` with hyperparameters that are an omegaconf config (Hydra's), which Lightning
+    saves as the config and its class (no safe encoding holds either), as the config's plain
+    container (interpolations kept as strings) and the class's qualified name: Lightning's own
+    loading of the ``.ckpt`` takes a name for hparams of an ``AttributeDict``, and
+    :func:`_restored_hparams` makes the config again."""
+    classes, encodable = _omegaconf_classes(), None
+    for key, type_key in _HPARAMS:
+        kind = checkpoint.get(type_key)
+        name = f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else None
+        if name in classes and isinstance(checkpoint.get(key), classes[name]):
+            from omegaconf import OmegaConf
+            encodable = dict(checkpoint) if encodable is None else encodable
+            encodable[key] = OmegaConf.to_container(checkpoint[key], resolve=False)
+            encodable[type_key] = name
+    return checkpoint if encodable is None else encodable
+
+
+def _restored_hparams(checkpoint: dict) -> dict:
+    """The omegaconf configs :func:`_encodable_hparams` saved as plain containers, made again:
+    the name in the file is looked up among omegaconf's two config classes, never imported."""
+    classes = _omegaconf_classes()
+    for key, type_key in _HPARAMS:
+        kind = checkpoint.get(type_key)
+        if isinstance(kind, str) and kind in classes and isinstance(checkpoint.get(key),
+                                                                     (dict, list)):
+            from omegaconf import OmegaConf
+            config = OmegaConf.create(checkpoint[key])
+            if isinstance(config, classes[kind]):  # a DictConfig from a dict, a ListConfig...
+                checkpoint[key], checkpoint[type_key] = config, classes[kind]
+    return checkpoint
+
+
+def _stock_load(path: PathLike, map_location: Optional[Any], weights_only: Optional[bool]) -> dict:
+    """A checkpoint that is not ours, read by Lightning's stock IO (``weights_only=True`` unless
+    asked otherwise)."""
+    stock = {} if map_location is None else {"map_location": map_location}
+    return TorchCheckpointIO().load_checkpoint(
+        path, weights_only=True if weights_only is None else weights_only, **stock)
 
 
 def _to_device(checkpoint: dict, map_location: Optional[Any]) -> dict:

@@ -64,7 +64,7 @@ except ImportError as e:
         f"<{SUPPORTED_VERSIONS[1]} and accelerate: pip install 'async_ckpt[transformers]' ({e})"
     ) from e
 
-__all__ = ["AsyncCkptTrainer", "POINTER_NAME", "SUPPORTED_VERSIONS"]
+__all__ = ["AsyncCkptTrainer", "POINTER_NAME", "SUPPORTED_VERSIONS", "default_engine_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,14 @@ def _check_transformers() -> None:
 _check_transformers()
 
 
+def default_engine_dir(output_dir: str | os.PathLike) -> str:
+    """Where :class:`AsyncCkptTrainer` keeps its snapshots unless told: beside ``output_dir``,
+    named after it (``out`` -> ``out.async_ckpt``). Not inside it, so that ``output_dir`` lists
+    what the stock Trainer's does (only its ``checkpoint-N``, model and log files), for the
+    Trainer's own listings and for every tool or script that lists it."""
+    return os.path.abspath(output_dir) + ".async_ckpt"
+
+
 class AsyncCkptTrainer(Trainer):
     """A ``transformers.Trainer`` whose checkpoints are asynchronous async_ckpt snapshots.
 
@@ -130,8 +138,9 @@ class AsyncCkptTrainer(Trainer):
     ``checkpoint-N`` written by the stock Trainer (no pointer file) is loaded the stock way.
 
     Args (besides the Trainer's):
-        async_ckpt_dir: the engine's directory; default ``<output_dir>/async_ckpt``. One per
-            ``output_dir``: its snapshots that no ``checkpoint-N`` there names are dropped.
+        async_ckpt_dir: the engine's directory; default :func:`default_engine_dir`, beside
+            ``output_dir``. One per ``output_dir``: its snapshots that no ``checkpoint-N``
+            there names are dropped.
         async_ckpt_options: ``CheckpointEngine`` options (``slots``, ``compression``,
             ``reserve_bytes``, ``incremental``, ...). When to save and what to keep are the
             Trainer's (``save_steps``, ``save_total_limit``): ``every``, ``keep_last``,
@@ -161,7 +170,7 @@ class AsyncCkptTrainer(Trainer):
             self.async_ckpt_dir = None
         else:
             self.async_ckpt_dir = os.path.abspath(
-                async_ckpt_dir or os.path.join(self.args.output_dir, "async_ckpt"))
+                async_ckpt_dir or default_engine_dir(self.args.output_dir))
             self.add_callback(self._epoch_start)
 
     def _unsupported_features(self) -> list[str]:
