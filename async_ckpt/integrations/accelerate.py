@@ -22,6 +22,14 @@ torchdata ``StatefulDataLoader`` when ``DataLoaderConfiguration(use_stateful_dat
   synchronised when it was taken), and once it has fetched its first batch it hands back the
   random state it found, so training continues exactly where the snapshot was taken.
 
+Each snapshot can also leave, once committed, the directory ``accelerator.save_state(dir)``
+writes (``state_dir=``, or by default with Accelerate's automatic checkpoint naming): the models,
+optimizers, schedulers and custom objects made by the writer from the committed snapshot,
+Accelerate's small files (random states, scaler, loader states) written by its own
+``save_accelerator_state`` at the snapshot, and a pointer to the snapshot; a stock
+``load_state(dir)`` reads it. While the engine is open, the accelerator's ``save_state`` and
+``load_state`` are the engine's (instance attributes; ``close()`` removes them).
+
 This module is the only one that imports Accelerate; importing it checks that the installed
 version is in ``SUPPORTED`` and that the private behaviour above is there (``IntegrationError``,
 or a warning for a newer, untested major version).
