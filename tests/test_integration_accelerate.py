@@ -405,6 +405,43 @@ def test_without_every_prepared_object_there_is_no_save_state_directory(ckpt_dir
     assert not os.path.exists(tmp_path / "project" / "checkpoints")
 
 
+def test_save_state_hooks_write_their_files_and_may_take_a_model_out(ckpt_dir, tmp_path):
+    accelerator, model, opt, sched, loader = prepared()
+
+    def hook(models, weights, output_dir):
+        assert models == [model]
+        torch.save({"ours": weights[0]["0.weight"]}, os.path.join(output_dir, "by_hook.pt"))
+        weights.pop()  # saved its own way: save_state writes no model.safetensors
+
+    accelerator.register_save_state_pre_hook(hook)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, heartbeat_interval=None) as engine:
+        path = accelerator.save_state(str(tmp_path / "saved"))
+        engine.wait()
+        Accelerator.save_state(accelerator, str(tmp_path / "stock"))
+    assert sorted(os.listdir(path)) == sorted(os.listdir(tmp_path / "stock") + [POINTER_NAME])
+    assert "by_hook.pt" in os.listdir(path) and "model.safetensors" not in os.listdir(path)
+    assert_same(torch.load(os.path.join(path, "by_hook.pt")), {"ours": model[0].weight.data})
+
+
+def test_a_pointer_is_read_only_from_a_small_regular_file(tmp_path):
+    from async_ckpt.errors import CorruptSnapshotError
+
+    assert read_pointer(str(tmp_path)) is None  # no pointer: a directory of Accelerate's own
+    pointer = tmp_path / POINTER_NAME
+    os.mkfifo(pointer)  # would block a plain open()
+    with pytest.raises(CorruptSnapshotError, match="not a regular file"):
+        read_pointer(str(tmp_path))
+    os.unlink(pointer)
+    for content in [b"{" + b" " * 5000 + b"}", b'{"format": 1, "step": -1, "directory": "x"}',
+                    b'{"format": 1, "step": 1, "directory": 5}', b"\xff"]:
+        pointer.write_bytes(content)
+        with pytest.raises(CorruptSnapshotError, match="pointer"):
+            read_pointer(str(tmp_path))
+    pointer.write_bytes(b'{"format": 1, "step": 7, "directory": "../ckpt"}')
+    assert read_pointer(str(tmp_path)) == (str(tmp_path.parent / "ckpt"), 7)
+
+
 # --- real processes, killed ------------------------------------------------------------------
 
 def loop(ckpt, log, *extra):
