@@ -386,6 +386,13 @@ def test_save_state_and_load_state_go_through_the_engine_with_automatic_naming(t
         assert_same(held(accelerator, model, opt, sched, Counter()), at_2)
         assert train(accelerator, model, opt, sched, loader) == expected
     assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)
+    accelerator, model, opt, sched, loader = prepared(total_limit=2, project_dir=str(project))
+    with accelerate_ckpt.engine(accelerator, str(tmp_path / "engine"), model=model,
+                                optimizer=opt, scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:  # a resumed run
+        assert accelerator.project_configuration.iteration == 3  # past checkpoint_2
+        accelerator.load_state()
+        assert_same(held(accelerator, model, opt, sched, Counter()), at_2)
 
 
 def test_without_every_prepared_object_there_is_no_save_state_directory(ckpt_dir, tmp_path):

@@ -273,6 +273,14 @@ class _SaveStateLayout:
                 "Accelerator.save_state asks)")
         return path
 
+    def continue_count(self) -> None:
+        """With automatic naming, go on counting past the ``checkpoint_N`` already there (a
+        resumed run), where save_state would refuse to save until told the iteration."""
+        project = self.accelerator.project_configuration
+        found = self._automatic_directories() if project.automatic_checkpoint_naming else []
+        if found:
+            project.iteration = max(project.iteration, found[-1][0] + 1)
+
     def newest(self) -> Optional[str]:
         """The ``checkpoint_N`` of the highest N in ``checkpoints`` (what save_state's automatic
         naming made), None when there is none."""
@@ -397,6 +405,7 @@ class AccelerateEngine(CheckpointEngine):
         self._last_step = committed[-1] if committed else None  # of the newest snapshot
         if layout.refused is None:  # code written for Accelerate's own save_state gets this one
             accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
+            layout.continue_count()
 
     @property
     def epoch(self) -> int:
