@@ -263,7 +263,9 @@ class _SaveStateLayout:
         return os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
 
     def automatic_directory(self) -> str:
-        """save_state's ``checkpoints/checkpoint_{iteration}``, which must not exist yet."""
+        """save_state's ``checkpoints/checkpoint_{iteration}``, which must not exist yet (and
+        ``checkpoints/`` made now, as save_state makes it)."""
+        os.makedirs(self.checkpoints, exist_ok=True)
         path = os.path.join(self.checkpoints,
                             f"checkpoint_{self.accelerator.project_configuration.iteration}")
         if os.path.exists(path):
