@@ -1,17 +1,25 @@
-"""Accelerate: what a save costs the training process, the adapter against ``save_state()``.
+"""Accelerate: what a save costs, the adapter against ``save_state()``.
 
 The same prepared training state (an MLP whose parameters and AdamW moments make about 200 MB;
 13 MB with ``--quick``, a scheduler, a prepared stateful loader) is saved by both, alternately,
 in interleaved rounds (the first round a warm-up, not reported):
 
-* **adapter**: ``engine.snapshot(step)`` of ``async_ckpt.integrations.accelerate``: the time the
-  call blocks (the copy into reused staging memory); the writer process then commits it in the
-  background, durable (fsync) once ``to_commit_s`` has passed, shown for reference;
-* **save_state**: ``accelerator.save_state(dir)``, which returns once every file is written
-  (safetensors for the model, ``torch.save`` for the rest; no fsync, so not yet durable).
+* **adapter**: ``engine.snapshot(step)`` of ``async_ckpt.integrations.accelerate`` with
+  ``state_dir=``: the time the call blocks (the copy into reused staging memory, and
+  Accelerate's own small files: random states, the loader's state); the writer process then
+  commits the snapshot and writes save_state's directory from it, durable (fsync) and renamed
+  into place;
+* **save_state**: Accelerate's own ``Accelerator.save_state(dir)``, which returns once every
+  file is written (safetensors for the model, ``torch.save`` for the rest; no fsync, so not yet
+  durable).
 
-Each figure is the median of the measured rounds with its min-max spread; the ratio is taken
-round by round (``ratio_spread``). Self-contained (``run`` and ``render``). Run alone:
+**Directory written after the save** is the time from the save's start until the directory is
+there: for the adapter until ``engine.wait()`` returns (the writer reports a commit once the
+snapshot's directory is written), for save_state its own duration. **Bytes written per save ÷
+state** is what a save left on disk (the directory, and for the adapter the snapshot's shard)
+over the bytes of the parameters and AdamW moments. Each figure is the median of the measured
+rounds with its min-max spread; the ratio is taken round by round (``ratio_spread``).
+Self-contained (``run`` and ``render``). Run alone:
 ``python -m bench.integrations_accelerate [--quick]``.
 """
 
@@ -59,8 +67,14 @@ def _train_step(accelerator, model, opt, sched, batches) -> None:
     opt.zero_grad()
 
 
+def _bytes_in(directory: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+
+
 def run(root: str, quick: bool) -> dict:
     """Measure the rounds; the results block of results.json."""
+    from accelerate import Accelerator
+
     from async_ckpt.integrations import accelerate as accelerate_ckpt
 
     config = QUICK if quick else FULL
@@ -69,6 +83,7 @@ def run(root: str, quick: bool) -> dict:
         accelerator, model, opt, sched, loader = _prepared(config["width"], config["layers"])
         engine = accelerate_ckpt.engine(accelerator, os.path.join(root, "adapter"), model=model,
                                         optimizer=opt, scheduler=sched, dataloader=loader,
+                                        state_dir=os.path.join(root, "adapter-state", "{step}"),
                                         keep_last=2, heartbeat_interval=None)
         rounds, step = [], 0
         try:
@@ -83,29 +98,35 @@ def run(root: str, quick: bool) -> dict:
                     _train_step(accelerator, model, opt, sched, batches)
                     step += 1
                     if system == "adapter":
+                        target = os.path.join(root, "adapter-state", str(step))
                         start = time.perf_counter()
                         engine.snapshot(step)
                         figures["adapter_blocking_s"] = time.perf_counter() - start
                         engine.wait()
-                        figures["adapter_to_commit_s"] = engine.stats()["snapshots"][-1][
-                            "to_commit_s"]
-                    else:
+                        figures["adapter_written_s"] = time.perf_counter() - start
+                        figures["adapter_bytes"] = (_bytes_in(target) + engine.stats()[
+                            "snapshots"][-1]["shard_bytes"])
+                    else:  # Accelerate's own (the engine's replaces the accelerator's)
                         target = os.path.join(root, "save_state", f"step-{step}")
                         start = time.perf_counter()
-                        accelerator.save_state(target)
+                        Accelerator.save_state(accelerator, target)
                         figures["save_state_s"] = time.perf_counter() - start
-                        shutil.rmtree(target)
+                        figures["save_state_bytes"] = _bytes_in(target)
+                    shutil.rmtree(target)
                 rounds.append(figures)
                 log(f"integrations_accelerate: round {n + 1}/{config['rounds']}: adapter blocks "
-                    f"{figures['adapter_blocking_s'] * 1e3:.0f} ms (committed after "
-                    f"{figures['adapter_to_commit_s']:.2f} s), save_state "
+                    f"{figures['adapter_blocking_s'] * 1e3:.0f} ms (directory written after "
+                    f"{figures['adapter_written_s']:.2f} s), save_state "
                     f"{figures['save_state_s']:.2f} s")
         finally:
             engine.close()
     measured = rounds[1:] or rounds  # the first round allocates the staging memory
     return {"config": config, "state_bytes": state_bytes,
-            "figures": {key: spread([r[key] for r in measured]) for key in
-                        ("adapter_blocking_s", "adapter_to_commit_s", "save_state_s")},
+            "figures": {**{key: spread([r[key] for r in measured]) for key in
+                           ("adapter_blocking_s", "adapter_written_s", "save_state_s")},
+                        **{f"{system}_bytes_x_state": spread([r[f"{system}_bytes"] / state_bytes
+                                                             for r in measured])
+                           for system in SYSTEMS}},
             "ratios": {"blocking": ratio_spread([r["adapter_blocking_s"] for r in measured],
                                                 [r["save_state_s"] for r in measured])},
             "rounds": rounds}
@@ -121,16 +142,24 @@ def render(results: dict) -> str:
     def cell(key: str) -> str:
         return spread_text(f[key], milliseconds, " ms")
 
+    def ratio(key: str) -> str:
+        return spread_text(f[key], lambda x: f"{x:.2f}×") if key in f else "–"
+
+    written = (f"{cell('adapter_written_s')}, durable (fsync, committed)"
+               if "adapter_written_s" in f else "–")
     return "\n".join([
-        "### Accelerate: a save's blocking time, the adapter against `save_state()`", "",
+        "### Accelerate: a save's cost, the adapter against `save_state()`", "",
         f"{mb:.0f} MB of model and AdamW state, a scheduler and a prepared stateful loader; "
-        f"median of {f['save_state_s']['n']} interleaved rounds after a warm-up (min–max).", "",
-        "| per save | adapter `snapshot()` | `accelerator.save_state()` | ratio |",
+        f"median of {f['save_state_s']['n']} interleaved rounds after a warm-up (min–max). The "
+        "adapter's snapshot leaves the directory `save_state()` writes (`state_dir=`).", "",
+        "| per save | adapter `snapshot()` | `Accelerator.save_state()` | ratio |",
         "|---|---|---|---|",
         f"| training process blocked | {cell('adapter_blocking_s')} | {cell('save_state_s')} | "
         f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| durable | after {cell('adapter_to_commit_s')}, in the background (fsync, "
-        "committed) | never fsynced | |"])
+        f"| directory written after the save | {written} | {cell('save_state_s')}, never "
+        "fsynced | |",
+        f"| bytes written per save ÷ state | {ratio('adapter_bytes_x_state')} | "
+        f"{ratio('save_state_bytes_x_state')} | |"])
 
 
 if __name__ == "__main__":

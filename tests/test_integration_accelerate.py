@@ -6,14 +6,24 @@ same loss at every step as an uninterrupted run, bit for bit; the same at two ra
 In-process: the prepared loader's one-batch look-ahead, the random state a resumed iteration
 starts from, the end of an epoch, every prepared object back after restore(), a loader that is
 not stateful (warned), fallback past a damaged snapshot, retention, the version checks.
+
+save_state's layout: a snapshot's directory holds the files Accelerate's own save_state writes at
+that instant, the same names and contents; a stock ``accelerator.load_state(dir)`` in a process
+that never imports async_ckpt restores every prepared object and the RNGs bit for bit;
+``accelerator.save_state()``/``load_state()`` go through the engine while it is open (automatic
+naming, ``total_limit``); a run SIGKILLed during a save leaves no directory for that step.
 """
 
 import copy
 import os
+import random
 import signal
 import subprocess
 import sys
+import textwrap
 import warnings
+
+import numpy as np
 
 import pytest
 import torch
@@ -23,7 +33,8 @@ from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from async_ckpt import load
-from async_ckpt.errors import IntegrationError
+from async_ckpt.errors import IntegrationError, InvalidArgumentError
+from async_ckpt.integrations.directories import POINTER_NAME, read_pointer
 from async_ckpt.integrations import accelerate as accelerate_ckpt
 from conftest import assert_same
 from test_resume import read_log, run_killed
@@ -43,11 +54,14 @@ def no_torchdata_noise():
 
 # --- in-process: a small prepared training state ---------------------------------------------
 
-def prepared(stateful=True, generator=False, workers=0, total_limit=None, samples=20):
-    """An Accelerator and the model, optimizer, scheduler and shuffled loader it prepared."""
+def prepared(stateful=True, generator=False, workers=0, total_limit=None, samples=20,
+             project_dir=None):
+    """An Accelerator and the model, optimizer, scheduler and shuffled loader it prepared; with
+    ``project_dir``, save_state's automatic checkpoint naming there."""
     accelerator = Accelerator(
         cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful),
-        project_config=ProjectConfiguration(total_limit=total_limit))
+        project_config=ProjectConfiguration(total_limit=total_limit, project_dir=project_dir,
+                                            automatic_checkpoint_naming=project_dir is not None))
     set_seed(0)
     dataset = TensorDataset(torch.arange(samples, dtype=torch.float32).unsqueeze(1))
     loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
@@ -113,17 +127,20 @@ def test_a_snapshot_at_the_last_batch_of_an_epoch_resumes_at_the_next_epoch(ckpt
             assert train(accelerator, model, opt, sched, loader) == expected
 
 
+class Counter:
+    """An object given to register_for_checkpointing."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
 def test_restore_brings_back_every_prepared_object(ckpt_dir):
-    class Counter:
-        def __init__(self):
-            self.seen = 0
-
-        def state_dict(self):
-            return {"seen": self.seen}
-
-        def load_state_dict(self, state):
-            self.seen = state["seen"]
-
     accelerator, model, opt, sched, loader = prepared()
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
@@ -241,6 +258,197 @@ def test_what_it_refuses(ckpt_dir, monkeypatch):
         accelerate_ckpt._check_accelerate()
 
 
+# --- save_state's layout ----------------------------------------------------------------------
+
+# A process that knows nothing of async_ckpt prepares the same kinds of objects as prepared()
+# (other values), runs Accelerate's own load_state(argv[1]) and saves what it then holds.
+STOCK_LOAD = textwrap.dedent("""
+    import random, sys, warnings
+    import numpy as np, torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from torch.utils.data import DataLoader, TensorDataset
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+    class Counter:
+        seen = 0
+        def state_dict(self):
+            return {"seen": self.seen}
+        def load_state_dict(self, state):
+            self.seen = state["seen"]
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.1)
+    loader = DataLoader(TensorDataset(torch.zeros(20, 1)), batch_size=4, shuffle=True)
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    accelerator.load_state(sys.argv[1])
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "scaler": accelerator.scaler.state_dict(),
+                "custom": counter.state_dict(), "step": accelerator.step,
+                "python": random.getstate(),
+                "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "async_ckpt imported": any(m.startswith("async_ckpt") for m in sys.modules)},
+               sys.argv[2])
+""")
+
+
+def held(accelerator, model, opt, sched, counter):
+    """What STOCK_LOAD saves, here (the loader's state is in dl_state_dict.bin, the same bytes as
+    Accelerate's, and held back by a loader until it iterates)."""
+    return copy.deepcopy({
+        "model": model.state_dict(), "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
+        "custom": counter.state_dict(), "step": accelerator.step,
+        "python": random.getstate(), "numpy": comparable(np.random.get_state()),
+        "torch": torch.get_rng_state(), "async_ckpt imported": False})
+
+
+def comparable(numpy_state):
+    """NumPy's global RNG state with its array as a tensor, for assert_same."""
+    name, keys, *rest = numpy_state
+    return (name, torch.from_numpy(keys.copy()), *rest)
+
+
+def read_any(path):
+    """A file of a save_state directory, as Accelerate reads it (safetensors by name: files
+    order their tensors as they like)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return dict(sorted(load_file(path).items()))
+    return torch.load(path, weights_only=False)
+
+
+def test_a_snapshot_s_directory_is_save_state_s_and_stock_load_state_restores_it_bit_exact(
+        ckpt_dir, tmp_path):
+    accelerator, model, opt, sched, loader = prepared()
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, dataloader=loader,
+                                state_dir=str(tmp_path / "state-{step}"),
+                                heartbeat_interval=None) as engine:
+        batches = iter(loader)
+        counter.seen, accelerator.step = 5, 2
+        train(accelerator, model, opt, sched, take(batches, 3), engine)  # mid-epoch: step 2
+        expected = held(accelerator, model, opt, sched, counter)
+        stock = str(tmp_path / "stock")
+        Accelerator.save_state(accelerator, stock)  # Accelerate's own, at the same instant
+        train(accelerator, model, opt, sched, batches)  # the state moves on
+        engine.wait()
+    ours = str(tmp_path / "state-2")
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(stock) + [POINTER_NAME])
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "scaler.pt",
+            "dl_state_dict.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"} <= set(
+        os.listdir(stock))
+    for name in os.listdir(stock):
+        ours_file, stock_file = os.path.join(ours, name), os.path.join(stock, name)
+        if name in ("random_states_0.pkl", "scaler.pt", "dl_state_dict.bin"):  # Accelerate's
+            with open(ours_file, "rb") as a, open(stock_file, "rb") as b:
+                assert a.read() == b.read(), name
+        else:  # made by the writer
+            assert_same(read_any(ours_file), read_any(stock_file), name)
+    assert read_pointer(ours) == (os.path.realpath(ckpt_dir), 2)
+    out = str(tmp_path / "loaded.pt")
+    subprocess.run([sys.executable, "-c", STOCK_LOAD, ours, out], check=True,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    loaded = torch.load(out, weights_only=False)
+    loaded["numpy"] = comparable(loaded["numpy"])
+    assert_same(loaded, expected)
+
+
+def test_save_state_and_load_state_go_through_the_engine_with_automatic_naming(tmp_path):
+    project = tmp_path / "project"
+    accelerator, model, opt, sched, loader = prepared(total_limit=2, project_dir=str(project))
+    checkpoints = project / "checkpoints"
+    with accelerate_ckpt.engine(accelerator, str(tmp_path / "engine"), model=model,
+                                optimizer=opt, scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:
+        assert accelerator.save_state == engine.save_state
+        batches = iter(loader)
+        train(accelerator, model, opt, sched, take(batches, 2), engine)  # checkpoint_0, _1
+        assert accelerator.save_state() == str(checkpoints / "checkpoint_2")  # step 2
+        at_2 = held(accelerator, model, opt, sched, Counter())
+        expected = train(accelerator, model, opt, sched, batches)
+        engine.wait()
+        assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]  # total_limit
+        assert engine.committed_steps() == [1, 2]
+        assert accelerator.project_configuration.iteration == 3
+        os.truncate(checkpoints / "checkpoint_2" / "model.safetensors", 10)  # not read:
+        accelerator.load_state()  # the newest, from its snapshot, loader and RNG exactly back
+        assert_same(held(accelerator, model, opt, sched, Counter()), at_2)
+        assert train(accelerator, model, opt, sched, loader) == expected
+    assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)
+    accelerator, model, opt, sched, loader = prepared(total_limit=2, project_dir=str(project))
+    with accelerate_ckpt.engine(accelerator, str(tmp_path / "engine"), model=model,
+                                optimizer=opt, scheduler=sched, dataloader=loader,
+                                heartbeat_interval=None) as engine:  # a resumed run
+        assert accelerator.project_configuration.iteration == 3  # past checkpoint_2
+        accelerator.load_state()
+        assert_same(held(accelerator, model, opt, sched, Counter()), at_2)
+
+
+def test_without_every_prepared_object_there_is_no_save_state_directory(ckpt_dir, tmp_path):
+    accelerator, model, opt, sched, loader = prepared(project_dir=str(tmp_path / "project"))
+    with pytest.raises(IntegrationError, match="give them all as optimizer="):
+        accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, scheduler=sched,
+                               state_dir=str(tmp_path / "s-{step}"))
+    with pytest.raises(InvalidArgumentError, match="only {step}"):
+        accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, state_dir="{epoch}")
+    with pytest.warns(RuntimeWarning, match="stays Accelerate's own: load_state"):
+        engine = accelerate_ckpt.engine(accelerator, ckpt_dir, model=model,
+                                        heartbeat_interval=None)
+    with engine:
+        assert "save_state" not in vars(accelerator)
+        engine.snapshot(0)
+        engine.wait()
+    assert not os.path.exists(tmp_path / "project" / "checkpoints")
+
+
+def test_save_state_hooks_write_their_files_and_may_take_a_model_out(ckpt_dir, tmp_path):
+    accelerator, model, opt, sched, loader = prepared()
+
+    def hook(models, weights, output_dir):
+        assert models == [model]
+        torch.save({"ours": weights[0]["0.weight"]}, os.path.join(output_dir, "by_hook.pt"))
+        weights.pop()  # saved its own way: save_state writes no model.safetensors
+
+    accelerator.register_save_state_pre_hook(hook)
+    with accelerate_ckpt.engine(accelerator, ckpt_dir, model=model, optimizer=opt,
+                                scheduler=sched, heartbeat_interval=None) as engine:
+        path = accelerator.save_state(str(tmp_path / "saved"))
+        engine.wait()
+        Accelerator.save_state(accelerator, str(tmp_path / "stock"))
+    assert sorted(os.listdir(path)) == sorted(os.listdir(tmp_path / "stock") + [POINTER_NAME])
+    assert "by_hook.pt" in os.listdir(path) and "model.safetensors" not in os.listdir(path)
+    assert_same(torch.load(os.path.join(path, "by_hook.pt")), {"ours": model[0].weight.data})
+
+
+def test_a_pointer_is_read_only_from_a_small_regular_file(tmp_path):
+    from async_ckpt.errors import CorruptSnapshotError
+
+    assert read_pointer(str(tmp_path)) is None  # no pointer: a directory of Accelerate's own
+    pointer = tmp_path / POINTER_NAME
+    os.mkfifo(pointer)  # would block a plain open()
+    with pytest.raises(CorruptSnapshotError, match="not a regular file"):
+        read_pointer(str(tmp_path))
+    os.unlink(pointer)
+    for content in [b"{" + b" " * 5000 + b"}", b'{"format": 1, "step": -1, "directory": "x"}',
+                    b'{"format": 1, "step": 1, "directory": 5}', b"\xff"]:
+        pointer.write_bytes(content)
+        with pytest.raises(CorruptSnapshotError, match="pointer"):
+            read_pointer(str(tmp_path))
+    pointer.write_bytes(b'{"format": 1, "step": 7, "directory": "../ckpt"}')
+    assert read_pointer(str(tmp_path)) == (str(tmp_path.parent / "ckpt"), 7)
+
+
 # --- real processes, killed ------------------------------------------------------------------
 
 def loop(ckpt, log, *extra):
@@ -313,3 +521,15 @@ def test_two_ranks_under_torchrun_resume_bit_identical_after_a_kill_during_a_sav
             assert r == reference[r["step"]], f"rank {rank}: step {r['step']} differs"
         assert_same(load(str(tmp_path / "killed"), rank=rank)[1],
                     load(str(tmp_path / "reference"), rank=rank)[1])
+
+
+@pytest.mark.slow
+def test_killed_during_a_save_it_leaves_no_directory_for_that_step(tmp_path):
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    template = str(tmp_path / "state" / "step_{step}")
+    argv = [LOOP, "--ckpt-dir", ckpt, "--losses", log, "--epochs", "1", "--freeze-writer-at",
+            "4", "--state-dir", template]
+    assert run_killed(argv) == -signal.SIGKILL  # snapshot(4) staged, never written
+    assert load(ckpt)[0] == 3
+    assert sorted(os.listdir(tmp_path / "state")) == [f"step_{s}" for s in range(4)]
+    assert read_pointer(template.format(step=3)) == (os.path.realpath(ckpt), 3)

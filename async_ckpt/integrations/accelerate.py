@@ -22,6 +22,14 @@ torchdata ``StatefulDataLoader`` when ``DataLoaderConfiguration(use_stateful_dat
   synchronised when it was taken), and once it has fetched its first batch it hands back the
   random state it found, so training continues exactly where the snapshot was taken.
 
+Each snapshot can also leave, once committed, the directory ``accelerator.save_state(dir)``
+writes (``state_dir=``, or by default with Accelerate's automatic checkpoint naming): the models,
+optimizers, schedulers and custom objects made by the writer from the committed snapshot,
+Accelerate's small files (random states, scaler, loader states) written by its own
+``save_accelerator_state`` at the snapshot, and a pointer to the snapshot; a stock
+``load_state(dir)`` reads it. While the engine is open, the accelerator's ``save_state`` and
+``load_state`` are the engine's (instance attributes; ``close()`` removes them).
+
 This module is the only one that imports Accelerate; importing it checks that the installed
 version is in ``SUPPORTED`` and that the private behaviour above is there (``IntegrationError``,
 or a warning for a newer, untested major version).
@@ -30,20 +38,27 @@ or a warning for a newer, untested major version).
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import shutil
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import accelerate
 import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import save_accelerator_state
 from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType
+from accelerate.utils import (OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME,
+                              DistributedType)
 from packaging.version import Version
 
+from .. import Derived, Marker
 from ..engine import CheckpointEngine
-from ..errors import IntegrationError
+from ..errors import InvalidArgumentError, IntegrationError, NoSnapshotError
+from .directories import files_written_by, pointer_file, read_pointer
 
 __all__ = ["AccelerateEngine", "SUPPORTED", "engine"]
 
@@ -56,6 +71,13 @@ _REFUSED = {
     DistributedType.MEGATRON_LM: "Megatron-LM saves its model's state itself",
     DistributedType.XLA: "XLA tensors cannot be staged here",
 }
+
+
+_SAVE_ACCELERATOR_STATE = ("output_dir", "model_states", "optimizers", "schedulers",
+                           "dataloaders", "process_index", "step", "scaler")
+# Accelerate's names, in save_accelerator_state and save_custom_state
+_CUSTOM_FILE = "custom_checkpoint_{}.pkl"
+_AUTOMATIC_DIR = re.compile(r"checkpoint_([0-9]+)")  # what save_state names checkpoint_{iteration}
 
 
 def _check_accelerate() -> None:
@@ -82,6 +104,10 @@ def _check_accelerate() -> None:
                        "the engine notes the random state an iteration starts from)")
     if not hasattr(Accelerator, "register_for_checkpointing"):
         missing.append("Accelerator.register_for_checkpointing")
+    if tuple(inspect.signature(save_accelerator_state).parameters)[:8] != _SAVE_ACCELERATOR_STATE:
+        missing.append(f"accelerate.checkpointing.save_accelerator_state("
+                       f"{', '.join(_SAVE_ACCELERATOR_STATE)}, ...) (which writes the small files "
+                       "of a save_state directory)")
     if missing:
         raise IntegrationError(f"accelerate {version} lacks what async_ckpt.integrations."
                                f"accelerate relies on: {'; '.join(missing)}. Install "
@@ -92,7 +118,8 @@ _check_accelerate()
 
 
 def engine(accelerator: Accelerator, directory, *, model=None, optimizer=None, scheduler=None,
-           dataloader=None, **options) -> "AccelerateEngine":
+           dataloader=None, state_dir: Union[None, bool, str, os.PathLike] = None,
+           **options) -> "AccelerateEngine":
     """An ``AccelerateEngine`` in ``directory`` over what ``accelerator`` prepared.
 
     ``model``, ``optimizer``, ``scheduler`` and ``dataloader`` are the objects
@@ -103,6 +130,17 @@ def engine(accelerator: Accelerator, directory, *, model=None, optimizer=None, s
     loader's position with the random state its iteration started from; the global RNG states
     as with any engine. Models are saved unwrapped (``accelerator.unwrap_model``), optimizers
     and schedulers as the torch objects inside Accelerate's wrappers.
+
+    ``state_dir``: where each snapshot also leaves, once committed, a directory as
+    ``accelerator.save_state(dir)`` writes it (``model.safetensors``, ``optimizer.bin``, ...;
+    the writer process writes it): a path in which ``{step}`` is replaced by the snapshot's step;
+    by default, with ``ProjectConfiguration(automatic_checkpoint_naming=True)``, save_state's own
+    ``project_dir/checkpoints/checkpoint_{iteration}`` (counting ``iteration`` and applying
+    ``total_limit`` as save_state does); ``False`` or, without automatic naming, None: none.
+    While the engine is open, ``accelerator.save_state()`` and ``load_state()`` are the
+    engine's (``AccelerateEngine.save_state``). Both need one process and every prepared model,
+    optimizer and scheduler given here (``IntegrationError`` otherwise when ``state_dir`` is
+    given, a warning when automatic naming asked for it).
 
     ``**options`` are ``CheckpointEngine``'s. ``keep_last`` defaults to
     ``ProjectConfiguration(total_limit=...)`` when that is set. With several processes (DDP)
@@ -117,12 +155,13 @@ def engine(accelerator: Accelerator, directory, *, model=None, optimizer=None, s
             f"async_ckpt.integrations.accelerate does not support {accelerator.distributed_type}"
             f" ({refused}): use accelerator.save_state(), or register DCP's get_state_dict() "
             "with a CheckpointEngine (README, 'Sharded models')")
+    models, optimizers, schedulers = _listed(model), _listed(optimizer), _listed(scheduler)
     state: dict[str, Any] = {}
-    state.update(_named("model", [accelerator.unwrap_model(m) for m in _listed(model)]))
+    state.update(_named("model", [accelerator.unwrap_model(m) for m in models]))
     state.update(_named("optimizer", [o.optimizer if isinstance(o, AcceleratedOptimizer) else o
-                                      for o in _listed(optimizer)]))
+                                      for o in optimizers]))
     state.update(_named("scheduler", [s.scheduler if isinstance(s, AcceleratedScheduler) else s
-                                      for s in _listed(scheduler)]))
+                                      for s in schedulers]))
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
     replicated = list(state)  # what DDP keeps identical on every rank
@@ -134,6 +173,8 @@ def engine(accelerator: Accelerator, directory, *, model=None, optimizer=None, s
     state.update({f"custom_{i}": obj for i, obj in enumerate(custom)})
     counters = {"step": accelerator.step}
     state["accelerator"] = counters
+    layout = _SaveStateLayout.of(accelerator, directory, models, optimizers, schedulers,
+                                 state_dir)
     total_limit = accelerator.project_configuration.total_limit
     if total_limit is not None:
         options.setdefault("keep_last", total_limit)
@@ -145,7 +186,7 @@ def engine(accelerator: Accelerator, directory, *, model=None, optimizer=None, s
             positions.append(_LoaderPosition(loader, accelerator))
         state.update(_named("dataloader", positions))
         return AccelerateEngine(directory, state, accelerator=accelerator, positions=positions,
-                                counters=counters, **options)
+                                counters=counters, layout=layout, **options)
     except BaseException:
         for position in positions:
             position.unhook()
@@ -160,7 +201,189 @@ def _listed(objects) -> list:
 
 def _named(name: str, objects: Sequence) -> dict:
     """Accelerate's naming of several objects of a kind: ``name``, ``name_1``, ``name_2``, ..."""
-    return {name if i == 0 else f"{name}_{i}": obj for i, obj in enumerate(objects)}
+    return {_nth(name, i): obj for i, obj in enumerate(objects)}
+
+
+def _nth(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}_{i}"
+
+
+class _SaveStateLayout:
+    """What the directories of ``accelerator.save_state`` need: where ``snapshot()`` puts them
+    (``template``, ``automatic``), or why they cannot be written (``refused``)."""
+
+    def __init__(self, accelerator: Accelerator, template: Optional[str], automatic: bool,
+                 refused: Optional[str]):
+        self.accelerator, self.template, self.automatic, self.refused = (
+            accelerator, template, automatic, refused)
+
+    @classmethod
+    def of(cls, accelerator: Accelerator, directory, models: list, optimizers: list,
+           schedulers: list, state_dir) -> "_SaveStateLayout":
+        project = accelerator.project_configuration
+        automatic = state_dir is None and project.automatic_checkpoint_naming
+        template = None
+        if state_dir not in (None, False):
+            template = os.path.abspath(os.fspath(state_dir))
+            try:
+                template.format(step=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise InvalidArgumentError(f"state_dir={state_dir!r} is a path in which only "
+                                           f"{{step}} is replaced ({type(e).__name__}: {e})")
+        refused = _why_not_save_state(accelerator, directory, models, optimizers, schedulers)
+        if refused is not None and template is not None:
+            raise IntegrationError(f"state_dir= cannot be written: {refused}")
+        if refused is not None and automatic:
+            warnings.warn(f"ProjectConfiguration(automatic_checkpoint_naming=True): the engine "
+                          f"writes no checkpoint_N directories, and accelerator.save_state() "
+                          f"stays Accelerate's own: {refused}", RuntimeWarning, stacklevel=3)
+            automatic = False
+        return cls(accelerator, template, automatic, refused)
+
+    @property
+    def checkpoints(self) -> str:
+        """Where save_state's automatic naming puts its ``checkpoint_N`` directories."""
+        return os.path.abspath(os.path.join(self.accelerator.project_dir or ".", "checkpoints"))
+
+    def snapshot_directory(self, step: int) -> Optional[str]:
+        """Where the snapshot of ``step`` leaves its directory; None: nowhere."""
+        if self.automatic:
+            return self.automatic_directory()
+        return None if self.template is None else self.template.format(step=step)
+
+    def save_state_directory(self, output_dir) -> str:
+        """Where ``save_state(output_dir)`` leaves its directory, as Accelerate's decides."""
+        if self.refused is not None:
+            raise IntegrationError(f"save_state() cannot write its directory: {self.refused}")
+        if self.accelerator.project_configuration.automatic_checkpoint_naming:
+            return self.automatic_directory()
+        if output_dir is None:
+            raise InvalidArgumentError("save_state() needs an output_dir without "
+                                       "ProjectConfiguration(automatic_checkpoint_naming=True)")
+        return os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+
+    def automatic_directory(self) -> str:
+        """save_state's ``checkpoints/checkpoint_{iteration}``, which must not exist yet (and
+        ``checkpoints/`` made now, as save_state makes it)."""
+        os.makedirs(self.checkpoints, exist_ok=True)
+        path = os.path.join(self.checkpoints,
+                            f"checkpoint_{self.accelerator.project_configuration.iteration}")
+        if os.path.exists(path):
+            raise InvalidArgumentError(
+                f"Checkpoint directory {path} already exists: set accelerator."
+                "project_configuration.iteration to the iteration to go on from (as "
+                "Accelerator.save_state asks)")
+        return path
+
+    def continue_count(self) -> None:
+        """With automatic naming, go on counting past the ``checkpoint_N`` already there (a
+        resumed run), where save_state would refuse to save until told the iteration."""
+        project = self.accelerator.project_configuration
+        found = self._automatic_directories() if project.automatic_checkpoint_naming else []
+        if found:
+            project.iteration = max(project.iteration, found[-1][0] + 1)
+
+    def newest(self) -> Optional[str]:
+        """The ``checkpoint_N`` of the highest N in ``checkpoints`` (what save_state's automatic
+        naming made), None when there is none."""
+        found = self._automatic_directories()
+        return found[-1][1] if found else None
+
+    def _automatic_directories(self) -> list[tuple[int, str]]:
+        """The ``checkpoint_N`` directories, lowest N first."""
+        if not os.path.isdir(self.checkpoints):
+            return []
+        found = []
+        for name in os.listdir(self.checkpoints):
+            match = _AUTOMATIC_DIR.fullmatch(name)
+            path = os.path.join(self.checkpoints, name)
+            if match and os.path.isdir(path) and not os.path.islink(path):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def make_room(self, in_flight: int, room: int) -> None:
+        """save_state's ``total_limit``: delete the oldest ``checkpoint_N`` so that those there,
+        those of the ``in_flight`` saves and ``room`` more stay within the limit (a directory is
+        deleted once written: with more saves in flight than that, there are more for a while);
+        with no save in flight, also what a writer killed while writing one left (``.checkpoint_N``
+        siblings, which save_state's own listing would take for checkpoints)."""
+        if in_flight == 0 and os.path.isdir(self.checkpoints):
+            for name in os.listdir(self.checkpoints):
+                if name.startswith(".checkpoint_"):
+                    shutil.rmtree(os.path.join(self.checkpoints, name), ignore_errors=True)
+        limit = self.accelerator.project_configuration.total_limit
+        if limit is None:
+            return
+        found = self._automatic_directories()
+        for _, path in found[:max(0, len(found) + in_flight + room - limit)]:
+            shutil.rmtree(path)
+
+    def files(self, engine: "AccelerateEngine", directory: str, step: int,
+              safe_serialization: bool) -> tuple:
+        """The (name, content) pairs of the directory ``save_state(directory)`` would write now:
+        the models, optimizers, schedulers and custom objects made by the writer from the
+        snapshot of ``step``; the rest written now by Accelerate's own ``save_accelerator_state``
+        (random states, scaler, loaders' states) and save-state hooks, small; and the pointer
+        to the snapshot."""
+        accelerator = self.accelerator
+        hooks = list(accelerator._save_model_state_pre_hook.values())
+        weights = [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models] \
+            if hooks else []
+        given = list(weights)
+
+        def write(scratch: str) -> None:
+            for hook in hooks:  # a hook may save a model its own way, taking it out of weights
+                hook(accelerator._models, weights, scratch)
+            save_accelerator_state(
+                scratch, [], [], [], accelerator._dataloaders, accelerator.state.process_index,
+                accelerator.step, accelerator.scaler,
+                save_on_each_node=accelerator.project_configuration.save_on_each_node)
+
+        small = files_written_by(write)
+        kept = ([i for i, w in enumerate(given) if any(w is x for x in weights)] if hooks
+                else range(len(accelerator._models)))
+        weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+        files: list = [(weights_name if n == 0 else weights_name.replace(".", f"_{n}."),
+                        Derived("safetensors" if safe_serialization else "torch", _nth("model", i)))
+                       for n, i in enumerate(kept)]
+        files += [(f"{_nth(OPTIMIZER_NAME, i)}.bin", Derived("torch", _nth("optimizer", i)))
+                  for i in range(len(accelerator._optimizers))]
+        files += [(f"{_nth(SCHEDULER_NAME, i)}.bin", Derived("torch", _nth("scheduler", i)))
+                  for i in range(len(accelerator._schedulers))]
+        files += [(_CUSTOM_FILE.format(i), Derived("torch", f"custom_{i}"))
+                  for i in range(len(accelerator._custom_objects))]
+        return (*files, *small, pointer_file(engine.directory, directory, step))
+
+
+def _why_not_save_state(accelerator: Accelerator, directory, models: list, optimizers: list,
+                        schedulers: list) -> Optional[str]:
+    """Why this engine cannot write save_state's directories: None when it can."""
+    if accelerator.num_processes > 1:
+        return (f"with {accelerator.num_processes} processes every rank's writer would write the "
+                "same directory (call Accelerator.save_state(accelerator, dir) for it)")
+    lists = {"model": "_models", "optimizer": "_optimizers", "scheduler": "_schedulers"}
+    for (kind, attribute), given in zip(lists.items(), (models, optimizers, schedulers)):
+        prepared = getattr(accelerator, attribute, None)
+        if prepared is None:
+            return f"this Accelerator has no {attribute}: install accelerate>={SUPPORTED[0]}"
+        if len(prepared) != len(given) or any(a is not b for a, b in zip(prepared, given)):
+            return (f"load_state() loads every {kind} accelerator.prepare() returned, in order: "
+                    f"give them all as {kind}=[...] ({len(prepared)} prepared, {len(given)} "
+                    "given)")
+    wrapped = [i for i, m in enumerate(models) if accelerator.unwrap_model(m) is not m]
+    if wrapped:
+        return (f"model {wrapped[0]} is wrapped (torch.compile, DDP): save_state saves the "
+                "wrapper's state dict, whose names the unwrapped model saved here lacks")
+    if not hasattr(accelerator, "_save_model_state_pre_hook"):
+        return f"this Accelerator has no save-state hooks: install accelerate>={SUPPORTED[0]}"
+    checkpoints = os.path.realpath(os.path.join(accelerator.project_dir or ".", "checkpoints"))
+    if (accelerator.project_configuration.automatic_checkpoint_naming
+            and os.path.dirname(os.path.realpath(os.fspath(directory))) == checkpoints):
+        return (f"the engine's directory is in {checkpoints}, where load_state() would take it "
+                "for a checkpoint_N: put it elsewhere")
+    if "save_state" in vars(accelerator):
+        return "another open engine has this Accelerator's save_state(): close that one first"
+    return None
 
 
 class AccelerateEngine(CheckpointEngine):
@@ -168,12 +391,23 @@ class AccelerateEngine(CheckpointEngine):
 
     ``snapshot(step)`` and ``restore()`` are the engine's; ``restore()`` also sets
     ``accelerator.step`` and the loaders' positions, and ``epoch`` says which epoch the training
-    loop continues in. ``close()`` also gives the loaders back their own ``__iter__``."""
+    loop continues in. Snapshots leave save_state's directories where ``state_dir`` says, and
+    ``save_state()``/``load_state()`` (the accelerator's, while the engine is open) take
+    Accelerate's arguments. ``close()`` also gives the loaders back their own ``__iter__`` and
+    the accelerator its own ``save_state``/``load_state``."""
 
     def __init__(self, directory, state, *, accelerator: Accelerator,
-                 positions: list["_LoaderPosition"], counters: dict, **options):
+                 positions: list["_LoaderPosition"], counters: dict, layout: _SaveStateLayout,
+                 **options):
         super().__init__(directory, state, **options)
         self._accelerator, self._positions, self._counters = accelerator, positions, counters
+        self._layout = layout
+        self._automatic = False  # it wrote checkpoint_N directories: total_limit applies
+        committed = self.committed_steps()
+        self._last_step = committed[-1] if committed else None  # of the newest snapshot
+        if layout.refused is None:  # code written for Accelerate's own save_state gets this one
+            accelerator.save_state, accelerator.load_state = self.save_state, self.load_state
+            layout.continue_count()
 
     @property
     def epoch(self) -> int:
@@ -184,11 +418,73 @@ class AccelerateEngine(CheckpointEngine):
 
     def snapshot(self, step: int, *, force: bool = False) -> bool:
         """Take a snapshot tagged ``step`` (the global step: ``accelerator.step`` counts micro
-        steps, and is saved too); see ``CheckpointEngine.snapshot``."""
+        steps, and is saved too); see ``CheckpointEngine.snapshot``. Once committed, it leaves
+        save_state's directory where ``state_dir`` says."""
+        taken = force or step % self.options.every == 0  # else no directory to prepare
+        directory = self._layout.snapshot_directory(step) if taken else None
+        return self._snapshot(step, directory, force=force)
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True,
+                   **save_model_func_kwargs) -> str:
+        """``Accelerator.save_state`` through the engine: a snapshot (its step one past the
+        newest one's) that leaves ``output_dir`` (with automatic checkpoint naming,
+        ``checkpoints/checkpoint_{iteration}``) as save_state writes it, once committed; returns
+        once staged, with the directory's path. ``wait()`` waits for the directory.
+        ``save_model_func_kwargs`` are DeepSpeed's, which the engine refuses: ignored."""
+        directory = self._layout.save_state_directory(output_dir)
+        step = 0 if self._last_step is None else self._last_step + 1
+        self._snapshot(step, directory, force=True, safe_serialization=safe_serialization)
+        return directory
+
+    def _snapshot(self, step: int, directory: Optional[str], *, force: bool,
+                  safe_serialization: bool = True) -> bool:
         self._counters["step"] = self._accelerator.step
         for position in self._positions:
             position.warn_if_inexact()
-        return super().snapshot(step, force=force)
+        layout, markers = self._layout, []
+        automatic = directory is not None and os.path.dirname(directory) == layout.checkpoints
+        if automatic:
+            self._automatic = True
+            layout.make_room(self.stats()["in_flight"], room=1)
+        if directory is not None:
+            markers.append(Marker(directory, files=layout.files(self, directory, step,
+                                                                safe_serialization)))
+        taken = super().snapshot(step, force=force, markers=markers)
+        if taken:
+            self._last_step = step
+            if automatic:  # save_state counts its saves so
+                self._accelerator.project_configuration.iteration += 1
+        return taken
+
+    def load_state(self, input_dir=None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs) -> None:
+        """``Accelerator.load_state`` through the engine: waits for the saves in flight; a
+        directory this engine wrote (its pointer names one of its committed snapshots) is
+        restored from that snapshot, checked, the loaders exactly where they were (``restore``);
+        any other directory, or one given Accelerate's load options or load-state hooks, by
+        Accelerate's own load_state from its files. ``input_dir`` None: the newest
+        ``checkpoint_N`` with automatic checkpoint naming, as Accelerate's."""
+        self.wait()
+        if input_dir is None and self._accelerator.project_configuration \
+                .automatic_checkpoint_naming:
+            input_dir = self._layout.newest()
+            if input_dir is None:
+                raise NoSnapshotError(f"no checkpoint_N in {self._layout.checkpoints} to load")
+        pointer = None if input_dir is None else read_pointer(os.path.expanduser(input_dir))
+        if (pointer is not None and not (load_kwargs or load_model_func_kwargs
+                                         or self._accelerator._load_model_state_pre_hook)
+                and os.path.realpath(pointer[0]) == os.path.realpath(self.directory)
+                and pointer[1] in self.committed_steps()):
+            self.restore(pointer[1])
+            return
+        Accelerator.load_state(self._accelerator, input_dir, load_kwargs,
+                               **load_model_func_kwargs)
+
+    def wait(self, remote: bool = False, timeout: Optional[float] = None) -> None:
+        """``CheckpointEngine.wait``; then, all directories written, ``total_limit`` applies."""
+        super().wait(remote, timeout)
+        if self._automatic:
+            self._layout.make_room(0, room=0)
 
     def restore(self, step: Optional[int] = None, *, strict: bool = True,
                 reshard: bool = False) -> Optional[int]:
@@ -207,6 +503,9 @@ class AccelerateEngine(CheckpointEngine):
         finally:
             for position in self._positions:
                 position.unhook()
+            for name in ("save_state", "load_state"):
+                if vars(self._accelerator).get(name) == getattr(self, name):
+                    delattr(self._accelerator, name)
 
 
 class _LoaderPosition:

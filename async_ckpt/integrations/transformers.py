@@ -35,9 +35,8 @@ import logging
 import os
 import random
 import re
-import tempfile
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ import torch
 from .. import CheckpointEngine, Derived, Marker, load
 from ..errors import CheckpointError, CorruptSnapshotError, IntegrationError, NoSnapshotError
 from ..rng import GlobalRNG, check_torch_state
+from .directories import POINTER_NAME, files_written_by, pointer_file, read_pointer
 
 SUPPORTED_VERSIONS = ("5.25", "6")  # [lowest tested, first unsupported major)
 
@@ -68,11 +68,8 @@ __all__ = ["AsyncCkptTrainer", "POINTER_NAME", "SUPPORTED_VERSIONS", "default_en
 
 log = logging.getLogger(__name__)
 
-POINTER_NAME = "async_ckpt.json"  # in checkpoint-N/: which snapshot holds that checkpoint
-_POINTER_FORMAT = 1
 # What an empty state dict makes save_pretrained write, replaced by the snapshot's own weights.
 _WEIGHT_FILES = {SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME}
-_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory: a save writes no disk here
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")  # as get_last_checkpoint's
 _KEEP_ALL = 2**31 - 1  # the engine keeps every snapshot: the Trainer's save_total_limit decides
 _OWNED_OPTIONS = {"every": "save_steps", "keep_last": "save_total_limit",
@@ -238,9 +235,8 @@ class AsyncCkptTrainer(Trainer):
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
         engine = self._open_engine()
         self._apply_retention_if_idle(engine)
-        pointer = json.dumps({"format": _POINTER_FORMAT, "step": step,
-                              "directory": os.path.relpath(self.async_ckpt_dir, checkpoint)})
-        files = ((TRAINER_STATE_NAME, trainer_state.encode()), (POINTER_NAME, pointer.encode()),
+        files = ((TRAINER_STATE_NAME, trainer_state.encode()),
+                 pointer_file(self.async_ckpt_dir, checkpoint, step),
                  (SAFE_WEIGHTS_NAME, Derived("safetensors", "model")),
                  (OPTIMIZER_NAME, Derived("torch", "optimizer")),
                  (SCHEDULER_NAME, Derived("torch", "scheduler")), *self._small_stock_files())
@@ -261,9 +257,9 @@ class AsyncCkptTrainer(Trainer):
         if self._model_files is None or self._model_files[0] != configs:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # about the empty state dict it is given
-                self._model_files = (configs, _files_written_by(
-                    lambda directory: self._save(directory, state_dict={})))
-        return self._model_files[1] + _files_written_by(
+                self._model_files = (configs, files_written_by(
+                    lambda directory: self._save(directory, state_dict={}), _WEIGHT_FILES))
+        return self._model_files[1] + files_written_by(
             lambda directory: (self._save_rng_state(directory), self._save_scaler(directory)))
 
     def _open_engine(self) -> CheckpointEngine:
@@ -333,7 +329,7 @@ class AsyncCkptTrainer(Trainer):
         here = os.path.realpath(self.async_ckpt_dir)
         for checkpoint in _checkpoints_newest_first(output_dir):
             try:
-                pointer = _read_pointer(checkpoint)
+                pointer = read_pointer(checkpoint)
             except CorruptSnapshotError:
                 continue
             if pointer is not None and os.path.realpath(pointer[0]) == here:
@@ -543,20 +539,6 @@ def _same_numpy_state(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
 
 
-def _files_written_by(write: Callable[[str], object]) -> tuple[tuple[str, bytes], ...]:
-    """The (name, bytes) of the files ``write(directory)`` writes into a fresh directory (the
-    weights files of an empty state dict left out)."""
-    with tempfile.TemporaryDirectory(prefix="async_ckpt-hf-", dir=_SCRATCH) as directory:
-        write(directory)
-        files = []
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
-            if name not in _WEIGHT_FILES and os.path.isfile(path):
-                with open(path, "rb") as f:
-                    files.append((name, f.read()))
-    return tuple(files)
-
-
 def _checkpoints_newest_first(output_dir: str) -> list[str]:
     """The checkpoint-N directories in ``output_dir``, highest N first (as
     ``get_last_checkpoint`` ranks them)."""
@@ -570,29 +552,11 @@ def _checkpoints_newest_first(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def _read_pointer(checkpoint: str) -> Optional[tuple[str, int]]:
-    """(engine directory, step) that ``checkpoint``'s pointer names; None when it has none (a
-    checkpoint of the stock Trainer). CorruptSnapshotError when it is not a pointer."""
-    path = os.path.join(checkpoint, POINTER_NAME)
-    try:
-        with open(path, "rb") as f:
-            pointer = json.loads(f.read(4096))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CorruptSnapshotError(f"{path} cannot be read as a pointer: {e}") from e
-    if not (isinstance(pointer, dict) and pointer.get("format") == _POINTER_FORMAT
-            and type(pointer.get("step")) is int and isinstance(pointer.get("directory"), str)):
-        raise CorruptSnapshotError(f"{path} is not an async_ckpt pointer of format "
-                                   f"{_POINTER_FORMAT}")
-    return os.path.normpath(os.path.join(checkpoint, pointer["directory"])), pointer["step"]
-
-
 def _read_checkpoint(checkpoint: str) -> Optional[dict]:
     """The snapshot ``checkpoint`` names, read and verified, or None when it names none. Raises
     CorruptSnapshotError when it is damaged or does not match the directory's trainer_state.json,
     NoSnapshotError when its step is not committed."""
-    pointer = _read_pointer(checkpoint)
+    pointer = read_pointer(checkpoint)
     if pointer is None:
         return None
     _, state = load(*pointer)

@@ -11,8 +11,10 @@ snapshot(S) has returned, SIGKILL this whole process group (this rank and its wr
 machine dying during a save. Under ``torchrun --max-restarts 1`` only the first attempt does, and
 the restarted ranks resume.
 
+``--state-dir T``: each snapshot also leaves save_state's directory at T (``{step}`` replaced).
+
 Usage: accelerate_loop.py --ckpt-dir DIR --losses FILE [--epochs N] [--every K] [--workers W]
-                          [--generator] [--freeze-writer-at S]
+                          [--generator] [--freeze-writer-at S] [--state-dir T]
 """
 
 import argparse
@@ -44,6 +46,7 @@ def main():
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--generator", action="store_true", help="give the DataLoader generator=")
     parser.add_argument("--freeze-writer-at", type=int, default=None)
+    parser.add_argument("--state-dir", default=None)
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one thread: losses compared across processes agree bit for bit
@@ -64,7 +67,7 @@ def main():
         f"{args.losses}.rank-{accelerator.process_index}"
     engine = accelerate_ckpt.engine(accelerator, args.ckpt_dir, model=model, optimizer=opt,
                                     scheduler=sched, dataloader=loader, every=args.every,
-                                    heartbeat_interval=None)
+                                    state_dir=args.state_dir, heartbeat_interval=None)
     start = engine.restore()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     step = 0 if start is None else start + 1
