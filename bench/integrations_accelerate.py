@@ -16,8 +16,8 @@ in interleaved rounds (the first round a warm-up, not reported):
 **Directory written after the save** is the time from the save's start until the directory is
 there: for the adapter until ``engine.wait()`` returns (the writer reports a commit once the
 snapshot's directory is written), for save_state its own duration. **Bytes written per save ÷
-state** is what a save left on disk (the directory, and for the adapter the snapshot's shard)
-over the bytes of the parameters and AdamW moments. Each figure is the median of the measured
+state** is what a save left on disk (the directory, and for the adapter the snapshot's files,
+a file linked into both counted once) over the bytes of the parameters and AdamW moments. Each figure is the median of the measured
 rounds with its min-max spread; the ratio is taken round by round (``ratio_spread``).
 Self-contained (``run`` and ``render``). Run alone:
 ``python -m bench.integrations_accelerate [--quick]``.
@@ -25,6 +25,7 @@ Self-contained (``run`` and ``render``). Run alone:
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import shutil
@@ -35,7 +36,7 @@ import warnings
 import torch
 
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import log, ratio_spread, rotated, spread, standalone
+from .measure import dir_bytes, log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -65,10 +66,6 @@ def _train_step(accelerator, model, opt, sched, batches) -> None:
     opt.step()
     sched.step()
     opt.zero_grad()
-
-
-def _bytes_in(directory: str) -> int:
-    return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
 
 
 def run(root: str, quick: bool) -> dict:
@@ -104,14 +101,14 @@ def run(root: str, quick: bool) -> dict:
                         figures["adapter_blocking_s"] = time.perf_counter() - start
                         engine.wait()
                         figures["adapter_written_s"] = time.perf_counter() - start
-                        figures["adapter_bytes"] = (_bytes_in(target) + engine.stats()[
-                            "snapshots"][-1]["shard_bytes"])
+                        snapshot = max(glob.glob(os.path.join(engine.root, "step-*")))
+                        figures["adapter_bytes"] = dir_bytes(target, snapshot)  # links once
                     else:  # Accelerate's own (the engine's replaces the accelerator's)
                         target = os.path.join(root, "save_state", f"step-{step}")
                         start = time.perf_counter()
                         Accelerator.save_state(accelerator, target)
                         figures["save_state_s"] = time.perf_counter() - start
-                        figures["save_state_bytes"] = _bytes_in(target)
+                        figures["save_state_bytes"] = dir_bytes(target)
                     shutil.rmtree(target)
                 rounds.append(figures)
                 log(f"integrations_accelerate: round {n + 1}/{config['rounds']}: adapter blocks "

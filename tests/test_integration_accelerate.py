@@ -381,7 +381,9 @@ def test_save_state_and_load_state_go_through_the_engine_with_automatic_naming(t
         assert sorted(os.listdir(checkpoints)) == ["checkpoint_1", "checkpoint_2"]  # total_limit
         assert engine.committed_steps() == [1, 2]
         assert accelerator.project_configuration.iteration == 3
-        os.truncate(checkpoints / "checkpoint_2" / "model.safetensors", 10)  # not read:
+        replaced = checkpoints / "checkpoint_2" / "model.safetensors"
+        os.unlink(replaced)  # replaced, not rewritten in place: it is the snapshot's data file
+        replaced.write_bytes(b"not a file")  # and not read:
         accelerator.load_state()  # the newest, from its snapshot, loader and RNG exactly back
         assert_same(held(accelerator, model, opt, sched, Counter()), at_2)
         assert train(accelerator, model, opt, sched, loader) == expected
