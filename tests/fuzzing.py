@@ -272,8 +272,8 @@ def fix_manifest(manifest: dict, shard_dir: str, size: int, index_xxh3: str) -> 
 
 
 def manifest_bytes(doc: Any, ctx: Optional[dict] = None, ensure_ascii: bool = True) -> bytes:
-    """The manifest as the library writes it (``indent=1``), hostile values spliced in."""
-    return dump_json(doc, ctx or {}, ensure_ascii=ensure_ascii, indent=1)
+    """The manifest as the library writes it (compact), hostile values spliced in."""
+    return dump_json(doc, ctx or {}, ensure_ascii=ensure_ascii, separators=(",", ":"))
 
 
 def index_bytes(doc: Any, ctx: Optional[dict] = None, ensure_ascii: bool = True) -> bytes:
