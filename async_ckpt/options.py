@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Literal, MutableMapping, Optional,
 from .checks import is_int, is_number, short_repr
 from .distributed import resolve_ranks
 from .errors import DistributedSetupError, InvalidArgumentError
-from .storage.names import RNG_KEY
+from .storage.names import MAX_WORLD_SIZE, RNG_KEY
 from .format.shard import COMPRESSIONS, ZSTD_LEVELS
 from .storage.remote import check_remote_url
 
@@ -68,7 +68,8 @@ class EngineOptions:
         rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
             restore them with it, so a resumed run draws the same random numbers.
         rank, world_size: this process's shard of a snapshot (one file per rank); by default those
-            of the initialised ``torch.distributed`` process group (else 0 and 1). With several
+            of the initialised ``torch.distributed`` process group (else 0 and 1); at most
+            ``MAX_WORLD_SIZE`` (100,000) ranks, checked here rather than at commit. With several
             ranks, create the engine, and call ``restore()`` and ``snapshot()``, on every rank.
         replicated: names of top-level entries that every rank holds identically (a DDP model and
             its optimizer): written once instead of once per rank, and checked (by checksum) to
@@ -138,6 +139,10 @@ class EngineOptions:
             _require(ok(value), f"{name} must be {expected}, not {short_repr(value)}")
         resolved = self.resolved  # computed once, here, and kept
         _require(resolved.rank < resolved.world_size, "rank must be in [0, world_size)")
+        _require(resolved.world_size <= MAX_WORLD_SIZE,
+                 f"world_size is {resolved.world_size}; async_ckpt checkpoints at most "
+                 f"MAX_WORLD_SIZE = {MAX_WORLD_SIZE} ranks (file names carry the rank in 5 "
+                 "digits, docs/FORMAT.md section 1)")
         _require(resolved.world_size == 1 or self.when_busy == "wait",
                  "when_busy='skip' needs one rank: ranks would skip different steps, which then "
                  "never commit; use when_busy='wait'")

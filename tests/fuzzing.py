@@ -272,8 +272,8 @@ def fix_manifest(manifest: dict, shard_dir: str, size: int, index_xxh3: str) -> 
 
 
 def manifest_bytes(doc: Any, ctx: Optional[dict] = None, ensure_ascii: bool = True) -> bytes:
-    """The manifest as the library writes it (``indent=1``), hostile values spliced in."""
-    return dump_json(doc, ctx or {}, ensure_ascii=ensure_ascii, indent=1)
+    """The manifest as the library writes it (compact), hostile values spliced in."""
+    return dump_json(doc, ctx or {}, ensure_ascii=ensure_ascii, separators=(",", ":"))
 
 
 def index_bytes(doc: Any, ctx: Optional[dict] = None, ensure_ascii: bool = True) -> bytes:
@@ -1295,14 +1295,19 @@ WRONG_TYPED = [_py("0.01"), _py(None), _py(True), _py(False), _py([0.9, 0.999, 0
 
 def _hyper_parameters(p):
     """Hyper-parameters of another type (or a key too many or too few) in the newest snapshot's
-    optimizer groups and scheduler state, and the optimizer's kernel options turned on."""
+    optimizer groups, per-parameter state (``step``, the moments) and scheduler state, and the
+    optimizer's kernel options turned on."""
     alias = f"step{STEPS[-1]}-shard"
     index = p.shard_by_alias(alias).index
     group = _OPTIMIZER + ("param_groups", 0)
     group_keys = sorted(k for k in _node(index, group) if k != "params")
     scheduler_keys = sorted(_node(index, _SCHEDULER))
+    per_parameter = _OPTIMIZER + ("state", "$dict")  # {parameter id: its state}, int keys
+    parameter_keys = [per_parameter + (n, 1, k) for n, (_, s) in
+                      enumerate(_node(index, per_parameter)) for k in sorted(s)]
     replaced = st.builds(lambda path, value: IndexEdit(alias, path, "replace", value),
                          st.one_of(st.sampled_from([group + (k,) for k in group_keys]),
+                                   st.sampled_from(parameter_keys),
                                    st.sampled_from([_SCHEDULER + (k,) for k in scheduler_keys])),
                          st.sampled_from(WRONG_TYPED))
     kernel = st.builds(lambda key, value: IndexEdit(alias, group, "add_key", _py(value), key),

@@ -1,7 +1,8 @@
 """Crafted snapshots that claim much more than they hold, and a child process that measures what a
 read path costs on them (issue 40: memory within 1.2x of what is loaded, plus a fixed allowance).
 
-Used by ``tests/test_memory.py`` (small sizes) and ``bench/fuzz_campaign.py`` (the long run).
+Used by ``tests/test_memory.py``; ``python tests/memory_cases.py KIND SIZE OP...`` measures larger
+sizes.
 
 - ``write_case(kind, root, size)`` makes a committed snapshot in ``root`` that a real engine wrote
   and that is then edited (checksums and the manifest's record fixed up: they prove nothing):
@@ -11,8 +12,8 @@ Used by ``tests/test_memory.py`` (small sizes) and ``bench/fuzz_campaign.py`` (t
   ``big_list`` (a value that is a list of ``size`` small lists), ``world_size`` (a manifest whose
   snapshot claims ``size`` ranks, every shard record listed), ``whitespace`` (a manifest padded
   with ``size`` bytes of spaces).
-- ``measure(op, root, timeout)`` runs ``op`` (``OPS``) in a fresh interpreter and returns the
-  peak resident memory it added (VmHWM after the call minus VmRSS before: the interpreter, torch
+- ``measure_each([(op, root), ...], timeout)`` runs each ``op`` (``OPS``) in a fresh interpreter,
+  one after the other, and returns the peak resident memory each added (VmHWM after the call minus VmRSS before: the interpreter, torch
   and the library are loaded first and not counted), the error type it raised (None) and its time.
 """
 
@@ -113,18 +114,19 @@ def _one_big_chunk(index: dict, storage_no: int, prefix: bytes, size: int, plane
     return prefix[:old["offset"]] + stored + bytes(new_next - new_end) + prefix[old_next:]
 
 
+MEASURED = "measured:"  # what starts the child's line of each case's figures
 _CHILD = r"""
-import json, os, sys, time, traceback
-op, root, out = sys.argv[1:4]
+import gc, json, os, sys, time, traceback
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
 import torch
 import async_ckpt
 from async_ckpt import load, CheckpointEngine
 from async_ckpt.tools.cli import main as cli
 from async_ckpt.read.snapshot import read_committed
 
-from memory_cases import reset_peak, peak_added
+from memory_cases import MEASURED, reset_peak, peak_added
 
-def run():
+def run(op, root):
     if op == "load":
         return load(root)
     if op == "load_mmap":
@@ -138,18 +140,23 @@ def run():
         return cli(["export", root, "--to", os.path.join(out, "x.safetensors")])
     return cli([op, root])
 
-base = reset_peak()
-start, error = time.perf_counter(), None
-try:
-    result = run()
-    if isinstance(result, int) and result != 0:
-        error = f"exit {result}"
-except BaseException as e:
-    error = type(e).__module__ + "." + type(e).__name__ + ": " + str(e)[:300]
-    if not isinstance(e, async_ckpt.errors.CheckpointError):
-        traceback.print_exc()
-seconds = time.perf_counter() - start
-print(json.dumps({"peak": peak_added(base), "error": error, "seconds": seconds}))
+for op, root in cases:
+    base = reset_peak()
+    start, error, result = time.perf_counter(), None, None
+    try:
+        result = run(op, root)
+        if isinstance(result, int) and result != 0:
+            error = f"exit {result}"
+    except BaseException as e:
+        error = type(e).__module__ + "." + type(e).__name__ + ": " + str(e)[:300]
+        if not isinstance(e, async_ckpt.errors.CheckpointError):
+            traceback.print_exc()
+    seconds, peak = time.perf_counter() - start, peak_added(base)
+    result = None  # what the next case measures starts from here
+    gc.collect()
+    for name in os.listdir(out):
+        os.unlink(os.path.join(out, name))
+    print(MEASURED, json.dumps({"peak": peak, "error": error, "seconds": seconds}), flush=True)
 """
 
 
@@ -174,19 +181,22 @@ def peak_added(base: int) -> int:
     return max(0, _status("VmHWM") - base)
 
 
-def measure(op: str, root: str, timeout: float = 120) -> dict:
-    """``{"peak": bytes added at peak, "error": None or "module.Type: message", "seconds"}``,
-    or ``{"crash": returncode, "stderr": ...}`` when the child died."""
+def measure_each(cases: list[tuple[str, str]], timeout: float = 120) -> list[dict]:
+    """For each ``(op, root)``: ``{"peak": bytes added at peak, "error": None or
+    "module.Type: message", "seconds"}``, or ``{"crash": returncode, "stderr": ...}`` when the
+    child died. The cases run one after the other in one child (its start-up, importing torch,
+    takes longer than most cases), each peak counted from the memory resident once the previous
+    case's result is freed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as out:
-        done = subprocess.run([sys.executable, "-c", _CHILD, op, root, out], env=env,
+        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cases), out], env=env,
                               capture_output=True, text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"crash": done.returncode, "stderr": done.stderr[-2000:]}
-    result = json.loads(lines[-1])
-    result["stderr"] = done.stderr[-2000:]
-    return result
+    results = [json.loads(line.removeprefix(MEASURED)) for line in done.stdout.splitlines()
+               if line.startswith(MEASURED)]  # the commands print lines of their own
+    for result in results:
+        result["stderr"] = done.stderr[-2000:]
+    crashed = {"crash": done.returncode, "stderr": done.stderr[-2000:]}
+    return results + [crashed] * (len(cases) - len(results))
 
 
 if __name__ == "__main__":  # python tests/memory_cases.py KIND SIZE OP...: make one case, measure
@@ -194,6 +204,6 @@ if __name__ == "__main__":  # python tests/memory_cases.py KIND SIZE OP...: make
     with tempfile.TemporaryDirectory() as d:
         write_case(kind, os.path.join(d, "ck"), size)
         for op in ops:
-            r = measure(op, os.path.join(d, "ck"), timeout=600)
+            r, = measure_each([(op, os.path.join(d, "ck"))], timeout=600)  # a child each
             print(kind, size, op, {k: v for k, v in r.items() if k != "stderr"},
                   r.get("stderr", "")[-300:] if r.get("crash") is not None else "")

@@ -340,7 +340,6 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, ckpt):
 @pytest.mark.parametrize("module, extra, argv", [
     ("tqdm", "cli", ["verify", "{ckpt}"]),
     ("tqdm", "cli", ["gc", "{ckpt}", "--keep-last", "1"]),
-    ("safetensors", "safetensors", ["export", "{ckpt}", "--to", "{out}/x.safetensors"]),
 ])
 def test_a_command_whose_extra_is_missing_says_what_to_install(capsys, ckpt, tmp_path, monkeypatch,
                                                                module, extra, argv):
@@ -467,18 +466,44 @@ def test_export_never_writes_through_a_planted_link(capsys, ckpt, tmp_path):
     assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
-@pytest.mark.parametrize("to", ["--to", "--to-dcp"])
-def test_export_bounds_the_copies_it_makes_before_making_them(capsys, tmp_path, to):
-    """Issue 28: a stride-0 tensor of a few bytes expands to 256 GB when safetensors (or DCP)
-    wants it contiguous; the copy was attempted (62 s and 4.3 GB for 4 GB, an untyped error past
+def test_export_bounds_the_copies_it_makes_before_making_them(capsys, tmp_path):
+    """Issue 28: a stride-0 tensor of a few bytes expands to 256 GB when DCP wants it
+    contiguous; the copy was attempted (62 s and 4.3 GB for 4 GB, an untyped error past
     memory). Now the memory is checked first: a typed error, nothing written."""
     state = {"w": {"e": torch.ones(1).expand(2**18, 2**18)}}
     with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
         engine.snapshot(1, force=True)
-    target = tmp_path / ("m.safetensors" if to == "--to" else "dcp")
-    code, _, err = run(capsys, "export", tmp_path / "ckpt", to, target)
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", "--to-dcp", tmp_path / "dcp")
     assert code == 1 and "needs 274.88 GB of host memory" in one_error_line(err)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_safetensors_export_gathers_views_in_pieces_and_needs_no_package(capsys, tmp_path,
+                                                                         monkeypatch):
+    """Issue 40: an expanded, stride-0 tensor was made whole in memory, then copied again by
+    safetensors (4.4 GB for a mask of 2^30 elements; tests/test_memory.py measures the fix).
+    async_ckpt now writes the file itself, each view gathered a piece at a time, the largest
+    elements first (each tensor aligned for its dtype), once the file fits on the disk: an
+    expansion to 18 PB is refused in one line, nothing written."""
+    model = {"mask": torch.tensor([True]).expand(3, 2**21), "w": torch.randn(5, 3).t(),
+             "half": torch.arange(2, dtype=torch.bfloat16).expand(4, 2), "i": torch.arange(3)}
+    state = {"model": model, "huge": {"e": torch.ones(1).expand(2**26, 2**26)}}
+    with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
+        engine.snapshot(1, force=True)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    target = tmp_path / "m.safetensors"
+    code, out, _ = run(capsys, "export", tmp_path / "ckpt", "--only", "model", "--to", target)
+    assert code == 0 and "4 tensors" in out
+    loaded = load_file(str(target))
+    assert_same(dict(sorted(loaded.items())), {k: model[k].contiguous() for k in sorted(model)})
+    header = json.loads(target.read_bytes()[8:8 + int.from_bytes(target.read_bytes()[:8], "little")])
+    assert [header[k]["data_offsets"][0] % model[k].element_size() for k in model] == [0] * 4
+
+    code, _, err = run(capsys, "export", tmp_path / "ckpt", "--only", "huge", "--to",
+                       tmp_path / "h.safetensors")
+    assert code == 2 and "18014398.51 GB of tensor data" in one_error_line(err)
+    assert "export to a .pt file" in one_error_line(err)
+    assert not (tmp_path / "h.safetensors").exists()
 
 
 @pytest.mark.parametrize("to", ["--to", "--to-dcp"])

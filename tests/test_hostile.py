@@ -820,17 +820,27 @@ def test_an_optimizer_state_of_an_older_torch_without_newer_options_restores(tmp
     _step(state)
     with CheckpointEngine(tmp_path / "ckpt", state, heartbeat_interval=None) as engine:
         engine.snapshot(1, force=True)
-    _edit_step(str(tmp_path / "ckpt"), 1, lambda i: [_group(i).pop(k) for k in
-                                                     ("decoupled_weight_decay", "fused")])
+    def older(index):  # which also kept the steps as numbers
+        for k in ("decoupled_weight_decay", "fused"):
+            _group(index).pop(k)
+        for n in range(2):
+            _parameter_state(index, n)["step"] = 1.0
+
+    _edit_step(str(tmp_path / "ckpt"), 1, older)
     again = _training("adam", "step")
     with CheckpointEngine(tmp_path / "ckpt", again, heartbeat_interval=None) as engine:
         assert engine.restore() == 1
     assert again["optimizer"].param_groups[0]["decoupled_weight_decay"] is False
+    assert torch.is_tensor(next(iter(again["optimizer"].state.values()))["step"])
     _step(again)
 
 
 def _group(index):
     return index["tree"]["entries"]["optimizer"]["state"]["param_groups"][0]
+
+
+def _parameter_state(index, n=0):
+    return index["tree"]["entries"]["optimizer"]["state"]["state"]["$dict"][n][1]
 
 
 def _scheduler_state(index):
@@ -866,6 +876,20 @@ HOSTILE_HYPER_PARAMETERS = {
         r"param_groups\[0\]\.max_lr is a str"),
     "a scheduler's bound the optimizer lacks, not a number": (
         "adam", "step", lambda i: _group(i).update(max_lr=[1]), r"max_lr is a list, not a number"),
+    "a parameter's step as a string": (
+        "adam", "step", lambda i: _parameter_state(i, 1).update(step="3"),
+        r"saved step of parameter 1 is a str, not a number"),
+    "a parameter's step as a number where a fused AdamW keeps a tensor": (
+        "adamw-fused", "lambda", lambda i: _parameter_state(i).update(step=1.0),
+        r"saved step of parameter 0 is 1.0, not the tensor fused and capturable kernels keep"),
+    "a moment as None": ("adam", "step", lambda i: _parameter_state(i).update(exp_avg=None),
+                         r"saved exp_avg of parameter 0 is None, not a tensor of the parameter"),
+    "a momentum buffer as a list": (
+        "sgd", "step", lambda i: _parameter_state(i).update(momentum_buffer=[1.0]),
+        r"saved momentum_buffer of parameter 0 is a list"),
+    "a parameter's state of a kind no optimizer keeps": (
+        "adam", "step", lambda i: _parameter_state(i).update(note={"a": 1}),
+        r"saved note of parameter 0 is a dict, not a tensor, a number, None or a list of them"),
     "a scheduler's gamma as a string": ("adam", "step",
                                         lambda i: _scheduler_state(i).update(gamma="x"),
                                         r"saved gamma is a str"),

@@ -15,6 +15,7 @@ import pytest
 from async_ckpt.storage import local as fsutil
 from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError, SnapshotWriteError,
                                UnsupportedFormatError)
+from async_ckpt.format import values
 from async_ckpt.format.manifest import (Manifest, ShardRecord, SnapshotRecord, leftovers, read_manifest,
                                  write_manifest)
 from async_ckpt.storage.names import MANIFEST_NAME, snapshot_dir_name
@@ -188,6 +189,30 @@ def test_retention_survives_a_round_trip_through_disk(tmp_path):
     manifest = read_manifest(root)
     assert manifest.steps() == [12, 5, 6]
     assert [s.seq for s in manifest.snapshots] == [2, 3, 4] and manifest.next_seq == 5
+
+
+def test_a_manifest_of_20000_ranks_and_3_snapshots_is_committed_and_read_back(tmp_path):
+    """Issue 40: 60,000 shard records cost more than READ_ALLOWANCE to parse; what a job
+    commits is readable all the same, because the budget grows with the shard files there, and
+    the same manifest in a directory that does not hold them is refused unparsed."""
+    root, world_size = str(tmp_path), 20_000
+    records = [record(step, seq=step, world_size=world_size) for step in range(3)]
+    for rec in records:  # the ranks' shards are in before rank 0 commits (links: made fast)
+        os.mkdir(tmp_path / rec.dir)
+        first = tmp_path / rec.dir / rec.shards[0].file
+        first.touch()
+        for shard in rec.shards[1:]:
+            os.link(first, os.path.join(root, rec.dir, shard.file))
+    manifest, _ = Manifest(tuple(records[:2]), next_seq=2).commit(records[2], keep_last=3)
+    write_manifest(root, manifest)
+    assert values.json_cost((tmp_path / MANIFEST_NAME).read_bytes()) > values.READ_ALLOWANCE
+    back = read_manifest(root)
+    assert back == manifest and back.steps() == [0, 1, 2]
+    assert back.snapshots[2].shard_of(world_size - 1) == manifest.snapshots[2].shards[-1]
+
+    remove_entries(root, [s.dir for s in manifest.snapshots])
+    with pytest.raises(ManifestError, match="more than the 64 MiB a read allows"):
+        read_manifest(root)
 
 
 def test_without_drops_steps():

@@ -77,6 +77,7 @@ def test_each_refused_value_is_refused_before_the_directory_is_touched(tmp_path,
     ({"keep_every": 0}, "keep_every must be None or an int >= 1"),
     ({"rank": 1}, "both rank and world_size"),
     ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size\)"),
+    ({"rank": 0, "world_size": 100_001}, "at most MAX_WORLD_SIZE = 100000 ranks"),
     ({"commit_timeout": 0}, "commit_timeout must be a number of seconds > 0"),
     ({"rank": 0, "world_size": 2, "when_busy": "skip"}, "when_busy='skip' needs one rank"),
 ])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..errors import CheckpointError, ManifestError, SnapshotWriteError, UnsupportedFormatError
 from ..storage.base import Storage
@@ -23,18 +23,19 @@ from ..storage.local import as_storage
 from . import values
 from .shard import is_checksum
 from ..checks import is_int, short_repr
-from ..storage.names import (MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, SHARD_FILE, SNAPSHOT_DIR,
-                             checked_name, shard_file_name, snapshot_dir_step)
+from ..storage.names import (MANIFEST_NAME, MANIFEST_TMP, MAX_STEP, MAX_WORLD_SIZE, SHARD_FILE,
+                             SNAPSHOT_DIR, checked_name, shard_file_name, snapshot_dir_step)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "async_ckpt.manifest"
 READABLE_MANIFEST_VERSIONS = (1, 2, 3)  # which one a manifest is written as: Manifest.version
-MAX_MANIFEST_BYTES = values.READ_ALLOWANCE // values.JSON_BYTES_PER_BYTE  # ~80,000 shard
-# records: a larger file is refused unread, a smaller one that would build more objects than a
-# read allows (values.json_cost) unparsed
+MANIFEST_COST_PER_ENTRY = 4096
+"""What parsing the manifest may cost (``values.json_cost``) beyond ``values.READ_ALLOWANCE`` for
+each snapshot directory and each shard file the checkpoint directory holds (``manifest_budget``):
+a shard record costs at most 1.2 KiB, a snapshot record with one shard (two entries) about 4.5
+KiB, so a manifest stays readable even when half of what it lists is gone."""
 _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never overflows int64
-_MAX_RANKS = 1 << 20
 _LATEST_TIME = 253402300799  # 9999-12-31T23:59:59Z: any later Unix time cannot be shown as a date
 
 
@@ -163,7 +164,9 @@ class Manifest:
             **({"extra": self.extra} if self.extra else {}),
             **({"dropped": [d.__dict__ for d in self.dropped]} if self.dropped else {}),
         }
-        return json.dumps(doc, indent=1, allow_nan=False).encode()
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()  # on one line,
+        # as json's C encoder writes it: an indented manifest of 60,000 shard records takes
+        # seconds to write and half again as much to parse
 
     def version(self) -> int:
         """The oldest version that expresses this manifest: a reader that knows no references
@@ -213,19 +216,64 @@ def read_manifest(root: str | Storage) -> Manifest:
     section 1) before a record is built, so nothing later turns a damaged manifest into a path
     outside ``root`` or an untyped exception."""
     storage = as_storage(root)
-    path = storage.location(MANIFEST_NAME)
     try:
-        raw = storage.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError)
+        raw = _read_bounded(storage)
     except FileNotFoundError:
         return Manifest()
-    return parse_manifest(raw, path)
+    return parse_manifest(raw, storage.location(MANIFEST_NAME), lambda: manifest_budget(storage))
 
 
-def parse_manifest(raw: bytes, path: str) -> Manifest:
-    """The manifest ``raw`` holds, every field checked (``path`` names it in errors): what the
-    reader accepts, and so, through ``write_manifest``, all that the writer may write."""
+class _OverTheAllowance(ManifestError):
+    """The manifest is larger than ``values.READ_ALLOWANCE`` lets it be in any directory."""
+
+
+def _read_bounded(storage: Storage) -> bytes:
+    """The manifest's bytes, refused unread when parsing them could cost more than
+    ``manifest_budget``; the directory is listed only for a manifest that large."""
     try:
-        doc = values.parse_json(raw)
+        return storage.read_file(MANIFEST_NAME, values.READ_ALLOWANCE // values.JSON_BYTES_PER_BYTE,
+                                 _OverTheAllowance)
+    except _OverTheAllowance:  # (or not a regular file: refused again below)
+        pass
+    budget = manifest_budget(storage)
+    try:
+        return storage.read_file(MANIFEST_NAME, budget // values.JSON_BYTES_PER_BYTE, ManifestError)
+    except ManifestError as e:
+        raise ManifestError(
+            f"{e} (a manifest's parsing may take {budget >> 20} MiB here: "
+            f"{values.READ_ALLOWANCE >> 20} MiB and {MANIFEST_COST_PER_ENTRY} bytes for each "
+            "snapshot directory and shard file the directory holds). Committed snapshot "
+            "directories are untouched: run `async-ckpt verify` on the directory") from None
+
+
+def manifest_budget(storage: Storage) -> int:
+    """What parsing the manifest of ``storage`` may cost (``values.json_cost``): the allowance,
+    and ``MANIFEST_COST_PER_ENTRY`` for each snapshot directory and shard file there. A manifest
+    lists only what the directory holds, so one as large as its job is readable at any world
+    size and retention, while one claiming ranks or snapshots that are not there is refused
+    unparsed (docs/SECURITY.md)."""
+    entries = 0
+    for name in storage.list_root():
+        if SNAPSHOT_DIR.fullmatch(name):
+            try:
+                files = storage.list_snapshot(name)
+            except OSError:  # unreadable: it holds nothing the manifest may list
+                files = ()
+            entries += 1 + sum(1 for file, _ in files if SHARD_FILE.fullmatch(file))
+    return values.READ_ALLOWANCE + MANIFEST_COST_PER_ENTRY * entries
+
+
+def parse_manifest(raw: bytes, path: str,
+                   budget: Callable[[], int] = lambda: values.READ_ALLOWANCE) -> Manifest:
+    """The manifest ``raw`` holds, every field checked (``path`` names it in errors): what the
+    reader accepts, and so, through ``write_manifest``, all that the writer may write.
+    ``budget()``: what parsing it may cost when that is more than ``values.READ_ALLOWANCE``
+    (``manifest_budget``; asked only then)."""
+    try:
+        try:
+            doc = values.parse_json(raw)
+        except values.JSONTooCostly:
+            doc = values.parse_json(raw, budget())
     except values.JSONTooCostly as e:
         raise ManifestError(f"{path} is refused: {e}. Committed snapshot directories are "
                             "still on disk: run `async-ckpt verify` on the directory") from e
@@ -267,13 +315,13 @@ def _of_type(kind):
 # Each field and the check its value must pass (bools are not ints).
 _MANIFEST_FIELDS = {"next_seq": _int(0), "snapshots": _of_type(list), "extra": _of_type(dict),
                     "dropped": lambda v: type(v) is list and len(v) <= _DROPPED_KEPT,
-                    "rank": _int(0, _MAX_RANKS - 1)}
+                    "rank": _int(0, MAX_WORLD_SIZE - 1)}
 _SNAPSHOT_FIELDS = {"step": _int(0, MAX_STEP - 1), "seq": _int(0), "dir": _of_type(str),
                     "committed_at": lambda v: type(v) in (int, float) and 0 <= v <= _LATEST_TIME,
-                    "world_size": _int(1, _MAX_RANKS), "shards": _of_type(list),
+                    "world_size": _int(1, MAX_WORLD_SIZE), "shards": _of_type(list),
                     "raw_bytes": _int(0), "stored_bytes": _int(0),
                     "refers": lambda v: type(v) is list and 0 < len(v) == len(set(map(str, v)))}
-_SHARD_FIELDS = {"rank": _int(0, _MAX_RANKS - 1), "file": _of_type(str), "bytes": _int(0),
+_SHARD_FIELDS = {"rank": _int(0, MAX_WORLD_SIZE - 1), "file": _of_type(str), "bytes": _int(0),
                  "index_xxh3": is_checksum}
 
 
@@ -354,7 +402,7 @@ def write_manifest(root: str | Storage, manifest: Manifest) -> None:
     storage = as_storage(root)
     data = manifest.to_bytes()
     try:
-        parse_manifest(data, storage.location(MANIFEST_NAME))
+        parse_manifest(data, storage.location(MANIFEST_NAME), lambda: manifest_budget(storage))
     except CheckpointError as e:
         raise SnapshotWriteError(f"the new manifest would not read back ({e}); it was not "
                                  "written, and the one on disk is unchanged") from e
@@ -426,7 +474,7 @@ def _complete_snapshot(storage: Storage, name: str,
         shards[record.rank] = record
     world_size = indexes[0].get("world_size") if indexes else None
     created = indexes[0].get("created") if indexes else None
-    if type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
+    if type(world_size) is not int or not 0 < world_size <= MAX_WORLD_SIZE:
         return None
     needed = list(range(world_size)) if only_rank is None else [only_rank]
     if (sorted(shards) != needed or needed[-1] >= world_size

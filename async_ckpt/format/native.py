@@ -31,7 +31,7 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
 
 import numpy
 
@@ -337,13 +337,13 @@ SAFETENSORS_DTYPES = {
 
 
 class _SafetensorsLayout:
-    """The tensors of a flat dict, each contiguous, back to back: a storage is held whole where
-    one tensor covers exactly its bytes and no other tensor of the file views it."""
+    """The tensors of a flat dict, each contiguous (``write_safetensors``): a storage is held
+    whole where one tensor covers exactly its bytes and no other tensor of the file views it."""
 
     def __init__(self, state: Any, where: str) -> None:
         if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
             raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
-        header, seen, self.kept, end = {}, set(), [], 0
+        seen, self.kept = set(), []
         for name, tensor in state.items():
             if tensor.dtype not in SAFETENSORS_DTYPES:
                 raise LayoutError(f"{where}: {name} is of dtype {tensor.dtype}, which "
@@ -352,23 +352,67 @@ class _SafetensorsLayout:
             if view in seen and tensor.nbytes:
                 continue  # the same bytes under another name: tied weights
             seen.add(view)
-            header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype],
-                            "shape": list(tensor.shape), "data_offsets": [end, end + tensor.nbytes]}
-            self.kept.append(tensor)
-            end += tensor.nbytes
-        header["__metadata__"] = {"format": "pt"}
-        text = json.dumps(header, separators=(",", ":")).encode()
-        self.header = struct.pack("<Q", len(text) + -len(text) % 8) + text + b" " * (-len(text) % 8)
-        users = collections.Counter(t.storage.key for t in self.kept if t.nbytes)
-        self.whole = tuple(int(t.storage.key) for t in self.kept
+            self.kept.append((name, tensor))
+        users = collections.Counter(t.storage.key for _, t in self.kept if t.nbytes)
+        self.whole = tuple(int(t.storage.key) for _, t in self.kept
                            if t.nbytes and users[t.storage.key] == 1 and t.offset == 0
                            and t.nbytes == t.storage.nbytes and t.is_contiguous())
 
     def write(self, out: BinaryIO, pieces: Pieces) -> None:
-        out.write(self.header)
-        for tensor in self.kept:
-            for piece in _tensor_bytes(tensor, pieces):
-                out.write(piece)
+        write_safetensors(out, [
+            SafetensorsEntry(name, t.dtype, t.shape, t.nbytes,
+                             lambda t=t: _tensor_bytes(t, pieces)) for name, t in self.kept],
+            {"format": "pt"})
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """A tensor of a safetensors file: ``data()`` yields its ``nbytes`` bytes in row-major
+    order, in pieces."""
+
+    name: str
+    dtype: str  # torch's name: a key of SAFETENSORS_DTYPES
+    shape: tuple
+    nbytes: int
+    data: Callable[[], Iterable]
+
+
+def write_safetensors(out: BinaryIO, entries: list[SafetensorsEntry], metadata: dict) -> None:
+    """A safetensors file of ``entries``, their bytes streamed into ``out``: the header (padded to
+    8 bytes), then the tensors with the largest elements first, so that each one's data is
+    aligned for its dtype, as safetensors orders them."""
+    entries = sorted(entries, key=lambda e: (-ITEMSIZES[e.dtype], e.name))
+    header, end = {}, 0
+    for e in entries:
+        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [end, end + e.nbytes]}
+        end += e.nbytes
+    header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    out.write(struct.pack("<Q", len(text)) + text)
+    for e in entries:
+        for piece in e.data():
+            out.write(piece)
+
+
+GATHER_BYTES = 4 << 20
+"""The most of a view's elements ``row_major`` copies at a time."""
+
+
+def row_major(view: numpy.ndarray) -> Iterator[memoryview]:
+    """The elements of ``view``, of any strides, in row-major order, in contiguous pieces of at
+    most ``GATHER_BYTES`` (or one element): a view is never copied whole, since one with a
+    stride of 0 (an expanded tensor) may stand for far more bytes than it holds."""
+    if view.ndim == 0 or view.nbytes <= GATHER_BYTES:
+        yield memoryview(numpy.ascontiguousarray(view)).cast("B")
+    elif view[0].nbytes <= GATHER_BYTES:  # whole rows at a time
+        rows = GATHER_BYTES // view[0].nbytes
+        for i in range(0, len(view), rows):
+            yield memoryview(numpy.ascontiguousarray(view[i:i + rows])).cast("B")
+    else:
+        for row in view:
+            yield from row_major(row)
 
 
 def _tensor_bytes(tensor: _Tensor, pieces: Pieces) -> Iterator[memoryview]:
@@ -392,6 +436,5 @@ def _tensor_bytes(tensor: _Tensor, pieces: Pieces) -> Iterator[memoryview]:
     for piece in pieces(int(tensor.storage.key)):
         whole += piece
     elements = numpy.frombuffer(whole, dtype=f"V{size}")
-    view = numpy.lib.stride_tricks.as_strided(
-        elements[tensor.offset:], tensor.shape, [s * size for s in tensor.stride], writeable=False)
-    yield memoryview(numpy.ascontiguousarray(view)).cast("B")
+    yield from row_major(numpy.lib.stride_tricks.as_strided(
+        elements[tensor.offset:], tensor.shape, [s * size for s in tensor.stride], writeable=False))

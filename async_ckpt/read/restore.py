@@ -174,12 +174,16 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
     if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids) or not set(state) <= set(ids) or not all(
             isinstance(s, dict) for s in state.values()):
         return "the saved per-parameter state does not match its parameter groups"
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for n, (i, param) in enumerate(zip(ids, params)):
-        for key, value in state.get(i, {}).items():
-            if key in _PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
-                return (f"saved {key} of parameter {n} has shape {tuple(value.shape)}, the "
-                        f"parameter {tuple(param.shape)}")
+    own = type(optimizer).__module__.startswith("torch.optim.")
+    n = 0
+    for live in optimizer.param_groups:
+        kernel_steps = own and any(live.get(k) for k in ("fused", "capturable"))
+        for param in live["params"]:
+            for key, value in state.get(ids[n], {}).items():
+                problem = _state_value_mismatch(key, value, param, own, kernel_steps)
+                if problem:
+                    return f"saved {key} of parameter {n} {problem}"
+            n += 1
     filled = _filled_in(optimizer)
     for n, (live, group) in enumerate(zip(optimizer.param_groups, groups)):
         # what a scheduler adds may be on one side only (an optimizer restored without the
@@ -201,6 +205,37 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> Optiona
         if problem:
             return problem
     return None
+
+
+def _state_value_mismatch(key: str, value: Any, param: torch.Tensor, own: bool,
+                          kernel_steps: bool) -> Optional[str]:
+    """Why ``value`` cannot be the per-parameter state ``key`` of ``param``, or None. What has
+    the parameter's shape has it. torch's ``load_state_dict`` takes any value and the next
+    ``step()`` fails on a wrong one, so of torch's own optimizers (``own``) every value must be
+    what they keep: a tensor, a number (a step count saved by an older torch), None or a list of
+    these (LBFGS's history); ``step`` a number or a one-value tensor, a tensor where the group
+    runs fused or capturable kernels (``kernel_steps``); what has the parameter's shape a tensor
+    (a momentum buffer may be None)."""
+    if key in _PARAM_SHAPED_STATE and isinstance(value, torch.Tensor):
+        return None if value.shape == param.shape else (
+            f"has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+    if not own:
+        return None
+    if key == "step" and kernel_steps:
+        ok, wanted = isinstance(value, torch.Tensor), "the tensor fused and capturable kernels keep"
+    elif key == "step":
+        ok, wanted = _is_number(value), "a number"
+    elif key in _PARAM_SHAPED_STATE:
+        ok, wanted = value is None and key == "momentum_buffer", "a tensor of the parameter's shape"
+    else:
+        ok = _plain_state(value) or (isinstance(value, (list, tuple))
+                                     and all(map(_plain_state, value)))
+        wanted = "a tensor, a number, None or a list of them"
+    return None if ok else f"is {_shown(value)}, not {wanted}"
+
+
+def _plain_state(value: Any) -> bool:
+    return value is None or isinstance(value, torch.Tensor) or _is_number(value)
 
 
 def _filled_in(optimizer: torch.optim.Optimizer) -> frozenset:

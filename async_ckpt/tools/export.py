@@ -4,18 +4,17 @@ file, or as a PyTorch DCP checkpoint (``dcp.py``)."""
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Any, Optional
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
-                     copy_bytes, count_tensors, dense_bytes, optional_module, pick_record,
-                     size_text, step_arg)
+                     copy_bytes, count_tensors, pick_record, size_text, step_arg)
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
-from ..read.memory import allocating, require_memory
+from ..format.native import SAFETENSORS_DTYPES, SafetensorsEntry, row_major, write_safetensors
 from ..storage.local import umask
 
 
@@ -99,8 +98,6 @@ def _check_target(target: str, args: argparse.Namespace) -> None:
                              "the format)")
         if os.path.isdir(target):
             raise UsageError(f"{target} is a directory; pass a file name")
-        if target.lower().endswith(".safetensors"):
-            optional_module("safetensors", "safetensors", "a .safetensors export")
     elif os.path.lexists(target):  # never removed: --force does not reach a directory
         raise UsageError(f"{target} exists; pass a new directory for the DCP checkpoint")
     if os.path.lexists(target) and not args.force:
@@ -136,9 +133,41 @@ def _write_safetensors(state: Any, target: str, step: int, what: str,
     tensors, skipped = _flat_tensors(state)
     if not tensors:
         raise UsageError(f"{what} of step {step} holds no tensors; export it to a .pt file")
+    entries = [_safetensors_entry(key, t) for key, t in tensors.items()]
+    nbytes = sum(e.nbytes for e in entries)  # a stride-0 tensor of a few bytes may expand to
+    directory = os.path.dirname(os.path.abspath(target))  # more than the disk holds
+    free = shutil.disk_usage(directory).free
+    if nbytes > free:
+        raise UsageError(f"the safetensors file would hold {nbytes / 1e9:.2f} GB of tensor data "
+                         f"(views made whole), {free / 1e9:.2f} GB is free in {directory}; "
+                         "export to a .pt file, which keeps views as they are")
     metadata = {"format": "pt", "async_ckpt.step": str(step), "async_ckpt.entry": only or ""}
-    _write_atomically(target, lambda tmp: _save_safetensors(tensors, tmp, metadata))
-    return len(tensors), sum(map(dense_bytes, tensors.values())), skipped
+    _write_atomically(target, lambda tmp: _save_safetensors(entries, tmp, metadata))
+    return len(tensors), nbytes, skipped
+
+
+def _safetensors_entry(key: str, t) -> SafetensorsEntry:
+    """Tensor ``t`` as safetensors holds it, its elements read a piece at a time when the file
+    is written: a view (transposed, shared, expanded by a stride of 0) is never made whole."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise UsageError(f"safetensors cannot hold tensor {key[:80]} of dtype {dtype}; export to "
+                         "a .pt file instead")
+    return SafetensorsEntry(key, dtype, tuple(t.shape), copy_bytes(t, f"tensor {key[:80]}"),
+                            lambda: row_major(_as_numpy(t)))
+
+
+def _as_numpy(t):
+    """``t``'s elements as a numpy view of the same strides, nothing copied: integers of its
+    element size, since numpy has no bfloat16 or float8."""
+    import torch
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().view(ints[t.element_size()]).numpy()
+
+
+def _save_safetensors(entries: list[SafetensorsEntry], path: str, metadata: dict) -> None:
+    with open(path, "wb") as out:
+        write_safetensors(out, entries, metadata)
 
 
 MAX_KEY_PATH = 4096
@@ -184,27 +213,3 @@ def _holds_tensor(v: Any) -> bool:
     if isinstance(v, (list, tuple)):
         return any(_holds_tensor(x) for x in v)
     return False
-
-
-def _save_safetensors(tensors: dict, path: str, metadata: dict) -> None:
-    """safetensors wants contiguous tensors that share no memory: copy only those that must be."""
-    import torch
-    from safetensors.torch import save_file
-    users = collections.Counter(t.untyped_storage().data_ptr() for t in tensors.values() if t.numel())
-    copied = {key for key, t in tensors.items()
-              if t.numel() and (users[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous())}
-    need = sum(copy_bytes(tensors[key], f"tensor {key[:80]}") for key in copied)  # a
-    # stride-0 tensor of a few bytes may expand to more than memory, or than a tensor can hold
-    require_memory(need, "copying the tensors safetensors cannot hold as they are (shared or not "
-                   "contiguous)", "export to a .pt file, which keeps them as they are")
-    ready = {}
-    for key, t in tensors.items():
-        if key in copied:
-            t = allocating(lambda t=t: t.clone(memory_format=torch.contiguous_format),
-                           dense_bytes(t), f"a copy of {key[:80]}")
-        ready[key] = t
-    try:
-        save_file(ready, path, metadata=metadata)
-    except (ValueError, RuntimeError, KeyError, TypeError) as e:  # e.g. a dtype safetensors lacks
-        raise UsageError(f"safetensors cannot hold this state ({' '.join(str(e).split())[:200]}); "
-                         "export to a .pt file instead") from e
