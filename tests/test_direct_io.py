@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from async_ckpt.format.layout import DIRECT_BYTES, slot_alignment
+from async_ckpt.format import shard
 from async_ckpt.format.shard import STORAGE_ALIGNMENT, ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.storage import local
 from async_ckpt.storage.base import DIRECT_ALIGNMENT
@@ -69,12 +70,15 @@ def test_direct_writes_go_from_aligned_memory_and_everything_else_through_a_boun
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_a_direct_shard_aligns_its_storages_and_reads_back(tmp_path, compression):
-    """Version 7: a storage the sink writes from its memory starts at a multiple of
-    DIRECT_ALIGNMENT, the others at one of STORAGE_ALIGNMENT; zstd chunks (bounced) too."""
+def test_a_direct_shard_aligns_its_storages_and_reads_back(tmp_path, monkeypatch, compression):
+    """Version 7: a large storage the sink writes from its memory starts at a multiple of
+    DIRECT_ALIGNMENT, the others (small, or misaligned in memory) at one of STORAGE_ALIGNMENT;
+    zstd chunks (bounced) too."""
+    monkeypatch.setattr(shard, "DIRECT_BYTES", 8192)  # "large", in a test's sizes
     floats = np.random.default_rng(0).normal(0, 0.02, 3333).astype(np.float32)
     storages = [(aligned(os.urandom(10)), 1, False), (aligned(floats.tobytes()), 4, True),
-                (aligned(os.urandom(5000), 64), 1, False), (aligned(os.urandom(9000)), 1, False)]
+                (aligned(os.urandom(9000), 64), 1, False), (aligned(os.urandom(9000)), 1, False),
+                (aligned(os.urandom(5000)), 1, False)]
     path = tmp_path / SHARD
     writer = ShardWriter(direct_sink(path), ChunkEncoder(compression), chunk_bytes=8192,
                          version=7, workers=2)
@@ -93,6 +97,7 @@ def test_a_direct_shard_aligns_its_storages_and_reads_back(tmp_path, compression
     assert firsts[1] % DIRECT_ALIGNMENT == firsts[3] % DIRECT_ALIGNMENT == 0
     assert firsts[1] > ends[0] + STORAGE_ALIGNMENT  # padded to the block
     assert firsts[2] == ends[1] + -ends[1] % STORAGE_ALIGNMENT  # not padded: memory misaligned
+    assert firsts[4] == ends[3] + -ends[3] % STORAGE_ALIGNMENT  # not padded: small
 
 
 def test_flush_returns_only_once_no_direct_write_reads_the_memory(tmp_path, monkeypatch):
@@ -108,6 +113,7 @@ def test_flush_returns_only_once_no_direct_write_reads_the_memory(tmp_path, monk
         events.append("written")
 
     monkeypatch.setattr(local, "_write_at", slow)
+    monkeypatch.setattr(shard, "DIRECT_BYTES", DIRECT_ALIGNMENT)  # "large", in a test's sizes
     writer = ShardWriter(sink, ChunkEncoder(None), version=7, workers=2)
     writer.add_storage(aligned(os.urandom(4 * DIRECT_ALIGNMENT)), 1, False)
     flushing = threading.Thread(target=lambda: (writer.flush(), events.append("flushed")))

@@ -31,6 +31,7 @@ import xxhash
 import zstandard
 
 from . import filters, values
+from .layout import DIRECT_BYTES
 from ..checks import is_int, short_repr
 from ..storage.names import DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
@@ -248,14 +249,15 @@ class ShardWriter:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
         version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``); from version 7 at a
         multiple of ``DIRECT_ALIGNMENT`` where the sink then writes it from ``data``'s memory
-        straight to the disk."""
+        straight to the disk, for a storage large enough (``DIRECT_BYTES``) to be worth the
+        padding."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
         chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
         if self.version >= 5 and len(data):
-            alignment = (DIRECT_ALIGNMENT if self.version >= 7 and self._sink.writes_directly(data)
-                         else STORAGE_ALIGNMENT)
+            alignment = (DIRECT_ALIGNMENT if self.version >= 7 and len(data) >= DIRECT_BYTES
+                         and self._sink.writes_directly(data) else STORAGE_ALIGNMENT)
             if self._pool is None:
                 self._pad(alignment)
             else:  # where the previous storage ends is known once its chunks are written

@@ -202,7 +202,9 @@ class SnapshotWriter:
         shard = ShardWriter(sink, self.encoder, version=version_needed(
                                 layout.uses_references, bool(refer), bool(job.dtensors),
                                 any(r.nbytes for n, r in zip(layout.written, regions)
-                                    if n not in refer), bool(natives), sink.direct),
+                                    if n not in refer), bool(natives),
+                                # compressed chunks go through bounce buffers: nothing to align
+                                sink.direct and self.encoder.compression is None),
                             workers=ENCODE_WORKERS)
         data_bytes = 0
         try:
