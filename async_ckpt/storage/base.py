@@ -10,7 +10,8 @@ Call order of one snapshot, and what each step guarantees when it returns:
 
 1. writer of every rank: ``make_snapshot_dir(dir)``: the directory exists, and keeps existing after
    a power cut.
-2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed; then
+2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed
+   (``settle()``: none of their memory is read any more); then
    ``finish()``: the bytes are durable under ``file``, which no reader could see before (a rank's
    final name is its promise to the committer). ``abort()`` instead leaves no trace of the file.
 3. rank 0's committer: ``list_snapshot(dir)`` until every rank's final name is there;
