@@ -12,8 +12,8 @@ in that time; a restore right after it (warm: whatever the page cache still hold
 one (the snapshot's files evicted first). Reported: medians (min-max) and ratios to the floors,
 round by round.
 
-Run alone: ``python -m bench.direct [--quick] [--dir D]`` (``--dir``: put it on the disk you
-checkpoint to). Not part of ``python -m bench`` yet: at 2 GB with burners it takes minutes.
+Part of ``python -m bench`` (not of ``--stall``); run alone: ``python -m bench.direct [--quick]
+[--dir D]`` (``--dir``: put it on the disk you checkpoint to).
 """
 
 from __future__ import annotations
