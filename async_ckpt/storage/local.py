@@ -586,6 +586,7 @@ def _open_new(path: str, direct: bool) -> tuple[int, bool]:
         if e.errno != errno.EINVAL:
             raise
         _log_refusal(path, e)
+        _unlink_quietly(path)  # Linux creates the file before it refuses O_DIRECT: ours (O_EXCL)
         return os.open(path, flags, 0o644), False
     try:
         _write_at(fd, memoryview(mmap.mmap(-1, DIRECT_ALIGNMENT)), 0)  # anonymous: aligned
