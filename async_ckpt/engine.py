@@ -100,7 +100,8 @@ class CheckpointEngine:
                  slow_writer_s: float = _O.slow_writer_s, incremental: bool = _O.incremental,
                  full_every: int = _O.full_every, remote: Optional[str] = _O.remote,
                  remote_options: Optional[dict] = _O.remote_options,
-                 remote_keep_last: Optional[int] = _O.remote_keep_last):
+                 remote_keep_last: Optional[int] = _O.remote_keep_last,
+                 direct_io: bool = _O.direct_io):
         given = locals()  # the parameters: every option by name, checked by EngineOptions
         self.options = o = _O(**{f.name: given[f.name] for f in dataclasses.fields(_O)})
         r = o.resolved
@@ -148,7 +149,7 @@ class CheckpointEngine:
                 low_io_priority=o.writer_low_io, lock=session.directory.lock_file(r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
                 remote=o.remote, remote_options=o.remote_options,
-                remote_keep_last=r.remote_keep_last))
+                remote_keep_last=r.remote_keep_last, direct_io=o.direct_io))
         except BaseException:
             if self._pool is not None:
                 self._pool.close()

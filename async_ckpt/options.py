@@ -102,6 +102,13 @@ class EngineOptions:
             all of them), which bounds how many snapshots a change invisible to torch's version
             counters (a write through a NumPy view) can miss, and how long old snapshots stay
             referenced.
+        direct_io: the writer writes shards with direct I/O (``O_DIRECT``) where the file
+            system allows it: from the staging slot's memory straight to the disk, several writes
+            in flight, with almost no CPU and nothing left in the page cache; where the file
+            system refuses it (logged once), through the page cache. Off by default for now: a
+            restore right after a direct snapshot reads the disk, 3-7x slower than from the page
+            cache, until the newest snapshot is restored from the staging slot that holds it
+            (docs/performance.md).
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -132,6 +139,7 @@ class EngineOptions:
     remote: Optional[str] = None
     remote_options: Optional[dict] = None
     remote_keep_last: Optional[int] = None
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         for name, (ok, expected) in _RULES.items():
@@ -237,7 +245,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote": (lambda v: v is None or isinstance(v, str), "None or an s3://bucket/prefix URL"),
     "remote_options": (lambda v: v is None or isinstance(v, dict),
                        "None or a dict of the object store's settings"),
-    "remote_keep_last": _int(1, optional=True)}
+    "remote_keep_last": _int(1, optional=True), "direct_io": _BOOL}
 
 
 def _require(condition: bool, message: str) -> None:

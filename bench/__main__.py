@@ -5,7 +5,8 @@ every system (``bench/registry.py``), two ranks under torchrun against DCP (``be
 sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
 lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
 incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
-core and on all (``bench/decode.py``), the remote tier against a loopback S3 server
+core and on all (``bench/decode.py``), direct writes against the buffered writer, quiet and with
+every core busy (``bench/direct.py``), the remote tier against a loopback S3 server
 (``bench/remote.py``) and the framework adapters, against the floors measured in the same run;
 then writes to ``--out`` (default ``bench/results/``):
 
@@ -44,7 +45,7 @@ from typing import Optional, Sequence
 
 from async_ckpt.tools.argtypes import parse_duration
 
-from . import (article, dcp, decode, figures, gpu, incremental, integrations_accelerate,
+from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
                integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
                records, remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
@@ -64,6 +65,7 @@ PARTS = {  # part: run(args, root) -> its raw results
     "sharded": lambda args, root: _torchrun_part(sharded, args, root),
     "incremental": lambda args, root: incremental.run(root, args.quick),
     "decode": lambda args, root: decode.run(root, args.quick),
+    "direct": lambda args, root: direct.run(root, args.quick),
     "remote": lambda args, root: remote.run(root, args.quick),
     "integrations": lambda args, root: {
         module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},

@@ -18,7 +18,7 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import (article, decode, incremental, integrations_accelerate, integrations_lightning,
+from . import (article, decode, direct, incremental, integrations_accelerate, integrations_lightning,
                integrations_transformers, lazy, ranks, remote, sharded)
 from .article import ASYNC, PERIODIC, headline_case
 from .markdown import factor, median_range, number, table
@@ -39,6 +39,7 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
                 _headline(results, image_dir), trained and _training(results, image_dir),
                 lazy.render(results), trained and _memory(results), ranks.render(results),
                 sharded.render(results), incremental.render(results), decode.render(results),
+                direct.render(results),
                 remote.render(results),
                 integrations_lightning.render(results), integrations_transformers.render(results),
                 integrations_accelerate.render(results), trained and _consistency(results),

@@ -367,6 +367,19 @@ def test_incremental_snapshots_are_measured_and_reported(quick_run):
     assert "## Incremental snapshots" in (out / "report.md").read_text()
 
 
+def test_direct_writes_are_measured_against_the_buffered_writer_and_reported(quick_run):
+    from bench import direct
+
+    out, results, _ = quick_run
+    (cell,) = results["direct"]["cells"]
+    assert cell["floors"]["durable_s"]["median"] > 0 and cell["floors"]["read_cold_s"]["median"] > 0
+    for writer in direct.WRITERS:
+        for figure in direct.FIGURES + ("to_durable_over_floor", "cold_restore_over_floor"):
+            assert cell[writer][figure]["median"] >= 0  # CPU time may round to 0 at 8 MB
+        assert cell[writer]["to_durable_s"]["median"] > 0
+    assert "### Direct writes against the buffered writer" in (out / "report.md").read_text()
+
+
 def test_lazy_staging_is_measured_and_reported(quick_run):
     from bench import lazy
 

@@ -106,7 +106,7 @@ def test_a_whole_snapshot_file_keeps_the_engine_s_own_entry_in_the_shard(tmp_pat
     assert os.stat(target).st_nlink == 2
     assert_same(torch.load(target, weights_only=True), state)
     with ShardReader(os.path.join(snapshot_dir(tmp_path / "ckpt"), "rank-00000.ackpt")) as r:
-        assert r.version == 6
+        assert r.version in (6, 7)  # 7: written with direct I/O, aligned for it
         kept_in_file = [("file" in s["chunks"][0]) for s in r.index["storages"] if s["chunks"]]
     assert any(kept_in_file) and not all(kept_in_file)  # the RNG states stay in the shard
 

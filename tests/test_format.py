@@ -284,13 +284,16 @@ def test_the_writer_uses_version_5_exactly_when_the_shard_stores_bytes():
     a shard without stored chunks (values only, or only references) keeps the older version."""
     assert version_needed(False, stores_bytes=True) == 5
     assert version_needed(True, True, True, stores_bytes=True) == 5
+    assert version_needed(False, stores_bytes=True, data_files=True, direct=True) == 7
+    assert version_needed(False, direct=True) == 1  # nothing stored: nothing to align
     assert [version_needed(False), version_needed(True), version_needed(True, True),
             version_needed(True, True, True)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("version,first_offset,ok", [
     (5, 64, True), (5, 16, False), (5, 128, False), (5, 32, False),
-    (4, 64, False), (4, 16, True)])
+    (4, 64, False), (4, 16, True), (6, 4096, False), (7, 4096, True), (7, 64, True),
+    (7, 128, False), (7, 8192, False)])
 def test_padding_is_accepted_only_in_version_5_and_only_up_to_the_next_aligned_offset(
         tmp_path, version, first_offset, ok):
     payload = bytes(range(8))

@@ -438,12 +438,13 @@ def test_an_old_manifest_and_old_shards_stay_readable(ckpt_dir):
     with open(os.path.join(ckpt_dir, "manifest.json")) as f:
         assert json.load(f)["version"] == 1
     with ShardReader(shard_path(ckpt_dir, 0)) as reader:
-        assert reader.version == 5 and not any("ref" in s for s in reader.index["storages"])
+        assert reader.version in (5, 7)  # 7: written with direct I/O, aligned for it
+        assert not any("ref" in s for s in reader.index["storages"])
     with engine(ckpt_dir, state) as e:  # an incremental engine continues the same directory
         e.snapshot(1)
         e.snapshot(2)
     with open(os.path.join(ckpt_dir, "manifest.json")) as f:
         assert json.load(f)["version"] == 2
     with ShardReader(shard_path(ckpt_dir, 2)) as reader:
-        assert reader.version == 5 and any("ref" in s for s in reader.index["storages"])
+        assert reader.version in (5, 7) and any("ref" in s for s in reader.index["storages"])
     assert_same(plain(state), loaded(ckpt_dir))

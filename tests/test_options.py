@@ -50,7 +50,7 @@ REFUSED = {
                                                            [True], ["SIGTERM"], [0]],
     "heartbeat_interval": [-5, float("nan"), "10"], "slow_writer_s": [-1, None],
     "incremental": [1], "full_every": [0], "remote": [3], "remote_options": [[("region", "x")]],
-    "remote_keep_last": [0],
+    "remote_keep_last": [0], "direct_io": ["auto", 1, None],
 }
 
 

@@ -161,9 +161,9 @@ def test_the_real_sync_file_range_is_found_and_accepted_here(storage):
     data = os.urandom(3 * 1000)
     storage.make_snapshot_dir(SNAP)
     sink = storage.create_shard(SNAP, SHARD)
-    sink._write_back = local.WriteBack(sink._fd, window=1000)
+    write_back = sink._writes._write_back = local.WriteBack(sink._fd, window=1000)
     sink.write([data])
-    assert sink._write_back._enabled and sink._write_back._started == 3000
+    assert write_back._enabled and write_back._started == 3000
     sink.finish()
     with open(storage.location(SNAP, SHARD), "rb") as f:
         assert f.read() == data

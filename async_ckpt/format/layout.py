@@ -11,9 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..storage.base import DIRECT_ALIGNMENT
+
 # Storages start on this boundary inside a slot and inside a restored buffer, which keeps every
 # tensor's byte offset a multiple of its element size (complex128 is the widest at 16 bytes).
 ALIGNMENT = 64
+
+DIRECT_BYTES = 1 << 20
+"""Storages of at least this many bytes start at a multiple of ``DIRECT_ALIGNMENT`` in a slot,
+so that the writer writes them from the slot straight to the disk (direct I/O); smaller ones
+go through a bounce buffer, where the copy costs less than aligning them would in padding."""
+
+
+def slot_alignment(nbytes: int) -> int:
+    """Where in a slot a storage of ``nbytes`` starts: at a multiple of this."""
+    return DIRECT_ALIGNMENT if nbytes >= DIRECT_BYTES else ALIGNMENT
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The shard file: one rank's part of a snapshot. Specified in docs/FORMAT.md; keep the two in step.
 
 Layout: a 16-byte header, the chunks of every storage back to back (from version 5 each storage's
-first chunk at a multiple of ``STORAGE_ALIGNMENT``, zero bytes before it), a UTF-8 JSON index,
+first chunk at a multiple of ``STORAGE_ALIGNMENT``, from version 7 there or at a multiple of
+``DIRECT_ALIGNMENT``, zero bytes before it), a UTF-8 JSON index,
 and a 32-byte trailer that locates and checksums the index. The index is written last so the writer
 can stream chunks without knowing their compressed sizes; a file cut short loses its trailer and is
 refused before anything is read.
@@ -30,16 +31,17 @@ import xxhash
 import zstandard
 
 from . import filters, values
+from .layout import DIRECT_BYTES
 from ..checks import is_int, short_repr
 from ..storage.names import DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name
 from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
                       UnsupportedFormatError)
-from ..storage.base import ShardSink, ShardSource
+from ..storage.base import DIRECT_ALIGNMENT, ShardSink, ShardSource
 from ..storage.local import new_shard_file, open_shard_file
 
 log = logging.getLogger(__name__)
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MAGIC = b"ACKPT\x00\r\n"
 TRAILER_MAGIC = b"ACKPTEND"
 _HEADER = struct.Struct("<8sII")  # magic, format version, reserved (0)
@@ -59,16 +61,17 @@ kernels assume (docs/FORMAT.md 3.4). The one place the file's alignment is decid
 
 def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
                    sharded: bool = False, stores_bytes: bool = False,
-                   data_files: bool = False) -> int:
+                   data_files: bool = False, direct: bool = False) -> int:
     """The format version to write a shard in: the oldest that can express it. Version 2 adds
     references to storages in other ranks' shards (state replicated across ranks is stored once),
     version 3 storages that are stored in an earlier committed snapshot (incremental snapshots),
     version 4 sharded tensors (``dtensors``, pieces of one tensor in several ranks' shards),
     version 5 aligned storages (``STORAGE_ALIGNMENT``; any shard that stores a chunk), version 6
-    chunks kept in data files beside the shard (a framework's own files), so a shard without them
-    stays readable by older readers."""
-    return (6 if data_files else 5 if stores_bytes else 4 if sharded else 3 if refers_to_snapshots
-            else 2 if uses_references else 1)
+    chunks kept in data files beside the shard (a framework's own files), version 7 storages
+    aligned for direct I/O (``DIRECT_ALIGNMENT``; a shard that stores a chunk, written
+    ``direct``), so a shard without them stays readable by older readers."""
+    return (7 if direct and stores_bytes else 6 if data_files else 5 if stores_bytes
+            else 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1)
 
 
 def data_file_bytes(index: dict) -> int:
@@ -208,7 +211,7 @@ class ShardWriter:
         self._encoders = [encoder] + [encoder.twin() for _ in range(workers - 1)]
         self._pool = ThreadPoolExecutor(workers, "shard-encode") if workers else None
         self._pending: collections.deque = collections.deque()  # (future, chunk list, raw size),
-        # or (None, None, 0): pad there (version 5)
+        # or (None, None, alignment): pad there (version 5)
         self._encoding = 0  # futures in _pending: chunks being encoded, each with its encoder
         self._submitted = 0
         self._chunk_bytes = chunk_bytes
@@ -244,16 +247,21 @@ class ShardWriter:
 
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
-        version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``)."""
+        version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``); from version 7 at a
+        multiple of ``DIRECT_ALIGNMENT`` where the sink then writes it from ``data``'s memory
+        straight to the disk, for a storage large enough (``DIRECT_BYTES``) to be worth the
+        padding."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
         chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
         if self.version >= 5 and len(data):
+            alignment = (DIRECT_ALIGNMENT if self.version >= 7 and len(data) >= DIRECT_BYTES
+                         and self._sink.writes_directly(data) else STORAGE_ALIGNMENT)
             if self._pool is None:
-                self._pad()
+                self._pad(alignment)
             else:  # where the previous storage ends is known once its chunks are written
-                self._pending.append((None, None, 0))
+                self._pending.append((None, None, alignment))
         for start in range(0, len(data), step):
             raw = data[start:start + step]
             if self._pool is None:
@@ -270,15 +278,15 @@ class ShardWriter:
     def _write_oldest(self) -> None:
         future, chunks, raw = self._pending.popleft()
         if future is None:
-            self._pad()
+            self._pad(raw)
         else:
             self._encoding -= 1
             self._append(chunks, raw, *future.result())
 
-    def _pad(self) -> None:
-        """Zero bytes up to the next multiple of ``STORAGE_ALIGNMENT``."""
-        if self._offset % STORAGE_ALIGNMENT:
-            self._write([bytes(STORAGE_ALIGNMENT - self._offset % STORAGE_ALIGNMENT)])
+    def _pad(self, alignment: int) -> None:
+        """Zero bytes up to the next multiple of ``alignment``."""
+        if self._offset % alignment:
+            self._write([bytes(alignment - self._offset % alignment)])
 
     def _append(self, chunks: list, raw: int, fields: dict, buffers: list, digest: str) -> None:
         chunks.append({"offset": self._offset, "stored": sum(len(b) for b in buffers), "raw": raw,
@@ -286,10 +294,11 @@ class ShardWriter:
         self._write(buffers)
 
     def flush(self) -> None:
-        """Write every chunk still being encoded: afterwards no memory given to ``add_storage``
-        is read again."""
+        """Write every chunk still being encoded, and wait for the writes still reading memory
+        given to ``add_storage`` (direct I/O): afterwards none of it is read again."""
         while self._pending:
             self._write_oldest()
+        self._sink.settle()
 
     @property
     def raw_bytes(self) -> int:
@@ -845,7 +854,7 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
             if not _is_chunk(c) or "file" in c:
                 raise bad(f"storage {i} chunk {j} is malformed")
             if j == 0 and version >= 5:  # the one place padding may be
-                position += -position % STORAGE_ALIGNMENT
+                position = _first_chunk_position(position, c["offset"], version)
             if c["offset"] != position or c["offset"] + c["stored"] > data_end:
                 raise bad(f"storage {i} chunk {j} is not where the previous chunk ended"
                           + (" (or at the next aligned offset, for a storage's first chunk)"
@@ -867,6 +876,15 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
         for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
             if start < end:
                 raise bad(f"storages {first} and {second} overlap in data file {number}")
+
+
+def _first_chunk_position(end: int, offset: int, version: int) -> int:
+    """Where a storage's first chunk must be when the storage before it ended at ``end``: the
+    next multiple of ``STORAGE_ALIGNMENT`` (version 5), or from version 7 the next multiple of
+    ``DIRECT_ALIGNMENT`` where the writer chose that (``offset``, the chunk's, says which)."""
+    if version >= 7 and offset == end + -end % DIRECT_ALIGNMENT:
+        return offset
+    return end + -end % STORAGE_ALIGNMENT
 
 
 def _is_chunk(c) -> bool:

@@ -10,7 +10,8 @@ Call order of one snapshot, and what each step guarantees when it returns:
 
 1. writer of every rank: ``make_snapshot_dir(dir)``: the directory exists, and keeps existing after
    a power cut.
-2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed; then
+2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed
+   (``settle()``: none of their memory is read any more); then
    ``finish()``: the bytes are durable under ``file``, which no reader could see before (a rank's
    final name is its promise to the committer). ``abort()`` instead leaves no trace of the file.
 3. rank 0's committer: ``list_snapshot(dir)`` until every rank's final name is there;
@@ -34,13 +35,33 @@ from typing import Callable, ContextManager, Hashable, Iterable, Optional, Type
 
 from ..errors import CheckpointError, UnsupportedFormatError
 
+DIRECT_ALIGNMENT = 4096
+"""What direct I/O (``O_DIRECT``) is aligned to: file offsets, lengths and memory addresses of the
+writes that go from memory to the disk without a copy. A multiple of every logical block size in
+common use (512, 4096); a file system that needs more is written through the page cache. Staging
+slots place large storages at multiples of it (``format.layout``), and shards (format version 7,
+docs/FORMAT.md 3.4) their first chunks."""
+
 
 class ShardSink(ABC):
     """A file being written as a stream. Not visible under its final name until ``finish``."""
 
+    direct = False
+    """Whether it writes with direct I/O: a shard then aligns storages for it (format 7)."""
+
     @abstractmethod
     def write(self, buffers: Iterable) -> None:
-        """Append every byte of each buffer, in order."""
+        """Append every byte of each buffer, in order. A sink that writes from the buffers' memory
+        in the background (direct I/O) may return while they are still read: they must stay
+        unchanged until ``settle``, ``finish`` or ``abort`` returns."""
+
+    def settle(self) -> None:
+        """Return once no buffer given to ``write`` is read any more (its bytes are written)."""
+
+    def writes_directly(self, data) -> bool:
+        """Whether ``data``, appended at a multiple of ``DIRECT_ALIGNMENT``, is written from its
+        own memory straight to the disk (direct I/O): a shard then places it there."""
+        return False
 
     @abstractmethod
     def finish(self) -> None:

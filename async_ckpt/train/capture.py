@@ -16,7 +16,7 @@ import torch
 
 from ..format import values
 from ..errors import EncodingError, LayoutError
-from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up
+from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
 
 _SAVEABLE_DTYPES = frozenset(DTYPES.values())
@@ -256,6 +256,7 @@ def _lay_out(tensors: list[torch.Tensor], storages: list[torch.UntypedStorage],
         nbytes = g["end"] - g["start"]
         itemsize = g["itemsizes"].pop() if len(g["itemsizes"]) == 1 else 1
         replica = "+".join(sorted(g["replicas"])) if None not in g["replicas"] else None
+        offset = align_up(offset, slot_alignment(nbytes))
         regions.append(Region(offset, nbytes, itemsize, g["float"] and itemsize > 1, replica))
         spans.append((g["tensor"], g["start"], nbytes))
         offset += align_up(nbytes)

@@ -47,6 +47,7 @@ class WriterConfig:
     remote_options: Optional[dict] = None  # its settings, credentials perhaps
     remote_keep_last: int = 1
     own_root: bool = False  # the ranks share no directory: ``root`` is this rank's alone
+    direct_io: bool = False  # shards written with direct I/O where the file system allows it
 
 
 # --- trainer -> writer ---------------------------------------------------------------------------

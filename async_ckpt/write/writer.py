@@ -66,7 +66,7 @@ class SnapshotWriter:
         self.conn = conn
         self.trainer_pid = os.getppid()  # the trainer started this process
         self.root = config.root
-        self.storage = LocalStorage(self.root)
+        self.storage = LocalStorage(self.root, config.direct_io)
         self.rank = config.rank
         self.world_size = config.world_size
         self.spread_replicated = config.spread_replicated
@@ -198,11 +198,13 @@ class SnapshotWriter:
         natives = self.native_files(job, regions)
         # The directory must be durable before our shard's final name is: rank 0 commits on names.
         self.storage.make_snapshot_dir(job.dir)
-        shard = ShardWriter(self.storage.create_shard(job.dir, shard_file_name(self.rank)),
-                            self.encoder, version=version_needed(
+        sink = self.storage.create_shard(job.dir, shard_file_name(self.rank))
+        shard = ShardWriter(sink, self.encoder, version=version_needed(
                                 layout.uses_references, bool(refer), bool(job.dtensors),
                                 any(r.nbytes for n, r in zip(layout.written, regions)
-                                    if n not in refer), bool(natives)),
+                                    if n not in refer), bool(natives),
+                                # compressed chunks go through bounce buffers: nothing to align
+                                sink.direct and self.encoder.compression is None),
                             workers=ENCODE_WORKERS)
         data_bytes = 0
         try:

@@ -1,0 +1,162 @@
+"""Direct writes against the buffered writer (issue 39), quiet and with every core kept busy.
+
+The engine's writer writes shards with ``O_DIRECT`` (``direct_io=True``, the default) or through
+the page cache (``direct_io=False``). For each fp32 state size and each load (quiet, and with
+one CPU burner per core, ``python -c "while 1: pass"``, started before the load's rounds and
+stopped after them, so that the floors run under the same load), both writers run in
+interleaved rounds (``rounds.run_rounds``) next to one floor sample per round
+(``floors.Floors``: fio direct at queue depth 8, 1 MiB writes + fsync, ... and the cold read).
+Per run: a warm-up snapshot, then one measured snapshot: its time to durable (``snapshot`` to
+``wait`` returning, the commit included) and the writer process's CPU seconds per GB of state
+in that time; a restore right after it (warm: whatever the page cache still holds) and a cold
+one (the snapshot's files evicted first). Reported: medians (min-max) and ratios to the floors,
+round by round.
+
+Part of ``python -m bench`` (not of ``--stall``); run alone: ``python -m bench.direct [--quick]
+[--dir D]`` (``--dir``: put it on the disk you checkpoint to).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+
+import psutil
+
+from async_ckpt import CheckpointEngine
+
+from .floors import Floors
+from .markdown import hundredths, spread_text, thousandths
+from .measure import evict, log, ratio_spread, remove, spread, standalone
+from .rounds import run_rounds
+from .workloads import build_state
+
+FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
+QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
+WRITERS = {"direct": True, "buffered": False}
+FIGURES = ("to_durable_s", "writer_cpu_s_per_gb", "restore_s", "restore_cold_s")
+
+
+@contextmanager
+def burners(count: int):
+    """``count`` processes that keep a core busy each, for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _writer_cpu_s(engine: CheckpointEngine) -> float:
+    times = psutil.Process(engine.stats()["writer_pid"]).cpu_times()
+    return times.user + times.system
+
+
+def _one_run(directory: str, state: dict, nbytes: int, direct: bool) -> dict:
+    warnings.filterwarnings("ignore", "restored step", RuntimeWarning)  # no loader: as meant
+    try:
+        with CheckpointEngine(directory, state, direct_io=direct, heartbeat_interval=None) as e:
+            e.snapshot(0)
+            e.wait()
+            cpu, start = _writer_cpu_s(e), time.perf_counter()
+            e.snapshot(1)
+            e.wait()
+            to_durable = time.perf_counter() - start
+            cpu = _writer_cpu_s(e) - cpu
+            start = time.perf_counter()
+            e.restore()
+            warm = time.perf_counter() - start
+            evict(directory)
+            start = time.perf_counter()
+            e.restore()
+            cold = time.perf_counter() - start
+    finally:
+        remove(directory, settle=True)
+    return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
+            "restore_s": warm, "restore_cold_s": cold, "state_bytes": nbytes}
+
+
+def run(root: str, quick: bool) -> dict:
+    """Every size, every load, both writers in interleaved rounds; the results block."""
+    config = QUICK if quick else FULL
+    cells = []
+    for size_gb in config["sizes_gb"]:
+        state, nbytes = build_state(size_gb)
+        for load in config["loads"]:
+            floors = Floors(root, nbytes)
+
+            def one(index: int, name: str, floor_hook) -> dict:
+                run_ = _one_run(os.path.join(root, name), state, nbytes, WRITERS[name])
+                log(f"  {size_gb:g} GB, {load} burner(s), {name}: to durable "
+                    f"{run_['to_durable_s']:.3f} s, writer {run_['writer_cpu_s_per_gb']:.2f} "
+                    "CPU s/GB")
+                return run_
+
+            with burners(load):
+                record = run_rounds(list(WRITERS), config["rounds"], 0, floors.measure, one,
+                                    name=str, settle_bytes=nbytes)
+            floors.close()
+            cells.append(_cell(size_gb, load, nbytes, record))
+        del state
+    return {"config": {**config, "sizes_gb": list(config["sizes_gb"]),
+                       "loads": list(config["loads"])}, "cells": cells}
+
+
+def _cell(size_gb: float, load: int, nbytes: int, record: dict) -> dict:
+    runs = {name: record["systems"][name]["runs"] for name in WRITERS}
+    floors = record["floors"]
+    durable_floor = [f["durable_s"] for f in floors]
+    cold_floor = [f["read_cold_s"] for f in floors]
+    cell = {"size_gb": size_gb, "burners": load, "state_bytes": nbytes,
+            "floors": {"durable_s": spread(durable_floor, samples=True),
+                       "read_cold_s": spread(cold_floor, samples=True),
+                       "ways": [f["durable_ways"] for f in floors]}}
+    for name, samples in runs.items():
+        figures = {k: spread([r[k] for r in samples], samples=True) for k in FIGURES}
+        figures["to_durable_over_floor"] = ratio_spread([r["to_durable_s"] for r in samples],
+                                                        durable_floor)
+        figures["cold_restore_over_floor"] = ratio_spread([r["restore_cold_s"] for r in samples],
+                                                          cold_floor)
+        cell[name] = figures
+    return cell
+
+
+def render(results: dict) -> str:
+    """The report's section; empty for results without it."""
+    block = results.get("direct")
+    if not block:
+        return ""
+    rows = []
+    for cell in block["cells"]:
+        for name in WRITERS:
+            f = cell[name]
+            rows.append(
+                f"| {cell['state_bytes'] / 1e9:.3g} GB | {cell['burners']} | {name} | "
+                f"{spread_text(f['to_durable_s'], thousandths, ' s')} | "
+                f"×{spread_text(f['to_durable_over_floor'], hundredths)} | "
+                f"{spread_text(f['writer_cpu_s_per_gb'], hundredths)} | "
+                f"{spread_text(f['restore_s'], thousandths, ' s')} | "
+                f"{spread_text(f['restore_cold_s'], thousandths, ' s')} | "
+                f"×{spread_text(f['cold_restore_over_floor'], hundredths)} |")
+        rows.append(f"| | | floors | {spread_text(cell['floors']['durable_s'], thousandths, ' s')} "
+                    f"| | | | {spread_text(cell['floors']['read_cold_s'], thousandths, ' s')} | |")
+    return "\n".join([
+        "### Direct writes against the buffered writer", "",
+        f"fp32 states; medians (min–max) of {block['config']['rounds']} interleaved rounds, ratios "
+        "round by round to the floors of the same round (the disk floor: the fastest of fio "
+        "direct qd8, 1 MiB writes + fsync, ...; the cold read floor), under the same load "
+        "(burners: processes spinning on a core each). Writer CPU: the writer process's CPU "
+        "seconds per GB of state while the snapshot became durable. Restore: right after the "
+        "snapshot; cold: its files evicted first.", "",
+        "| state | burners | writer | time to durable | ×floor | writer CPU s/GB | restore | "
+        "cold restore | ×cold read |", "|---|---|---|---|---|---|---|---|---|", *rows])
+
+
+if __name__ == "__main__":
+    sys.exit(standalone("direct", "direct", run, render, __doc__))
