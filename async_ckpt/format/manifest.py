@@ -235,15 +235,8 @@ def _read_bounded(storage: Storage) -> bytes:
                                  _OverTheAllowance)
     except _OverTheAllowance:  # (or not a regular file: refused again below)
         pass
-    budget = manifest_budget(storage)
-    try:
-        return storage.read_file(MANIFEST_NAME, budget // values.JSON_BYTES_PER_BYTE, ManifestError)
-    except ManifestError as e:
-        raise ManifestError(
-            f"{e} (a manifest's parsing may take {budget >> 20} MiB here: "
-            f"{values.READ_ALLOWANCE >> 20} MiB and {MANIFEST_COST_PER_ENTRY} bytes for each "
-            "snapshot directory and shard file the directory holds). Committed snapshot "
-            "directories are untouched: run `async-ckpt verify` on the directory") from None
+    return storage.read_file(MANIFEST_NAME,
+                             manifest_budget(storage) // values.JSON_BYTES_PER_BYTE, ManifestError)
 
 
 def manifest_budget(storage: Storage) -> int:
