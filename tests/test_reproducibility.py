@@ -4,6 +4,7 @@ non-reproducible (a noise term drawn without a seed) are reported NOT REPRODUCIB
 resume that forgets the optimizer RESUME DIFFERS (exit 1)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -58,12 +59,15 @@ def test_runs_made_non_reproducible_are_told_apart_from_a_resume(tmp_path, capsy
     code, out = compare(capsys, a, b)
     assert code == 3, out
     assert "B resumed from step 4 (its \"resumed_from\" line 7)" in out
-    # the noise moves every loss by about 1e-5 of itself, ~100 float32 ulps: the first steps differ
-    assert "first difference: step 0: A loss " in out and "(relative difference " in out
-    assert "result: NOT REPRODUCIBLE: B differs from A at step 0, before it resumed from " \
-        "step 4" in out
+    # the noise moves a loss by ~1e-6, ~15 float32 ulps of its spread: two runs round one step's
+    # loss to the same float about once in 50, four steps in a row about never; so the first
+    # difference is among steps 0-3, not necessarily at step 0
+    assert re.search(r"first difference: step [0-3]: A loss .*\(relative difference ", out), out
+    assert re.search(r"result: NOT REPRODUCIBLE: B differs from A at step [0-3], before it resumed "
+                     r"from step 4", out), out
     code, out = compare(capsys, a, b, c)
-    assert code == 3 and "A and C (both uninterrupted): differ first at step 0" in out
+    assert code == 3 and re.search(r"A and C \(both uninterrupted\): differ first at step [0-3]",
+                                   out), out
     assert "result: NOT REPRODUCIBLE: the two uninterrupted runs differ" in out
 
 
