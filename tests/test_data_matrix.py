@@ -116,6 +116,9 @@ def train(setup: str, ckpt: str, log: str, stderr: str) -> None:
     os.dup2(fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     warnings.simplefilter("always")
+    # a fork-server child inherits "forkserver" as its default start method; a user's loop on
+    # Linux forks its DataLoader workers (and each worker through the fork server costs ~1 s)
+    multiprocessing.set_start_method("fork", force=True)
     import torch
     from async_ckpt import CheckpointEngine
 
