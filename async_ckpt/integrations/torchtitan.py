@@ -263,8 +263,10 @@ class AsyncCkptCheckpointManager(BaseCheckpointManager):
             restored = engine.restore(step, skip=self._skipped(model_only))
         except WorldSizeMismatchError as e:
             raise WorldSizeMismatchError(
-                f"{e}. With torchtitan: list those entries in checkpoint.exclude_from_loading "
-                "(the data loader's position cannot follow another data-parallel degree)") from e
+                f"{engine.directory} was saved on another number of ranks, and entries that hold "
+                "per-rank state cannot follow (a data loader's position is one): list them in "
+                "checkpoint.exclude_from_loading (e.g. [\"dataloader\"]) to keep their current "
+                f"state. The engine's refusal: {str(e)[:600]}") from e
         if restored is None:
             raise NoSnapshotError(f"{engine.directory} holds no committed snapshot to load")
         log.info("loaded step %d from %s%s", restored, engine.directory,
