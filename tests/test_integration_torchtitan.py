@@ -9,9 +9,11 @@ torchtitan's manager wrote loads through ``initial_load_path`` (model only, or e
 our export loads with torchtitan's manager, exactly. Under torchrun (tests/programs/
 torchtitan_job.py, FSDP2 on CPU ranks): 2 ranks SIGKILLed mid-run resume bit-exact; torchtitan's
 DCP checkpoints in the folder import exactly; the export keeps every rank's data position; 4 ranks
-restore the 2-rank snapshot exactly with ``exclude_from_loading=["dataloader"]`` and are refused
-by name without it. torchtitan is an optional extra: everything here skips without it.
-"""
+restore the 2-rank snapshot, import torchtitan's 2-rank DCP checkpoint and load our export with
+torchtitan's ``"async"`` manager exactly with ``exclude_from_loading=["dataloader"]``; without
+it the 2-rank checkpoints are refused by name (in one process). torchtitan is an optional extra
+(not in ``test``: .ci/run tests it in an environment of its own); everything here skips without
+it."""
 
 import json
 import os
@@ -23,11 +25,13 @@ pytest.importorskip("torchtitan")
 
 from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CheckpointDirError, InvalidArgumentError, NoSnapshotError,  # noqa: E402
-                               StateMismatchError, UnsupportedOptionError)
+                               StateMismatchError, UnsupportedOptionError,
+                               WorldSizeMismatchError)
 from async_ckpt.format.manifest import read_manifest  # noqa: E402
 from async_ckpt.integrations.torchtitan import AsyncCkptCheckpointManager, export_dcp  # noqa: E402
 from programs.torchtitan_job import IMPORT_AT, STEPS, Job, ours, same, torchtitans  # noqa: E402
-from test_distributed import kill_everything, read_log, torchrun  # noqa: E402
+from test_distributed import read_log, torchrun  # noqa: E402
+from test_sharded import wait_torchrun  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "programs", "torchtitan_job.py")
@@ -154,16 +158,8 @@ def test_async_with_pinned_mem_stages_from_the_gpu_into_pinned_memory(tmp_path):
 
 def run_phase(root, nproc, phase, restarts=0, timeout=240):
     log = os.path.join(root, f"{phase}.txt")
-    process = torchrun(PROGRAM, nproc, "--root", root, "--phase", phase, max_restarts=restarts,
-                       output=log)
-    try:
-        code = process.wait(timeout=timeout)
-    except BaseException:
-        kill_everything(process)
-        raise
-    if code:
-        with open(log, errors="replace") as f:
-            pytest.fail(f"torchrun exited with {code}:\n" + "".join(f.readlines()[-40:]))
+    wait_torchrun(torchrun(PROGRAM, nproc, "--root", root, "--phase", phase,
+                           max_restarts=restarts, output=log), log, timeout)
     with open(os.path.join(root, f"{phase}.json")) as f:
         return json.load(f)
 
@@ -199,10 +195,27 @@ def test_two_ranks_killed_mid_run_resume_bit_exact_and_dcp_moves_both_ways(train
 
 
 @pytest.mark.slow
+def test_the_data_loaders_positions_cannot_follow_another_world_size(trained):
+    """Refused by name, nothing loaded, unless excluded from loading: the 2-rank snapshot and
+    torchtitan's 2-rank DCP checkpoint in one process."""
+    root, _ = trained
+    job = Job(seed=1)
+    before = job.full_state()["model"]
+    dcp = os.path.join(root, "reference", "ckpt", f"step-{STEPS}")
+    for config, base_folder in ((ours(), os.path.join(root, "run")),
+                                (ours(initial_load_path=dcp, initial_load_model_only=False,
+                                      folder="imported"), root)):
+        checkpointer = job.manager(config, base_folder)
+        with pytest.raises(WorldSizeMismatchError, match="exclude_from_loading"):
+            checkpointer.load()
+        checkpointer.close()
+        assert job.train_state.step == 0 and same(before, job.full_state()["model"])
+
+
+@pytest.mark.slow
 def test_four_ranks_reshard_the_two_rank_checkpoints_exactly(trained):
     root, _ = trained
     for r in run_phase(root, 4, "reshard"):
-        assert "exclude_from_loading" in r["per_rank_refused"] and r["untouched_when_refused"]
         assert r["resharded_exactly"]  # our 2-rank snapshot on 4 ranks
         assert r["import_reshards_exactly"]  # torchtitan's 2-rank DCP through ours on 4 ranks
         assert r["export_reshards_exactly"]  # our export through torchtitan's "async" manager
