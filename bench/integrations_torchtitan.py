@@ -27,6 +27,7 @@ import importlib.util
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from .measure import log, ratio_spread, rotated, spread, standalone
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 OURS, THEIRS = "AsyncCkptCheckpointManager", "torchtitan CheckpointManager"
+SIDES = ("ours", "theirs")
 
 
 def run(root: str, quick: bool) -> dict:
@@ -57,7 +59,7 @@ def run(root: str, quick: bool) -> dict:
     restores = loaded["rounds"][1:]
     figures = {f"{key}_{side}": spread([r[f"{key}_{side}"] for r in rounds]) for key, rounds in
                (("blocking", measured), ("durable", measured), ("restore", restores))
-               for side in ("ours", "theirs")}
+               for side in SIDES}
     return {"config": config, "state_bytes": saved["state_bytes"], "figures": figures,
             "ratios": {key: ratio_spread([r[f"{key}_ours"] for r in rounds],
                                          [r[f"{key}_theirs"] for r in rounds])
@@ -176,24 +178,20 @@ def _slowest(seconds: float) -> float:
     return float(value.item())
 
 
-def _save_rounds(job: _Job, directory: str, rounds: int) -> list:
-    managers = {side: job.manager(side == "ours", os.path.join(directory, side))
-                for side in ("ours", "theirs")}
+def _rounds(job: _Job, directory: str, rounds: int, what: str,
+            measure: Callable[[object, str], dict], **options) -> list:
+    """``rounds`` interleaved rounds of ``measure(manager, side)`` on each system's manager (its
+    own folder under ``directory``); each round's figures."""
+    managers = {side: job.manager(side == "ours", os.path.join(directory, side), **options)
+                for side in SIDES}
     found = []
     try:
         for n in range(rounds):
             figures = {}
-            for side in rotated(("ours", "theirs"), n):
-                job.step()
-                dist.barrier()
-                start = time.perf_counter()
-                managers[side].save(job.train_state.step)
-                figures[f"blocking_{side}"] = _slowest(time.perf_counter() - start)
-                managers[side].maybe_wait_for_saving()
-                figures[f"durable_{side}"] = time.perf_counter() - start  # rank 0's is kept
-                dist.barrier()
+            for side in rotated(SIDES, n):
+                figures.update(measure(managers[side], side))
             found.append(figures)
-            log(f"integrations_torchtitan: save round {n + 1}/{rounds}: " + ", ".join(
+            log(f"integrations_torchtitan: {what} round {n + 1}/{rounds}: " + ", ".join(
                 f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()))
     finally:
         for manager in managers.values():
@@ -201,26 +199,25 @@ def _save_rounds(job: _Job, directory: str, rounds: int) -> list:
     return found
 
 
-def _restore_rounds(job: _Job, directory: str, rounds: int) -> list:
-    managers = {side: job.manager(side == "ours", os.path.join(directory, side),
-                                  exclude_from_loading=["dataloader"], load_only=True)
-                for side in ("ours", "theirs")}
-    found = []
-    try:
-        for n in range(rounds):
-            figures = {}
-            for side in rotated(("ours", "theirs"), n):
-                dist.barrier()
-                start = time.perf_counter()
-                managers[side].load()
-                figures[f"restore_{side}"] = _slowest(time.perf_counter() - start)
-            found.append(figures)
-            log(f"integrations_torchtitan: restore round {n + 1}/{rounds}: " + ", ".join(
-                f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()))
-    finally:
-        for manager in managers.values():
-            manager.close()
-    return found
+def _save(job: _Job) -> Callable[[object, str], dict]:
+    def measure(manager, side: str) -> dict:
+        job.step()
+        dist.barrier()
+        start = time.perf_counter()
+        manager.save(job.train_state.step)
+        blocking = _slowest(time.perf_counter() - start)
+        manager.maybe_wait_for_saving()
+        durable = time.perf_counter() - start  # rank 0's is kept
+        dist.barrier()
+        return {f"blocking_{side}": blocking, f"durable_{side}": durable}
+    return measure
+
+
+def _restore(manager, side: str) -> dict:
+    dist.barrier()
+    start = time.perf_counter()
+    manager.load()
+    return {f"restore_{side}": _slowest(time.perf_counter() - start)}
 
 
 def worker() -> None:
@@ -229,10 +226,11 @@ def worker() -> None:
     job = _Job(int(args.width), int(args.layers))
     job.step()  # the optimizer's moments exist
     if args.phase == "save":
-        found = {"rounds": _save_rounds(job, args.dir, args.rounds),
+        found = {"rounds": _rounds(job, args.dir, args.rounds, "save", _save(job)),
                  "state_bytes": job.state_bytes()}
     else:
-        found = {"rounds": _restore_rounds(job, args.dir, args.rounds)}
+        found = {"rounds": _rounds(job, args.dir, args.rounds, "restore", _restore,
+                                   exclude_from_loading=["dataloader"], load_only=True)}
     del job
     ranks.finish(args.out, found)
 
