@@ -377,7 +377,7 @@ class CheckpointEngine:
             self._raise_failures()
 
     def restore(self, step: Optional[int] = None, *, strict: bool = True,
-                reshard: bool = False) -> Optional[int]:
+                reshard: bool = False, skip: Collection[str] = ()) -> Optional[int]:
         """Load the newest committed snapshot (or ``step``) into the registered objects.
 
         Returns the restored step, or None when nothing was ever committed. A damaged snapshot is
@@ -393,8 +393,16 @@ class CheckpointEngine:
         own streams from it), and an entry the saved ranks held differently (a sampler position,
         plain per-rank tensors) raises WorldSizeMismatchError, loading nothing, unless
         ``reshard``: then those entries keep their current state.
+
+        ``skip``: names of registered entries that keep their current state: the snapshot's
+        entries of those names are neither checked nor loaded, nor count as per-rank state at
+        another world size (what a framework excludes from loading, such as a data position
+        that another world size cannot take).
         """
         self._check_usable()
+        if isinstance(skip, str) or not all(isinstance(k, str) for k in skip):
+            raise InvalidArgumentError(f"skip must be a collection of entry names, not "
+                                       f"{short_repr(skip)}")
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
         mapped, scratch = self._restore_memory()
@@ -404,7 +412,7 @@ class CheckpointEngine:
             mapped=mapped, scratch=scratch, targets=self.state)
         if loaded is None:
             return None
-        return self._load(record, loaded, strict, reshard)
+        return self._load(record, loaded, strict, reshard, frozenset(skip))
 
     def load(self, step: Optional[int] = None) -> Optional[tuple[int, dict]]:
         """The newest committed snapshot that verifies (or ``step``), read as plain CPU tensors
@@ -483,19 +491,23 @@ class CheckpointEngine:
         check_generator_states(self.state, Entry("dict", {k: v for k, v in loaded.value.items()
                                                           if k != RNG_KEY}))
 
-    def _per_rank_entries(self, record: SnapshotRecord, loaded: Entry, reshard: bool) -> list:
+    def _per_rank_entries(self, record: SnapshotRecord, loaded: Entry, reshard: bool,
+                          skip: frozenset) -> frozenset:
         """At another world size: the entries that held per-rank state, which cannot be split or
-        merged without knowing what they mean. Raises WorldSizeMismatchError on every rank,
-        unless ``reshard``, which leaves them as they are."""
-        per_rank = sorted((loaded.differing & self.state.keys()) - self.options.resolved.replicated)
+        merged without knowing what they mean (but those ``skip`` leaves as they are). Raises
+        WorldSizeMismatchError on every rank, unless ``reshard``, which leaves them as they
+        are."""
+        per_rank = sorted((loaded.differing & self.state.keys()) - self.options.resolved.replicated
+                          - skip)
         problem = None
         if per_rank and not reshard:
             problem = (f"step {record.step} in {self.directory} was written by "
                        f"{record.world_size} rank(s), this job has {self.world_size}, and "
                        f"{', '.join(per_rank)} held different state on each saved rank (per-rank "
                        "state such as a data position): it cannot be split or merged safely. "
-                       f"Restart with {record.world_size} rank(s), or pass reshard=True to keep "
-                       "those entries as they are now (see docs/distributed.md)")
+                       f"Restart with {record.world_size} rank(s), or pass reshard=True (or "
+                       "skip=[their names]) to keep those entries as they are now (see "
+                       "docs/distributed.md)")
         self._coordinator.raise_if_any(problem, WorldSizeMismatchError,
                                        f"step {record.step} cannot be restored on this world size")
         log.warning("restoring step %d, written by %d rank(s), on %d: sharded tensors re-split, "
@@ -503,15 +515,18 @@ class CheckpointEngine:
                     record.world_size, self.world_size, self.rank % record.world_size,
                     f"per-rank entries {per_rank} keep their current state" if per_rank
                     else "no per-rank entries")
-        return per_rank
+        return frozenset(per_rank)
 
-    def _load(self, record: SnapshotRecord, loaded: Entry, strict: bool, reshard: bool) -> int:
+    def _load(self, record: SnapshotRecord, loaded: Entry, strict: bool, reshard: bool,
+              skip: frozenset) -> int:
         """Apply a snapshot read on every rank, after every rank has checked that it fits."""
         step = record.step
         rng = loaded.value.pop(RNG_KEY, None)
-        state = self.state
+        kept = skip
         if record.world_size != self.world_size:
-            kept = self._per_rank_entries(record, loaded, reshard)
+            kept = kept | self._per_rank_entries(record, loaded, reshard, skip)
+        state = self.state
+        if kept:
             state = {k: v for k, v in self.state.items() if k not in kept}
             loaded = Entry("dict", {k: v for k, v in loaded.value.items() if k not in kept},
                            loaded.borrowed)

@@ -46,7 +46,8 @@ from typing import Optional, Sequence
 from async_ckpt.tools.argtypes import parse_duration
 
 from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
-               integrations_lightning, integrations_transformers, interval, lazy, plots, ranks,
+               integrations_lightning, integrations_torchtitan, integrations_transformers,
+               interval, lazy, plots, ranks,
                records, remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
@@ -95,7 +96,8 @@ QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8},
 STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
-INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate)
+INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate,
+                integrations_torchtitan)  # torchtitan: not with --quick, nor where not installed
 """Each framework adapter against that framework's own save (results key: the module's name)."""
 
 

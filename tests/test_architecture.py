@@ -70,7 +70,8 @@ ALLOWED = {
     "engine": {"options", "stats", "data", "distributed", "tensors", "rng", "train", "write",
                "read", "format", "storage"},
     "tools": {"engine", "read", "tensors", "format", "storage"},  # the engine: import-dcp
-    "integrations": {"engine", "data", "rng"},  # rng: see docs/ARCHITECTURE.md
+    # rng, options, tools (the DCP interop torchtitan's adapter reuses): see docs/ARCHITECTURE.md
+    "integrations": {"engine", "options", "data", "rng", "tools"},
     "__main__": {"tools"},
 }
 

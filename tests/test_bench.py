@@ -405,6 +405,18 @@ def test_every_framework_adapter_is_measured_and_reported(quick_run):
         assert heading in report, heading
 
 
+def test_the_torchtitan_part_runs_only_in_a_full_run_where_torchtitan_is_installed(tmp_path,
+                                                                                   monkeypatch):
+    from bench import integrations_torchtitan
+
+    assert integrations_torchtitan.run(str(tmp_path), quick=True) == {}
+    assert integrations_torchtitan.render({"integrations_torchtitan": {}}) == ""
+    monkeypatch.setattr(integrations_torchtitan.importlib.util, "find_spec", lambda name: None)
+    skipped = integrations_torchtitan.run(str(tmp_path), quick=False)
+    assert "Not measured: torchtitan is not installed" in integrations_torchtitan.render(
+        {"integrations_torchtitan": skipped})
+
+
 def test_typed_records_travel_through_results_json_unchanged():
     from bench.records import (Cell, Consistency, Damage, FigureValues, NotAvailable, TargetRatio,
                                TargetRow, Targets, to_json)

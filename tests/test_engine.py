@@ -14,7 +14,7 @@ import torch
 
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DirectoryInUseError,
-                               DistributedSetupError, EncodingError,
+                               DistributedSetupError, EncodingError, InvalidArgumentError,
                                EngineClosedError, LayoutError, ManifestError, NoSnapshotError,
                                StagingMemoryError, StateMismatchError, WriterDiedError)
 from async_ckpt.format.manifest import read_manifest
@@ -299,6 +299,20 @@ def test_restore_of_an_uncommitted_step_is_refused(ckpt_dir):
         with pytest.raises(NoSnapshotError, match="step 5 is not committed"):
             engine.restore(step=5)
         assert engine.restore(step=1) == 1
+
+
+def test_restore_skips_the_named_entries_and_loads_the_rest(ckpt_dir):
+    t, position = torch.zeros(2), {"batch": 0}
+    with CheckpointEngine(ckpt_dir, {"t": t, "position": position}) as engine:
+        t.fill_(3)
+        position["batch"] = 7
+        engine.snapshot(1)
+        t.fill_(-1)
+        position["batch"] = 9
+        assert engine.restore(skip=["position"]) == 1
+        assert t.tolist() == [3, 3] and position == {"batch": 9}
+        with pytest.raises(InvalidArgumentError, match="collection of entry names"):
+            engine.restore(skip="position")  # a string is not a collection of names
 
 
 def test_restore_after_rewind_takes_the_newest_commit(ckpt_dir):

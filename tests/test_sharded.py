@@ -34,12 +34,14 @@ PAIRS = ("fsdp:fsdp", "tp:tp", "2d:2d", "fsdp:2d", "2d:fsdp", "2d:tp")
 
 def run_program(root, nproc, *args, output):
     out, log = os.path.join(root, f"{output}.json"), os.path.join(root, f"{output}.txt")
-    _wait(torchrun(PROGRAM, nproc, "--root", root, "--out", out, *args, output=log), log)
+    wait_torchrun(torchrun(PROGRAM, nproc, "--root", root, "--out", out, *args, output=log), log)
     with open(out) as f:
         return json.load(f)
 
 
-def _wait(process, log, timeout=240):
+def wait_torchrun(process, log, timeout=240):
+    """Wait for a torchrun ``process`` (killing all of it on a timeout); fail with the end of its
+    ``log`` when it exits with an error."""
     try:
         code = process.wait(timeout=timeout)
     except BaseException:
@@ -206,7 +208,7 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
     # FSDP over both ranks: a 1-D mesh uses the default group, the one a torchrun restart can
     # reconnect with gloo (docs/distributed.md, "torchrun restarts")
     common = ("--steps", str(steps), "--width", str(width))
-    _wait(torchrun(TRAIN, 2, "--ckpt-dir", os.path.join(reference, "ckpt"), "--log-dir",
+    wait_torchrun(torchrun(TRAIN, 2, "--ckpt-dir", os.path.join(reference, "ckpt"), "--log-dir",
                    os.path.join(reference, "logs"), *common,
                    output=os.path.join(str(tmp_path), "reference.txt")),
           os.path.join(str(tmp_path), "reference.txt"))
@@ -215,7 +217,7 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
                        *common, max_restarts=1, output=os.path.join(str(tmp_path), "killed.txt"))
     try:
         committed, killed_dir = kill_rank_1_mid_write(process, ckpt, run_dir, 240)
-        _wait(process, os.path.join(str(tmp_path), "killed.txt"), timeout=1)
+        wait_torchrun(process, os.path.join(str(tmp_path), "killed.txt"), timeout=1)
     finally:
         if process.poll() is None:
             kill_everything(process)

@@ -35,10 +35,13 @@ import torch
 
 from ..errors import (CheckpointDirError, CorruptSnapshotError, EncodingError,
                       StateMismatchError, UnsupportedFormatError)
+from ..format.manifest import read_manifest
 from ..format.shard import MAX_DIMS, MAX_EXTENT, MAX_KEY_CHARS
 from ..read.memory import allocating, require_memory
 from ..read.reshard import exact_cover
+from ..read.snapshot import load
 from ..storage.local import open_regular, umask
+from ..storage.open import open_storage
 from ..tensors import ALL_DTYPES, DTYPES
 from .common import copy_bytes, dense_bytes, iter_tensors
 
@@ -361,8 +364,8 @@ def _renumber_optimizer_state(node: dict) -> None:
         node["state"] = {numbers[k]: v for k, v in state.items()}
 
 
-class _Imported:
-    """A top-level dict of an imported state, saved as an object's ``state_dict``: what the
+class ObjectState:
+    """A dict saved as an object's ``state_dict`` (an imported state's top-level dict): what the
     registered object (a module, an optimizer, an ``AppState``) is given back on restore."""
 
     def __init__(self, state: dict):
@@ -383,21 +386,86 @@ def import_dcp(source: str | os.PathLike, directory: str | os.PathLike, step: in
     name: a module, an optimizer, an ``AppState``), except those named in ``as_dicts``, saved as
     plain dicts (restored into a dict registered under that name); top-level tensors and values
     as themselves; no RNG state (DCP saves none)."""
-    from ..engine import CheckpointEngine
-
-    directory = os.fspath(directory)
-    if os.path.lexists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-        raise CheckpointDirError(f"{directory} exists and is not an empty directory; import into "
-                                 "a new checkpoint directory")
+    _check_new_directory(directory)
     state = read_dcp(source, allow_pickle)
     as_dicts = set(as_dicts)
     if as_dicts - state.keys():
         raise StateMismatchError(f"{os.fspath(source)} has no top-level "
                                  f"{', '.join(sorted(as_dicts - state.keys()))}; its entries: "
                                  f"{', '.join(state) or 'none'}")
-    registered = {key: _Imported(value) if isinstance(value, dict) and key not in as_dicts
-                  else value for key, value in state.items()}
-    with CheckpointEngine(directory, registered, rng=False, mode="sync", rank=0, world_size=1,
+    write_snapshot({key: ObjectState(value) if isinstance(value, dict) and key not in as_dicts
+                    else value for key, value in state.items()}, directory, step, allow_pickle)
+    return state
+
+
+def _check_new_directory(directory: str | os.PathLike) -> None:
+    directory = os.fspath(directory)
+    if os.path.lexists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise CheckpointDirError(f"{directory} exists and is not an empty directory; import into "
+                                 "a new checkpoint directory")
+
+
+def write_snapshot(state: dict, directory: str | os.PathLike, step: int,
+                   allow_pickle: bool = False) -> None:
+    """``state`` (what an engine may register) as the one snapshot, step ``step`` of one rank,
+    of the new checkpoint directory ``directory``, committed when this returns; no RNG state."""
+    from ..engine import CheckpointEngine
+
+    _check_new_directory(directory)
+    with CheckpointEngine(directory, state, rng=False, mode="sync", rank=0, world_size=1,
                           allow_pickle=allow_pickle, heartbeat_interval=None) as engine:
         engine.snapshot(step, force=True)
-    return state
+
+
+def read_all_ranks(directory: str | os.PathLike, step: Optional[int] = None,
+                   allow_pickle: bool = False) -> tuple[int, dict]:
+    """(step, state) of a committed snapshot as one DCP checkpoint of every saved rank holds it:
+    rank 0's view (sharded tensors whole, ``load``), with each top-level dict that the ranks held
+    differently (a per-rank data position keyed by rank) merged, key by key, as DCP merges the
+    keys the ranks save. A key that two ranks hold with different values has no single value in
+    DCP: UnsupportedFormatError. Reads every saved rank's view in turn (verified, uncompressed
+    tensors mapped), one at a time."""
+    storage = open_storage(directory)
+    step, state = load(storage, step, allow_pickle=allow_pickle, mmap=True, verify=True)
+    record = read_manifest(storage).find(step)
+    for rank in range(1, 1 if record is None else record.world_size):
+        _, other = load(storage, step, rank=rank, allow_pickle=allow_pickle, mmap=True,
+                        verify=True)
+        for key, value in other.items():
+            if key in state and not _same(state[key], value):
+                state[key] = _merged(key, state[key], value, rank)
+    return step, state
+
+
+def _merged(key: str, ours: Any, theirs: Any, rank: int) -> dict:
+    if not (isinstance(ours, dict) and isinstance(theirs, dict)):
+        raise UnsupportedFormatError(
+            f"entry {key[:80]!r} differs between saved ranks 0 and {rank} and is not a dict of "
+            "keys to merge: DCP keeps one value per key. Export one rank's view instead "
+            "(async-ckpt export --rank R --to-dcp)")
+    merged = dict(ours)
+    for name, value in theirs.items():
+        if name in merged and not _same(merged[name], value):
+            raise UnsupportedFormatError(
+                f"{key[:80]}.{str(name)[:80]} differs between saved rank {rank} and a rank "
+                "before it: DCP keeps one value per key. Export one rank's view instead "
+                "(async-ckpt export --rank R --to-dcp)")
+        merged[name] = value
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two loaded values are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_bytes_of(a), _bytes_of(b)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements (so that NaNs compare by their bits)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
