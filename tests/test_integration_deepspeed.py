@@ -25,8 +25,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from async_ckpt.errors import (EncodingError, IntegrationError,  # noqa: E402
-                               InvalidArgumentError, PointerFileError)
+from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E402
+                               IntegrationError, InvalidArgumentError, PointerFileError)
 from async_ckpt.integrations.deepspeed import (DEEPSPEED_PICKLED, install,  # noqa: E402
                                                read_record)
 from test_distributed import torchrun  # noqa: E402
@@ -123,6 +123,10 @@ def test_files_appear_once_committed_and_latest_after_them(tmp_path, engine):
         states = torch.load(tmp_path / "global_step1" / files[0], weights_only=True)
     assert states["epoch"] == 3 and states["global_steps"] == 1
     assert ours.load(str(tmp_path / "global_step1" / files[0]))["epoch"] == 3
+    engine.save_16bit_model(str(tmp_path))  # through the same engine: there once committed
+    ours.wait()
+    weights = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(weights[k], v) for k, v in engine.module.state_dict().items())
     ours.close()
     assert "save_checkpoint" not in vars(engine) and engine.checkpoint_engine is not ours
 
@@ -161,6 +165,10 @@ def test_files_without_a_snapshot_load_unpickling_deepspeed_s_objects_only(tmp_p
         z.writestr("archive/.data/async_ckpt", b'{"format": "async_ckpt.deepspeed", "step": -1}')
     with pytest.raises(PointerFileError, match="damaged"):
         ours.load(str(damaged))
+    shutil.copy(stock / optim, tmp_path / "replacement")  # a re-save of the tag, killed midway
+    os.replace(tmp_path / "replacement", tmp_path / "second" / optim.split("/")[1])
+    with pytest.raises(CorruptSnapshotError, match="different saves"):
+        engine.load_checkpoint(str(tmp_path), tag="second")
     ours.close()
     trusting = install(engine, tmp_path / "async_ckpt", allow_pickle=True)
     assert trusting.load(dropped)["optimizer_state_dict"]["zero_stage"] == 2

@@ -50,7 +50,8 @@ from ..errors import (CorruptSnapshotError, EncodingError, IntegrationError, Inv
                       PointerFileError)
 from ..rng import GlobalRNG
 
-__all__ = ["AsyncCheckpointEngine", "DEEPSPEED_PICKLED", "SUPPORTED", "install"]
+__all__ = ["AsyncCheckpointEngine", "DEEPSPEED_PICKLED", "Record", "SUPPORTED", "install",
+           "read_record"]
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,8 @@ class AsyncCheckpointEngine(_DSEngine):
         self._latest = False
         self._files: dict[str, Any] = {}  # absolute path -> state dict, of the save in progress
         self._read: Optional[tuple[tuple[int, int], dict]] = None  # (step, rank) -> its state
+        # while load_checkpoint runs: tag directory -> the snapshot its first file loaded named
+        self._loading: Optional[dict[str, Optional[int]]] = None
 
     # --- on the DeepSpeed engine -------------------------------------------------------------
 
@@ -254,9 +257,13 @@ class AsyncCheckpointEngine(_DSEngine):
 
     def _load_checkpoint(self, *args: Any, **kwargs: Any):
         """``DeepSpeedEngine.load_checkpoint`` once the saves in flight are committed (it reads
-        ``latest`` first)."""
+        ``latest`` first), refusing a tag whose files come from different saves."""
         self.wait()
-        return type(self._deepspeed).load_checkpoint(self._deepspeed, *args, **kwargs)
+        self._loading = {}
+        try:
+            return type(self._deepspeed).load_checkpoint(self._deepspeed, *args, **kwargs)
+        finally:
+            self._loading = None
 
     # --- DeepSpeed's CheckpointEngine ----------------------------------------------------------
 
@@ -321,6 +328,7 @@ class AsyncCheckpointEngine(_DSEngine):
         self.wait()
         path = os.path.abspath(path)
         record = read_record(path)
+        self._check_one_save(path, record)
         if record is None:
             return self._load_unverified(path, "it is DeepSpeed's own")
         directory = os.path.normpath(os.path.join(os.path.dirname(path), record.directory))
@@ -361,6 +369,20 @@ class AsyncCheckpointEngine(_DSEngine):
                 vars(ds).pop(name, None)
             self._read = None
 
+    def _check_one_save(self, path: str, record: Optional[Record]) -> None:
+        """CorruptSnapshotError when a file of the tag being loaded comes from another save than
+        the tag's first file: a save into a tag that ``latest`` already named was killed while
+        its files were being replaced (a new tag per save never mixes)."""
+        if self._loading is None:
+            return
+        step = None if record is None else record.step
+        first = self._loading.setdefault(os.path.dirname(path), step)
+        if first != step:
+            raise CorruptSnapshotError(
+                f"{os.path.dirname(path)} holds files of different saves ({_save_name(first)} and "
+                f"{_save_name(step)}): a save into this tag was stopped while it replaced them. "
+                "Load another tag, and give every save a tag of its own")
+
     def _tag_directory(self) -> str:
         return os.path.abspath(os.path.join(self._saving.save_dir, str(self._saving.tag)))
 
@@ -390,6 +412,10 @@ class AsyncCheckpointEngine(_DSEngine):
             raise EncodingError(f"{path} cannot be loaded without unpickling what "
                                 f"allow_pickle does not allow ({why}): {str(e)[:300]}. Install "
                                 "with allow_pickle=True only if you trust where it came from") from e
+
+
+def _save_name(step: Optional[int]) -> str:
+    return "DeepSpeed's own save" if step is None else f"snapshot {step}"
 
 
 def _within(path: str, directory: str) -> bool:
