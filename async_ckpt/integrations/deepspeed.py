@@ -64,7 +64,6 @@ snapshot of this adapter is allowed to pickle, and that loading unpickles, by na
 
 RECORD_FORMAT = "async_ckpt.deepspeed"
 RECORD_VERSION = 1
-_MAX_RECORD_BYTES = 4096
 _MAX_ENTRY_CHARS = 1024
 _RNG_ENTRY = "async_ckpt.rng"  # beside the files' entries (names of files, relative paths)
 _LATEST = "latest"  # DeepSpeed's name for the file that names the newest tag
@@ -175,6 +174,14 @@ class Record:
                            "directory": self.directory}).encode()
 
 
+_RECORD_FIELDS = {  # each field of a record, and what it may hold
+    "format": lambda v: v == RECORD_FORMAT, "version": lambda v: v == RECORD_VERSION,
+    "step": lambda v: type(v) is int and 0 <= v < MAX_STEP,
+    "rank": lambda v: type(v) is int and v >= 0,
+    "entry": lambda v: type(v) is str and 0 < len(v) <= _MAX_ENTRY_CHARS,
+    "directory": lambda v: type(v) is str and v != ""}
+
+
 def read_record(path: str) -> Optional[Record]:
     """The record of the file at ``path``; None for a file without one (``torch.save`` wrote
     it: DeepSpeed's own engine). The file is untrusted: only a regular file is opened, only its
@@ -191,22 +198,15 @@ def read_record(path: str) -> Optional[Record]:
         return None
     try:
         fields = json.loads(data.decode("utf-8"))
-        if type(fields) is not dict or set(fields) != {"format", "version", "step", "rank",
-                                                       "entry", "directory"}:
-            raise ValueError("not the fields of a record")
-        if fields["version"] != RECORD_VERSION:
-            raise ValueError(f"record version {fields['version']!r}, this library reads "
-                             f"{RECORD_VERSION}")
-        record = Record(fields["step"], fields["rank"], fields["entry"], fields["directory"])
-        if not (type(record.step) is int and 0 <= record.step < MAX_STEP
-                and type(record.rank) is int and record.rank >= 0
-                and type(record.entry) is str and 0 < len(record.entry) <= _MAX_ENTRY_CHARS
-                and type(record.directory) is str and record.directory):
-            raise ValueError("a field of the wrong type or out of range")
+        if type(fields) is not dict or fields.keys() != _RECORD_FIELDS.keys():
+            raise ValueError(f"not the fields {sorted(_RECORD_FIELDS)}")
+        wrong = [name for name, valid in _RECORD_FIELDS.items() if not valid(fields[name])]
+        if wrong:
+            raise ValueError(f"{wrong[0]} is {str(fields[wrong[0]])[:40]!r}")
     except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
         raise PointerFileError(f"{path} keeps a damaged async_ckpt record ({e}); it names no "
                                "snapshot that can be loaded") from e
-    return record
+    return Record(fields["step"], fields["rank"], fields["entry"], fields["directory"])
 
 
 class AsyncCheckpointEngine(_DSEngine):
