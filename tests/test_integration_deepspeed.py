@@ -137,6 +137,8 @@ def test_what_could_not_be_loaded_back_is_refused_at_the_save(tmp_path, engine):
         engine.save_checkpoint(str(tmp_path), client_state={"client": fractions.Fraction(1, 3)})
     with pytest.raises(IntegrationError, match="install"):  # DeepSpeed would write latest itself
         type(engine).save_checkpoint(engine, str(tmp_path))
+    with pytest.raises(IntegrationError, match="already"):
+        install(engine, tmp_path / "other")
     ours.close()
     with pytest.raises(InvalidArgumentError, match="every"):
         install(engine, tmp_path / "async_ckpt", every=2)

@@ -144,6 +144,8 @@ def install(engine: DeepSpeedEngine, directory: Union[str, os.PathLike], *,
 def _why_refused(engine: DeepSpeedEngine) -> Optional[str]:
     if not isinstance(engine, DeepSpeedEngine):
         return f"{type(engine).__name__} is not a DeepSpeedEngine (what deepspeed.initialize returns)"
+    if isinstance(engine.checkpoint_engine, AsyncCheckpointEngine):
+        return "async_ckpt is installed on it already: close() that one first"
     if engine.use_node_local_storage():
         return ("checkpoint.use_node_local_storage writes each node's files into a directory of "
                 "its own, and a snapshot commits in one directory shared by every rank")
