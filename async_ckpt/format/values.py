@@ -82,16 +82,16 @@ __all__ = ["encode", "decode", "CONTAINER_KINDS", "kind_of", "tag_of", "children
 _MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _PICKLE_PROTOCOL = 5
-
-AllowPickle = Union[bool, Collection[Any]]
-"""What ``allow_pickle`` may be: False, True, or the classes (and torch dtypes) a pickle may
-name."""
 _NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
 _DTYPE_RE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 _HEX_INT_RE = re.compile(r"-?0x[0-9a-f]+")
 _SPECIAL_FLOATS = ("nan", "inf", "-inf")
 _CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict, defaultdict)
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
+
+AllowPickle = Union[bool, Collection[Any]]
+"""What ``allow_pickle`` may be: False, True, or the classes (and torch dtypes) a pickle may
+name."""
 
 
 def encode(
