@@ -87,7 +87,7 @@ class CheckpointEngine:
                  keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
                  slots: int = _O.slots, when_busy: Literal["wait", "skip"] = _O.when_busy,
                  compression: Optional[Literal["zstd"]] = _O.compression, level: int = _O.level,
-                 allow_pickle: bool = _O.allow_pickle, rng: bool = _O.rng,
+                 allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle, rng: bool = _O.rng,
                  rank: Optional[int] = _O.rank, world_size: Optional[int] = _O.world_size,
                  replicated: Union[str, Collection[str]] = _O.replicated,
                  spread_replicated: bool = _O.spread_replicated,

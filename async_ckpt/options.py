@@ -20,6 +20,7 @@ from .distributed import resolve_ranks
 from .errors import DistributedSetupError, InvalidArgumentError
 from .storage.names import MAX_WORLD_SIZE, RNG_KEY
 from .format.shard import COMPRESSIONS, ZSTD_LEVELS
+from .format.values import Picklable
 from .storage.remote import check_remote_url
 
 DEFAULT_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -65,6 +66,9 @@ class EngineOptions:
             data); ``level`` is the zstd level.
         allow_pickle: allow values with no safe encoding to be pickled when saving, and pickled
             values to be loaded. Off by default: loading then never runs code from the file.
+            True pickles any such value; a collection of classes (and torch dtypes) pickles only
+            their instances, refusing at the save a value whose pickle names anything else, and
+            loads a pickle only when every name in it is one of them (docs/FORMAT.md 6).
         rng: save the global RNG states (Python, NumPy, torch CPU, CUDA) with every snapshot and
             restore them with it, so a resumed run draws the same random numbers.
         rank, world_size: this process's shard of a snapshot (one file per rank); by default those
@@ -120,7 +124,7 @@ class EngineOptions:
     when_busy: Literal["wait", "skip"] = "wait"
     compression: Optional[Literal["zstd"]] = None
     level: int = 1
-    allow_pickle: bool = False
+    allow_pickle: Union[bool, Collection[Any]] = False
     rng: bool = True
     rank: Optional[int] = None
     world_size: Optional[int] = None
@@ -220,6 +224,15 @@ def _names(v: Any) -> bool:
     return isinstance(v, str) or (isinstance(v, _COLLECTIONS) and all(type(n) is str for n in v))
 
 
+def _picklable(v: Any) -> bool:
+    if type(v) is bool:
+        return True
+    try:
+        return isinstance(v, _COLLECTIONS) and Picklable.of(v) is not None
+    except InvalidArgumentError:
+        return False
+
+
 def _signals(v: Any) -> bool:
     return v is None or type(v) is bool or (isinstance(v, _COLLECTIONS) and all(
         not isinstance(s, bool) and s in _CATCHABLE for s in v))
@@ -233,7 +246,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "every": _int(1),
     "keep_last": _int(1), "keep_every": _int(1, optional=True), "slots": _int(1),
     "when_busy": _one_of("wait", "skip"), "compression": _one_of(*COMPRESSIONS),
-    "level": _int(ZSTD_LEVELS[0], ZSTD_LEVELS[-1]), "allow_pickle": _BOOL, "rng": _BOOL,
+    "level": _int(ZSTD_LEVELS[0], ZSTD_LEVELS[-1]), "allow_pickle": (_picklable, "True, False or a collection of classes (and torch dtypes)"), "rng": _BOOL,
     "rank": _int(0, optional=True), "world_size": _int(1, optional=True),
     "replicated": (_names, "an entry name or a list of them"), "spread_replicated": _BOOL,
     "commit_timeout": _seconds(), "writer_nice": _int(0, 19, optional=True),

@@ -7,7 +7,8 @@ lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``
 incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
 core and on all (``bench/decode.py``), direct writes against the buffered writer, quiet and with
 every core busy (``bench/direct.py``), the remote tier against a loopback S3 server
-(``bench/remote.py``) and the framework adapters, against the floors measured in the same run;
+(``bench/remote.py``) and the framework adapters (DeepSpeed's, on two ranks, not with
+``--quick``), against the floors measured in the same run;
 then writes to ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
@@ -46,9 +47,9 @@ from typing import Optional, Sequence
 from async_ckpt.tools.argtypes import parse_duration
 
 from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
-               integrations_lightning, integrations_torchtitan, integrations_transformers,
-               interval, lazy, plots, ranks,
-               records, remote, report, sharded, targets)
+               integrations_deepspeed, integrations_lightning, integrations_torchtitan,
+               integrations_transformers, interval, lazy, plots, ranks, records, remote, report,
+               sharded, targets)
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
 from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
@@ -70,8 +71,12 @@ PARTS = {  # part: run(args, root) -> its raw results
     "remote": lambda args, root: remote.run(root, args.quick),
     "integrations": lambda args, root: {
         module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},
+    "integrations_deepspeed": lambda args, root: integrations_deepspeed.run(root, args.quick),
+    "integrations_torchtitan": lambda args, root: integrations_torchtitan.run(root),
 }
 """What runs after the sweep, in this order (``measure_parts``)."""
+FULL_ONLY = ("integrations_deepspeed", "integrations_torchtitan")
+"""Parts left out of --quick: their torchrun runs of a framework cost a minute or more."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,12 @@ class Preset:
 
 FULL = Preset("full", (0.256, 1.0, 2.0), (0.256,), 3, {"width": 768, "depth": 10, "batch": 16},
               (1, 10, 100))
-QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3))
+QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3),
+               parts=tuple(p for p in PARTS if p not in FULL_ONLY))
 STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
-INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate,
-                integrations_torchtitan)  # torchtitan: not with --quick, nor where not installed
+INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate)
 """Each framework adapter against that framework's own save (results key: the module's name)."""
 
 

@@ -41,10 +41,9 @@ OURS, THEIRS = "AsyncCkptCheckpointManager", "torchtitan CheckpointManager"
 SIDES = ("ours", "theirs")
 
 
-def run(root: str, quick: bool) -> dict:
-    """The two torchrun runs; the results block of results.json (empty under --quick)."""
-    if quick:
-        return {}
+def run(root: str) -> dict:
+    """The two torchrun runs (full runs only: ``FULL_ONLY``); the results block of
+    results.json."""
     if importlib.util.find_spec("torchtitan") is None:
         log("integrations_torchtitan: skipped, torchtitan is not installed")
         return {"skipped": "torchtitan is not installed"}

@@ -18,8 +18,9 @@ from typing import Optional
 
 from async_ckpt.tools.advise import format_advice
 
-from . import (article, decode, direct, incremental, integrations_accelerate, integrations_lightning,
-               integrations_torchtitan, integrations_transformers, lazy, ranks, remote, sharded)
+from . import (article, decode, direct, incremental, integrations_accelerate,
+               integrations_deepspeed, integrations_lightning, integrations_torchtitan,
+               integrations_transformers, lazy, ranks, remote, sharded)
 from .article import ASYNC, PERIODIC, headline_case
 from .markdown import factor, median_range, number, table
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
@@ -42,7 +43,8 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
                 direct.render(results),
                 remote.render(results),
                 integrations_lightning.render(results), integrations_transformers.render(results),
-                integrations_accelerate.render(results), integrations_torchtitan.render(results),
+                integrations_accelerate.render(results), integrations_deepspeed.render(results),
+                integrations_torchtitan.render(results),
                 trained and _consistency(results),
                 trained and _article(results), trained and _advice(results), _per_size(results),
                 _load(results), _notes(results)]

@@ -405,16 +405,30 @@ def test_every_framework_adapter_is_measured_and_reported(quick_run):
         assert heading in report, heading
 
 
-def test_the_torchtitan_part_runs_only_in_a_full_run_where_torchtitan_is_installed(tmp_path,
-                                                                                   monkeypatch):
+def test_the_torchtitan_part_is_measured_where_torchtitan_is_installed(tmp_path, monkeypatch):
     from bench import integrations_torchtitan
 
-    assert integrations_torchtitan.run(str(tmp_path), quick=True) == {}
     assert integrations_torchtitan.render({"integrations_torchtitan": {}}) == ""
     monkeypatch.setattr(integrations_torchtitan.importlib.util, "find_spec", lambda name: None)
-    skipped = integrations_torchtitan.run(str(tmp_path), quick=False)
+    skipped = integrations_torchtitan.run(str(tmp_path))
     assert "Not measured: torchtitan is not installed" in integrations_torchtitan.render(
         {"integrations_torchtitan": skipped})
+
+
+def test_the_deepspeed_part_is_left_out_of_quick_runs_and_renders_its_figures():
+    """Its torchrun of two DeepSpeed ranks costs a minute: measured by full runs only."""
+    from bench import integrations_deepspeed
+    from bench.__main__ import FULL
+
+    assert {"integrations_deepspeed", "integrations_torchtitan"} <= set(FULL.parts) - set(QUICK.parts)
+    figures = {f"{system}_{kind}_s": spread([0.1 * (n + 1), 0.3 * (n + 1)])
+               for n, system in enumerate(integrations_deepspeed.SYSTEMS)
+               for kind in ("blocking", "durable")}
+    block = {"ranks": 2, "state_bytes": 2.7e8, "figures": figures,
+             "ratios": {kind: spread([0.5, 0.5]) for kind in ("blocking", "durable")}}
+    text = integrations_deepspeed.render({"integrations_deepspeed": block})
+    assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500" in text
+    assert integrations_deepspeed.render({}) == ""
 
 
 def test_typed_records_travel_through_results_json_unchanged():

@@ -3,6 +3,7 @@ driven directly: shards of the "other ranks" are written into the directory by t
 
 import os
 import time
+import zipfile
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
-from async_ckpt.write.protocol import Abandoned, Committed, Failed
+from async_ckpt.write.protocol import Abandoned, Committed, Failed, Marker
+from async_ckpt.write.writer import _write_markers
 from async_ckpt.errors import (CorruptSnapshotError, InternalError, ReplicaMismatchError,
                                SnapshotWriteError)
 from async_ckpt.format.shard import ChunkEncoder, ShardWriter
@@ -339,6 +341,45 @@ def test_a_rank_gives_up_when_rank_0_commits_nothing(tmp_path, watcher, clock):
     watcher.poll(trainer_gone=False)
     assert outcomes(watcher.events) == [(Abandoned, 0)]
     assert "writer still running" in watcher.events[0].message
+
+
+def test_a_rank_whose_trainer_is_gone_still_learns_of_a_commit_that_has_markers(
+        tmp_path, committer):
+    """Its markers (a framework's files of that rank) are written once the commit is known, so
+    the job it belongs to is watched on; the others are dropped as before."""
+    events = []
+    watcher = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append,
+                            outlives_trainer=lambda job: job == 1)
+    marked, plain = rank1_attempt(str(tmp_path), 1, step=6), rank1_attempt(str(tmp_path), 2, 7)
+    watcher.add(marked)
+    watcher.add(plain)
+    watcher.poll(trainer_gone=True)
+    assert watcher.pending == [marked]
+    write_shard(str(tmp_path), marked.dir, 2, 6)
+    committer.add(Attempt(job=9, step=6, dir=marked.dir, replicas=[], raw_bytes=64, figures={},
+                          shard=write_shard(str(tmp_path), marked.dir, 0, 6)))
+    watcher.poll(trainer_gone=True)
+    assert outcomes(events) == [(Committed, 1)] and watcher.pending == []
+
+
+def test_a_marker_waits_for_the_files_it_comes_after(tmp_path):
+    """A marker ``after`` other ranks' files is written once each is there keeping its record;
+    one still missing (or another save's) at the deadline fails it, naming the file."""
+    def torch_file(path, record):
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("archive/.data/async_ckpt", record)
+
+    others = [(str(tmp_path / f"part{r}.pt"), f"step 3 rank {r}".encode()) for r in (1, 2)]
+    torch_file(others[0][0], others[0][1])
+    torch_file(others[1][0], b"step 2 rank 2")  # an earlier save's file, not yet replaced
+    latest = Marker(str(tmp_path / "latest"), b"tag3", after=tuple(others))
+    committed = Committed(4, {})
+    event = _write_markers(committed, (latest,), None, {}, timeout=0)
+    assert isinstance(event, Failed) and "part2.pt" in str(event.error)
+    assert not os.path.exists(latest.path)
+    torch_file(others[1][0], others[1][1])
+    assert _write_markers(committed, (latest,), None, {}, timeout=0) is committed
+    assert (tmp_path / "latest").read_bytes() == b"tag3"
 
 
 # --- agreement helpers without a process group ------------------------------------------------

@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import pickle
 import signal
 import threading
 
@@ -42,7 +43,7 @@ REFUSED = {
     "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
     "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
     "when_busy": ["drop"], "compression": ["lz4", "ZSTD", "", "gzip", True, 1], "level": [23, 1.5, None, True],
-    "allow_pickle": [1, "yes", None], "rng": [0], "rank": [-1, 0.0, "0"], "world_size": [0],
+    "allow_pickle": [1, "yes", None, [object()], [pickle.loads]], "rng": [0], "rank": [-1, 0.0, "0"], "world_size": [0],
     "replicated": [3, ["a", 1], {"a": 1}, (n for n in "ab")], "spread_replicated": [None],
     "commit_timeout": [0, -1, float("nan"), "60"], "writer_nice": [-1, 20, 2.5],
     "writer_low_io": [1], "reserve_bytes": [-1, 1.5, "1G"],

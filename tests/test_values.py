@@ -2,6 +2,8 @@
 
 import base64
 import collections
+import dataclasses
+import enum
 import fractions
 import json
 import math
@@ -491,6 +493,47 @@ def test_hostile_pickle_never_runs_without_opt_in():
     tree = {"x": {"$pickle": b64(pickle.dumps(Boom()))}}
     with pytest.raises(EncodingError, match="allow_pickle"):
         decode(tree)
+
+
+class _Stage(int, enum.Enum):  # what a framework keeps in its optimizer state (DeepSpeed's)
+    two = 2
+
+
+@dataclasses.dataclass
+class _Scaler:
+    scale: float
+    kind: object = None
+
+
+def test_pickles_of_the_classes_allowed_only():
+    """allow_pickle=[classes]: their instances are pickled and read back, without importing or
+    calling anything else; a pickle naming any other global is refused at the save, and in a
+    file (crafted) at the load, whatever it would have run."""
+    value = {"stage": _Stage.two, "scaler": _Scaler(2.0, np.float64)}
+    with pytest.raises(EncodingError, match=r"scaler.*names numpy.float64, which is not among"):
+        encode(value, allow_pickle=[_Stage, _Scaler])
+    value["scaler"].kind = None
+    tree = through_json(encode(value, allow_pickle=[_Stage, _Scaler]))
+    assert decode(tree, allow_pickle=(_Scaler, _Stage)) == value
+    assert type(decode(tree, allow_pickle=[_Stage, _Scaler])["stage"]) is _Stage
+    with pytest.raises(EncodingError, match=r"pickled object at stage that names .*_Stage"):
+        decode(tree, allow_pickle=[_Scaler])
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('code ran')",))
+
+    with pytest.raises(EncodingError, match=r"names builtins.exec, which is not among"):
+        decode({"x": {"$pickle": b64(pickle.dumps(Boom()))}}, allow_pickle=[_Stage])
+
+
+def test_a_torch_dtype_may_be_allowed_by_value():
+    import torch
+
+    tree = encode({"s": _Scaler(1.0, torch.bfloat16)}, allow_pickle=[_Scaler, torch.bfloat16])
+    assert decode(tree, allow_pickle=[_Scaler, torch.bfloat16])["s"].kind is torch.bfloat16
+    with pytest.raises(EncodingError, match=r"names torch.bfloat16"):
+        decode(tree, allow_pickle=[_Scaler, torch.float16])
 
 
 # ------------------------------------------------------------------------------------ leaf / tags

@@ -11,9 +11,8 @@ the same tree with stand-ins when it writes a snapshot in torch's own file forma
 from __future__ import annotations
 
 import collections
-import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..errors import CorruptSnapshotError
 from . import values
@@ -42,13 +41,13 @@ class Entry:
         return self.value
 
 
-def rebuild(tree: Any, leaf: Callable[[dict], Any], allow_pickle: bool, path: str,
-            unpickle: Callable[[bytes], Any] = pickle.loads) -> Entry:
+def rebuild(tree: Any, leaf: Callable[[dict], Any], allow_pickle: values.AllowPickle, path: str,
+            unpickle: Optional[Callable[[bytes], Any]] = None) -> Entry:
     """The ``Entry`` tree of a state tree, every value decoded with ``leaf`` for the caller's
-    tags (``values.decode``; ``unpickle`` turns a ``$pickle`` node's bytes into its value when
-    ``allow_pickle``). A module's state dict comes back as an ``OrderedDict`` with its
-    ``_metadata``, as ``state_dict()`` made it. Malformed trees raise CorruptSnapshotError
-    naming ``path``."""
+    tags (``values.decode``, with its ``allow_pickle``; ``unpickle``, when given, turns a
+    ``$pickle`` node's bytes into its value). A module's state dict comes back as an
+    ``OrderedDict`` with its ``_metadata``, as ``state_dict()`` made it. Malformed trees raise
+    CorruptSnapshotError naming ``path``."""
     def decode(node: Any) -> Any:
         return values.decode(node, allow_pickle=allow_pickle, leaf=leaf, unpickle=unpickle)
 

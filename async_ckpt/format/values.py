@@ -41,7 +41,8 @@ with a single ``$`` (never ``$$``)::
     {"$npscalar": {"dtype": "<f4", "data": "<base64>"}}
                                            numpy scalar (np.float32, np.int64, np.bool_, ...)
     {"$pickle": "<base64>"}                pickle (protocol 5) of any other value; only written
-                                           and read with allow_pickle=True
+                                           and read with allow_pickle (True, or the classes
+                                           whose instances may be pickled: see below)
 
 Base64 is the standard alphabet with padding (RFC 4648 section 4). Values inside tagged nodes
 are encoded recursively by the same rules. Any other ``$name`` tag belongs to the caller (its
@@ -62,17 +63,18 @@ import base64
 import binascii
 import collections
 import functools
+import io
 import json
 import math
 import pickle
 import re
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import numpy as np
 
 from ..checks import short_repr
-from ..errors import CorruptSnapshotError, EncodingError
+from ..errors import CorruptSnapshotError, EncodingError, InvalidArgumentError
 
 __all__ = ["encode", "decode", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
            "unescape_key", "payload_nbytes"]
@@ -87,11 +89,15 @@ _SPECIAL_FLOATS = ("nan", "inf", "-inf")
 _CONTAINERS = (list, tuple, set, frozenset, dict, OrderedDict, defaultdict)
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
 
+AllowPickle = Union[bool, Collection[Any]]
+"""What ``allow_pickle`` may be: False, True, or the classes (and torch dtypes) a pickle may
+name."""
+
 
 def encode(
     value: Any,
     *,
-    allow_pickle: bool = False,
+    allow_pickle: AllowPickle = False,
     leaf: Optional[Callable[[Any, str], Any]] = None,
     path: str = "",
 ) -> Any:
@@ -105,7 +111,8 @@ def encode(
     the key path of ``value`` itself, used as the prefix of every path in callbacks and errors.
 
     Raises :class:`EncodingError`, naming the key path, for a value with no safe encoding (unless
-    ``allow_pickle`` is true, in which case it is pickled), a reference cycle, or too deep nesting.
+    ``allow_pickle`` allows pickling it, in which case it is pickled), a reference cycle, or too
+    deep nesting.
     """
     return _Encoder(allow_pickle, leaf)(value, path, 0)
 
@@ -113,19 +120,21 @@ def encode(
 def decode(
     tree: Any,
     *,
-    allow_pickle: bool = False,
+    allow_pickle: AllowPickle = False,
     leaf: Optional[Callable[[dict], Any]] = None,
-    unpickle: Callable[[bytes], Any] = pickle.loads,
+    unpickle: Optional[Callable[[bytes], Any]] = None,
 ) -> Any:
     """Rebuild the value that :func:`encode` turned into ``tree``.
 
     ``leaf(node)`` is tried on tagged nodes whose tag this module does not own; it returns the
     value or ``NotImplemented``. Exceptions it raises propagate unchanged. ``unpickle`` makes a
-    ``$pickle`` node's value of its bytes (with ``allow_pickle``): ``pickle.loads``, or a
+    ``$pickle`` node's value of its bytes (when ``allow_pickle`` allows pickles at all): by
+    default ``pickle.loads`` (True) or the restricted unpickler of the classes given, or a
     stand-in for code that passes the pickle on unread.
 
     Raises :class:`CorruptSnapshotError` for any malformed tree, and :class:`EncodingError` for a
-    pickle node when ``allow_pickle`` is false (unpickling runs code stored in the file).
+    pickle node when ``allow_pickle`` is false (unpickling runs code stored in the file) or
+    names a global that is not among the classes given.
     """
     return _Decoder(allow_pickle, leaf, unpickle)(tree, "", 0)
 
@@ -168,12 +177,76 @@ def _non_finite(literal: str) -> Any:
     raise ValueError(f"{literal} is not JSON")
 
 
+# ------------------------------------------------------------------------------------- pickles
+
+
+class Picklable:
+    """What an ``allow_pickle`` other than False allows: any pickle (``allowed`` None), or only
+    those whose globals are all in ``allowed`` ((module, name) -> the class or dtype itself),
+    read by an unpickler that resolves those names to those objects and imports nothing."""
+
+    def __init__(self, allowed: Optional[dict[tuple[str, str], Any]]) -> None:
+        self.allowed = allowed
+
+    @classmethod
+    def of(cls, allow_pickle: AllowPickle) -> Optional["Picklable"]:
+        """None for False (no pickle at all)."""
+        if allow_pickle is False:
+            return None
+        if allow_pickle is True:
+            return cls(None)
+        return cls({global_name(obj): obj for obj in allow_pickle})
+
+    @property
+    def restricted(self) -> bool:
+        return self.allowed is not None
+
+    def loads(self, data: bytes) -> Any:
+        """The value pickled in ``data``; EncodingError (starting "names") for a global that is
+        not allowed."""
+        if self.allowed is None:
+            return pickle.loads(data)
+        return _RestrictedUnpickler(io.BytesIO(data), self.allowed).load()
+
+    def check(self, data: bytes, where: str) -> None:
+        """EncodingError unless ``data`` loads back here (every global it names is allowed)."""
+        try:
+            self.loads(data)
+        except EncodingError as e:
+            raise EncodingError(f"the value at {where} cannot be pickled: its pickle {e}") from e
+
+
+def global_name(obj: Any) -> tuple[str, str]:
+    """How a pickle names ``obj``, a class or a torch dtype (``torch.float16``)."""
+    if isinstance(obj, type):
+        return obj.__module__, obj.__qualname__
+    if type(obj).__module__ == "torch" and type(obj).__name__ == "dtype":
+        return "torch", str(obj).removeprefix("torch.")
+    raise InvalidArgumentError(f"allow_pickle is True, False or a collection of classes (and "
+                               f"torch dtypes), not one holding {short_repr(obj)}")
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(file)
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise EncodingError(
+                f"names {module}.{name}, which is not among the classes allow_pickle allows: add "
+                "it to them, or pass allow_pickle=True if you trust where this checkpoint came from "
+                "(unpickling runs code stored in it)")
+        return found
+
+
 # --------------------------------------------------------------------------------------- encoder
 
 
 class _Encoder:
-    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[Any, str], Any]]) -> None:
-        self.allow_pickle = allow_pickle
+    def __init__(self, allow_pickle: AllowPickle, leaf: Optional[Callable[[Any, str], Any]]) -> None:
+        self.picklable = Picklable.of(allow_pickle)
         self.leaf = leaf
         self.open: set = set()  # ids of the containers being encoded, to detect cycles
 
@@ -244,7 +317,7 @@ class _Encoder:
 
     def _fallback(self, v: Any, path: str) -> Any:
         name = _type_name(v)
-        if not self.allow_pickle:
+        if self.picklable is None:
             raise EncodingError(f"cannot safely encode a value of type {name!r} at {_where(path)}; {_hint(v)}")
         try:
             data = pickle.dumps(v, protocol=_PICKLE_PROTOCOL)
@@ -252,6 +325,8 @@ class _Encoder:
             raise EncodingError(
                 f"cannot pickle a value of type {name!r} at {_where(path)}: {type(e).__name__}: {e}"
             ) from e
+        if self.picklable.restricted:  # refused now what could not be loaded back
+            self.picklable.check(data, _where(path))
         return {"$pickle": _b64(data)}
 
 
@@ -293,11 +368,12 @@ _Path = Any  # in the decoder: "" for the root, else (parent path, key); rendere
 
 
 class _Decoder:
-    def __init__(self, allow_pickle: bool, leaf: Optional[Callable[[dict], Any]],
-                 unpickle: Callable[[bytes], Any]) -> None:
-        self.allow_pickle = allow_pickle
+    def __init__(self, allow_pickle: AllowPickle, leaf: Optional[Callable[[dict], Any]],
+                 unpickle: Optional[Callable[[bytes], Any]]) -> None:
+        picklable = Picklable.of(allow_pickle)
+        self.allow_pickle = picklable is not None
         self.leaf = leaf
-        self.unpickle = unpickle
+        self.unpickle = unpickle or (picklable.loads if picklable is not None else pickle.loads)
 
     def __call__(self, node: Any, path: _Path, depth: int) -> Any:
         t = type(node)
@@ -483,6 +559,8 @@ def _dec_pickle(dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
     raw = _unb64(p, path, "$pickle")
     try:
         return dec.unpickle(raw)
+    except EncodingError as e:  # a global not among the classes allowed
+        raise EncodingError(f"the checkpoint holds a pickled object at {_where(path)} that {e}") from e
     except Exception as e:  # anything the unpickled code may raise
         raise _corrupt(path, f"the pickled object cannot be loaded: {type(e).__name__}: {e}") from e
 

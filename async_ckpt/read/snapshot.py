@@ -22,6 +22,7 @@ import torch
 from ..distributed import Coordinator
 from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
 from ..format import values
+from ..format.values import AllowPickle
 from ..format import tree as tree_model
 from ..format.tree import Entry
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: bool = False, manifest: Optional[Manifest] = None,
+                  allow_pickle: AllowPickle = False, manifest: Optional[Manifest] = None,
                   mapped: bool = False, verify: bool = True,
                   scratch: Optional[memoryview] = None, targets: Optional[Mapping] = None,
                   compare_ranks: bool = False) -> Entry:
@@ -336,8 +337,8 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
     visit(root, state, False)
 
 
-def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, allow_pickle: bool,
-             path: str) -> Entry:
+def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list,
+             allow_pickle: AllowPickle, path: str) -> Entry:
     def leaf(node: dict):
         if len(node) == 1:
             (tag, v), = node.items()
@@ -363,7 +364,7 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list, a
 
 
 def read_committed(directory: str | Storage, step: Optional[int] = None, rank: int = 0,
-                   allow_pickle: bool = False, coordinator: Optional[Coordinator] = None,
+                   allow_pickle: AllowPickle = False, coordinator: Optional[Coordinator] = None,
                    shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
                    check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
                    verify: bool = True, scratch: Optional[memoryview] = None,
@@ -432,12 +433,14 @@ def read_committed(directory: str | Storage, step: Optional[int] = None, rank: i
 
 
 def load(directory: str | os.PathLike | Storage, step: Optional[int] = None, *, rank: int = 0,
-         allow_pickle: bool = False, mmap: bool = False,
+         allow_pickle: AllowPickle = False, mmap: bool = False,
          verify: Optional[bool] = None, remote_options: Optional[dict] = None) -> tuple[int, dict]:
     """Read a committed snapshot into plain CPU tensors and values, without an engine or objects.
 
     Returns (step, state) where state mirrors what was registered: each object's state_dict, each
-    tensor, each dict. Tensors that shared memory when saved share it again.
+    tensor, each dict. Tensors that shared memory when saved share it again. ``allow_pickle``
+    as the engine's: True unpickles any pickled value (running code stored in the file), a
+    collection of classes only pickles that name nothing else.
 
     ``mmap=True`` (as ``torch.load(mmap=True)``): uncompressed tensors map the shard files instead
     of being read, so a snapshot larger than memory can be inspected or exported; their pages are

@@ -38,7 +38,7 @@ class Captured:
     dtensors: list[dict] = field(default_factory=list)
 
 
-def capture(state: Mapping[str, Any], allow_pickle: bool = False) -> Captured:
+def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) -> Captured:
     """Flatten the registered state. Raises EncodingError/LayoutError naming the key path of a
     value that cannot be saved safely."""
     tensors: list[torch.Tensor] = []
@@ -133,7 +133,7 @@ def _refuse_stock_loader(obj: Any, path: str) -> None:
             "torchdata's StatefulDataLoader")
 
 
-def check_registrable(state: Mapping[str, Any], allow_pickle: bool = False) -> None:
+def check_registrable(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) -> None:
     """EncodingError now for what ``capture`` would refuse at the first snapshot, as far as it
     can be known without calling any ``state_dict()``: a stock DataLoader or sampler, a plain
     value with no safe encoding. Otherwise a job would train ``every`` steps before learning it

@@ -207,14 +207,17 @@ class CommitWatcher:
     """A writer of a rank other than 0: its shards are durable, and its trainer is told when rank
     0's writer has committed them (the manifest names them) or given them up (their directory is
     gone), so that ``wait()`` means "committed" on every rank. Should rank 0's writer itself be
-    gone, an attempt is given up after twice ``commit_timeout`` without a new manifest."""
+    gone, an attempt is given up after twice ``commit_timeout`` without a new manifest.
+    ``outlives_trainer(job)``: whether the outcome of a job still matters once the trainer is
+    gone (the writer writes its markers then)."""
 
     def __init__(self, root: str | Storage, commit_timeout: float,
                  send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic,
-                 on_commit: Optional[Callable[[SnapshotRecord], None]] = None):
+                 on_commit: Optional[Callable[[SnapshotRecord], None]] = None,
+                 outlives_trainer: Callable[[int], bool] = lambda job: False):
         self.storage, self.send, self.clock = as_storage(root), send, clock
-        self.on_commit = on_commit
+        self.on_commit, self.outlives_trainer = on_commit, outlives_trainer
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
         self._manifest_id: Optional[Hashable] = None
@@ -231,10 +234,12 @@ class CommitWatcher:
 
     def poll(self, trainer_gone: bool) -> None:
         """Report what rank 0 has committed or given up. Once the trainer is gone nobody is left
-        to tell: drop what is pending (its shards are durable; rank 0 commits without us)."""
+        to tell: drop what is pending (its shards are durable; rank 0 commits without us), but
+        the jobs whose outcome still matters (``outlives_trainer``)."""
         if trainer_gone:
-            self.pending = []
-            return
+            self.pending = [a for a in self.pending if self.outlives_trainer(a.job)]
+            if not self.pending:
+                return
         self._reread_manifest()
         now = self.clock()
         still = []

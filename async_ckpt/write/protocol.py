@@ -79,11 +79,18 @@ class Marker:
     (``format/native.py``). The writer writes it atomically and durably right after the commit,
     even when the trainer is gone by then. For code that finds checkpoints by their files (a
     framework's own resume: a Lightning ``.ckpt`` path, a ``checkpoint-N`` directory) and for
-    what its users do with those files."""
+    what its users do with those files.
+
+    ``after``: (path, record) of ``Derived`` torch files that other ranks' writers make from the
+    same snapshot once they learn of its commit; this marker is written only once each of them
+    is in place keeping that record (a framework's "latest" file that names a checkpoint every
+    rank writes part of), and fails if one is still missing after the writer's
+    ``commit_timeout``."""
 
     path: str  # absolute
     content: Union[bytes, Derived] = b""
     files: Optional[tuple[tuple[str, Union[bytes, Derived]], ...]] = None
+    after: tuple[tuple[str, bytes], ...] = ()
 
     @staticmethod
     def is_being_written(name: str) -> bool:

@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import signal
+import stat
 import sys
 import time
 from multiprocessing.connection import Connection, wait
@@ -76,6 +77,7 @@ class SnapshotWriter:
         self.plan: Optional[Plan] = None
         self.layout: Optional[ShardLayout] = None
         self.stored_ratio = 1.0
+        self.commit_timeout = config.commit_timeout
         # by job: its snapshot directory and markers, written once it is committed
         self.markers: dict[int, tuple[str, tuple[Marker, ...]]] = {}
         # by job: the data files its shard keeps its storages in, by the Derived each is
@@ -92,7 +94,7 @@ class SnapshotWriter:
                       own_root=self.rank if self.own_root else None)
             if self.rank == 0 or self.own_root
             else CommitWatcher(self.storage, config.commit_timeout, self.send,
-                               on_commit=on_commit))
+                               on_commit=on_commit, outlives_trainer=self.markers.__contains__))
 
     def serve(self) -> None:
         """Handle the trainer's messages; between them, let the commit stage and the uploader
@@ -156,7 +158,7 @@ class SnapshotWriter:
             data_files = self.data_files.pop(event.job, {})
             if isinstance(event, Committed):
                 event = _write_markers(event, markers, functools.partial(
-                    self.derive, directory), data_files)
+                    self.derive, directory), data_files, self.commit_timeout)
         try:
             self.conn.send(event)
         except OSError:
@@ -388,11 +390,12 @@ def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
 
 def _write_markers(committed: Committed, markers: tuple[Marker, ...],
                    derive: Callable[[Derived], Callable[[BinaryIO], None]],
-                   data_files: dict[Derived, str]) -> WriterEvent:
+                   data_files: dict[Derived, str], timeout: float) -> WriterEvent:
     """Write the markers of a committed snapshot (``derive(d)`` writes ``Derived`` d to a file;
-    one its shard keeps as a data file is linked from ``data_files``); the event to send:
-    ``committed``, or Failed when a marker could not be written (the snapshot stays committed,
-    but whoever looks for the marker will not see it)."""
+    one its shard keeps as a data file is linked from ``data_files``), each once the files it
+    comes ``after`` are in place (waiting up to ``timeout`` seconds for them); the event to
+    send: ``committed``, or Failed when a marker could not be written (the snapshot stays
+    committed, but whoever looks for the marker will not see it)."""
     def content(c: Union[bytes, Derived]) -> Content:
         if isinstance(c, Derived):
             return Linked(data_files[c], derive(c)) if c in data_files else derive(c)
@@ -400,6 +403,7 @@ def _write_markers(committed: Committed, markers: tuple[Marker, ...],
 
     for marker in markers:
         try:
+            _wait_for_files(marker.after, time.monotonic() + timeout)
             if marker.files is None:
                 make_dirs(os.path.dirname(marker.path))
                 atomic_write(marker.path, content(marker.content))
@@ -413,6 +417,33 @@ def _write_markers(committed: Committed, markers: tuple[Marker, ...],
                 f"({getattr(e, 'strerror', None) or e}): what looks for it will not find it."
                 f"{advice}"))
     return committed
+
+
+def _wait_for_files(after: tuple[tuple[str, bytes], ...], deadline: float) -> None:
+    """Return once every (path, record) of ``after`` is a regular file keeping that record;
+    SnapshotWriteError naming the first one missing at ``deadline`` (monotonic)."""
+    waiting = list(after)
+    while True:
+        waiting = [(path, record) for path, record in waiting if _record_of(path) != record]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise SnapshotWriteError(f"{waiting[0][0]}, which another rank's writer makes from the "
+                                     "same snapshot, never appeared")
+        time.sleep(POLL_INTERVAL_S)
+
+
+def _record_of(path: str) -> Optional[bytes]:
+    """The record the ``Derived`` torch file at ``path`` keeps; None when there is none (or no
+    regular file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return Marker.record_in(f)
 
 
 def _lower_priority(nice: int, io_idle: bool) -> None:
