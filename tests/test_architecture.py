@@ -1,7 +1,8 @@
 """The package's layout keeps its promises (docs/ARCHITECTURE.md): each part imports only the parts
-below it in the drawing (``ALLOWED``), no import cycles between its modules, the writer
-process's side (write/, format/, storage/) never needs torch or the training and read sides at
-import time, and the commands reach a checkpoint only through its ``Storage``."""
+below it in the drawing (``ALLOWED``), no import cycles between its modules, the side of the
+processes beside the trainer (write/, keeper/, format/, storage/) never needs torch or the
+training and read sides at import time, and the commands reach a checkpoint only through its
+``Storage``."""
 
 import ast
 import pathlib

@@ -317,6 +317,7 @@ def test_the_keeper_seals_the_newest_hold_and_serves_only_its_session(keeper):
 
     other, welcome = attach(keeper, session="b" * 32)  # the directory started a new session
     assert welcome["step"] is None
+    assert _dropped(sock), "a trainer of the old session is not served any more"
     send(other, {"type": "query"})
     keeper.poll(0)
     assert receive(other) == ({"type": "held", "step": None}, None)
@@ -334,7 +335,7 @@ def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):
         if frame is not None:
             bad.sendall(frame)
         else:
-            send(bad, {"type": "hello", "session": "c" * 32, "dev": 0,
+            send(bad, {"type": "hello", "session": "a" * 32, "dev": 0,
                        "ino": keeper.identity[1], "rank": 0, "launcher": 0,
                        "idle_timeout": 1.0})
             keeper.poll(0)

@@ -243,12 +243,17 @@ class Keeper:
                 and is_int(launcher) and is_number(message.get("idle_timeout"))
                 and message["idle_timeout"] > 0):
             raise MemoryTierError("a malformed hello")
-        if session != self.session:
+        if session != self.session:  # the directory started anew: nothing of the old one stays
             if self.sealed is not None:
                 log.warning("a trainer of another memory session of the directory attached: "
                             "dropping step %d of the earlier one", self.sealed.step)
                 self._release(self.sealed)
                 self.sealed = None
+            if self.pending is not None:
+                self._release(self.pending)
+                self.pending = None
+            for other in [t for t in self.trainers.values() if t.greeted]:
+                self.drop(other)
             self.session = session
         trainer.greeted = True
         self.idle_timeout = float(message["idle_timeout"])
@@ -401,10 +406,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         send(first, {"type": "exists"})  # another keeper has the address: the trainer uses it
         return
     listener.listen(MAX_CONNECTIONS)
-    keeper = Keeper(listener, identity, idle_timeout=1.0)
+    keeper = Keeper(listener, identity, idle_timeout=1.0)  # (the hello sets it)
     trainer = keeper.add(first)
-    if trainer is not None:
+    try:
+        if trainer is None:
+            return
         keeper.handle(trainer, hello, None)
+    except MemoryTierError as e:
+        log.error("the trainer that started the keeper sent %s", e)
+        keeper.close()
+        return
     keeper.serve()
 
 
