@@ -186,13 +186,17 @@ class KeeperClient:
             log.debug("the keeper went before it was told to quit: %s", e)
         finally:
             self.sock.close()
-        if self._process is not None and quit:  # ours: reap it
-            try:
-                self._process.wait(QUIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("the keeper (pid %d) did not exit when told to; killing it", self.pid)
-                self._process.kill()
-                self._process.wait()
+        if self._process is None:
+            return
+        if not quit:
+            self._process.poll()  # ours: reaped if it died, else left to the job's restart
+            return
+        try:
+            self._process.wait(QUIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the keeper (pid %d) did not exit when told to; killing it", self.pid)
+            self._process.kill()
+            self._process.wait()
 
 
 def _connect(address: bytes) -> Optional[socket.socket]:

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 from ..checks import is_int, is_number
 from ..errors import MemoryTierError
 from ..format.shard import CHUNK_BYTES, checksum
-from .protocol import (FRAME_TIMEOUT_S, Gone, Storage, check_same_user, held_message,
+from .protocol import (FRAME_TIMEOUT_S, Gone, HeldStorage, check_same_user, held_message,
                        keeper_address, parse_layout, receive, send)
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _Snapshot:
     step: int
     tree: dict
     tensors: list
-    storages: list[Storage]
+    storages: list[HeldStorage]
     trainer: Optional[_Trainer] = field(default=None, repr=False)
 
 
@@ -315,7 +315,7 @@ class Keeper:
             with mmap.mmap(snapshot.fd, snapshot.size, prot=mmap.PROT_READ) as memory:
                 view = memoryview(memory)
                 snapshot.storages = [
-                    Storage(s.offset, s.nbytes, tuple(
+                    HeldStorage(s.offset, s.nbytes, tuple(
                         checksum(view[at:min(at + CHUNK_BYTES, s.offset + s.nbytes)])
                         for at in range(s.offset, s.offset + s.nbytes, CHUNK_BYTES)))
                     for s in snapshot.storages]
@@ -374,7 +374,10 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def _readable_fd(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
+    """Whether ``fd`` has something to read now (or its end: EOF, a process's exit)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

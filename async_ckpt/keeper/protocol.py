@@ -179,7 +179,7 @@ def _memory_size(fd: int) -> int:
 
 
 @dataclass(frozen=True)
-class Storage:
+class HeldStorage:
     """A storage's bytes in a staging slot: ``nbytes`` at ``offset``, with the xxh3-64 checksum
     of each ``CHUNK_BYTES`` piece (the keeper's, made when it sealed the snapshot)."""
 
@@ -194,7 +194,7 @@ def layout_message(storages: list[tuple[int, int]], tensors: list[dict]) -> dict
     return {"storages": [[offset, nbytes] for offset, nbytes in storages], "tensors": tensors}
 
 
-def parse_layout(layout: Any, size: int) -> tuple[list[Storage], list]:
+def parse_layout(layout: Any, size: int) -> tuple[list[HeldStorage], list]:
     """A hold's layout, checked against the slot's ``size``: storages inside it, tensors a list
     (their records are checked by whoever builds tensors on them)."""
     if not (isinstance(layout, dict) and isinstance(layout.get("storages"), list)
@@ -205,7 +205,7 @@ def parse_layout(layout: Any, size: int) -> tuple[list[Storage], list]:
         if not (isinstance(s, list) and len(s) == 2 and is_int(s[0]) and is_int(s[1])
                 and s[0] + s[1] <= size):
             raise MemoryTierError("a hold's layout names bytes outside its memory")
-        storages.append(Storage(s[0], s[1]))
+        storages.append(HeldStorage(s[0], s[1]))
     return storages, layout["tensors"]
 
 
@@ -213,7 +213,7 @@ def chunk_count(nbytes: int) -> int:
     return -(-nbytes // CHUNK_BYTES)
 
 
-def held_message(step: int, tree: Any, tensors: list, storages: list[Storage]) -> dict:
+def held_message(step: int, tree: Any, tensors: list, storages: list[HeldStorage]) -> dict:
     """The answer to a query when the keeper holds a sealed snapshot (its memfd rides along)."""
     return {"type": "held", "step": step, "tree": tree, "tensors": tensors,
             "storages": [{"offset": s.offset, "nbytes": s.nbytes, "xxh3": list(s.checksums)}
@@ -224,12 +224,12 @@ def held_message(step: int, tree: Any, tensors: list, storages: list[Storage]) -
 class Held:
     """A held snapshot as a trainer received it, its structure checked: the step, the state
     tree and tensor records (checked further as they are used), the storages and their chunk
-    checksums (``Storage``) inside ``size`` bytes of the memfd."""
+    checksums (``HeldStorage``) inside ``size`` bytes of the memfd."""
 
     step: int
     tree: Any
     tensors: list
-    storages: tuple[Storage, ...]
+    storages: tuple[HeldStorage, ...]
 
 
 def parse_held(message: dict, size: int, alignment: int) -> Held:
@@ -248,5 +248,5 @@ def parse_held(message: dict, size: int, alignment: int) -> Held:
                 and all(map(is_checksum, s["xxh3"]))):
             raise MemoryTierError("the keeper's answer names a storage outside its memory, or "
                                   "without a checksum for each chunk")
-        parsed.append(Storage(s["offset"], s["nbytes"], tuple(s["xxh3"])))
+        parsed.append(HeldStorage(s["offset"], s["nbytes"], tuple(s["xxh3"])))
     return Held(step, message["tree"], message["tensors"], tuple(parsed))
