@@ -363,11 +363,11 @@ class CheckpointEngine:
             return
         changed = [path for path, t, version in staged.watched if t._version != version]
         if not changed:
+            if staged.memory is not None:  # first: a writer gone must not keep the slot held
+                self._memory.hold(staged.slot, *staged.memory, staged.step)
             if staged.job is not None:
                 self._pending[staged.job.job].staging_s = seconds
                 self._writer.submit(staged.job)
-            if staged.memory is not None:
-                self._memory.hold(staged.slot, *staged.memory, staged.step)
             return
         self._fail_staged(staged, StagingRaceError(
             f"step {staged.step} was not saved: {', '.join(changed[:3])}"
@@ -679,7 +679,7 @@ class CheckpointEngine:
         as this engine knows; None: none), ``memory_bytes`` (the memory it holds: the staging
         slot of that snapshot and of one being sealed, memory this process allocated and shares
         with it until it exits), ``memory_snapshots`` (sealed), ``memory_skipped`` (no free
-        slot: the disk snapshot in flight and the keeper's held the others), ``memory_superseded``
+        slot: each was being written to disk or held by the keeper), ``memory_superseded``
         (a newer one reached the keeper before it sealed them), ``memory_refused`` and
         ``keeper_pid`` (None once the keeper is lost)."""
         if not self._closed and self._broken is None:
@@ -746,18 +746,27 @@ class CheckpointEngine:
             if self._broken is None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
             if self._memory is not None:
-                self._memory.close(quit=self._broken is None and self._memory_on_disk())
+                self._close_memory_tier()
             self._release()
             self._restore_signal_handlers()
 
-    def _memory_on_disk(self) -> bool:
-        """Whether the newest step the keeper holds, or was handed, is committed (or older than
-        the newest committed one): then the keeper holds nothing a restart would want."""
-        newest = self._memory.newest
-        if newest is None:
-            return True
-        committed = read_manifest(self._committed_source()).snapshots
-        return bool(committed) and newest <= committed[-1].step
+    def _close_memory_tier(self) -> None:
+        """Tell the keeper to exit when the newest step it holds, or was handed, is committed (or
+        older than the newest committed one): it then holds nothing a restart would want. Else
+        (or when that cannot be known) let go of it: it keeps the step for a restart. Logs what
+        fails: closing goes on."""
+        newest, quit = self._memory.newest, False
+        try:
+            committed = read_manifest(self._committed_source()).snapshots
+            quit = self._broken is None and (newest is None or bool(committed)
+                                              and newest <= committed[-1].step)
+        except errors.CheckpointError as e:
+            log.error("the keeper keeps step %s: the committed steps cannot be read (%s)",
+                      newest, e)
+        try:
+            self._memory.close(quit)
+        except errors.CheckpointError as e:
+            log.error("closing the memory tier: %s", e)
 
     def __enter__(self) -> "CheckpointEngine":
         return self
