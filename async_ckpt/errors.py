@@ -89,7 +89,8 @@ class InsufficientMemoryError(CheckpointError):
 class MemoryTierError(CheckpointError):
     """The memory tier's keeper process (``memory_every``) could not be started or reached, is
     another user's, or answered with something malformed (its answers are untrusted input).
-    Restore then reads the disk; training goes on without the tier."""
+    Raised when the engine is created; later, the tier stops with a warning, training goes on,
+    and restores read the disk."""
 
 
 class UnsupportedFormatError(CheckpointError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import signal
 import threading
 from typing import Any, Callable, Collection, Literal, MutableMapping, Optional, Union
@@ -257,7 +258,9 @@ _BOOL = (lambda v: type(v) is bool, "True or False")
 # What each setting must be: checked in this order, every one before the engine touches anything.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "every": _int(1),
-    "memory_every": _int(1, optional=True), "memory_idle_timeout": _seconds(),
+    "memory_every": _int(1, optional=True),
+    "memory_idle_timeout": (lambda v: is_number(v) and 0 < v < math.inf,
+                            "a finite number of seconds > 0"),
     "keep_last": _int(1), "keep_every": _int(1, optional=True), "slots": _int(1),
     "when_busy": _one_of("wait", "skip"), "compression": _one_of(*COMPRESSIONS),
     "level": _int(ZSTD_LEVELS[0], ZSTD_LEVELS[-1]), "allow_pickle": _BOOL, "rng": _BOOL,

@@ -95,10 +95,15 @@ class KeeperClient:
             return cls._greet(sock, hello, started=False, process=None)
         try:
             ours, process = start_module("async_ckpt.keeper.keeper", stdout=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         stderr=_log_target(), start_new_session=True)
         except OSError as e:
             raise MemoryTierError(f"could not start the keeper process: {e}") from e
-        client = cls._greet(ours, hello, started=True, process=process)
+        try:
+            client = cls._greet(ours, hello, started=True, process=process)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
         if client is not None:
             return client
         process.wait(START_TIMEOUT_S)  # another keeper has the address (started meanwhile)
@@ -197,6 +202,17 @@ class KeeperClient:
             log.warning("the keeper (pid %d) did not exit when told to; killing it", self.pid)
             self._process.kill()
             self._process.wait()
+
+
+def _log_target() -> Optional[int]:
+    """Where the keeper logs: the trainer's stderr when that is a terminal or a file, else
+    nowhere. Never a pipe or a socket: the keeper, outliving the trainer, would hold it open, and
+    whatever reads the trainer's output to its end would wait for the keeper too."""
+    try:
+        mode = os.fstat(2).st_mode
+    except OSError:
+        return subprocess.DEVNULL
+    return None if stat.S_ISREG(mode) or stat.S_ISCHR(mode) else subprocess.DEVNULL
 
 
 def _connect(address: bytes) -> Optional[socket.socket]:
