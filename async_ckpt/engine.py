@@ -35,12 +35,13 @@ from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentErr
                      Preempted, RemoteConflictError, RemoteStorageError, SnapshotWriteError,
                      StagingRaceError, StateMismatchError, WorldSizeMismatchError,
                      WriterDiedError)
-from .format.manifest import SnapshotRecord, committed_steps
+from .format.manifest import committed_steps, read_manifest
 from .storage.names import RNG_KEY, check_step
 from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
-from .read.snapshot import Entry, hold_verify_threads, read_committed
+from .read.memory import require_memory
+from .read.snapshot import Entry, hold_verify_threads, read_committed, read_held
 from .stats import EngineCounts, SnapshotFigures
 from .tensors import registered_objects
 from .storage.local import LocalStorage
@@ -49,6 +50,7 @@ from .read.tiered import TieredStorage
 from .train.capture import Planner, capture, check_registrable
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
+from .train.memory_tier import MemoryTier, open_memory_tier
 from .train.session import start_session
 from .train.staging import Copy, StagingPool
 from .write.client import WriterClient
@@ -84,6 +86,8 @@ class CheckpointEngine:
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
                  mode: Literal["async", "sync"] = _O.mode,
                  staging: Literal["eager", "lazy"] = _O.staging, every: int = _O.every,
+                 memory_every: Optional[int] = _O.memory_every,
+                 memory_idle_timeout: float = _O.memory_idle_timeout,
                  keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
                  slots: int = _O.slots, when_busy: Literal["wait", "skip"] = _O.when_busy,
                  compression: Optional[Literal["zstd"]] = _O.compression, level: int = _O.level,
@@ -131,7 +135,9 @@ class CheckpointEngine:
         self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
         self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
         self._staging: Optional[_Staged] = None  # the snapshot whose copy fence() waits for
-        session = self._pool = None
+        self._restored_from: Optional[str] = None  # the tier the last restore read: memory, disk
+        self._restores: collections.Counter = collections.Counter()  # restores by tier
+        session = self._pool = self._writer = self._memory = None
         try:
             session = start_session(directory, self._coordinator, o.shared_settings(),
                                     o.lock_timeout, own_roots=o.remote is not None)
@@ -150,7 +156,12 @@ class CheckpointEngine:
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
                 remote=o.remote, remote_options=o.remote_options,
                 remote_keep_last=r.remote_keep_last, direct_io=o.direct_io))
+            if o.memory_every is not None:
+                self._memory = open_memory_tier(session.directory, r.rank, self._pool,
+                                                o.memory_idle_timeout, r.writer_nice)
         except BaseException:
+            if self._writer is not None:
+                self._writer.close(_CLOSE_TIMEOUT_S)
             if self._pool is not None:
                 self._pool.close()
             if session is not None:
@@ -160,8 +171,10 @@ class CheckpointEngine:
         release_verify_threads = hold_verify_threads()  # its restores reuse them; close joins them
         # An engine dropped without close(): free its memory and lock, and let its writer finish
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
+        # The memory tier's keeper keeps what it holds: the process may be dying.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         session.lock_fd, self._fences, release_verify_threads)
+                                         session.lock_fd, self._fences, release_verify_threads,
+                                         self._memory)
         self._old_handlers = self._install_preemption_handlers(r.preemption)
 
     # --- set-up -----------------------------------------------------------------------------
@@ -197,7 +210,8 @@ class CheckpointEngine:
         """
         self._check_usable()
         check_step(step)
-        if state is None:
+        registered = state is None  # the memory tier holds only the registered state
+        if registered:
             state = self.state
         else:
             self.options.check_state(state)
@@ -207,17 +221,26 @@ class CheckpointEngine:
         if self._old_handlers and self.world_size > 1:  # every rank stops at the same step
             self._preempted_by = self._coordinator.max(self._preempted_by or 0) or None
         preempting = self._preempted_by is not None
-        if not (force or preempting) and step % self.options.every:
+        to_disk = force or preempting or step % self.options.every == 0
+        to_memory = (registered and self._memory is not None and self._memory.active
+                     and step % self.options.memory_every == 0)
+        if not (to_disk or to_memory):
             return False
         called_at, t0 = time.monotonic(), time.perf_counter()
         self.fence()  # the previous snapshot's copy ends before this one is taken
-        slot = self._acquire_slot(may_skip=not preempting)
-        if slot is None:
-            self._counts.skipped += 1
-            log.warning("skipped the snapshot of step %d: every staging slot is still being written "
-                        "(%d skipped so far; add slots or snapshot less often)", step,
-                        self._counts.skipped)
-            return False
+        if to_disk:
+            slot = self._acquire_slot(may_skip=not preempting)
+            if slot is None:
+                self._counts.skipped += 1
+                log.warning("skipped the snapshot of step %d: every staging slot is still being "
+                            "written (%d skipped so far; add slots or snapshot less often)", step,
+                            self._counts.skipped)
+                return False
+        else:  # memory only: never waits (the keeper keeps the previous one meanwhile)
+            slot = self._pool.free_slot()
+            if slot is None:
+                self._memory.skipped += 1
+                return False
         t_slot = time.perf_counter()
         captured = self._capture(state)
         replicated = self.options.resolved.replicated
@@ -228,13 +251,19 @@ class CheckpointEngine:
             raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
+        if to_memory and captured.dtensors:
+            raise LayoutError("memory_every does not hold sharded tensors (DTensor) yet; create "
+                              "the engine with memory_every=None")
         plan, sources = self._planner.plan(captured.tensors, replica_of)
         self._fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))
         t_captured = time.perf_counter()
-        job, directory = next(self._jobs), self._session.snapshot_dir(step)
-        refer = ({} if self._tracker is None else
-                 self._tracker.unchanged(plan, sources, captured.tensors, job, step, directory,
-                                         trainable_storages(state)))
+        job = directory = None
+        refer = {}
+        if to_disk:
+            job, directory = next(self._jobs), self._session.snapshot_dir(step)
+            if self._tracker is not None:
+                refer = self._tracker.unchanged(plan, sources, captured.tensors, job, step,
+                                                directory, trainable_storages(state))
         lazy = (self.options.staging == "lazy" and self.options.mode == "async"
                 and not preempting)
         now = _buffer_regions(sources, state) if lazy else set()
@@ -245,12 +274,18 @@ class CheckpointEngine:
             and record.region not in now and not t.is_inference()]
         copy = self._pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
         del sources, captured.tensors
-        slot.busy = True
-        staged = _Staged(copy, slot, watched, SnapshotJob(
+        slot.busy, slot.held = to_disk, to_memory
+        staged = _Staged(copy, slot, watched, step, None if not to_disk else SnapshotJob(
             job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
             plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
             refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
-            markers=tuple(markers)))
+            markers=tuple(markers)), (plan, captured.tree) if to_memory else None)
+        self._staging = staged
+        if not to_disk:
+            if not lazy:
+                self.fence()
+                self._raise_failures()
+            return True
         self._last_step_taken = step
         self._writer_plan = plan
         record = SnapshotFigures(step, called_at, blocking_s=0.0, wait_slot_s=t_slot - t0,
@@ -258,7 +293,6 @@ class CheckpointEngine:
                                  staged_bytes=plan.raw_bytes - sum(plan.regions[k].nbytes
                                                                    for k in refer))
         self._pending[job] = record
-        self._staging = staged
         if not lazy:
             self.fence()
             self._raise_failures()  # (a copy that failed: CUDA)
@@ -279,8 +313,14 @@ class CheckpointEngine:
                        self.options.allow_pickle)
 
     def _fit(self, slot, plan, pin: bool) -> None:
-        """Make ``slot`` fit ``plan`` (page-locked if ``pin``), telling the writer of new memory."""
+        """Make ``slot`` fit ``plan`` (page-locked if ``pin``), telling the writer of new memory.
+        With the memory tier, new memory is asked for only when it is there: a keeper may hold
+        an earlier run's slot meanwhile, and shared memory that is not there kills a process
+        that touches it (SIGBUS) rather than failing its allocation."""
         old_buffer = slot.buffer_id
+        if self._memory is not None and slot.nbytes < plan.nbytes:
+            require_memory(plan.nbytes, "a staging slot of the memory tier (memory_every)",
+                           "free host memory, lower slots, or turn the memory tier off")
         if self._pool.fit(slot, plan, pin):
             if old_buffer >= 0:
                 self._writer.detach(old_buffer)
@@ -314,20 +354,23 @@ class CheckpointEngine:
         staged, self._staging = self._staging, None
         if staged is None:
             return
-        record = self._pending[staged.job.job]
         try:
-            record.staging_s = staged.copy.wait()
+            seconds = staged.copy.wait()
         except Exception as e:  # a CUDA error; a storage resized in place under the copy
             self._fail_staged(staged, SnapshotWriteError(
-                f"step {staged.job.step} was not saved: copying its tensors into the staging slot "
+                f"step {staged.step} was not saved: copying its tensors into the staging slot "
                 f"failed ({type(e).__name__}: {e}); the next snapshot is taken afresh"), e)
             return
         changed = [path for path, t, version in staged.watched if t._version != version]
         if not changed:
-            self._writer.submit(staged.job)
+            if staged.memory is not None:  # first: a writer gone must not keep the slot held
+                self._memory.hold(staged.slot, *staged.memory, staged.step)
+            if staged.job is not None:
+                self._pending[staged.job.job].staging_s = seconds
+                self._writer.submit(staged.job)
             return
         self._fail_staged(staged, StagingRaceError(
-            f"step {staged.job.step} was not saved: {', '.join(changed[:3])}"
+            f"step {staged.step} was not saved: {', '.join(changed[:3])}"
             f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} changed while being "
             "copied (lazy staging), by a write no fence saw. Call engine.fence() before changing "
             "the state in place outside an optimizer's step(), or use staging='eager'"))
@@ -336,11 +379,12 @@ class CheckpointEngine:
                      cause: Optional[BaseException] = None) -> None:
         """A snapshot that never reached the writer: its slot is free again, the next snapshot is
         whole, and ``error`` is raised at the next call (not from inside an optimizer's step)."""
-        staged.slot.busy = False
-        self._pending.pop(staged.job.job)
-        self._counts.record_failure()
-        self._writer_plan = None  # the next job carries its plan: the writer never got this one
-        self._next_snapshot_full()
+        staged.slot.busy = staged.slot.held = False
+        if staged.job is not None:
+            self._pending.pop(staged.job.job)
+            self._counts.record_failure()
+            self._writer_plan = None  # the next job carries its plan: the writer never got it
+            self._next_snapshot_full()
         error.__cause__ = cause
         log.error("%s", error)
         self._failures.append(error)
@@ -384,6 +428,12 @@ class CheckpointEngine:
         logged and skipped in favour of the previous one; ``restore(step=N)`` never falls back.
         Raises StateMismatchError, loading nothing, when the snapshot does not fit the state.
 
+        With ``memory_every`` (and no ``step``), the memory tier is asked first: when its keeper
+        holds a snapshot newer than the newest committed one, that snapshot is verified against
+        its checksums and copied into place, with no file read; when it holds nothing newer, is
+        gone, or what it holds does not verify (said with a warning), the disk is read as above.
+        ``stats()["restored_from"]`` says which.
+
         With several ranks, call it on every rank: they restore the same step, the newest that
         every rank can read, each its own per-rank state. Sharded tensors (``DTensor``) come back
         laid out as the registered ones are now, on any world size and mesh. A snapshot written
@@ -405,6 +455,9 @@ class CheckpointEngine:
                                        f"{short_repr(skip)}")
         self.wait()
         self._next_snapshot_full()  # what is restored came from a snapshot: compare afresh
+        held = self._read_held() if step is None and self._memory is not None else None
+        if held is not None:
+            return self._restored(self._load(*held, strict, False, frozenset(skip)), "memory")
         mapped, scratch = self._restore_memory()
         record, loaded = read_committed(
             self._committed_source(), step, self.rank, self.options.allow_pickle,
@@ -412,7 +465,59 @@ class CheckpointEngine:
             mapped=mapped, scratch=scratch, targets=self.state)
         if loaded is None:
             return None
-        return self._load(record, loaded, strict, reshard, frozenset(skip))
+        return self._restored(self._load(record.step, record.world_size, loaded, strict,
+                                         reshard, frozenset(skip)), "disk")
+
+    def _read_held(self) -> Optional[tuple[int, int, Entry]]:
+        """(step, world size, entry) of the memory tier's snapshot when it is newer than the
+        newest committed one and verifies; None to read the disk instead (said with a warning
+        when the tier was expected to hold something and does not, or what it holds is
+        damaged)."""
+        memory = self._memory
+        fallback = "restoring from disk"
+        if not memory.active:
+            warnings.warn(f"the memory tier's keeper is gone ({memory.lost}): {fallback}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        received = memory.query()
+        if received is None:
+            if memory.lost_before:
+                memory.lost_before = False  # said once
+                message = ("the memory tier's keeper of the previous run is gone (killed, out of "
+                           "memory, or past memory_idle_timeout): " + fallback)
+                log.warning("%s", message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return None
+        held = received.held
+        manifest = read_manifest(self._committed_source())
+        newest = manifest.snapshots[-1].step if manifest.snapshots else None
+        if newest is not None and held.step <= newest:
+            log.info("the memory tier holds step %d, not newer than committed step %d: %s",
+                     held.step, newest, fallback)
+            return None
+        try:
+            loaded = read_held(held.tree, held.tensors,
+                               [(s.offset, s.nbytes, s.checksums) for s in held.storages],
+                               None if received.memory is None else memoryview(received.memory),
+                               self.options.allow_pickle,
+                               f"the memory tier's snapshot of step {held.step}")
+            del received
+            self._check_loaded(loaded)
+        except errors.CheckpointError as e:
+            if not e.is_damage:
+                raise
+            message = (f"the memory tier's snapshot of step {held.step} is unusable ({e}): "
+                       + fallback)
+            log.warning("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return None
+        return held.step, 1, loaded
+
+    def _restored(self, step: int, tier: str) -> int:
+        self._restored_from = tier
+        self._restores[tier] += 1
+        log.info("restored step %d from %s", step, tier)
+        return step
 
     def load(self, step: Optional[int] = None) -> Optional[tuple[int, dict]]:
         """The newest committed snapshot that verifies (or ``step``), read as plain CPU tensors
@@ -429,7 +534,7 @@ class CheckpointEngine:
             self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded)
         if loaded is None:
             return None
-        self._load_rng(record, loaded.value.pop(RNG_KEY, None))
+        self._load_rng(record.world_size, loaded.value.pop(RNG_KEY, None))
         return record.step, loaded.plain()
 
     def drop(self, steps: Iterable[int], *, wait: bool = True,
@@ -491,7 +596,7 @@ class CheckpointEngine:
         check_generator_states(self.state, Entry("dict", {k: v for k, v in loaded.value.items()
                                                           if k != RNG_KEY}))
 
-    def _per_rank_entries(self, record: SnapshotRecord, loaded: Entry, reshard: bool,
+    def _per_rank_entries(self, step: int, world_size: int, loaded: Entry, reshard: bool,
                           skip: frozenset) -> frozenset:
         """At another world size: the entries that held per-rank state, which cannot be split or
         merged without knowing what they mean (but those ``skip`` leaves as they are). Raises
@@ -501,30 +606,30 @@ class CheckpointEngine:
                           - skip)
         problem = None
         if per_rank and not reshard:
-            problem = (f"step {record.step} in {self.directory} was written by "
-                       f"{record.world_size} rank(s), this job has {self.world_size}, and "
+            problem = (f"step {step} in {self.directory} was written by "
+                       f"{world_size} rank(s), this job has {self.world_size}, and "
                        f"{', '.join(per_rank)} held different state on each saved rank (per-rank "
                        "state such as a data position): it cannot be split or merged safely. "
-                       f"Restart with {record.world_size} rank(s), or pass reshard=True (or "
+                       f"Restart with {world_size} rank(s), or pass reshard=True (or "
                        "skip=[their names]) to keep those entries as they are now (see "
                        "docs/distributed.md)")
         self._coordinator.raise_if_any(problem, WorldSizeMismatchError,
-                                       f"step {record.step} cannot be restored on this world size")
+                                       f"step {step} cannot be restored on this world size")
         log.warning("restoring step %d, written by %d rank(s), on %d: sharded tensors re-split, "
-                    "entries held alike by every saved rank loaded from saved rank %d; %s", record.step,
-                    record.world_size, self.world_size, self.rank % record.world_size,
+                    "entries held alike by every saved rank loaded from saved rank %d; %s", step,
+                    world_size, self.world_size, self.rank % world_size,
                     f"per-rank entries {per_rank} keep their current state" if per_rank
                     else "no per-rank entries")
         return frozenset(per_rank)
 
-    def _load(self, record: SnapshotRecord, loaded: Entry, strict: bool, reshard: bool,
+    def _load(self, step: int, world_size: int, loaded: Entry, strict: bool, reshard: bool,
               skip: frozenset) -> int:
-        """Apply a snapshot read on every rank, after every rank has checked that it fits."""
-        step = record.step
+        """Apply a snapshot of ``step`` written by ``world_size`` ranks, read on every rank,
+        after every rank has checked that it fits."""
         rng = loaded.value.pop(RNG_KEY, None)
         kept = skip
-        if record.world_size != self.world_size:
-            kept = kept | self._per_rank_entries(record, loaded, reshard, skip)
+        if world_size != self.world_size:
+            kept = kept | self._per_rank_entries(step, world_size, loaded, reshard, skip)
         state = self.state
         if kept:
             state = {k: v for k, v in self.state.items() if k not in kept}
@@ -534,19 +639,18 @@ class CheckpointEngine:
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,
                                        f"step {step} does not fit the registered state")
         apply(state, loaded, step, strict, kept_by_state=(ResumableSampler, ResumableLoader))
-        self._load_rng(record, rng)
+        self._load_rng(world_size, rng)
         no_position = after_restore(self.state)
         if no_position is not None:
             warnings.warn(f"restored step {step}, but {no_position}", RuntimeWarning, stacklevel=3)
-        log.info("restored step %d", step)
         return step
 
-    def _load_rng(self, record: SnapshotRecord, rng: Optional[Entry]) -> None:
-        """Set the global RNG states saved with ``record`` (a rank past its world size derives
-        streams of its own from them)."""
+    def _load_rng(self, world_size: int, rng: Optional[Entry]) -> None:
+        """Set the global RNG states saved by ``world_size`` ranks (a rank past that world size
+        derives streams of its own from them)."""
         if self._rng is not None and rng is not None:
             self._rng.load_state_dict(rng.value)
-            if self.rank >= record.world_size:  # no saved stream of its own: derive one
+            if self.rank >= world_size:  # no saved stream of its own: derive one
                 self._rng.derive(rng.value, self.rank)
 
     def committed_steps(self) -> list[int]:
@@ -579,7 +683,18 @@ class CheckpointEngine:
         ``upload_lag_s`` (seconds since the oldest snapshot not yet uploaded was committed; 0
         when caught up), ``upload_pending_bytes`` (this rank's), ``uploaded_bytes``,
         ``upload_retries`` (failed requests in a row), ``upload_skipped`` and
-        ``upload_last_error`` (None, or the last failure, kept after a success)."""
+        ``upload_last_error`` (None, or the last failure, kept after a success).
+
+        Restores: ``restored_from`` (the tier the last ``restore()`` read: "memory", "disk", or
+        None before any restored a snapshot) and ``restores`` (how many read each tier).
+
+        With ``memory_every``: ``memory_step`` (the newest step the keeper holds, sealed, as far
+        as this engine knows; None: none), ``memory_bytes`` (the memory it holds: the staging
+        slot of that snapshot and of one being sealed, memory this process allocated and shares
+        with it until it exits), ``memory_snapshots`` (sealed), ``memory_skipped`` (no free
+        slot: each was being written to disk or held by the keeper), ``memory_superseded``
+        (a newer one reached the keeper before it sealed them), ``memory_refused`` and
+        ``keeper_pid`` (None once the keeper is lost)."""
         if not self._closed and self._broken is None:
             self._drain(block=False, raise_failures=False)
         return {
@@ -593,6 +708,9 @@ class CheckpointEngine:
             "trainer_rss": psutil.Process().memory_info().rss,
             **({} if self._closed else self._writer.rss()),
             **({} if self._remote is None else self._remote_figures()),
+            "restored_from": self._restored_from,
+            "restores": dict(self._restores),
+            **({} if self._memory is None else self._memory.figures()),
         }
 
     def _remote_figures(self) -> dict:
@@ -617,7 +735,11 @@ class CheckpointEngine:
         says) and committed first unless it was the last step snapshotted, so that a finished job
         run again does not retrain its last steps. With ``remote``, also waits up to ``timeout``
         seconds (None: no limit) for the newest committed snapshot to be in the bucket; past it,
-        logs what stays local (the next engine on this directory uploads it) and closes."""
+        logs what stays local (the next engine on this directory uploads it) and closes.
+
+        With ``memory_every``, the keeper exits too when what it holds is committed (a finished
+        job, ``final_step`` given); when it holds a newer step (closing after an error), it keeps
+        it for the job's restart, until ``memory_idle_timeout`` or the launcher's exit."""
         if self._closed:
             return
         try:
@@ -636,8 +758,28 @@ class CheckpointEngine:
             self._closed = True
             if self._broken is None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
+            if self._memory is not None:
+                self._close_memory_tier()
             self._release()
             self._restore_signal_handlers()
+
+    def _close_memory_tier(self) -> None:
+        """Tell the keeper to exit when the newest step it holds, or was handed, is committed (or
+        older than the newest committed one): it then holds nothing a restart would want. Else
+        (or when that cannot be known) let go of it: it keeps the step for a restart. Logs what
+        fails: closing goes on."""
+        newest, quit = self._memory.newest, False
+        try:
+            committed = read_manifest(self._committed_source()).snapshots
+            quit = self._broken is None and (newest is None or bool(committed)
+                                              and newest <= committed[-1].step)
+        except errors.CheckpointError as e:
+            log.error("the keeper keeps step %s: the committed steps cannot be read (%s)",
+                      newest, e)
+        try:
+            self._memory.close(quit)
+        except errors.CheckpointError as e:
+            log.error("closing the memory tier: %s", e)
 
     def __enter__(self) -> "CheckpointEngine":
         return self
@@ -685,6 +827,9 @@ class CheckpointEngine:
             slot = self._pool.free_slot()
             if slot is not None or (may_skip and self.options.when_busy == "skip"):
                 break
+            if self._memory is not None and self._memory.pending:
+                self._memory.poll(None)  # a held slot comes free once the keeper answers
+                continue
             self._handle(self._writer_event(None))
         waited = self._clock() - started
         if waited > self.options.slow_writer_s:
@@ -694,6 +839,8 @@ class CheckpointEngine:
         return slot
 
     def _drain(self, block: bool, raise_failures: bool = True) -> None:
+        if self._memory is not None:
+            self._memory.poll()
         while True:
             event = self._writer_event(None if block else 0)
             if event is None:
@@ -755,9 +902,12 @@ class CheckpointEngine:
 
 
 def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
-                       fences: list, release_verify_threads: Callable[[], None]) -> None:
+                       fences: list, release_verify_threads: Callable[[], None],
+                       memory: Optional[MemoryTier]) -> None:
     for handle in fences:
         handle.remove()
+    if memory is not None:
+        memory.close(quit=False)
     pool.close()
     writer.conn.close()
     os.close(lock_fd)
@@ -766,13 +916,16 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
 
 @dataclasses.dataclass
 class _Staged:
-    """A snapshot being copied into its slot: handed to the writer by ``fence()`` once the copy
-    is done and none of the ``watched`` (key path, tensor, version) tensors changed meanwhile."""
+    """A snapshot of ``step`` being copied into its slot: handed to the writer (``job``) and the
+    memory tier's keeper (``memory``: its plan and state tree) by ``fence()`` once the copy is
+    done and none of the ``watched`` (key path, tensor, version) tensors changed meanwhile."""
 
     copy: Copy
     slot: Any
     watched: list
-    job: SnapshotJob
+    step: int
+    job: Optional[SnapshotJob]
+    memory: Optional[tuple]
 
 
 def _buffer_regions(sources: list, state: Any) -> set[int]:

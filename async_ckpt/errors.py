@@ -81,8 +81,16 @@ class ChecksumMismatchError(CorruptSnapshotError):
 
 
 class InsufficientMemoryError(CheckpointError):
-    """Restoring a snapshot needs more host memory than is available now. Not damage: restore does
-    not fall back to an older snapshot, so that the newest one is not silently skipped."""
+    """Restoring a snapshot, or a staging slot of the memory tier (``memory_every``), needs more
+    host memory than is available now. Not damage: restore does not fall back to an older
+    snapshot, so that the newest one is not silently skipped."""
+
+
+class MemoryTierError(CheckpointError):
+    """The memory tier's keeper process (``memory_every``) could not be started or reached, is
+    another user's, or answered with something malformed (its answers are untrusted input).
+    Raised when the engine is created; later, the tier stops with a warning, training goes on,
+    and restores read the disk."""
 
 
 class UnsupportedFormatError(CheckpointError):

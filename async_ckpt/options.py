@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import signal
 import threading
 from typing import Any, Callable, Collection, Literal, MutableMapping, Optional, Union
@@ -56,7 +57,21 @@ class EngineOptions:
             and ``fence()``, which code changing the state in place by other means calls first).
             A change the fences missed fails that snapshot (``StagingRaceError``), never commits
             a torn one. Async mode only; in sync mode staging is eager.
-        every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``).
+        every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``)
+            or the memory tier takes it (``memory_every``).
+        memory_every: the memory tier (docs/memory_tier.md): also take a snapshot every
+            ``memory_every`` steps that is only kept in memory, by a keeper process that outlives
+            this one, so that a trainer killed at step N resumes from N (``restore()`` takes it
+            when it is newer than the newest committed snapshot, and verified). It is staged as a
+            disk snapshot is, into a staging slot that the keeper then holds until it holds a
+            newer one: with ``slots=2`` memory snapshots are skipped while a disk snapshot is
+            being written (``stats()["memory_skipped"]``), with 3 they are not. Only the
+            registered state (not ``snapshot(state=...)``), one rank, and not ``incremental``.
+            None: off. It protects against a process dying, not against the machine losing its
+            memory: that is what the disk is for.
+        memory_idle_timeout: seconds the keeper keeps a snapshot with no trainer attached before
+            it exits (it exits at once when the job's launcher, the trainer's parent, has exited,
+            and when ``close()`` has committed what it held).
         keep_last: committed snapshots kept (newest by commit order); at least 1.
         keep_every: also keep every snapshot whose step is a multiple of this.
         slots: staging buffers, each the size of the state; more slots absorb slower disks.
@@ -118,6 +133,8 @@ class EngineOptions:
     mode: Literal["async", "sync"] = "async"
     staging: Literal["eager", "lazy"] = "eager"
     every: int = 1
+    memory_every: Optional[int] = None
+    memory_idle_timeout: float = 600.0
     keep_last: int = 3
     keep_every: Optional[int] = None
     slots: int = 2
@@ -158,6 +175,15 @@ class EngineOptions:
         _require(resolved.world_size == 1 or self.when_busy == "wait",
                  "when_busy='skip' needs one rank: ranks would skip different steps, which then "
                  "never commit; use when_busy='wait'")
+        if self.memory_every is not None:
+            _require(not self.incremental, "memory_every and incremental=True do not go together "
+                     "yet: a memory snapshot must hold every byte of the state")
+            _require(self.slots >= 2, "memory_every needs slots >= 2: the keeper holds one slot "
+                     "while the next snapshot is staged into another")
+            if resolved.world_size > 1:
+                raise DistributedSetupError(
+                    f"memory_every works with one rank for now; this job has "
+                    f"{resolved.world_size}. Create the engine with memory_every=None")
         if self.incremental and resolved.world_size > 1:
             raise DistributedSetupError(
                 f"incremental=True works with one rank; this job has {resolved.world_size}. "
@@ -198,7 +224,8 @@ class EngineOptions:
     def shared_settings(self) -> dict:
         """The settings every rank's engine must be created with alike (checked at start-up): the
         ranks of one job write and commit the same snapshots."""
-        return {"every": self.every, "keep_last": self.keep_last, "keep_every": self.keep_every,
+        return {"every": self.every, "memory_every": self.memory_every,
+                "keep_last": self.keep_last, "keep_every": self.keep_every,
                 "replicated": sorted(self.resolved.replicated),
                 "spread_replicated": self.spread_replicated, "rng": self.rng, "mode": self.mode,
                 "remote": self.remote, "remote_keep_last": self.resolved.remote_keep_last}
@@ -244,6 +271,9 @@ _BOOL = (lambda v: type(v) is bool, "True or False")
 # What each setting must be: checked in this order, every one before the engine touches anything.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "every": _int(1),
+    "memory_every": _int(1, optional=True),
+    "memory_idle_timeout": (lambda v: is_number(v) and 0 < v < math.inf,
+                            "a finite number of seconds > 0"),
     "keep_last": _int(1), "keep_every": _int(1, optional=True), "slots": _int(1),
     "when_busy": _one_of("wait", "skip"), "compression": _one_of(*COMPRESSIONS),
     "level": _int(ZSTD_LEVELS[0], ZSTD_LEVELS[-1]), "allow_pickle": (_picklable, "True, False or a collection of classes (and torch dtypes)"), "rng": _BOOL,

@@ -30,7 +30,7 @@ from async_ckpt.errors import (CorruptSnapshotError, EncodingError,  # noqa: E40
 from async_ckpt.integrations.deepspeed import (DEEPSPEED_PICKLED, install,  # noqa: E402
                                                read_record)
 from test_distributed import torchrun  # noqa: E402
-from test_sharded import _wait  # noqa: E402
+from test_sharded import wait_torchrun  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "deepspeed_zero.py")
 _spec = importlib.util.spec_from_file_location("deepspeed_zero", PROGRAM)
@@ -66,7 +66,7 @@ def test_zero_1_2_3_killed_mid_save_resume_bit_exact(tmp_path):
 def _wait_json(root):
     out = os.path.join(root, "resume.json")
     log = os.path.join(root, "resume.txt")
-    _wait(torchrun(PROGRAM, 2, "--phase", "resume", "--root", root, "--out", out, output=log), log)
+    wait_torchrun(torchrun(PROGRAM, 2, "--phase", "resume", "--root", root, "--out", out, output=log), log)
     with open(out) as f:
         return json.load(f)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import InvalidArgumentError
+from async_ckpt.errors import DistributedSetupError, InvalidArgumentError
 from async_ckpt.storage.names import RNG_KEY
 from async_ckpt.options import _RULES, DEFAULT_PREEMPTION_SIGNALS, EngineOptions
 
@@ -41,6 +41,7 @@ def test_every_setting_has_a_rule():
 # Refused values, setting by setting: each an InvalidArgumentError naming the setting and value.
 REFUSED = {
     "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
+    "memory_every": [0, 1.5, True], "memory_idle_timeout": [0, -1, None, float("nan"), float("inf")],
     "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
     "when_busy": ["drop"], "compression": ["lz4", "ZSTD", "", "gzip", True, 1], "level": [23, 1.5, None, True],
     "allow_pickle": [1, "yes", None, [object()], [pickle.loads]], "rng": [0], "rank": [-1, 0.0, "0"], "world_size": [0],
@@ -81,6 +82,8 @@ def test_each_refused_value_is_refused_before_the_directory_is_touched(tmp_path,
     ({"rank": 0, "world_size": 100_001}, "at most MAX_WORLD_SIZE = 100000 ranks"),
     ({"commit_timeout": 0}, "commit_timeout must be a number of seconds > 0"),
     ({"rank": 0, "world_size": 2, "when_busy": "skip"}, "when_busy='skip' needs one rank"),
+    ({"memory_every": 1, "incremental": True}, "memory_every and incremental=True"),
+    ({"memory_every": 1, "slots": 1}, "memory_every needs slots >= 2"),
 ])
 def test_invalid_settings_are_refused_with_a_message(kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):
@@ -130,7 +133,8 @@ def test_check_state_refuses_what_cannot_be_snapshotted():
 
 def test_shared_settings_are_what_every_rank_must_agree_on():
     settings = EngineOptions(every=5, replicated=["b", "a"], mode="sync").shared_settings()
-    assert settings == {"every": 5, "keep_last": 3, "keep_every": None, "replicated": ["a", "b"],
+    assert settings == {"every": 5, "memory_every": None, "keep_last": 3, "keep_every": None,
+                        "replicated": ["a", "b"],
                         "spread_replicated": False, "rng": True, "mode": "sync",
                         "remote": None, "remote_keep_last": 3}
     assert EngineOptions(lock_timeout=1, slots=4).shared_settings() == EngineOptions().shared_settings()
@@ -147,3 +151,8 @@ def test_the_engine_signature_lists_every_option_with_its_default_and_type():
     for parameter, field in zip(options, fields):
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
         assert (parameter.default, parameter.annotation) == (field.default, field.type)
+
+
+def test_the_memory_tier_needs_one_rank_for_now():
+    with pytest.raises(DistributedSetupError, match="memory_every works with one rank"):
+        EngineOptions(memory_every=1, rank=0, world_size=2)

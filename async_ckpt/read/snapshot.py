@@ -4,7 +4,8 @@
 shards): every chunk checksummed, every tensor record and tree node validated, tensors that shared
 memory when saved sharing it again. ``read_committed`` picks what to read: the newest committed
 snapshot that every rank can read, falling back together past damage. ``load`` is the public
-engine-free reader. Nothing here touches the user's objects (``restore.py`` does).
+engine-free reader. ``read_held`` reads a snapshot the memory tier's keeper held the same way,
+from its memory instead of a file. Nothing here touches the user's objects (``restore.py`` does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from ..distributed import Coordinator
-from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, NoSnapshotError
+from ..errors import (CheckpointDirError, CheckpointError, ChecksumMismatchError,
+                      CorruptSnapshotError, NoSnapshotError)
 from ..format import values
 from ..format.values import AllowPickle
 from ..format import tree as tree_model
@@ -29,7 +31,7 @@ from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..storage.names import RNG_KEY
 from ..format.references import References
-from ..format.shard import MAX_DIMS, MAX_EXTENT, ShardReader
+from ..format.shard import CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum
 from .memory import allocating, require_memory
 from .records import alignments, tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
@@ -119,6 +121,40 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         # mapping) would live on until the cycle collector runs, not as long as the entries do
         root_entry.borrowed = frozenset(buffers[key].untyped_storage().data_ptr() for key in lent)
         return root_entry
+
+
+def read_held(tree: Any, records: Any, storages: list[tuple[int, int, tuple[str, ...]]],
+              memory: Optional[memoryview], allow_pickle: bool, where: str) -> Entry:
+    """A snapshot the memory tier's keeper held, as ``read_snapshot`` reads a shard: ``storages``
+    are (offset, bytes, the xxh3-64 of each ``CHUNK_BYTES`` piece) in ``memory`` (the keeper's
+    memfd, mapped privately, inside which they lie), ``records`` the tensor records over them
+    (storage ``i`` of rank 0), ``tree`` the state tree. Every chunk is checked before anything is
+    built (ChecksumMismatchError, naming the tensors it holds); the tensors view ``memory``, lent
+    (``Entry.borrowed``): the restore copies them once, into place."""
+    held = _held_by(tree, records, 0)
+
+    def check(i: int, at: int, end: int, expected: str) -> None:
+        if checksum(memory[at:end]) != expected:
+            chunk = (at - storages[i][0]) // CHUNK_BYTES
+            raise ChecksumMismatchError(f"{where}: storage {i} chunk {chunk} "
+                                        "fails its checksum (the memory changed after the "
+                                        "keeper sealed it)")
+
+    _in_parallel([_naming(functools.partial(check, i, at, min(at + CHUNK_BYTES, offset + nbytes),
+                                            expected), held.get((0, i)))
+                  for i, (offset, nbytes, checksums) in enumerate(storages)
+                  for at, expected in zip(range(offset, offset + nbytes, CHUNK_BYTES), checksums)])
+    buffers = {(0, i): torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
+               if nbytes else torch.empty(0, dtype=torch.uint8)
+               for i, (offset, nbytes, _) in enumerate(storages)}
+    if not isinstance(records, list):
+        raise CorruptSnapshotError(f"{where}: the tensor table is not a list")
+    tensors = [_tensor_from_record(t, buffers, 0, where, n) for n, t in enumerate(records)]
+    root_entry = _rebuild(tree, tensors, [], allow_pickle, where)
+    tensors.clear()  # as in read_snapshot: the tensors live as long as the entries, no longer
+    root_entry.borrowed = frozenset(b.untyped_storage().data_ptr() for b in buffers.values()
+                                    if b.numel())
+    return root_entry
 
 
 def _held_by(tree: Any, records: list, rank: int) -> dict[tuple[int, int], str]:

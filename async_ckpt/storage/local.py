@@ -832,6 +832,12 @@ class LocalStorage(Storage):
         """The path of ``rank``'s lock file, which the engine's writer process joins."""
         return lock_path(self.root, rank)
 
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the directory: what tells it from any other while it exists. A
+        directory emptied in place keeps it, and one made anew may get a freed inode again."""
+        st = os.stat(self.root)
+        return st.st_dev, st.st_ino
+
     def write_heartbeat(self, rank: int, data: bytes) -> None:
         """Replace ``rank``'s heartbeat file atomically, not durably: it is about liveness now,
         not after a power cut."""

@@ -35,6 +35,7 @@ LOCK_PREFIX = ".lock-rank"
 LOCK_FILE = re.compile(re.escape(LOCK_PREFIX) + r"[0-9]{5}")
 SESSION_NAME = "session.json"  # the current run's session token, with several ranks
 HEARTBEAT_FILE = re.compile(r"heartbeat\.rank[0-9]{5}\.json")  # liveness, not part of any snapshot
+MEMORY_SESSION_FILE = re.compile(r"memory\.rank[0-9]{5}\.json")  # the memory tier's session
 RANK_ROOT = re.compile(r"rank-([0-9]{5})")  # a rank's own root when the ranks share no directory
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 MAX_WORLD_SIZE = 10**5  # ranks have 5 digits in shard, lock and heartbeat file names
@@ -109,6 +110,12 @@ def lock_file_name(rank: int) -> str:
 
 def heartbeat_file_name(rank: int) -> str:
     return f"heartbeat.rank{rank:05d}.json"
+
+
+def memory_session_file_name(rank: int) -> str:
+    """The file naming the memory tier's session of ``rank`` (docs/memory_tier.md): what a
+    trainer greets the rank's keeper with; what ``MEMORY_SESSION_FILE`` matches."""
+    return f"memory.rank{rank:05d}.json"
 
 
 def checked_name(name, pattern: re.Pattern, what: str, error: Type[CheckpointError]) -> str:

@@ -1,2 +1,3 @@
 """The training side: what runs in the training process, on the training thread (capture of the
-state, the staging pool, RNG states, heartbeats, the rank's session). See docs/ARCHITECTURE.md."""
+state, the staging pool, RNG states, heartbeats, the rank's session, the memory tier's held
+slots). See docs/ARCHITECTURE.md."""

@@ -18,6 +18,7 @@ lets training run on until a fence waits for it (``engine.py``).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -69,13 +70,16 @@ class Copy:
 
 @dataclass(eq=False)
 class Slot:
-    """One staging buffer. ``buffer_id`` changes whenever the memory behind the slot is replaced."""
+    """One staging buffer. ``buffer_id`` changes whenever the memory behind the slot is replaced.
+    ``busy``: the writer reads it; ``held``: the memory tier's keeper holds it, or will
+    (``train/memory_tier.py``). Either keeps it from being staged into, or read into."""
 
     index: int
     buffer_id: int = -1
     nbytes: int = 0
     fd: int = -1
     busy: bool = False
+    held: bool = False
     pinned: bool = False
     _map: Optional[mmap.mmap] = field(default=None, repr=False)
     tensor: Optional[torch.Tensor] = field(default=None, repr=False)
@@ -114,14 +118,14 @@ class StagingPool:
         return sum(s.nbytes for s in self.slots)
 
     def free_slot(self) -> Optional[Slot]:
-        return next((s for s in self.slots if not s.busy), None)
+        return next((s for s in self.slots if not (s.busy or s.held)), None)
 
     def scratch(self, slot: Optional[Slot] = None) -> Optional[memoryview]:
         """The memory of ``slot``, or of the largest free slot, for a restore to read into
         (``read_snapshot``'s ``scratch``): faulted in already, and the next snapshot's to
         overwrite. None before any slot is allocated."""
         free = [slot] if slot is not None else [
-            s for s in self.slots if not s.busy and s._map is not None]
+            s for s in self.slots if not (s.busy or s.held) and s._map is not None]
         return memoryview(max(free, key=lambda s: s.nbytes)._map) if free else None
 
     def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
@@ -134,8 +138,12 @@ class StagingPool:
             slot.free_memory()
             size = max(align_up(plan.nbytes, _GROWTH_ALIGNMENT), _GROWTH_ALIGNMENT)
             try:
-                slot.fd = os.memfd_create(f"async_ckpt-slot{slot.index}", os.MFD_CLOEXEC)
+                slot.fd = os.memfd_create(f"async_ckpt-slot{slot.index}",
+                                          os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(slot.fd, size)
+                # never resized: whoever maps it (the writer, the keeper, a restore from the
+                # keeper) can rely on that, as no read of a mapping can then fault
+                fcntl.fcntl(slot.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 slot._map = mmap.mmap(slot.fd, size)
                 slot.tensor = torch.frombuffer(slot._map, dtype=torch.uint8)
                 slot.tensor.fill_(0)  # fault every page in now, not during a snapshot

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 
@@ -27,20 +27,31 @@ log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 120.0
 
 
+def start_module(module: str, **popen: Any) -> tuple[socket.socket, subprocess.Popen]:
+    """Start ``python -m module --fd N`` (a fresh interpreter, never a fork of the trainer), with
+    this copy of the package importable, and the socket to it: the other end of a socketpair
+    whose fd N it inherits. ``popen``: more arguments for ``subprocess.Popen``."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    try:
+        process = subprocess.Popen([sys.executable, "-m", module, "--fd", str(theirs.fileno())],
+                                   pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                   **popen)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return ours, process
+
+
 class WriterClient:
     """The training process's handle on its writer process."""
 
     def __init__(self, config: WriterConfig):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "async_ckpt.write.writer", "--fd", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
+        ours, self.process = start_module("async_ckpt.write.writer")
         self.conn = Connection(ours.detach())
         # One poll object for the connection's life: multiprocessing's wait() makes a selector
         # per call, and the engine polls at every snapshot (~50 us against ~10 us, measured).

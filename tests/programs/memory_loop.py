@@ -1,0 +1,72 @@
+"""A tiny training loop for the memory tier's kill tests (tests/test_memory_tier.py): an MLP with
+dropout and Adam on batches drawn from the global RNG, ``async_ckpt.deterministic()`` first, a
+disk snapshot every 50 steps and a memory snapshot every step, ~10 ms a step. It restores what
+``restore()`` picks and appends JSON lines to LOG: first ``{"pid", "restored", "tier",
+"keeper", "warnings"}``, then per step ``{"step", "loss", "memory_step", "committed"}`` (what
+the engine knew after that step's snapshot), and leaves through ``close(final_step)``. The test
+trains the same steps in its own process (``build``, ``train_step``) for the uninterrupted run.
+
+Usage: memory_loop.py DIR LOG STEPS
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+import async_ckpt
+from async_ckpt import CheckpointEngine
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer, from the global RNG seeded anew."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """One step on a batch drawn from the global RNG (as dropout's mask is); its loss."""
+    x = torch.randn(8, 16)
+    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def main() -> None:
+    directory, log_path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    async_ckpt.deterministic()
+    model, optimizer = build()
+    progress = {"next_step": 0}
+    state = {"model": model, "optimizer": optimizer, "progress": progress}
+    with CheckpointEngine(directory, state, every=50, memory_every=1, slots=3,
+                          heartbeat_interval=None) as engine, open(log_path, "a") as log:
+        def write(record: dict) -> None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = engine.restore()
+        stats = engine.stats()
+        write({"pid": os.getpid(), "restored": restored, "tier": stats["restored_from"],
+               "keeper": stats["keeper_pid"], "warnings": [str(w.message) for w in caught]})
+        for step in range(progress["next_step"], steps):
+            loss = train_step(model, optimizer)
+            progress["next_step"] = step + 1
+            engine.snapshot(step)
+            committed = engine.committed_steps()
+            write({"step": step, "loss": loss, "memory_step": engine.stats()["memory_step"],
+                   "committed": committed[-1] if committed else None})
+            time.sleep(0.01)
+        engine.close(final_step=steps - 1)
+
+
+if __name__ == "__main__":
+    main()
