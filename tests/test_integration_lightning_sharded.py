@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from async_ckpt.errors import (CorruptSnapshotError, PointerFileError,  # noqa: E402
-                               UnsupportedOptionError)
+                               StateMismatchError, UnsupportedOptionError)
 from async_ckpt.format.manifest import read_manifest  # noqa: E402
 from async_ckpt.integrations.directories import read_pointer  # noqa: E402
 from async_ckpt.integrations.lightning_sharded import (AsyncCkptModelParallelStrategy,  # noqa
@@ -229,6 +229,10 @@ def test_a_stock_checkpoint_resumes_and_a_save_after_fit_is_there_when_it_return
 
     with pytest.raises(PointerFileError, match="AsyncCkptModelParallelStrategy"):
         trainer(ours(tmp_path / "elsewhere"), steps=10).fit(ShardedMLP(), ckpt_path=saved)
+    weights = tmp_path / "weights.ckpt"
+    run.save_checkpoint(weights, weights_only=True)
+    with pytest.raises(StateMismatchError, match="missing from the checkpoint: optimizer_0"):
+        trainer(ours(tmp_path), steps=10).fit(ShardedMLP(), ckpt_path=weights)
     damage(str(tmp_path / "engine"), read_pointer(str(saved))[1])
     with pytest.raises(CorruptSnapshotError, match="Lightning asked for this checkpoint"):
         trainer(ours(tmp_path), steps=10).fit(ShardedMLP(), ckpt_path=saved)
