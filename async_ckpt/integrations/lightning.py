@@ -367,23 +367,9 @@ class AsyncCkptIO(CheckpointIO):
             def read(step):
                 return load(self.directory, step, allow_pickle=self._engine_options.get(
                     "allow_pickle", False))
-        try:
-            return read(pointer.step)
-        except CheckpointError as e:
-            if not (e.is_damage or isinstance(e, NoSnapshotError)):
-                raise
-            cause = e
-        where = f"{path} names snapshot {pointer.step} of {self.directory}, which {_why(cause)}"
-        if not _is_last_checkpoint(path):
-            raise type(cause)(f"{where}. Lightning asked for this checkpoint, so no other is "
-                              "loaded in its place: resume with ckpt_path='last' (which falls "
-                              "back to the newest snapshot that verifies) or pass another "
-                              "checkpoint's path") from cause
-        step, checkpoint = read(None)
-        warnings.warn(f"{where}; it stands for the newest state, so the newest committed "
-                      f"snapshot that verifies was loaded instead: snapshot {step} (global step "
-                      f"{checkpoint.get('global_step')})", RuntimeWarning, stacklevel=3)
-        return step, checkpoint
+        return _read_named_or_newest(
+            read, pointer.step, path, self.directory,
+            lambda loaded: f"snapshot {loaded[0]} (global step {loaded[1].get('global_step')})")
 
     def _step_named_by(self, path: str) -> Optional[int]:
         """The snapshot the pointer at ``path`` names, or will once the saves in flight commit."""
@@ -655,6 +641,32 @@ def _is_last_checkpoint(path: str) -> bool:
     stem, suffix = os.path.splitext(os.path.basename(path))
     return (suffix == ModelCheckpoint.FILE_EXTENSION
             and re.match(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?", stem) is not None)
+
+
+def _read_named_or_newest(read: Callable[[Optional[int]], Any], step: int, path: str,
+                          directory: str, shown: Callable[[Any], str]) -> Any:
+    """``read(step)``: the snapshot the checkpoint at ``path`` names. Where that is damaged or
+    gone, its typed error naming ``path``, unless ``path`` is a ``last*.ckpt`` (it stands for the
+    newest state): then ``read(None)``, the newest committed snapshot that verifies (by the
+    engine's own fallback rule: the same step on every rank), with a RuntimeWarning naming what
+    was loaded (``shown`` of what ``read`` returned)."""
+    try:
+        return read(step)
+    except CheckpointError as e:
+        if not (e.is_damage or isinstance(e, NoSnapshotError)):
+            raise
+        cause = e
+    where = f"{path} names snapshot {step} of {directory}, which {_why(cause)}"
+    if not _is_last_checkpoint(path):
+        raise type(cause)(f"{where}. Lightning asked for this checkpoint, so no other is "
+                          "loaded in its place: resume with ckpt_path='last' (which falls "
+                          "back to the newest snapshot that verifies) or pass another "
+                          "checkpoint's path") from cause
+    loaded = read(None)
+    warnings.warn(f"{where}; it stands for the newest state, so the newest committed snapshot "
+                  f"that verifies was loaded instead: {shown(loaded)}", RuntimeWarning,
+                  stacklevel=4)
+    return loaded
 
 
 def _why(error: CheckpointError) -> str:

@@ -51,13 +51,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from .. import CheckpointEngine, Derived, Marker, load
-from ..errors import (CheckpointError, EncodingError, NoSnapshotError, PointerFileError,
-                      UnsupportedOptionError)
+from ..errors import CheckpointError, EncodingError, PointerFileError, UnsupportedOptionError
 from ..rng import GlobalRNG
 from .directories import pointer_file, read_pointer
 from .lightning import (DATA_POSITION_LOST, LAST_LINK_DANGLES, _count_saves_in_flight_as_files,
-                        _encodable_hparams, _is_last_checkpoint, _is_mid_epoch,
-                        _loses_data_position, _restored_hparams, _stop_counting_saves_in_flight,
+                        _encodable_hparams, _is_mid_epoch, _loses_data_position,
+                        _read_named_or_newest, _restored_hparams, _stop_counting_saves_in_flight,
                         _unencodable)
 
 __all__ = ["AsyncCkptModelParallelStrategy", "consolidate"]
@@ -309,21 +308,8 @@ class AsyncCkptModelParallelStrategy(ModelParallelStrategy):
         engine = self._open()
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         rng = None if fitting else GlobalRNG().state_dict()  # restore() sets the saved one
-        try:
-            engine.restore(step, strict=fitting)
-        except CheckpointError as e:
-            if not (e.is_damage or isinstance(e, NoSnapshotError)):
-                raise
-            where = f"{path} names snapshot {step} of {self.directory}, which {_why(e)}"
-            if not _is_last_checkpoint(path):
-                raise type(e)(f"{where}. Lightning asked for this checkpoint, so no other is "
-                              "loaded in its place: resume with ckpt_path='last' (which falls "
-                              "back to the newest snapshot that verifies) or pass another "
-                              "checkpoint's path") from e
-            restored = engine.restore(strict=fitting)
-            warnings.warn(f"{where}; it stands for the newest state, so the newest committed "
-                          f"snapshot that verifies was loaded instead: snapshot {restored}",
-                          RuntimeWarning, stacklevel=2)
+        _read_named_or_newest(lambda s: engine.restore(s, strict=fitting), step, path,
+                              self.directory, lambda restored: f"snapshot {restored}")
         if fitting:
             self._rng_to_restore = GlobalRNG().state_dict()  # as restore set it: set again later
         else:  # validate, test, predict: the RNG stays as it was, as with the stock strategy
@@ -416,11 +402,6 @@ def _pointer_or_error(path: str) -> Union[None, tuple[str, int], CheckpointError
         return read_pointer(path)
     except CheckpointError as e:
         return e
-
-
-def _why(error: CheckpointError) -> str:
-    return ("is not committed (dropped or never written)" if isinstance(error, NoSnapshotError)
-            else f"is damaged: {error}")
 
 
 # --- one file of a sharded checkpoint ---------------------------------------------------------

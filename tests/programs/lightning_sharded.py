@@ -1,9 +1,9 @@
 """Lightning's ModelParallelStrategy saving through async_ckpt, under torchrun (CPU, gloo), for
 tests/test_integration_lightning_sharded.py.
 
-A tiny FSDP2 LightningModule (dropout, and noise drawn from the global RNG in the dataset's
-``__getitem__``), AdamW with a StepLR schedule, a shuffled torchdata ``StatefulDataLoader`` of each
-rank's part of the data, ``ModelCheckpoint(every_n_train_steps=5, save_top_k=2,
+lightning_fit.py's model sharded with FSDP2 (dropout, and noise drawn from the global RNG in the
+dataset's ``__getitem__``; Adam with a StepLR schedule), a shuffled torchdata
+``StatefulDataLoader`` of each rank's part of the data, ``ModelCheckpoint(every_n_train_steps=5, save_top_k=2,
 monitor="train_loss", save_last=True)`` and ``AsyncCkptModelParallelStrategy(ROOT/engine)``. Each
 run appends ``{"step", "loss"}`` per training step to ``ROOT/rank-R.jsonl`` (the loss as Python
 writes a float: equal records are bit-identical losses), and rank 0 writes the whole model and
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 import warnings
 
@@ -39,47 +40,24 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from async_ckpt.integrations.lightning_sharded import AsyncCkptModelParallelStrategy
 
-SAMPLES, BATCH, STEPS = 48, 4, 15  # 6 batches per rank and epoch on 2 ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imported by the tests too
+from lightning_fit import BATCH, SAMPLES, DropoutMLP, NoisyPoints  # noqa: E402
+
+STEPS = 15  # 6 batches per rank and epoch on 2 ranks
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class NoisyPoints(torch.utils.data.Dataset):
-    def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 2, generator=g)
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.05 * torch.randn(8), self.y[i]
-
-
-class ShardedMLP(L.LightningModule):
-    def __init__(self, hidden: int = 32, lr: float = 0.01):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(),
-                                       torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 2))
+class ShardedMLP(DropoutMLP):
+    """lightning_fit.py's model and data, sharded with FSDP2, each rank shuffling its part."""
 
     def configure_model(self):
-        if isinstance(self.net, FSDPModule):
-            return  # sharded by an earlier stage of the same Trainer (configure_model's rule)
+        if self.device_mesh is None or isinstance(self.net, FSDPModule):
+            return  # no Trainer (load_from_checkpoint), or sharded by an earlier stage
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.8)]
 
     def train_dataloader(self):
         # each rank shuffles its own part: Lightning's DistributedSampler inside a
