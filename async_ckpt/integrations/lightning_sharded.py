@@ -268,17 +268,16 @@ class AsyncCkptModelParallelStrategy(ModelParallelStrategy):
         checkpoint) is removed as the stock strategy removes it."""
         path = os.path.abspath(os.fspath(filepath))
         pending = self._saves.pop(path, None)
-        if not self.is_global_zero:
-            return
-        if os.path.islink(path):
+        engine = self._open()  # on every rank, as Lightning calls this (opening agrees)
+        if self.is_global_zero and os.path.islink(path):
             os.unlink(path)  # save_last="link": the link only, never what it points to
-            return
-        step = pending if pending is not None else self._own_step(path)
-        if step is None:
-            TorchCheckpointIO().remove_checkpoint(path)
-            return
-        self._removing.add(path)
-        self._open().drop([step], wait=False, files=[path])
+        elif self.is_global_zero:
+            step = pending if pending is not None else self._own_step(path)
+            if step is None:
+                TorchCheckpointIO().remove_checkpoint(path)
+            else:
+                self._removing.add(path)
+                engine.drop([step], wait=False, files=[path])
         if not self._in_stage:
             self._close()
 
