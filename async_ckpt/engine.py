@@ -546,11 +546,11 @@ class CheckpointEngine:
         ranks on a shared directory, rank 0's call drops (the others' do nothing). The bucket
         of ``remote`` keeps its own retention (``remote_keep_last``). Returns the steps dropped.
 
-        ``wait=False`` (one rank only): queue the drop behind the snapshots already taken and
-        return None at once, so that retention applied right after a snapshot does not make
-        training wait for its commit; the writer, which commits each snapshot before it reads
-        the next message, applies it after them. A failure is raised by a later call, as a
-        failed write's is.
+        ``wait=False``: queue the drop behind the snapshots already taken and return None at
+        once, so that retention applied right after a snapshot does not make training wait for
+        its commit; the writer applies it once they are settled (with several ranks, rank 0's
+        writer once every rank's shard of them is in and committed, or given up). A failure is
+        raised by a later call, as a failed write's is.
 
         ``files``: files outside the engine's directory that stand for these snapshots in a
         framework's layout (what ``Marker``s wrote); the writer deletes them just before it drops
@@ -562,10 +562,6 @@ class CheckpointEngine:
         if not all(is_int(s) for s in steps):
             raise InvalidArgumentError(f"steps must be ints >= 0, not {short_repr(steps)}")
         if not wait:
-            if self.world_size > 1:  # rank 0's writer commits only once the others' shards are in
-                raise InvalidArgumentError("drop(wait=False) needs a one-rank engine; with "
-                                           "several ranks call drop() (it waits for the "
-                                           "snapshots in flight)")
             self.fence()  # a lazily staged snapshot reaches the writer first
             self._writer.drop(steps, files)
             self._drops_queued += 1

@@ -27,7 +27,8 @@ from async_ckpt.format.manifest import ShardRecord
 from async_ckpt.storage.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
-from async_ckpt.write.protocol import Attach, Failed, Released, SnapshotJob, WriterConfig
+from async_ckpt.write.protocol import (Attach, Drop, Dropped, Failed, Released, SnapshotJob,
+                                       WriterConfig)
 from async_ckpt.write.writer import GONE, SnapshotWriter
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
@@ -270,6 +271,27 @@ def test_once_the_trainer_is_gone_another_rank_s_writer_returns_at_once(tmp_path
     try:
         writer.serve()  # nobody is left to tell; rank 0 commits the shard without this writer
         assert writer.commit.pending == []
+    finally:
+        writer.conn.close()
+
+
+def test_rank_0_s_writer_drops_only_once_the_snapshots_sent_before_are_settled(tmp_path):
+    """A drop queued right after a save (drop(wait=False): the snapshot a framework's file named
+    before the save replaced it) waits while that save waits for the other ranks' shards; then
+    the framework's directory goes, with what it holds, and the answer comes."""
+    trainer, writer = connected_writer(tmp_path / "ckpt", rank=0, world_size=2)
+    marker = tmp_path / "last.ckpt"
+    marker.mkdir()
+    (marker / "meta.pt").write_bytes(b"meta")
+    writer.commit.pending.append(pending_attempt(tmp_path / "ckpt", 0))  # rank 1's shard missing
+    try:
+        trainer.send(Drop((5,), (str(marker),)))
+        assert writer.receive() is None
+        assert marker.exists() and not trainer.poll(0.1)  # deferred: nothing done, no answer
+        writer.commit.pending.clear()  # settled (committed or given up)
+        writer.apply_drops()
+        assert trainer.recv() == Dropped(())  # step 5 was not in the manifest: nothing to drop
+        assert not marker.exists()
     finally:
         writer.conn.close()
 

@@ -239,13 +239,15 @@ def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: s
                               "holds whole tensors only")
         return NotImplemented
 
-    root = tree_model.rebuild(index["tree"], leaf, True, where, unpickle=_Pickled)
+    tree = index["tree"]
+    if entry is not None:  # only that entry is rebuilt: the others may hold sharded tensors
+        entries = tree.get("entries") if isinstance(tree, dict) else None
+        if not isinstance(entries, dict) or entry not in entries:
+            raise LayoutError(f"{where}: the snapshot has no entry {entry!r}")
+        tree = {"kind": "dict", "entries": {entry: entries[entry]}}
+    root = tree_model.rebuild(tree, leaf, True, where, unpickle=_Pickled)
     root.value.pop(RNG_KEY, None)
-    if entry is None:
-        return root.plain()
-    if entry not in root.value:
-        raise LayoutError(f"{where}: the snapshot has no entry {entry!r}")
-    return root.value[entry].plain()
+    return root.plain() if entry is None else root.value[entry].plain()
 
 
 def _tensor(record: dict, storages: list[_Storage], empty: _Storage, where: str) -> _Tensor:

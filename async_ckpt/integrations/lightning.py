@@ -238,7 +238,8 @@ class AsyncCkptIO(CheckpointIO):
         engine = self._open()
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as the stock IO: a link may go there
         self._warn_unless_attached()
-        self._warn_if_data_position_is_lost(checkpoint)
+        if _loses_data_position(checkpoint):
+            self._warn_once("data", DATA_POSITION_LOST)
         checkpoint = _encodable_hparams(checkpoint)
         replaced = None if path in self._removing else self._step_named_by(path)
         self._removing.discard(path)
@@ -250,11 +251,7 @@ class AsyncCkptIO(CheckpointIO):
             engine.snapshot(step, state=checkpoint, force=True,
                             markers=[Marker(path, Derived("torch", record=pointer.to_bytes()))])
         except EncodingError as e:
-            raise EncodingError(
-                f"{e}. In a Lightning checkpoint such a value is most often a hyperparameter "
-                "(save_hyperparameters) or a callback's state: give it as a str, number, list or "
-                "dict, or create AsyncCkptIO(directory, allow_pickle=True) to pickle it (loading "
-                "it then runs code stored in the file)") from e
+            raise _unencodable(e, "AsyncCkptIO(directory, allow_pickle=True)") from e
         self._next_step += 1
         self._saves[path] = step
         if replaced is not None:
@@ -330,9 +327,7 @@ class AsyncCkptIO(CheckpointIO):
         commit, until the next stage's ``setup``."""
         self._trainer_attached = self._resuming = False
         self._rng_to_restore = None
-        for checkpoint in self._patched:
-            vars(checkpoint).pop("file_exists", None)
-        self._patched.clear()
+        _stop_counting_saves_in_flight(self._patched)
         if self._engine is not None:
             engine, self._engine = self._engine, None
             self._saves.clear()
@@ -372,23 +367,9 @@ class AsyncCkptIO(CheckpointIO):
             def read(step):
                 return load(self.directory, step, allow_pickle=self._engine_options.get(
                     "allow_pickle", False))
-        try:
-            return read(pointer.step)
-        except CheckpointError as e:
-            if not (e.is_damage or isinstance(e, NoSnapshotError)):
-                raise
-            cause = e
-        where = f"{path} names snapshot {pointer.step} of {self.directory}, which {_why(cause)}"
-        if not _is_last_checkpoint(path):
-            raise type(cause)(f"{where}. Lightning asked for this checkpoint, so no other is "
-                              "loaded in its place: resume with ckpt_path='last' (which falls "
-                              "back to the newest snapshot that verifies) or pass another "
-                              "checkpoint's path") from cause
-        step, checkpoint = read(None)
-        warnings.warn(f"{where}; it stands for the newest state, so the newest committed "
-                      f"snapshot that verifies was loaded instead: snapshot {step} (global step "
-                      f"{checkpoint.get('global_step')})", RuntimeWarning, stacklevel=3)
-        return step, checkpoint
+        return _read_named_or_newest(
+            read, pointer.step, path, self.directory,
+            lambda loaded: f"snapshot {loaded[0]} (global step {loaded[1].get('global_step')})")
 
     def _step_named_by(self, path: str) -> Optional[int]:
         """The snapshot the pointer at ``path`` names, or will once the saves in flight commit."""
@@ -512,17 +493,13 @@ class AsyncCkptIO(CheckpointIO):
                     "through the CheckpointIO plugin (FSDP, ModelParallel, DeepSpeed and XLA "
                     "strategies save sharded or with their own library): AsyncCkptIO would save "
                     "checkpoints it cannot load or never be called. Use it with a strategy that "
-                    "saves through CheckpointIO (single device, DDP), or that strategy's own "
-                    "checkpointing")
+                    "saves through CheckpointIO (single device, DDP); for ModelParallelStrategy "
+                    "(FSDP2, tensor parallel) use async_ckpt.integrations.lightning_sharded."
+                    "AsyncCkptModelParallelStrategy instead of this plugin; else that strategy's "
+                    "own checkpointing")
         if any(getattr(c, "save_last", None) == "link" for c in trainer.checkpoint_callbacks):
-            self._warn_once("link", "ModelCheckpoint(save_last='link') links last.ckpt to a "
-                            "checkpoint that is committed only later: a run killed in between "
-                            "finds no last checkpoint (a dangling link) and ckpt_path='last' "
-                            "starts over from scratch. Use save_last=True")
-        for checkpoint in trainer.checkpoint_callbacks:
-            if isinstance(checkpoint, ModelCheckpoint) and "file_exists" not in vars(checkpoint):
-                checkpoint.file_exists = _FileExists(checkpoint, self)
-                self._patched.append(checkpoint)
+            self._warn_once("link", LAST_LINK_DANGLES)
+        self._patched += _count_saves_in_flight_as_files(trainer, self)
         self._trainer_attached = self._callback_seen = True
         if trainer.state.fn == TrainerFn.FITTING and _global_rank() == 0:
             self._open()  # waits for a killed run's writer to finish; spares the first save
@@ -555,22 +532,6 @@ class AsyncCkptIO(CheckpointIO):
                             "continues; and strategies that bypass CheckpointIO are not "
                             "detected. Pass Trainer(plugins=[io], callbacks=[io.callback, ...])")
 
-    def _warn_if_data_position_is_lost(self, checkpoint: dict) -> None:
-        """A save in the middle of an epoch whose training DataLoader cannot save its position:
-        Lightning resumes it with a fresh pass over the data, not the batches that were left."""
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        progress = fit_loop.get("epoch_loop.batch_progress", {})
-        mid_epoch = (not progress.get("is_last_batch", True)
-                     and progress.get("current", {}).get("processed", 0) > 0)
-        if mid_epoch and "combined_loader" not in fit_loop.get("state_dict", {}):
-            self._warn_once("data", "a checkpoint is saved in the middle of an epoch, and the "
-                            "training DataLoader cannot save its position (it has no "
-                            "state_dict/load_state_dict): a run resumed from it goes on with a "
-                            "fresh, reshuffled pass over the data instead of the batches that "
-                            "were left, and ends that epoch early. Use torchdata's "
-                            "StatefulDataLoader (or give the loader state_dict/load_state_dict), "
-                            "or save at epoch ends only")
-
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -595,17 +556,75 @@ class AsyncCkptCallback(Callback):
 
 
 class _FileExists:
-    """``ModelCheckpoint.file_exists`` while a stage runs with :class:`AsyncCkptIO`: global rank 0
-    decides with :meth:`AsyncCkptIO._exists` (a save in flight is a file), and the decision is
-    shared as Lightning's own method shares it, so that every rank picks the same versioned
-    name. Set on the instance at ``setup``, taken off at ``teardown``."""
+    """``ModelCheckpoint.file_exists`` while a stage runs with an adapter that saves
+    asynchronously (:class:`AsyncCkptIO`, ``lightning_sharded.AsyncCkptModelParallelStrategy``):
+    global rank 0 decides with the adapter's ``_exists(path, fs)`` (a save in flight is a file),
+    and the decision is shared as Lightning's own method shares it, so that every rank picks the
+    same versioned name. Set on the instance at ``setup``, taken off at ``teardown``."""
 
-    def __init__(self, checkpoint: ModelCheckpoint, io: AsyncCkptIO) -> None:
-        self.checkpoint, self.io = checkpoint, io
+    def __init__(self, checkpoint: ModelCheckpoint, owner: Any) -> None:
+        self.checkpoint, self.owner = checkpoint, owner
 
     def __call__(self, filepath, trainer) -> bool:
-        local = self.io._exists(filepath, self.checkpoint._fs) if trainer.is_global_zero else False
+        local = (self.owner._exists(filepath, self.checkpoint._fs) if trainer.is_global_zero
+                 else False)
         return trainer.strategy.reduce_boolean_decision(local, all=False)
+
+
+def _count_saves_in_flight_as_files(trainer: "lightning.Trainer", owner: Any
+                                    ) -> list[ModelCheckpoint]:
+    """Give each of the Trainer's ``ModelCheckpoint``s a ``file_exists`` that asks ``owner``
+    first (:class:`_FileExists`); returns those changed, for
+    :func:`_stop_counting_saves_in_flight`."""
+    patched = []
+    for checkpoint in trainer.checkpoint_callbacks:
+        if isinstance(checkpoint, ModelCheckpoint) and "file_exists" not in vars(checkpoint):
+            checkpoint.file_exists = _FileExists(checkpoint, owner)
+            patched.append(checkpoint)
+    return patched
+
+
+def _stop_counting_saves_in_flight(patched: list[ModelCheckpoint]) -> None:
+    for checkpoint in patched:
+        vars(checkpoint).pop("file_exists", None)
+    patched.clear()
+
+
+LAST_LINK_DANGLES = (
+    "ModelCheckpoint(save_last='link') links last.ckpt to a checkpoint that is committed only "
+    "later: a run killed in between finds no last checkpoint (a dangling link) and "
+    "ckpt_path='last' starts over from scratch. Use save_last=True")
+
+DATA_POSITION_LOST = (
+    "a checkpoint is saved in the middle of an epoch, and the training DataLoader cannot save "
+    "its position (it has no state_dict/load_state_dict): a run resumed from it goes on with a "
+    "fresh, reshuffled pass over the data instead of the batches that were left, and ends that "
+    "epoch early. Use torchdata's StatefulDataLoader (or give the loader "
+    "state_dict/load_state_dict), or save at epoch ends only")
+
+
+def _is_mid_epoch(checkpoint: dict) -> bool:
+    """Whether Lightning's ``checkpoint`` was saved in the middle of a training epoch."""
+    progress = (checkpoint.get("loops", {}).get("fit_loop", {})
+                .get("epoch_loop.batch_progress", {}))
+    return (not progress.get("is_last_batch", True)
+            and progress.get("current", {}).get("processed", 0) > 0)
+
+
+def _loses_data_position(checkpoint: dict) -> bool:
+    """A save in the middle of an epoch whose training DataLoader cannot save its position:
+    Lightning resumes it with a fresh pass over the data, not the batches that were left."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return _is_mid_epoch(checkpoint) and "combined_loader" not in fit_loop.get("state_dict", {})
+
+
+def _unencodable(error: EncodingError, pickling: str) -> EncodingError:
+    """``error`` (a value of Lightning's checkpoint with no safe encoding) with what to do about
+    it; ``pickling``: how the adapter is created to pickle such values."""
+    return EncodingError(
+        f"{error}. In a Lightning checkpoint such a value is most often a hyperparameter "
+        "(save_hyperparameters) or a callback's state: give it as a str, number, list or dict, "
+        f"or create {pickling} to pickle it (loading it then runs code stored in the file)")
 
 
 def _global_rank() -> int:
@@ -622,6 +641,32 @@ def _is_last_checkpoint(path: str) -> bool:
     stem, suffix = os.path.splitext(os.path.basename(path))
     return (suffix == ModelCheckpoint.FILE_EXTENSION
             and re.match(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-(\d+))?", stem) is not None)
+
+
+def _read_named_or_newest(read: Callable[[Optional[int]], Any], step: int, path: str,
+                          directory: str, shown: Callable[[Any], str]) -> Any:
+    """``read(step)``: the snapshot the checkpoint at ``path`` names. Where that is damaged or
+    gone, its typed error naming ``path``, unless ``path`` is a ``last*.ckpt`` (it stands for the
+    newest state): then ``read(None)``, the newest committed snapshot that verifies (by the
+    engine's own fallback rule: the same step on every rank), with a RuntimeWarning naming what
+    was loaded (``shown`` of what ``read`` returned)."""
+    try:
+        return read(step)
+    except CheckpointError as e:
+        if not (e.is_damage or isinstance(e, NoSnapshotError)):
+            raise
+        cause = e
+    where = f"{path} names snapshot {step} of {directory}, which {_why(cause)}"
+    if not _is_last_checkpoint(path):
+        raise type(cause)(f"{where}. Lightning asked for this checkpoint, so no other is "
+                          "loaded in its place: resume with ckpt_path='last' (which falls "
+                          "back to the newest snapshot that verifies) or pass another "
+                          "checkpoint's path") from cause
+    loaded = read(None)
+    warnings.warn(f"{where}; it stands for the newest state, so the newest committed snapshot "
+                  f"that verifies was loaded instead: {shown(loaded)}", RuntimeWarning,
+                  stacklevel=4)
+    return loaded
 
 
 def _why(error: CheckpointError) -> str:

@@ -175,10 +175,10 @@ def atomic_directory(path: str, files: Iterable[tuple[str, Content]]) -> None:
         os.rename(tmp, path)
         fsync_dir(parent)
     except BaseException:
-        _remove_tree(tmp)
+        remove_tree(tmp)
         raise
     if aside is not None:
-        _remove_tree(aside)
+        remove_tree(aside)
 
 
 def umask() -> int:
@@ -281,7 +281,7 @@ def remove_entries(root: str, names: Iterable[str]) -> None:
             log.error("refusing to delete %r under %s: not a name async_ckpt writes", name, root)
             continue
         path = os.path.join(root, name)
-        _quietly(_remove_tree if os.path.isdir(path) and not os.path.islink(path) else os.unlink,
+        _quietly(remove_tree if os.path.isdir(path) and not os.path.islink(path) else os.unlink,
                  path)
 
 
@@ -295,7 +295,7 @@ def _quietly(remove: Callable[[str], None], path: str) -> None:
         log.warning("could not delete %s: %s", path, e.strerror)
 
 
-def _remove_tree(top: str) -> None:
+def remove_tree(top: str) -> None:
     """Remove the directory ``top`` and everything below it, without following links and
     without recursion (``shutil.rmtree`` recurses: a leftover 1,100 directories deep raised
     RecursionError). Each directory is listed once; what cannot be removed is logged and left."""

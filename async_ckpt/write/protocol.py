@@ -130,9 +130,10 @@ class SnapshotJob:
 class Drop:
     """Take these committed steps out of the manifest and delete their snapshots (what a kept
     snapshot refers to stays): retention decided by the caller (a framework's own), applied by
-    the writer, which alone writes the manifest. ``files`` (absolute paths, a framework's files
-    that stand for snapshots: the reverse of ``Marker``) are deleted first, in the same turn, so
-    that a kill leaves both or neither."""
+    the writer, which alone writes the manifest, once the snapshots sent before it are settled.
+    ``files`` (absolute paths, a framework's files or ``Marker`` directories that stand for
+    snapshots: the reverse of ``Marker``) are deleted first, in the same turn, so that a kill
+    leaves both or neither."""
 
     steps: tuple[int, ...]
     files: tuple[str, ...] = ()

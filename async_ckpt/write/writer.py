@@ -18,6 +18,7 @@ local, while a writer whose trainer died goes on uploading (``upload.ORPHAN_UPLO
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import logging
 import mmap
@@ -42,7 +43,7 @@ from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardWriter, checksum, reference_to,
                             version_needed)
 from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
-                             make_dirs)
+                             make_dirs, remove_tree)
 from ..storage.remote import ObjectStorage
 from ..storage.locks import join_rank_lock
 from ..format.manifest import ShardRecord, read_manifest
@@ -82,6 +83,9 @@ class SnapshotWriter:
         self.markers: dict[int, tuple[str, tuple[Marker, ...]]] = {}
         # by job: the data files its shard keeps its storages in, by the Derived each is
         self.data_files: dict[int, dict[Derived, str]] = {}
+        # Drops received while snapshots taken before them were still waiting for the other
+        # ranks' shards (rank 0's commit stage): each with the jobs it waits for, in order
+        self.drops: list[tuple[frozenset[int], Drop]] = []
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -115,6 +119,7 @@ class SnapshotWriter:
                     ended = GONE  # workers) may keep the socket open a while longer
             if self.commit.pending:
                 self.commit.poll(ended is not None)
+            self.apply_drops()
             if self._uploading(ended):
                 self.uploader.poll()
 
@@ -143,13 +148,25 @@ class SnapshotWriter:
                 self.buffers.pop(buffer_id).close()
             case SnapshotJob():
                 self.handle(message)
-            case Drop(steps, files):
-                self.send(_unlink(files) or self.commit.drop(steps))
+            case Drop():
+                self.drops.append((frozenset(a.job for a in self.commit.pending), message))
+                self.apply_drops()
             case Close():
                 return CLOSED
             case _:
                 raise TypeError(f"the writer got an unknown message {message!r}")
         return None
+
+    def apply_drops(self) -> None:
+        """Apply the drops whose earlier snapshots are settled (committed, or given up), in the
+        order they came: a drop queued right after a save (``drop(wait=False)``: the snapshot a
+        framework's file named before that save replaced it) goes only once that save is
+        committed, never leaving the file naming nothing while the other ranks still write.
+        With one rank every snapshot is settled before the next message is read."""
+        pending = {a.job for a in self.commit.pending}
+        while self.drops and not self.drops[0][0] & pending:
+            _, drop = self.drops.pop(0)
+            self.send(_unlink(drop.files) or self.commit.drop(drop.steps))
 
     def send(self, event: WriterEvent) -> None:
         """Tell the trainer; a job's markers are written first, once it is committed."""
@@ -362,10 +379,16 @@ def _process_handle(pid: int) -> Optional[_Process]:
 
 
 def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
-    """Delete the files a Drop names (gone already: fine); the failed Drop when one cannot be."""
+    """Delete the files a Drop names, a ``Marker``'s directory with what it holds (links are
+    removed, never followed; gone already: fine); the failed Drop when one cannot be."""
     for path in files:
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                remove_tree(path)  # logs what it cannot remove: then the check below fails
+                if os.path.lexists(path):
+                    raise OSError(errno.ENOTEMPTY, "not everything in it could be deleted")
+            else:
+                os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as e:
