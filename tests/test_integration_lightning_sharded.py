@@ -41,7 +41,7 @@ from conftest import assert_same  # noqa: E402
 from programs.lightning_sharded import STEPS, ShardedMLP  # noqa: E402
 from test_distributed import kill_everything, torchrun  # noqa: E402
 from test_integration_lightning import damage  # noqa: E402
-from test_sharded import _wait as wait_for  # noqa: E402
+from test_sharded import wait_torchrun  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_sharded.py")
 
@@ -52,7 +52,7 @@ def run(out, nproc, phase, *extra, until=None):
     log = os.path.join(out, f"{phase}.txt")
     process = torchrun(PROGRAM, nproc, "--phase", phase, "--out", str(out), *extra, output=log)
     if until is None:
-        wait_for(process, log, timeout=300)
+        wait_torchrun(process, log, timeout=300)
         return
     try:
         deadline = time.monotonic() + 300
