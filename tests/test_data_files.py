@@ -310,3 +310,22 @@ def test_a_data_file_download_that_fails_leaves_nothing(tmp_path):
     sink.write([b"half of it"])
     sink.abort()  # the store went down mid-download
     assert os.listdir(tmp_path / "step-00000000000000000001.00000000") == []
+
+
+def test_a_large_index_is_bounded_by_the_data_files_too(tmp_path):
+    """A state whose index costs more to parse than the fixed allowance snapshots with a marker
+    as it does without one: its tensors' bytes, now in the data file, count for the bound on
+    both sides. The bound stays one of sizes: without the data file the index is refused
+    unparsed. (Long names stand in for ~25,000 tensors: the same index cost, in ~1 s.)"""
+    state = {"model": {f"{i:05d}" + "k" * 4000: torch.full((1024,), float(i))
+                       for i in range(3000)}}
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=[
+            Marker(str(tmp_path / "m.safetensors"), Derived("safetensors", "model"))])
+        engine.wait()
+    assert_same(async_ckpt.load(str(root))[1], state)
+    os.unlink(tmp_path / "m.safetensors")
+    os.unlink(os.path.join(snapshot_dir(root), data_file_name(0, 0, "safetensors")))
+    with pytest.raises(CorruptSnapshotError, match="index"):
+        async_ckpt.load(str(root), 0)

@@ -20,6 +20,7 @@ import json
 import logging
 import mmap
 import os
+import posixpath
 import re
 import struct
 import sys
@@ -33,7 +34,8 @@ import zstandard
 from . import filters, values
 from .layout import DIRECT_BYTES
 from ..checks import is_int, short_repr
-from ..storage.names import DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name
+from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
+                             data_files_of)
 from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
                       UnsupportedFormatError)
 from ..storage.base import DIRECT_ALIGNMENT, ShardSink, ShardSource
@@ -114,11 +116,12 @@ def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
     return i
 
 
-def index_budget(data_end: int) -> int:
-    """The memory parsing the index of a shard whose data area ends at ``data_end`` may take
-    (``values.json_cost``): the fixed allowance, and as much as the data a read of it checks.
-    The writer refuses to write an index the reader would refuse."""
-    return values.READ_ALLOWANCE + data_end
+def index_budget(data_bytes: int) -> int:
+    """The memory parsing the index of a shard may take (``values.json_cost``): the fixed
+    allowance, and as much as the data a read of it checks, ``data_bytes``: its data area (which
+    ends where the index starts) and its data files (format version 6). The writer refuses to
+    write an index the reader would refuse."""
+    return values.READ_ALLOWANCE + data_bytes
 
 
 def checksum(*buffers) -> str:
@@ -314,7 +317,7 @@ class ShardWriter:
         index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
-        if values.json_cost(blob) > index_budget(self._offset):
+        if values.json_cost(blob) > index_budget(self._offset + data_file_bytes(meta)):
             raise EncodingError(f"the non-tensor state is too large to read back: its index would "
                                 f"take about {values.json_cost(blob) >> 20} MiB to parse, more "
                                 "than a reader allows for a shard of this size. Store long lists "
@@ -356,6 +359,7 @@ class ShardReader:
         self._mappings: dict[Optional[int], Union[mmap.mmap, bool]] = {}
         self._prefetched: set[Optional[int]] = set()
         self._data_files: dict[int, ShardSource] = {}  # opened when first read
+        self._beside: Optional[int] = None  # the bytes of its data files, once listed
         self._opening = threading.Lock()
         try:
             self.size = self._source.size
@@ -436,23 +440,38 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
-        budget = index_budget(offset)
-        if values.JSON_BYTES_PER_BYTE * length > budget:  # at least what json_cost counts
+        if values.JSON_BYTES_PER_BYTE * length > self._index_budget(  # what json_cost counts
+                offset, values.JSON_BYTES_PER_BYTE * length):  # at least
             raise CorruptSnapshotError(f"{self.path}: its index of {length} bytes is larger "
-                                       f"than a shard of {self.size} bytes has (crafted?)")
+                                       f"than a shard of {self.size} bytes (and its data files) "
+                                       "has (crafted?)")
         blob = self._pread(length, offset)
         self.index_xxh3 = f"{digest:016x}"
         if xxhash.xxh3_64_intdigest(blob) != digest or (
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
         try:
-            index = values.parse_json(blob, budget)
+            index = values.parse_json(blob, self._index_budget(offset, values.json_cost(blob)))
         except values.JSONTooCostly as e:
             raise CorruptSnapshotError(f"{self.path}: the index is refused: {e}") from e
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
         _validate_index(index, self.path, data_end=offset, version=self.version)
         return index
+
+    def _index_budget(self, data_end: int, cost: int) -> int:
+        """The budget of the index (``index_budget``), whose parse costs ``cost``: its data area
+        ``[16, data_end)``, and where that is not enough, from version 6, its rank's data files
+        as the directory lists them (the index that names them is not read yet): a bound of
+        sizes, listed once and only for an index that needs it."""
+        budget = index_budget(data_end)
+        rank = SHARD_FILE.fullmatch(posixpath.basename(self.path))
+        if cost <= budget or self.version < 6 or rank is None:
+            return budget
+        if self._beside is None:
+            self._beside = sum(size for _, size in data_files_of(int(rank.group(1)),
+                                                                 self._source.siblings()))
+        return index_budget(data_end + self._beside)
 
     def read_storage(self, i: int, out) -> None:
         """Fill ``out`` (a writable buffer of the storage's size) with storage ``i``, verified."""

@@ -102,6 +102,12 @@ class ShardSource(ABC):
                                      "which this storage does not read; read the snapshot from "
                                      "the local directory that wrote it")
 
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        """The (name, size) of every file of the same snapshot directory, as
+        ``Storage.list_snapshot`` gives them: what bounds the index of a shard whose data files
+        are among them (``format.shard.ShardReader``). Empty where the storage does not list."""
+        return ()
+
 
 class Storage(ABC):
     """One checkpoint root. See the module docstring for the call order and the guarantees."""

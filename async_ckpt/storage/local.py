@@ -720,6 +720,9 @@ class LocalShardSource(ShardSource):
     def sibling(self, name: str) -> "LocalShardSource":
         return open_shard_file(os.path.join(os.path.dirname(self.name), name))
 
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        return list_directory(os.path.dirname(self.name))
+
 
 def new_shard_file(path: str) -> LocalShardSink:
     """A sink writing the new file ``path`` directly (no temporary name): for files outside a
@@ -770,17 +773,7 @@ class LocalStorage(Storage):
         return LocalDataFile(self.location(dir, file))
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
-        """Empty also when ``dir`` is not a directory (a link is not followed); an entry that
-        vanishes while listed (a rename) is left out, and links inside are not followed."""
-        path = self.location(dir)
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                return ()
-            with os.scandir(path) as entries:
-                found = [(e.name, _size_of(e)) for e in entries]
-        except FileNotFoundError:
-            return ()
-        return tuple(sorted((name, size) for name, size in found if size is not None))
+        return list_directory(self.location(dir))
 
     def sync_snapshot(self, dir: str) -> None:
         fsync_dir(self.location(dir))
@@ -852,6 +845,20 @@ class LocalStorage(Storage):
             except (OSError, CheckpointDirError):
                 continue
         return beats
+
+
+def list_directory(path: str) -> tuple[tuple[str, int], ...]:
+    """The (name, size) of the entries of directory ``path``, sorted (``Storage.list_snapshot``):
+    empty also when ``path`` is not a directory (a link is not followed); an entry that vanishes
+    while listed (a rename) is left out, and links inside are not followed."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return ()
+        with os.scandir(path) as entries:
+            found = [(e.name, _size_of(e)) for e in entries]
+    except FileNotFoundError:
+        return ()
+    return tuple(sorted((name, size) for name, size in found if size is not None))
 
 
 def _size_of(entry: os.DirEntry) -> Optional[int]:

@@ -361,7 +361,14 @@ class _ObjectSource(ShardSource):
         pass
 
     def sibling(self, name: str) -> "_ObjectSource":
-        return self._storage._open(f"{self._key.rsplit('/', 1)[0]}/{name}")
+        return self._storage._open(f"{self._directory}/{name}")
+
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        return self._storage.list_snapshot(self._directory)
+
+    @property
+    def _directory(self) -> str:
+        return self._key.rsplit("/", 1)[0]
 
 
 def _first_line(e: Exception) -> str:
