@@ -7,6 +7,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -69,13 +71,27 @@ def snapshot_dir(root):
     return os.path.join(root, name)
 
 
+def clones_files(directory) -> bool:
+    """Whether the file system of ``directory`` makes reflinks (Btrfs, XFS): a framework's file
+    is then a clone of the data file, not a hard link to it."""
+    (directory / "clone-source").write_bytes(b"x")
+    try:
+        return local._clone(str(directory / "clone-source"), str(directory / "clone"), False)
+    finally:
+        for name in ("clone-source", "clone"):
+            if (directory / name).exists():
+                os.unlink(directory / name)
+
+
 def test_framework_files_are_the_snapshot_s_bytes_written_once(tmp_path):
     state = model_state()
     with CheckpointEngine(str(tmp_path / "ckpt"), {}) as engine:
         engine.snapshot(0, state=state, force=True, markers=hf_markers(tmp_path / "checkpoint-0"))
         engine.wait()
         counted = engine.stats()["snapshots"][-1]["shard_bytes"]
-    on_disk = bytes_in_files(snapshot_dir(tmp_path / "ckpt"), tmp_path / "checkpoint-0")
+    clones = clones_files(tmp_path)  # a clone shares the blocks, as a link does, by another inode
+    on_disk = bytes_in_files(snapshot_dir(tmp_path / "ckpt"),
+                             *([] if clones else [tmp_path / "checkpoint-0"]))
     assert counted == on_disk
     (record,) = async_ckpt.format.manifest.read_manifest(str(tmp_path / "ckpt")).snapshots
     assert record.stored_bytes == on_disk  # what `ls` and retention's accounting show
@@ -85,8 +101,12 @@ def test_framework_files_are_the_snapshot_s_bytes_written_once(tmp_path):
         linked = os.stat(tmp_path / "checkpoint-0" / name)
         (data,) = [n for n in os.listdir(directory) if n.endswith("." + suffix)]
         assert DATA_FILE.fullmatch(data)
-        assert (linked.st_ino, linked.st_nlink) == (os.stat(os.path.join(directory, data)).st_ino, 2)
-        assert linked.st_mode & 0o222 == 0  # read-only: rewriting it in place would damage it
+        kept = os.stat(os.path.join(directory, data))
+        if clones:
+            assert linked.st_ino != kept.st_ino and (linked.st_nlink, kept.st_nlink) == (1, 1)
+        else:
+            assert (linked.st_ino, linked.st_nlink) == (kept.st_ino, 2)
+        assert kept.st_mode & 0o222 == 0  # read-only: rewriting it in place would damage it
     weights = safetensors_torch.load_file(tmp_path / "checkpoint-0" / "model.safetensors")
     assert set(weights) == set(state["model"])  # in safetensors' order: largest elements first
     assert_same(weights, {name: state["model"][name] for name in weights})
@@ -103,7 +123,7 @@ def test_a_whole_snapshot_file_keeps_the_engine_s_own_entry_in_the_shard(tmp_pat
         engine.snapshot(0, state=state, force=True, markers=[Marker(str(target),
                                                                     Derived("torch"))])
         engine.wait()
-    assert os.stat(target).st_nlink == 2
+    assert os.stat(target).st_nlink == (1 if clones_files(tmp_path) else 2)
     assert_same(torch.load(target, weights_only=True), state)
     with ShardReader(os.path.join(snapshot_dir(tmp_path / "ckpt"), "rank-00000.ackpt")) as r:
         assert r.version in (6, 7)  # 7: written with direct I/O, aligned for it
@@ -173,16 +193,70 @@ def test_a_damaged_missing_or_cut_data_file_is_damage_of_its_snapshot(tmp_path):
         async_ckpt.load(str(root), 0)
 
 
-def test_a_marker_is_copied_where_the_file_system_cannot_link(tmp_path, monkeypatch):
+@pytest.mark.parametrize("file_system", ["clones", "links", "neither"])
+def test_a_marker_is_a_clone_else_a_link_else_a_copy(tmp_path, monkeypatch, file_system):
+    """A clone (reflink) where the file system makes one: a file of its own, which a program can
+    rewrite in place without touching the snapshot; else a hard link; else a copy."""
+    def ioctl(fd, request, argument):
+        if file_system != "clones" or request != local._FICLONE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        os.write(fd, os.pread(argument, 100, 0))  # what a clone holds, by another inode
+
     def cannot_link(*args, **kwargs):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(local.os, "link", cannot_link)
+    monkeypatch.setattr(local.fcntl, "ioctl", ioctl)
+    if file_system == "neither":
+        monkeypatch.setattr(local.os, "link", cannot_link)
     source = tmp_path / "source"
     source.write_bytes(b"bytes")
     local.atomic_write(str(tmp_path / "out"), local.Linked(str(source),
                                                            lambda f: f.write(b"copied")))
-    assert (tmp_path / "out").read_bytes() == b"copied"
+    out = os.stat(tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == (b"copied" if file_system == "neither" else b"bytes")
+    assert (out.st_ino == os.stat(source).st_ino) == (file_system == "links")
+    assert sorted(os.listdir(tmp_path)) == ["out", "source"]  # a refused clone left nothing
+
+
+_CUT_WHILE_READ = """
+import os, sys
+import async_ckpt
+from async_ckpt.format import shard
+
+root, linked = sys.argv[1:]
+mapped_storage = shard.ShardReader.mapped_storage
+
+def cut_through_the_link(self, i, alignment):  # once mapped (or not), before a byte is read
+    view = mapped_storage(self, i, alignment)
+    if "file" in self.index["storages"][i]["chunks"][0] and os.path.getsize(linked) > 4096:
+        os.chmod(linked, 0o644)  # the framework's user may, and root needs not
+        os.truncate(linked, 4096)
+    return view
+
+shard.ShardReader.mapped_storage = cut_through_the_link
+try:
+    state = async_ckpt.load(root, 0, mmap=True)[1]  # lazily verified: its pages are touched
+    print("loaded", float(state["model"]["w"].sum()))  # here
+except async_ckpt.errors.CorruptSnapshotError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_linked_data_file_cut_while_it_is_read_is_damage_not_a_crash(tmp_path):
+    """A framework's program truncates its file, a hard link to the snapshot's data file, while
+    a restore reads it: a typed error (a mapping would have killed the process: SIGBUS). Run
+    in a child process, so that a crash cannot take the test run with it."""
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), {}) as engine:
+        engine.snapshot(0, state={"model": {"w": torch.randn(64 << 10)}}, force=True,
+                        markers=[Marker(str(tmp_path / "unused.pt"), Derived("torch", "model"))])
+        engine.wait()
+    linked = tmp_path / "framework.pt"  # a link, whatever the marker became on this file system
+    os.link(os.path.join(snapshot_dir(root), data_file_name(0, 0, "pt")), linked)
+    child = subprocess.run([sys.executable, "-c", _CUT_WHILE_READ, str(root), str(linked)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]  # -7: SIGBUS
+    assert child.stdout.startswith("CorruptSnapshotError") and "short read" in child.stdout
 
 
 def test_suffixes_of_data_files_are_the_names_that_match():

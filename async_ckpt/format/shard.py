@@ -594,9 +594,14 @@ class ShardReader:
 
     def _map(self, number: Optional[int]) -> Optional[mmap.mmap]:
         """The mapping of this file (``number`` None) or of data file ``number``; None when it
-        cannot be mapped."""
+        cannot be mapped, or is a data file with other links: a framework's file, which a
+        program may truncate while it is read, and a mapping would then kill the process
+        (SIGBUS) where a read into memory raises for the short read."""
         if number not in self._mappings:
             source = self._source_of({"file": number})
+            if number is not None and source.linked:
+                self._mappings[number] = False
+                return None
             try:
                 self._mappings[number] = source.map() or False
             except (OSError, ValueError) as e:  # a file system that cannot map: read instead

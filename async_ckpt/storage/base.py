@@ -78,6 +78,10 @@ class ShardSource(ABC):
 
     name: str
     size: int
+    linked = False
+    """Whether the file has other names (hard links) when opened, through which a program may
+    rewrite or truncate it in place while it is read (a framework's file linked to a data
+    file)."""
 
     @abstractmethod
     def read_into(self, buffer, offset: int) -> int:
