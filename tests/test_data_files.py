@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+from multiprocessing.reduction import send_handle
 
 import pytest
 import torch
@@ -17,12 +18,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import async_ckpt
 import async_ckpt.format.manifest
 from async_ckpt import CheckpointEngine, Derived, Marker
-from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError
+from async_ckpt.errors import (ChecksumMismatchError, CorruptSnapshotError, InternalError,
+                               SnapshotWriteError)
+from async_ckpt.format.layout import Plan
 from async_ckpt.format.native import SUFFIXES
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
 from async_ckpt.storage import local
-from async_ckpt.storage.names import DATA_FILE, data_file_name
-from conftest import assert_same
+from async_ckpt.storage.names import DATA_FILE, data_file_name, snapshot_dir_name
+from async_ckpt.write import writer as writer_module
+from async_ckpt.write.protocol import Attach, Committed, Failed, Released, SnapshotJob
+from conftest import assert_same, connected_writer
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -403,3 +408,73 @@ def test_a_large_index_is_bounded_by_the_data_files_too(tmp_path):
     os.unlink(os.path.join(snapshot_dir(root), data_file_name(0, 0, "safetensors")))
     with pytest.raises(CorruptSnapshotError, match="index"):
         async_ckpt.load(str(root), 0)
+
+
+def test_a_safetensors_entry_not_keyed_by_names_commits_and_says_why_no_file(tmp_path):
+    """An entry with a key safetensors cannot name (a tuple) is no data file: the snapshot
+    commits with its state in the shard, and the marker says why it has no file."""
+    state = {"model": {(1, 2): torch.randn(10), "a": torch.randn(5)}}
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), {}) as engine:
+        engine.snapshot(0, state=state, force=True, markers=[
+            Marker(str(tmp_path / "m.safetensors"), Derived("safetensors", "model"))])
+        with pytest.raises(SnapshotWriteError, match="dict of tensors by name"):
+            engine.wait()
+        assert engine.committed_steps() == [0]
+    assert not (tmp_path / "m.safetensors").exists()
+    assert_same(async_ckpt.load(str(root))[1], state)
+
+
+def staged_job(trainer, writer, job: int, markers) -> SnapshotJob:
+    """Job ``job`` of an empty state (its staging buffer attached) with ``markers``."""
+    fd = os.memfd_create("staging")
+    try:
+        os.ftruncate(fd, 4096)
+        trainer.send(Attach(job, 4096))
+        send_handle(trainer, fd, os.getpid())
+        assert writer.receive() is None
+    finally:
+        os.close(fd)
+    return SnapshotJob(job=job, step=job, buffer_id=job, dir=snapshot_dir_name(job, "s", 0),
+                       tree={"kind": "dict", "entries": {}}, plan=Plan((), (), 0), submitted=0.0,
+                       markers=tuple(markers))
+
+
+def test_a_bug_laying_out_a_framework_file_leaves_the_snapshot_and_the_writer(
+        tmp_path, monkeypatch, caplog):
+    """Laying a marker's file out fails on a bug (not a LayoutError): the snapshot is written
+    with its state in the shard and committed, the file made from it after the commit; one
+    warning however often it recurs."""
+    def bug(*args):
+        raise RuntimeError("a bug in the layout")
+
+    monkeypatch.setattr(writer_module, "NativeFile", bug)
+    os.mkdir(tmp_path / "ckpt")
+    trainer, writer = connected_writer(tmp_path / "ckpt")
+    try:
+        for job in (1, 2):
+            writer.handle(staged_job(trainer, writer, job, [
+                Marker(str(tmp_path / f"{job}.pt"), Derived("torch"))]))
+            assert trainer.recv() == Released(job, job)
+            assert isinstance(trainer.recv(), Committed)
+            assert torch.load(tmp_path / f"{job}.pt", weights_only=True) == {}
+            assert os.stat(tmp_path / f"{job}.pt").st_nlink == 1  # made again, not linked
+        warned = [r for r in caplog.records if "a bug in the layout" in r.getMessage()]
+        assert len(warned) == 1 and "stays in the shard" in warned[0].getMessage()
+    finally:
+        trainer.close()
+        writer.conn.close()
+
+
+def test_a_bug_writing_a_framework_file_is_reported_not_raised(tmp_path):
+    def derive(content):
+        def write(out):
+            raise RuntimeError("a bug in the format")
+        return write
+
+    committed = Committed(4, {})
+    failed = writer_module._write_markers(committed, (Marker(str(tmp_path / "m.pt"),
+                                                             Derived("torch")),), derive, {})
+    assert isinstance(failed, Failed) and failed.job == 4
+    assert type(failed.error) is InternalError and "a bug in the format" in str(failed.error)
+    assert not (tmp_path / "m.pt").exists()

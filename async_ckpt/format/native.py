@@ -341,8 +341,10 @@ class _SafetensorsLayout:
     whole where one tensor covers exactly its bytes and no other tensor of the file views it."""
 
     def __init__(self, state: Any, where: str) -> None:
-        if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
-            raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
+        if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())
+                and all(type(name) is str for name in state)):
+            raise LayoutError(f"{where} is not a dict of tensors by name: safetensors holds "
+                              "nothing else")
         seen, self.kept = set(), []
         for name, tensor in state.items():
             if tensor.dtype not in SAFETENSORS_DTYPES:

@@ -80,6 +80,7 @@ class SnapshotWriter:
         self.markers: dict[int, tuple[str, tuple[Marker, ...]]] = {}
         # by job: the data files its shard keeps its storages in, by the Derived each is
         self.data_files: dict[int, dict[Derived, str]] = {}
+        self.unlaid: set[Derived] = set()  # the framework files a bug kept from being data files
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -258,7 +259,8 @@ class SnapshotWriter:
         """The framework files of the job's markers that its shard can keep its storages in (a
         framework file is then the snapshot's bytes, linked after the commit, and nothing is
         written twice). A file the snapshot cannot be written as is left to ``derive``, whose
-        error the marker reports."""
+        error the marker reports; so is one whose layout fails on a bug (warned once per file):
+        the snapshot keeps its state in the shard, as without the marker."""
         if job.job not in self.markers:
             return []
         _, markers = self.markers[job.job]
@@ -274,6 +276,14 @@ class SnapshotWriter:
                 natives.append(NativeFile(index, derived, f"the snapshot of step {job.step}"))
             except LayoutError:
                 continue
+            except Exception as e:  # a bug: the snapshot is written all the same
+                if derived not in self.unlaid:
+                    self.unlaid.add(derived)
+                    log.warning("cannot lay out the %s file of %s (step %d) as a data file, on a "
+                                "bug (%s: %s); its state stays in the shard, and the file is made "
+                                "from the committed snapshot. Please report it with this log",
+                                derived.format, f"entry {derived.entry!r}" if derived.entry
+                                else "the state", job.step, type(e).__name__, e, exc_info=e)
         return natives[:MAX_DATA_FILES]
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
@@ -412,6 +422,9 @@ def _write_markers(committed: Committed, markers: tuple[Marker, ...],
                 f"the snapshot was committed, but {marker.path} could not be written "
                 f"({getattr(e, 'strerror', None) or e}): what looks for it will not find it."
                 f"{advice}"))
+        except Exception as e:  # a bug: the snapshot stays committed, and the writer serves on
+            return Failed(committed.job, failure(e, "writing", f"{marker.path}, made from a "
+                                                 "committed snapshot,"))
     return committed
 
 
