@@ -20,7 +20,7 @@ import async_ckpt.format.manifest
 from async_ckpt import CheckpointEngine, Derived, Marker
 from async_ckpt.errors import (ChecksumMismatchError, CorruptSnapshotError, InternalError,
                                SnapshotWriteError)
-from async_ckpt.format.layout import Plan
+from async_ckpt.format.layout import Plan, Region, TensorRecord
 from async_ckpt.format.native import SUFFIXES
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
 from async_ckpt.storage import local
@@ -425,8 +425,15 @@ def test_a_safetensors_entry_not_keyed_by_names_commits_and_says_why_no_file(tmp
     assert_same(async_ckpt.load(str(root))[1], state)
 
 
-def staged_job(trainer, writer, job: int, markers) -> SnapshotJob:
-    """Job ``job`` of an empty state (its staging buffer attached) with ``markers``."""
+EMPTY = {"plan": Plan((), (), 0), "tree": {"kind": "dict", "entries": {}}}
+ONE_TENSOR = {"plan": Plan((Region(0, 64, 4, True),), (TensorRecord(0, 0, "float32", (16,), (1,)),),
+                           64),
+              "tree": {"kind": "dict", "entries": {"w": {"kind": "tensor",
+                                                         "state": {"$tensor": 0}}}}}
+
+
+def staged_job(trainer, writer, job: int, markers, state=EMPTY, **fields) -> SnapshotJob:
+    """Job ``job`` of ``state`` (a plan and a tree, staged as zeros) with ``markers``."""
     fd = os.memfd_create("staging")
     try:
         os.ftruncate(fd, 4096)
@@ -436,8 +443,7 @@ def staged_job(trainer, writer, job: int, markers) -> SnapshotJob:
     finally:
         os.close(fd)
     return SnapshotJob(job=job, step=job, buffer_id=job, dir=snapshot_dir_name(job, "s", 0),
-                       tree={"kind": "dict", "entries": {}}, plan=Plan((), (), 0), submitted=0.0,
-                       markers=tuple(markers))
+                       submitted=0.0, markers=tuple(markers), **state, **fields)
 
 
 def test_a_bug_laying_out_a_framework_file_leaves_the_snapshot_and_the_writer(
@@ -478,3 +484,25 @@ def test_a_bug_writing_a_framework_file_is_reported_not_raised(tmp_path):
     assert isinstance(failed, Failed) and failed.job == 4
     assert type(failed.error) is InternalError and "a bug in the format" in str(failed.error)
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_referred_storage_is_checked_before_it_is_read_into_a_data_file(tmp_path):
+    """An incremental snapshot's data file holds the bytes of storages it refers to, read from
+    the earlier snapshot: only once the reference is checked (here the trainer refers to a
+    storage the earlier shard does not have), never a file made of what is there instead."""
+    os.mkdir(tmp_path / "ckpt")
+    trainer, writer = connected_writer(tmp_path / "ckpt")
+    try:
+        writer.handle(staged_job(trainer, writer, 1, []))
+        assert trainer.recv() == Released(1, 1) and isinstance(trainer.recv(), Committed)
+        writer.handle(staged_job(trainer, writer, 2, [Marker(str(tmp_path / "2.pt"),
+                                                             Derived("torch"))],
+                                 ONE_TENSOR, refer=((0, snapshot_dir_name(1, "s", 0)),)))
+        assert trainer.recv() == Released(2, 2)
+        failed = trainer.recv()
+        assert type(failed.error) is SnapshotWriteError
+        assert "not the unchanged region" in str(failed.error)
+        assert not os.path.exists(tmp_path / "ckpt" / snapshot_dir_name(2, "s", 0))
+    finally:
+        trainer.close()
+        writer.conn.close()

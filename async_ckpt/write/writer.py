@@ -38,8 +38,8 @@ from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
-from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardWriter, checksum, reference_to,
-                            version_needed)
+from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
+                            reference_to, version_needed)
 from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
                              make_dirs)
 from ..storage.remote import ObjectStorage
@@ -219,9 +219,11 @@ class SnapshotWriter:
                         shard.add_stored(region.nbytes, region.itemsize, region.is_float,
                                          stored_elsewhere[n], **fields)
                     elif layout.written[n] in refer:
+                        holder = refer[layout.written[n]]
                         shard.add_reference(region.nbytes, region.itemsize, region.is_float,
-                                            self.reference(references, refer[layout.written[n]], n,
-                                                           region))
+                                            reference_to(self.referred(references, holder, n,
+                                                                       region), holder,
+                                                         shard_file_name(self.rank), n))
                     else:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
                                           region.itemsize, region.is_float, **fields)
@@ -303,7 +305,8 @@ class SnapshotWriter:
             with self.storage.create_data_file(job.dir, name) as out:
                 def pieces(n: int) -> Iterator[memoryview]:
                     if written[n] in refer:  # unchanged: not staged, read from where it is
-                        return references.open(refer[written[n]], self.rank).storage_pieces(n)
+                        return self.referred(references, refer[written[n]], n,
+                                             regions[n]).storage_pieces(n)
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
                                      regions[n].itemsize, out, number, kept.get(n))
                 native.write(out, pieces)
@@ -312,11 +315,12 @@ class SnapshotWriter:
         self.data_files[job.job] = paths
         return chunks, files
 
-    def reference(self, references: References, holder: str, n: int, region: Region) -> dict:
-        """The reference to storage ``n`` of this rank's shard of committed snapshot ``holder``,
-        which the trainer says stored ``region`` unchanged with the same plan (so at the same
-        storage number); refused unless the manifest names it and the storage fits."""
-        file = shard_file_name(self.rank)
+    def referred(self, references: References, holder: str, n: int,
+                 region: Region) -> ShardReader:
+        """This rank's shard of committed snapshot ``holder``, whose storage ``n`` the trainer
+        says stored ``region`` unchanged with the same plan (so at the same storage number):
+        refused unless the manifest names it and the storage fits, before a byte of it is read
+        (into a data file) or referred to."""
         target = references.open(holder, self.rank)
         storages = target.index["storages"]
         if not (n < len(storages) and "chunks" in storages[n]
@@ -324,7 +328,7 @@ class SnapshotWriter:
                                                                           region.itemsize)):
             raise SnapshotWriteError(f"storage {n} of {target.path} is not the unchanged region "
                                      "the trainer referred to; the snapshot was not written")
-        return reference_to(target, holder, file, n)
+        return target
 
     def derive(self, directory: str, derived: Derived) -> Callable[[BinaryIO], None]:
         """What writes ``derived`` of this rank's shard of the committed snapshot ``directory``
