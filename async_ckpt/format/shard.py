@@ -76,10 +76,16 @@ def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
             else 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1)
 
 
+def data_files(index: dict) -> list[tuple[str, int]]:
+    """The (name, size) of a (validated) index's data files (version 6): the files beside its
+    shard that a snapshot holds, which only the index names (never a listing)."""
+    return [(f["name"], f["bytes"]) for f in index.get("files", ())]
+
+
 def data_file_bytes(index: dict) -> int:
     """The bytes of a (validated) index's data files (version 6), which a snapshot stores
     besides its shard files."""
-    return sum(f["bytes"] for f in index.get("files", ()))
+    return sum(size for _, size in data_files(index))
 
 
 def referenced_dirs(index: dict) -> list[str]:
