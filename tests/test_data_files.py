@@ -2,6 +2,7 @@
 snapshot is the snapshot's own bytes, written once, linked after the commit; what reads the
 snapshot checks a data file as it checks the shard."""
 
+import dataclasses
 import errno
 import io
 import json
@@ -25,6 +26,8 @@ from async_ckpt.format.native import SUFFIXES
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
 from async_ckpt.storage import local
 from async_ckpt.storage.names import DATA_FILE, data_file_name, snapshot_dir_name
+from async_ckpt.tools import cli
+from async_ckpt.write.commit import with_shards
 from async_ckpt.write import writer as writer_module
 from async_ckpt.write.protocol import Attach, Committed, Failed, Released, SnapshotJob
 from conftest import assert_same, connected_writer
@@ -506,3 +509,34 @@ def test_a_referred_storage_is_checked_before_it_is_read_into_a_data_file(tmp_pa
     finally:
         trainer.close()
         writer.conn.close()
+
+
+def test_ls_repair_and_commit_find_a_missing_or_cut_data_file(tmp_path, capsys):
+    """A snapshot whose shard is whole but a data file is not: `ls` says DAMAGED, the repair of
+    a lost manifest does not take it for complete, and the committer refuses another rank's
+    shard whose data file is not there, as for a missing shard."""
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), {}) as engine:
+        for step in (0, 1):
+            engine.snapshot(step, state={"model": {"w": torch.randn(1000)}}, force=True,
+                            markers=[Marker(str(tmp_path / f"{step}.pt"),
+                                            Derived("torch", "model"))])
+            engine.wait()
+    manifest = async_ckpt.format.manifest.read_manifest(str(root))
+    first, second = (os.path.join(root, s.dir) for s in manifest.snapshots)
+    data = data_file_name(0, 0, "pt")
+    os.unlink(os.path.join(first, data))
+    os.truncate(os.path.join(second, data), 100)
+    assert cli.main(["ls", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"{os.path.basename(first)}/{data} is missing" in out
+    assert f"{os.path.basename(second)}/{data} has 100 bytes" in out
+    assert out.count("DAMAGED") == 2
+
+    os.unlink(os.path.join(root, "manifest.json"))
+    assert async_ckpt.format.manifest.recover_manifest(str(root), write=False).snapshots == ()
+
+    record = manifest.snapshots[0]
+    with pytest.raises(CorruptSnapshotError, match=f"{data} is missing"):
+        with_shards(local.LocalStorage(str(root)), dataclasses.replace(record, shards=()), [],
+                    [0])

@@ -82,6 +82,20 @@ def data_files(index: dict) -> list[tuple[str, int]]:
     return [(f["name"], f["bytes"]) for f in index.get("files", ())]
 
 
+def data_file_problems(index: dict, listing: dict[str, int], where: str) -> list[str]:
+    """What the listing of its snapshot directory ``where`` (name -> size) shows wrong with the
+    data files a (validated) index names: one line for each that is missing or of another size,
+    as for a shard file (the snapshot is damaged, or incomplete)."""
+    problems = []
+    for name, size in data_files(index):
+        found = listing.get(name)
+        if found is None:
+            problems.append(f"{where}/{name} is missing")
+        elif found != size:
+            problems.append(f"{where}/{name} has {found} bytes, its shard recorded {size}")
+    return problems
+
+
 def data_file_bytes(index: dict) -> int:
     """The bytes of a (validated) index's data files (version 6), which a snapshot stores
     besides its shard files."""
