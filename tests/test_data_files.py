@@ -540,3 +540,16 @@ def test_ls_repair_and_commit_find_a_missing_or_cut_data_file(tmp_path, capsys):
     with pytest.raises(CorruptSnapshotError, match=f"{data} is missing"):
         with_shards(local.LocalStorage(str(root)), dataclasses.replace(record, shards=()), [],
                     [0])
+
+
+def test_the_writer_keeps_nothing_of_a_job_once_it_is_done(tmp_path):
+    os.mkdir(tmp_path / "ckpt")
+    trainer, writer = connected_writer(tmp_path / "ckpt")
+    try:
+        for job, markers in ((1, []), (2, [Marker(str(tmp_path / "2.pt"), Derived("torch"))])):
+            writer.handle(staged_job(trainer, writer, job, markers, ONE_TENSOR))
+            assert trainer.recv() == Released(job, job) and isinstance(trainer.recv(), Committed)
+        assert writer.data_files == {} and writer.markers == {}
+    finally:
+        trainer.close()
+        writer.conn.close()

@@ -152,10 +152,10 @@ class SnapshotWriter:
 
     def send(self, event: WriterEvent) -> None:
         """Tell the trainer; a job's markers are written first, once it is committed."""
-        if isinstance(event, JobOutcome) and event.job in self.markers:
-            directory, markers = self.markers.pop(event.job)
+        if isinstance(event, JobOutcome):  # nothing of the job is kept past its outcome
             data_files = self.data_files.pop(event.job, {})
-            if isinstance(event, Committed):
+            directory, markers = self.markers.pop(event.job, (None, ()))
+            if isinstance(event, Committed) and markers:
                 event = _write_markers(event, markers, functools.partial(
                     self.derive, directory), data_files)
         try:
