@@ -22,7 +22,7 @@ from async_ckpt import CheckpointEngine, Derived, Marker
 from async_ckpt.errors import (ChecksumMismatchError, CorruptSnapshotError, InternalError,
                                SnapshotWriteError)
 from async_ckpt.format.layout import Plan, Region, TensorRecord
-from async_ckpt.format.native import SUFFIXES
+from async_ckpt.format.native import FORMATS
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
 from async_ckpt.storage import local
 from async_ckpt.storage.names import DATA_FILE, data_file_name, snapshot_dir_name
@@ -260,22 +260,24 @@ def test_a_linked_data_file_cut_while_it_is_read_is_damage_not_a_crash(tmp_path)
                         markers=[Marker(str(tmp_path / "unused.pt"), Derived("torch", "model"))])
         engine.wait()
     linked = tmp_path / "framework.pt"  # a link, whatever the marker became on this file system
-    os.link(os.path.join(snapshot_dir(root), data_file_name(0, 0, "pt")), linked)
+    os.link(os.path.join(snapshot_dir(root), data_file_name(0, 0, "torch")), linked)
     child = subprocess.run([sys.executable, "-c", _CUT_WHILE_READ, str(root), str(linked)],
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]  # -7: SIGBUS
     assert child.stdout.startswith("CorruptSnapshotError") and "short read" in child.stdout
 
 
-def test_suffixes_of_data_files_are_the_names_that_match():
-    for fmt, suffix in SUFFIXES.items():
-        assert DATA_FILE.fullmatch(data_file_name(3, 7, suffix))
+def test_a_data_file_has_one_name_and_it_matches():
+    for fmt in FORMATS:
+        assert DATA_FILE.fullmatch(data_file_name(3, 7, fmt))
+    assert [DATA_FILE.fullmatch(f"rank-00000.{n}.pt") is not None
+            for n in ("0", "9", "10", "99", "00", "01", "100")] == [True] * 4 + [False] * 3
 
 
 def crafted_shard(tmp_path, files, chunks_of, data=b"\0" * 128):
     """A version 6 shard of rank 0 whose one storage has ``chunks_of(xxh3)`` and whose index
     lists ``files``; its data file holds ``data``."""
-    (tmp_path / data_file_name(0, 0, "pt")).write_bytes(data)
+    (tmp_path / data_file_name(0, 0, "torch")).write_bytes(data)
     writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), ChunkEncoder(None), version=6)
     writer.add_stored(64, 1, False, chunks_of(checksum(data[:64])))
     writer.finish({"step": 0, "rank": 0, "world_size": 1, "created": 0.0, "tensors": [],
@@ -305,7 +307,7 @@ def test_a_crafted_data_file_table_is_refused_before_a_file_is_opened(tmp_path, 
 
 
 def test_storages_that_overlap_in_a_data_file_are_refused(tmp_path):
-    (tmp_path / data_file_name(0, 0, "pt")).write_bytes(b"\0" * 128)
+    (tmp_path / data_file_name(0, 0, "torch")).write_bytes(b"\0" * 128)
     writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), ChunkEncoder(None), version=6)
     for offset in (0, 32):
         writer.add_stored(64, 1, False, chunk(checksum(b"\0" * 64), offset=offset))
@@ -388,7 +390,7 @@ def test_crafted_data_file_fields_give_the_state_or_a_typed_error(v6_snapshot, d
 def test_a_data_file_download_that_fails_leaves_nothing(tmp_path):
     storage = local.LocalStorage(str(tmp_path))
     storage.make_snapshot_dir("step-00000000000000000001.00000000")
-    sink = storage.create_shard("step-00000000000000000001.00000000", data_file_name(0, 0, "pt"))
+    sink = storage.create_shard("step-00000000000000000001.00000000", data_file_name(0, 0, "torch"))
     sink.write([b"half of it"])
     sink.abort()  # the store went down mid-download
     assert os.listdir(tmp_path / "step-00000000000000000001.00000000") == []
@@ -524,7 +526,7 @@ def test_ls_repair_and_commit_find_a_missing_or_cut_data_file(tmp_path, capsys):
             engine.wait()
     manifest = async_ckpt.format.manifest.read_manifest(str(root))
     first, second = (os.path.join(root, s.dir) for s in manifest.snapshots)
-    data = data_file_name(0, 0, "pt")
+    data = data_file_name(0, 0, "torch")
     os.unlink(os.path.join(first, data))
     os.truncate(os.path.join(second, data), 100)
     assert cli.main(["ls", str(root)]) == 1

@@ -17,7 +17,8 @@ import torch
 
 import async_ckpt
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import RemoteConflictError, RemoteStorageError, ReplicaMismatchError
+from async_ckpt.errors import (RemoteConflictError, RemoteStorageError, ReplicaMismatchError,
+                               SnapshotWriteError)
 from async_ckpt.format.manifest import SnapshotRecord, read_manifest
 from async_ckpt.storage.names import shard_file_name
 from async_ckpt.storage.local import LocalStorage
@@ -98,6 +99,13 @@ def test_data_files_reach_the_bucket_and_restore_from_it(tmp_path, remote):
     assert_same(restored.state_dict(), m.state_dict())
     (fresh,) = tmp_path.glob(f"fresh-*/{record.dir}")  # what the index names, not the listing
     assert sorted(os.listdir(fresh)) == ["rank-00000.0.safetensors", "rank-00000.ackpt"]
+
+
+def test_an_object_store_takes_data_files_by_upload_only():
+    """A data file is written in place (a zip's header last), never into an object."""
+    with pytest.raises(SnapshotWriteError, match="by upload"):
+        ObjectStorage("s3://bucket/prefix").create_data_file("step-00000000000000000001.0000abcd",
+                                                             "rank-00000.0.pt")
 
 
 def test_restore_prefers_the_newer_tier(tmp_path, remote, server):

@@ -21,7 +21,7 @@ from typing import Hashable, Iterable, Optional, Type
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteStorageError
 from ..format.manifest import Manifest, ShardRecord, read_manifest
 from ..format.shard import ShardReader, data_files
-from ..storage.base import ShardSink, ShardSource, Storage
+from ..storage.base import DataFileSink, ShardSink, ShardSource, Storage
 from ..storage.local import LocalStorage
 from ..storage.remote import ObjectStorage
 
@@ -141,6 +141,9 @@ class TieredStorage(Storage):
 
     def create_shard(self, dir: str, file: str) -> ShardSink:
         return self.local.create_shard(dir, file)
+
+    def create_data_file(self, dir: str, file: str) -> DataFileSink:
+        return self.local.create_data_file(dir, file)
 
     def sync_snapshot(self, dir: str) -> None:
         self.local.sync_snapshot(dir)

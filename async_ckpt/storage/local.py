@@ -34,7 +34,7 @@ from typing import BinaryIO, Callable, ContextManager, Iterable, Optional, Type,
 
 import numpy
 
-from .base import DIRECT_ALIGNMENT, ShardSink, ShardSource, Storage
+from .base import DIRECT_ALIGNMENT, DataFileSink, ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
 from .locks import every_rank_exclusively, lock_path, take_rank_lock
@@ -681,13 +681,11 @@ class LocalShardSink(ShardSink):
             self._fd = -1
 
 
-class LocalDataFile:
+class LocalDataFile(DataFileSink):
     """A new file written as a shard is (pieces of ``WRITE_PIECE_BYTES`` under a ``WriteBack``
-    window, so that the disk works while it is written), by a framework format's writer that
-    seeks back now and then to complete a header (a zip's): the file-like calls it needs, then
-    ``finish()``, which makes it durable. Read-only (mode 0444): a framework's file linked to it
-    is the snapshot's bytes, and a program that rewrote that file in place instead of replacing
-    it would damage the snapshot."""
+    window, so that the disk works while it is written). Read-only (mode 0444): a framework's
+    file hard-linked to it is the snapshot's bytes, and a program that rewrote that file in place
+    instead of replacing it would damage the snapshot."""
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -712,19 +710,14 @@ class LocalDataFile:
         self._position = os.lseek(self._fd, offset, whence)
         return self._position
 
-    def flush(self) -> None:
-        pass  # nothing is buffered here
-
     def finish(self) -> int:
-        """Make the file durable; its size."""
         os.fsync(self._fd)
         return self._end
 
-    def __enter__(self) -> "LocalDataFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self._fd)
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class LocalShardSource(ShardSource):
@@ -796,10 +789,9 @@ class LocalStorage(Storage):
         final = self.location(dir, file)
         return LocalShardSink(final + PARTIAL_SUFFIX, final, self.direct_io)
 
-    def create_data_file(self, dir: str, file: str) -> "LocalDataFile":
-        """The new data file ``file`` of a shard of snapshot ``dir`` (docs/FORMAT.md 3.8), under
-        its final name: the shard that names it is made durable after it
-        (``LocalShardSink.finish`` syncs the directory)."""
+    def create_data_file(self, dir: str, file: str) -> LocalDataFile:
+        """(``LocalShardSink.finish`` syncs the directory, so the data file's name is durable
+        with the shard's.)"""
         return LocalDataFile(self.location(dir, file))
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:

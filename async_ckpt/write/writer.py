@@ -299,7 +299,7 @@ class SnapshotWriter:
         chunks: dict[int, list[dict]] = {}
         files, paths = [], {}
         for number, native in enumerate(natives):
-            name = data_file_name(self.rank, number, native.suffix)
+            name = data_file_name(self.rank, number, native.derived.format)
             kept = {n: [] for n in native.whole if n not in chunks and written[n] not in refer}
             chunks.update(kept)
             with self.storage.create_data_file(job.dir, name) as out:
