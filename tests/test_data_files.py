@@ -4,10 +4,8 @@ snapshot checks a data file as it checks the shard."""
 
 import dataclasses
 import errno
-import io
 import json
 import os
-import struct
 import subprocess
 import sys
 from multiprocessing.reduction import send_handle
