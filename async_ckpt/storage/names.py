@@ -26,7 +26,7 @@ REPLACEMENT_FILE = re.compile(r".+" + re.escape(_REPLACEMENT) + r"[0-9]{1,10}") 
 SNAPSHOT_DIR = re.compile(r"step-([0-9]{20})\.([0-9a-f]{8})")
 SHARD_FILE = re.compile(r"rank-([0-9]{5})\.ackpt")
 DATA_FILE_SUFFIXES = {"torch": "pt", "safetensors": "safetensors"}
-"""The suffix of a shard's data file in each framework format (``format.native.FORMATS``)."""
+"""The suffix of a shard's data file in each framework format that ``format.native`` writes."""
 DATA_FILE = re.compile(r"rank-([0-9]{5})\.(0|[1-9][0-9]?)\.("
                        + "|".join(map(re.escape, DATA_FILE_SUFFIXES.values())) + ")")
 """A file of a shard's chunks in a framework's format (format version 6): rank, number (one

@@ -189,10 +189,11 @@ class Uploader:
                     self.remote.upload_file(record.dir, name, self.local.location(record.dir, name))
                     self.uploaded_bytes += size
             except (FileNotFoundError, CorruptSnapshotError) as e:
-                if shard.file in dict(self.local.list_snapshot(record.dir)):
+                if any(s.dir == record.dir for s in read_manifest(self.local).snapshots):
                     return self._rejected(upload.record, e)  # damaged here: never uploaded
                 log.info("remote: step %d was dropped before it was uploaded", record.step)
-                return "skip"  # dropped locally since (engine.drop): nothing to upload
+                return "skip"  # dropped locally since (engine.drop, retention): its files are
+                # deleted only once the manifest no longer names it
         return "peers" if self.rank == 0 else "watch"
 
     def _check_peers(self, upload: _Upload) -> str:
