@@ -2,8 +2,10 @@
 
 import os
 import random
+import socket
 import sys
 import tempfile
+from multiprocessing.connection import Connection
 
 # Keep hypothesis's example database out of the working tree.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
@@ -142,3 +144,17 @@ def server():
     s3.start()
     yield s3
     s3.kill()
+
+
+def connected_writer(tmp_path, rank=0, world_size=1):
+    """A writer process's state (``SnapshotWriter``) in this process, over ``tmp_path``, and the
+    trainer's end of its connection: to drive the writer message by message."""
+    from async_ckpt.write.protocol import WriterConfig
+    from async_ckpt.write.writer import SnapshotWriter
+
+    config = WriterConfig(root=str(tmp_path), rank=rank, world_size=world_size,
+                          spread_replicated=False, reserve_bytes=0, compression=None, level=3,
+                          keep_last=2, keep_every=None, commit_timeout=10.0, nice=0,
+                          low_io_priority=False, lock=str(tmp_path / "lock"), log_level=30)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return Connection(ours.detach()), SnapshotWriter(Connection(theirs.detach()), config)

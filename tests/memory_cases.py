@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Optional
 
 import xxhash
 import zstandard

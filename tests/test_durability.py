@@ -9,11 +9,9 @@ durable the same way.
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Optional
 
@@ -27,9 +25,9 @@ from async_ckpt.format.manifest import ShardRecord
 from async_ckpt.storage.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
-from async_ckpt.write.protocol import (Attach, Drop, Dropped, Failed, Released, SnapshotJob,
-                                       WriterConfig)
-from async_ckpt.write.writer import GONE, SnapshotWriter
+from async_ckpt.write.protocol import Attach, Drop, Dropped, Failed, Released, SnapshotJob
+from async_ckpt.write.writer import GONE
+from conftest import connected_writer
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs",
                        "durable_snapshot.py")
@@ -195,20 +193,6 @@ def test_make_dirs_refuses_a_file_in_the_way(tmp_path, fsynced):
     with pytest.raises(CheckpointDirError):
         fsutil.ensure_writable_dir(str(tmp_path / "f"))
     assert fsynced == []
-
-
-def writer_config(tmp_path, rank=0, world_size=1) -> WriterConfig:
-    return WriterConfig(root=str(tmp_path), rank=rank, world_size=world_size,
-                        spread_replicated=False, reserve_bytes=0, compression=None, level=3,
-                        keep_last=2, keep_every=None, commit_timeout=10.0, nice=0,
-                        low_io_priority=False, lock=str(tmp_path / "lock"), log_level=30)
-
-
-def connected_writer(tmp_path, rank=0, world_size=1):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    trainer = Connection(ours.detach())
-    return trainer, SnapshotWriter(Connection(theirs.detach()),
-                                   writer_config(tmp_path, rank, world_size))
 
 
 def test_writer_attaches_a_buffer_sent_with_its_fd(tmp_path):

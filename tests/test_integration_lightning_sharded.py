@@ -15,9 +15,7 @@ refuses.
 
 import json
 import os
-import shutil
 import signal
-import sys
 import time
 
 import pytest

@@ -17,8 +17,9 @@ import torch
 
 import async_ckpt
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import RemoteConflictError, RemoteStorageError, ReplicaMismatchError
-from async_ckpt.format.manifest import SnapshotRecord, ShardRecord, read_manifest
+from async_ckpt.errors import (RemoteConflictError, RemoteStorageError, ReplicaMismatchError,
+                               SnapshotWriteError)
+from async_ckpt.format.manifest import SnapshotRecord, read_manifest
 from async_ckpt.storage.names import shard_file_name
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import ObjectStorage
@@ -87,13 +88,24 @@ def test_data_files_reach_the_bucket_and_restore_from_it(tmp_path, remote):
         engine.snapshot(0, markers=[async_ckpt.Marker(str(tmp_path / "m.safetensors"),
                                                       async_ckpt.Derived("safetensors", "m"))])
         engine.wait(remote=True)
-    record = read_manifest(ObjectStorage(remote)).snapshots[-1]
-    names = dict(ObjectStorage(remote).list_snapshot(record.dir))
+    store = ObjectStorage(remote)
+    record = read_manifest(store).snapshots[-1]
+    names = dict(store.list_snapshot(record.dir))
     assert names["rank-00000.0.safetensors"] == os.path.getsize(tmp_path / "m.safetensors")
     assert_same(async_ckpt.load(remote)[1]["m"], m.state_dict())  # ranged reads, no copy
+    obstore.put(store.store, f"{record.dir}/rank-00000.1.pt", b"not named by the index")
     step, restored = restore_fresh(tmp_path, remote)  # a local copy, its data file beside it
     assert step == 0
     assert_same(restored.state_dict(), m.state_dict())
+    (fresh,) = tmp_path.glob(f"fresh-*/{record.dir}")  # what the index names, not the listing
+    assert sorted(os.listdir(fresh)) == ["rank-00000.0.safetensors", "rank-00000.ackpt"]
+
+
+def test_an_object_store_takes_data_files_by_upload_only():
+    """A data file is written in place (a zip's header last), never into an object."""
+    with pytest.raises(SnapshotWriteError, match="by upload"):
+        ObjectStorage("s3://bucket/prefix").create_data_file("step-00000000000000000001.0000abcd",
+                                                             "rank-00000.0.pt")
 
 
 def test_restore_prefers_the_newer_tier(tmp_path, remote, server):
@@ -305,13 +317,11 @@ def right_now(step, *args) -> Future:
 
 def committed_record(local: LocalStorage, step: int, world_size: int) -> SnapshotRecord:
     """A snapshot directory with a shard file per rank, as the local commit leaves it."""
+    from test_commit import write_shard
+
     name = f"step-{step:020d}.0000abcd"
-    os.makedirs(local.location(name), exist_ok=True)
-    shards = []
-    for rank in range(world_size):
-        with open(local.location(name, shard_file_name(rank)), "wb") as f:
-            f.write(bytes([rank]) * (100 + step))
-        shards.append(ShardRecord(rank, shard_file_name(rank), 100 + step, "0" * 16))
+    shards = [write_shard(local.root, name, rank, step, world_size=world_size)
+              for rank in range(world_size)]
     return SnapshotRecord(step=step, seq=step, dir=name, committed_at=1000.0 + step,
                           world_size=world_size, shards=tuple(shards), raw_bytes=0,
                           stored_bytes=0)
@@ -347,6 +357,29 @@ def test_rank0_publishes_only_once_every_rank_shard_is_in_the_bucket(tmp_path):
     assert store.published == [[5]] and not rank0.busy
     assert not rank1.busy and rank1.remote_step == 5
     assert [e.figures["remote_step"] for e in sent if isinstance(e, RemoteStatus)][-1] == 5
+
+
+def test_a_shard_is_uploaded_with_the_data_files_its_index_names(tmp_path):
+    """Those its index names, not what the directory lists; a shard missing one is never
+    published (the trainer is told)."""
+    local, store, clock, sent, (rank0,) = uploaders(tmp_path, world_size=1)
+    with CheckpointEngine(local.root, {}) as engine:
+        for step in (0, 1):
+            engine.snapshot(step, state={"m": {"w": torch.randn(100)}}, force=True, markers=[
+                async_ckpt.Marker(str(tmp_path / f"{step}.pt"), async_ckpt.Derived("torch", "m"))])
+            engine.wait()
+    first, second = read_manifest(local).snapshots
+    with open(local.location(first.dir, "rank-00000.3.pt"), "wb") as f:
+        f.write(b"not named by the index")
+    rank0.committed(first)
+    settle(clock, rank0)
+    assert sorted(dict(store.list_snapshot(first.dir))) == ["rank-00000.0.pt", "rank-00000.ackpt"]
+    os.unlink(local.location(second.dir, "rank-00000.0.pt"))
+    rank0.committed(second)
+    settle(clock, rank0)
+    assert store.published == [[0]] and not rank0.busy
+    status = [e.figures for e in sent if isinstance(e, RemoteStatus)][-1]
+    assert status["rejections"] == 1 and "rank-00000.0.pt" in str(status["rejected"])
 
 
 def test_rank0_moves_on_at_once_when_another_rank_uploaded_a_newer_snapshot(tmp_path):
@@ -441,10 +474,8 @@ def test_without_a_shared_directory_replicas_that_differ_are_never_published(tmp
     theirs = [{"entry": "model", "owner": 0, "nbytes": 64, "xxh3": "00000000000000bb"}]
     from test_commit import write_shard
 
-    write_shard(roots[1].root, records[1].dir, 1, 5, theirs, world_size=2)  # rank 1 held other bytes
-    records[1] = dataclasses.replace(records[1], shards=(
-        ShardRecord(1, shard_file_name(1), os.path.getsize(roots[1].location(
-            records[1].dir, shard_file_name(1))), "0" * 16),))
+    records[1] = dataclasses.replace(records[1], shards=(  # rank 1 held other bytes
+        write_shard(roots[1].root, records[1].dir, 1, 5, theirs, world_size=2),))
     made = [upload.Uploader(roots[r], store, r, 2, 2, None, sent.append, clock, right_now)
             for r in range(2)]
     settle(clock, *made)

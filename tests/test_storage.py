@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from async_ckpt.errors import CorruptSnapshotError, ManifestError
+from async_ckpt.errors import CorruptSnapshotError, ManifestError, SnapshotWriteError
 from async_ckpt.format.manifest import (Manifest, ShardRecord, leftovers, read_manifest,
                                         recover_manifest, write_manifest)
 from async_ckpt.storage.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
@@ -333,6 +333,9 @@ class MemoryStorage(Storage):
 
     def create_shard(self, dir, file):
         return MemorySink(self.dirs[dir], file)
+
+    def create_data_file(self, dir, file):
+        raise SnapshotWriteError("no data files in memory")
 
     def list_snapshot(self, dir):
         return tuple(sorted((name, len(data)) for name, data in self.dirs.get(dir, {}).items()))

@@ -447,10 +447,12 @@ def _complete_snapshot(storage: Storage, name: str,
     """The record of snapshot directory ``name`` if every rank's shard in it (or ``only_rank``'s,
     in that rank's own root) is whole, else None (also when ``name`` is not a directory, or a
     link to one)."""
-    from .shard import ShardReader, data_file_bytes, referenced_dirs  # only for this repair
+    from .shard import (ShardReader, data_file_bytes, data_file_problems,  # only for this
+                        referenced_dirs)  # repair
 
     shards, indexes = {}, []
-    for file, _ in storage.list_snapshot(name):
+    listing = dict(storage.list_snapshot(name))
+    for file in listing:
         if not SHARD_FILE.fullmatch(file) or (  # e.g. a shard still being written (*.partial)
                 only_rank is not None and file != shard_file_name(only_rank)):
             continue
@@ -461,7 +463,7 @@ def _complete_snapshot(storage: Storage, name: str,
                                      reader.index_xxh3)
         except CheckpointError:
             continue
-        if index.get("rank") != record.rank:
+        if index.get("rank") != record.rank or data_file_problems(index, listing, name):
             return None
         indexes.append(index)
         shards[record.rank] = record

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
 import numpy
 
 from ..errors import InvalidArgumentError, LayoutError
-from ..storage.names import RNG_KEY
+from ..storage.names import DATA_FILE_SUFFIXES, RNG_KEY
 from . import tree as tree_model
 from .manifest import SnapshotRecord
 from .references import References
@@ -164,8 +164,7 @@ class Derived:
                                        "torch files only")
 
 
-FORMATS = ("torch", "safetensors")
-SUFFIXES = {"torch": "pt", "safetensors": "safetensors"}  # of a shard's data files (names.DATA_FILE)
+FORMATS = tuple(DATA_FILE_SUFFIXES)  # "torch", "safetensors"
 
 Pieces = Callable[[int], Iterator[memoryview]]
 """Storage ``n``'s bytes, in order, in pieces."""
@@ -184,7 +183,6 @@ class NativeFile:
         storages = [_Storage(str(n), s["nbytes"]) for n, s in enumerate(index["storages"])]
         state = _state(index, storages, derived.entry, where)
         self.derived = derived
-        self.suffix = SUFFIXES[derived.format]
         if derived.format == "torch":
             self._layout: _TorchLayout | _SafetensorsLayout = _TorchLayout(
                 state, index["byteorder"], derived.record)
@@ -343,8 +341,10 @@ class _SafetensorsLayout:
     whole where one tensor covers exactly its bytes and no other tensor of the file views it."""
 
     def __init__(self, state: Any, where: str) -> None:
-        if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())):
-            raise LayoutError(f"{where} is not a dict of tensors: safetensors holds nothing else")
+        if not (isinstance(state, dict) and all(type(t) is _Tensor for t in state.values())
+                and all(type(name) is str for name in state)):
+            raise LayoutError(f"{where} is not a dict of tensors by name: safetensors holds "
+                              "nothing else")
         seen, self.kept = set(), []
         for name, tensor in state.items():
             if tensor.dtype not in SAFETENSORS_DTYPES:

@@ -20,6 +20,7 @@ import json
 import logging
 import mmap
 import os
+import posixpath
 import re
 import struct
 import sys
@@ -33,7 +34,8 @@ import zstandard
 from . import filters, values
 from .layout import DIRECT_BYTES
 from ..checks import is_int, short_repr
-from ..storage.names import DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name
+from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
+                             data_files_of)
 from ..errors import (ChecksumMismatchError, CorruptSnapshotError, EncodingError,
                       UnsupportedFormatError)
 from ..storage.base import DIRECT_ALIGNMENT, ShardSink, ShardSource
@@ -74,10 +76,30 @@ def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
             else 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1)
 
 
+def data_files(index: dict) -> list[tuple[str, int]]:
+    """The (name, size) of a (validated) index's data files (version 6): the files beside its
+    shard that a snapshot holds, which only the index names (never a listing)."""
+    return [(f["name"], f["bytes"]) for f in index.get("files", ())]
+
+
+def data_file_problems(index: dict, listing: dict[str, int], where: str) -> list[str]:
+    """What the listing of its snapshot directory ``where`` (name -> size) shows wrong with the
+    data files a (validated) index names: one line for each that is missing or of another size,
+    as for a shard file (the snapshot is damaged, or incomplete)."""
+    problems = []
+    for name, size in data_files(index):
+        found = listing.get(name)
+        if found is None:
+            problems.append(f"{where}/{name} is missing")
+        elif found != size:
+            problems.append(f"{where}/{name} has {found} bytes, its shard recorded {size}")
+    return problems
+
+
 def data_file_bytes(index: dict) -> int:
     """The bytes of a (validated) index's data files (version 6), which a snapshot stores
     besides its shard files."""
-    return sum(f["bytes"] for f in index.get("files", ()))
+    return sum(size for _, size in data_files(index))
 
 
 def referenced_dirs(index: dict) -> list[str]:
@@ -114,11 +136,12 @@ def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
     return i
 
 
-def index_budget(data_end: int) -> int:
-    """The memory parsing the index of a shard whose data area ends at ``data_end`` may take
-    (``values.json_cost``): the fixed allowance, and as much as the data a read of it checks.
-    The writer refuses to write an index the reader would refuse."""
-    return values.READ_ALLOWANCE + data_end
+def index_budget(data_bytes: int) -> int:
+    """The memory parsing the index of a shard may take (``values.json_cost``): the fixed
+    allowance, and as much as the data a read of it checks, ``data_bytes``: its data area (which
+    ends where the index starts) and its data files (format version 6). The writer refuses to
+    write an index the reader would refuse."""
+    return values.READ_ALLOWANCE + data_bytes
 
 
 def checksum(*buffers) -> str:
@@ -314,7 +337,7 @@ class ShardWriter:
         index = {"format_version": self.version, "byteorder": sys.byteorder, **meta,
                  "storages": self._storages}
         blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode()
-        if values.json_cost(blob) > index_budget(self._offset):
+        if values.json_cost(blob) > index_budget(self._offset + data_file_bytes(meta)):
             raise EncodingError(f"the non-tensor state is too large to read back: its index would "
                                 f"take about {values.json_cost(blob) >> 20} MiB to parse, more "
                                 "than a reader allows for a shard of this size. Store long lists "
@@ -356,6 +379,7 @@ class ShardReader:
         self._mappings: dict[Optional[int], Union[mmap.mmap, bool]] = {}
         self._prefetched: set[Optional[int]] = set()
         self._data_files: dict[int, ShardSource] = {}  # opened when first read
+        self._beside: Optional[int] = None  # the bytes of its data files, once listed
         self._opening = threading.Lock()
         try:
             self.size = self._source.size
@@ -436,23 +460,38 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path} has no trailer: it was cut short while written")
         if length > MAX_INDEX_BYTES or offset < HEADER_SIZE or offset + length + TRAILER_SIZE != self.size:
             raise CorruptSnapshotError(f"{self.path}: the trailer points outside the file")
-        budget = index_budget(offset)
-        if values.JSON_BYTES_PER_BYTE * length > budget:  # at least what json_cost counts
+        if values.JSON_BYTES_PER_BYTE * length > self._index_budget(  # what json_cost counts
+                offset, values.JSON_BYTES_PER_BYTE * length):  # at least
             raise CorruptSnapshotError(f"{self.path}: its index of {length} bytes is larger "
-                                       f"than a shard of {self.size} bytes has (crafted?)")
+                                       f"than a shard of {self.size} bytes (and its data files) "
+                                       "has (crafted?)")
         blob = self._pread(length, offset)
         self.index_xxh3 = f"{digest:016x}"
         if xxhash.xxh3_64_intdigest(blob) != digest or (
                 expected_xxh3 is not None and f"{digest:016x}" != expected_xxh3):
             raise ChecksumMismatchError(f"{self.path}: the index checksum does not match")
         try:
-            index = values.parse_json(blob, budget)
+            index = values.parse_json(blob, self._index_budget(offset, values.json_cost(blob)))
         except values.JSONTooCostly as e:
             raise CorruptSnapshotError(f"{self.path}: the index is refused: {e}") from e
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
         _validate_index(index, self.path, data_end=offset, version=self.version)
         return index
+
+    def _index_budget(self, data_end: int, cost: int) -> int:
+        """The budget of the index (``index_budget``), whose parse costs ``cost``: its data area
+        ``[16, data_end)``, and where that is not enough, from version 6, its rank's data files
+        as the directory lists them (the index that names them is not read yet): a bound of
+        sizes, listed once and only for an index that needs it."""
+        budget = index_budget(data_end)
+        rank = SHARD_FILE.fullmatch(posixpath.basename(self.path))
+        if cost <= budget or self.version < 6 or rank is None:
+            return budget
+        if self._beside is None:
+            self._beside = sum(size for _, size in data_files_of(int(rank.group(1)),
+                                                                 self._source.siblings()))
+        return index_budget(data_end + self._beside)
 
     def read_storage(self, i: int, out) -> None:
         """Fill ``out`` (a writable buffer of the storage's size) with storage ``i``, verified."""
@@ -575,9 +614,14 @@ class ShardReader:
 
     def _map(self, number: Optional[int]) -> Optional[mmap.mmap]:
         """The mapping of this file (``number`` None) or of data file ``number``; None when it
-        cannot be mapped."""
+        cannot be mapped, or is a data file with other links: a framework's file, which a
+        program may truncate while it is read, and a mapping would then kill the process
+        (SIGBUS) where a read into memory raises for the short read."""
         if number not in self._mappings:
             source = self._source_of({"file": number})
+            if number is not None and source.linked:
+                self._mappings[number] = False
+                return None
             try:
                 self._mappings[number] = source.map() or False
             except (OSError, ValueError) as e:  # a file system that cannot map: read instead

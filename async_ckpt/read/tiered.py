@@ -6,9 +6,11 @@ fresh node, or when this node's directory fell behind it; the local one while up
 the bucket's when the ranks share no directory, since a rank's own root holds only its shards), and
 a shard is opened from the local directory when it is there, else downloaded into it first
 (ranged GETs in parallel, into a ``*.partial`` file renamed once whole: the local directory is a
-cache of what was read, and a shard's chunks are verified as every read verifies them). So each
-rank downloads only the shards it reads. An object whose size is not the one the manifest
-records is damage before a byte of it is downloaded. Writes go to the local directory.
+cache of what was read, and a shard's chunks are verified as every read verifies them), its data
+files first (format version 6: those its index names, read from the store and checked against
+the manifest's checksum of it; a local copy already of their size is kept). So each rank
+downloads only the shards it reads. An object whose size is not the one the manifest records is
+damage before a byte of it is downloaded. Writes go to the local directory.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import logging
 from typing import Hashable, Iterable, Optional, Type
 
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteStorageError
-from ..format.manifest import Manifest, read_manifest
-from ..storage.base import ShardSink, ShardSource, Storage
+from ..format.manifest import Manifest, ShardRecord, read_manifest
+from ..format.shard import ShardReader, data_files
+from ..storage.base import DataFileSink, ShardSink, ShardSource, Storage
 from ..storage.local import LocalStorage
-from ..storage.names import SHARD_FILE, data_files_of
 from ..storage.remote import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class TieredStorage(Storage):
     def __init__(self, local: LocalStorage, remote: ObjectStorage):
         self.local, self.remote = local, remote
         self.manifest_tier, manifest = self._newest_tier()
-        self._sizes = _shard_sizes(manifest)
+        self._shards = _shard_records(manifest)
 
     def _newest_tier(self) -> tuple[Storage, Manifest]:
         """The tier whose manifest's newest snapshot was committed last, and that manifest. A
@@ -80,21 +82,24 @@ class TieredStorage(Storage):
         return self.manifest_tier.version(name)
 
     def open_shard(self, dir: str, file: str) -> ShardSource:
-        if any(name == file for name, _ in self.local.list_snapshot(dir)):
+        local = dict(self.local.list_snapshot(dir))
+        if file in local:
             return self.local.open_shard(dir, file)
-        source = self.remote.open_shard(dir, file)
-        if (dir, file) not in self._sizes:  # committed since this restore read the manifest
-            self._sizes = _shard_sizes(read_manifest(self.manifest_tier))
-        expected = self._sizes.get((dir, file))
-        if source.size != expected:
-            raise CorruptSnapshotError(f"{source.name} has {source.size} bytes, the manifest "
-                                       f"records {expected}; it is damaged or was replaced")
-        rank = int(SHARD_FILE.fullmatch(file).group(1))
-        # its data files first (format version 6): a local shard has them beside it
-        for name, size in (*data_files_of(rank, self.remote.list_snapshot(dir)), (file, source.size)):
-            if not self._keep_copy(dir, name, size):
-                return source  # read from the store, data files too (ShardSource.sibling)
-        source.close()
+        if (dir, file) not in self._shards:  # committed since this restore read the manifest
+            self._shards = _shard_records(read_manifest(self.manifest_tier))
+        record = self._shards.get((dir, file))
+        if record is None:
+            raise CorruptSnapshotError(f"{self.remote.location(dir, file)} is not a shard the "
+                                       "manifest names")
+        # its data files first (format version 6), as its index (checked against the manifest)
+        # names them: a local shard has them beside it
+        with ShardReader(self.remote.open_shard(dir, file), record.bytes,
+                         record.index_xxh3) as reader:
+            files = data_files(reader.index)
+        for name, size in (*files, (file, record.bytes)):
+            if local.get(name) != size and not self._keep_copy(dir, name, size):
+                return self.remote.open_shard(dir, file)  # read from the store, data files
+                # too (ShardSource.sibling)
         return self.local.open_shard(dir, file)
 
     def _keep_copy(self, dir: str, file: str, size: int) -> bool:
@@ -137,6 +142,9 @@ class TieredStorage(Storage):
     def create_shard(self, dir: str, file: str) -> ShardSink:
         return self.local.create_shard(dir, file)
 
+    def create_data_file(self, dir: str, file: str) -> DataFileSink:
+        return self.local.create_data_file(dir, file)
+
     def sync_snapshot(self, dir: str) -> None:
         self.local.sync_snapshot(dir)
 
@@ -150,6 +158,6 @@ class TieredStorage(Storage):
         return self.local.free_bytes()
 
 
-def _shard_sizes(manifest: Manifest) -> dict[tuple[str, str], int]:
-    """(snapshot directory, shard file) -> bytes, as ``manifest`` records them."""
-    return {(s.dir, shard.file): shard.bytes for s in manifest.snapshots for shard in s.shards}
+def _shard_records(manifest: Manifest) -> dict[tuple[str, str], ShardRecord]:
+    """(snapshot directory, shard file) -> its record in ``manifest``."""
+    return {(s.dir, shard.file): shard for s in manifest.snapshots for shard in s.shards}

@@ -10,7 +10,9 @@ Call order of one snapshot, and what each step guarantees when it returns:
 
 1. writer of every rank: ``make_snapshot_dir(dir)``: the directory exists, and keeps existing after
    a power cut.
-2. ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed
+2. (format version 6) ``create_data_file(dir, file)`` -> ``DataFileSink`` for each data file of
+   the shard, written in place and ``finish()``ed: durable before the shard names it.
+   ``create_shard(dir, file)`` -> ``ShardSink``; ``write(buffers)`` as often as needed
    (``settle()``: none of their memory is read any more); then
    ``finish()``: the bytes are durable under ``file``, which no reader could see before (a rank's
    final name is its promise to the committer). ``abort()`` instead leaves no trace of the file.
@@ -72,12 +74,52 @@ class ShardSink(ABC):
         """Close and discard what was written; harmless after ``finish`` or a previous ``abort``."""
 
 
+class DataFileSink(ABC):
+    """A shard's new data file (docs/FORMAT.md 3.8), written under its final name by a framework
+    format's writer, as a file: ``write``, ``tell``, ``seek`` (it goes back to complete a
+    header: a zip's), ``flush``; then ``finish``. A context manager: leaving it closes the
+    file (what is not finished is the shard's to never name)."""
+
+    @abstractmethod
+    def write(self, data) -> int:
+        """Write ``data`` (any buffer) at the position; returns its length."""
+
+    @abstractmethod
+    def tell(self) -> int:
+        """The position."""
+
+    @abstractmethod
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move the position, as ``os.lseek``; returns it."""
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+    @abstractmethod
+    def finish(self) -> int:
+        """Make the file durable; returns its size."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the file."""
+
+    def __enter__(self) -> "DataFileSink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class ShardSource(ABC):
     """A file opened for random reads. ``name`` says where it is, for messages; ``size`` is its
     size when opened."""
 
     name: str
     size: int
+    linked = False
+    """Whether the file has other names (hard links) when opened, through which a program may
+    rewrite or truncate it in place while it is read (a framework's file linked to a data
+    file)."""
 
     @abstractmethod
     def read_into(self, buffer, offset: int) -> int:
@@ -102,6 +144,12 @@ class ShardSource(ABC):
                                      "which this storage does not read; read the snapshot from "
                                      "the local directory that wrote it")
 
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        """The (name, size) of every file of the same snapshot directory, as
+        ``Storage.list_snapshot`` gives them: what bounds the index of a shard whose data files
+        are among them (``format.shard.ShardReader``). Empty where the storage does not list."""
+        return ()
+
 
 class Storage(ABC):
     """One checkpoint root. See the module docstring for the call order and the guarantees."""
@@ -119,6 +167,12 @@ class Storage(ABC):
     @abstractmethod
     def create_shard(self, dir: str, file: str) -> ShardSink:
         """A sink for a new file ``file`` in ``dir``; never overwrites or exposes a file there."""
+
+    @abstractmethod
+    def create_data_file(self, dir: str, file: str) -> DataFileSink:
+        """A sink for the new data file ``file`` of a shard of ``dir`` (format version 6),
+        written in place under its final name: the shard that names it is made durable after
+        it. A storage that cannot write a file in place refuses (SnapshotWriteError)."""
 
     @abstractmethod
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:

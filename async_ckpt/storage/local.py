@@ -34,7 +34,7 @@ from typing import BinaryIO, Callable, ContextManager, Iterable, Optional, Type,
 
 import numpy
 
-from .base import DIRECT_ALIGNMENT, ShardSink, ShardSource, Storage
+from .base import DIRECT_ALIGNMENT, DataFileSink, ShardSink, ShardSource, Storage
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
 from .locks import every_rank_exclusively, lock_path, take_rank_lock
@@ -88,12 +88,39 @@ def write_all(fd: int, data) -> None:
 
 @dataclass(frozen=True)
 class Linked:
-    """A file's bytes as the file ``path`` holds them, which nothing writes to any more: a hard
-    link to it (no byte written again), or where the file system cannot link there (another file
-    system), what ``copy`` writes."""
+    """A file's bytes as the file ``path`` holds them, which nothing writes to any more (a
+    snapshot's data file): no byte written again. Where the file system can, a clone of it (a
+    reflink, ``FICLONE``: a file of its own sharing its blocks, so that rewriting one leaves the
+    other whole); else a hard link to it (the same file: rewriting it in place damages ``path``,
+    which its checksums then tell); else (another file system) what ``copy`` writes."""
 
     path: str
     copy: Callable[[BinaryIO], None]
+
+
+_FICLONE = getattr(fcntl, "FICLONE", 0x40049409)  # Linux's ioctl (_IOW(0x94, 9, int)); in
+# fcntl from Python 3.12
+
+
+def _clone(source: str, path: str, durable: bool) -> bool:
+    """Create the new file ``path`` as a clone of ``source`` (``Linked``); False, with nothing
+    left at ``path``, where the file system cannot clone (ext4, tmpfs, another file system)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, _FICLONE, src)
+        finally:
+            os.close(src)
+        if durable:
+            os.fsync(fd)
+    except OSError as e:  # EOPNOTSUPP, EXDEV, EINVAL: link or copy instead
+        os.close(fd)
+        _unlink_quietly(path)
+        log.debug("cannot clone %s to %s (%s)", source, path, e.strerror)
+        return False
+    os.close(fd)
+    return True
 
 
 Content = Union[bytes, Callable[[BinaryIO], None], Linked]
@@ -105,6 +132,8 @@ def _create_file(path: str, data: Content, durable: bool = True) -> None:
     """Create the new file ``path`` holding ``data`` (fsynced when ``durable``; the caller makes
     the directory entry durable)."""
     if isinstance(data, Linked):
+        if _clone(data.path, path, durable):
+            return
         try:
             os.link(data.path, path, follow_symlinks=False)
             return
@@ -652,13 +681,11 @@ class LocalShardSink(ShardSink):
             self._fd = -1
 
 
-class LocalDataFile:
+class LocalDataFile(DataFileSink):
     """A new file written as a shard is (pieces of ``WRITE_PIECE_BYTES`` under a ``WriteBack``
-    window, so that the disk works while it is written), by a framework format's writer that
-    seeks back now and then to complete a header (a zip's): the file-like calls it needs, then
-    ``finish()``, which makes it durable. Read-only (mode 0444): a framework's file linked to it
-    is the snapshot's bytes, and a program that rewrote that file in place instead of replacing
-    it would damage the snapshot."""
+    window, so that the disk works while it is written). Read-only (mode 0444): a framework's
+    file hard-linked to it is the snapshot's bytes, and a program that rewrote that file in place
+    instead of replacing it would damage the snapshot."""
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -683,19 +710,14 @@ class LocalDataFile:
         self._position = os.lseek(self._fd, offset, whence)
         return self._position
 
-    def flush(self) -> None:
-        pass  # nothing is buffered here
-
     def finish(self) -> int:
-        """Make the file durable; its size."""
         os.fsync(self._fd)
         return self._end
 
-    def __enter__(self) -> "LocalDataFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self._fd)
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class LocalShardSource(ShardSource):
@@ -703,7 +725,8 @@ class LocalShardSource(ShardSource):
 
     def __init__(self, fd: int, path: str):
         self._fd, self.name = fd, path
-        self.size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        self.size, self.linked = info.st_size, info.st_nlink > 1
 
     def read_into(self, buffer, offset: int) -> int:
         return os.preadv(self._fd, [buffer], offset)
@@ -719,6 +742,9 @@ class LocalShardSource(ShardSource):
 
     def sibling(self, name: str) -> "LocalShardSource":
         return open_shard_file(os.path.join(os.path.dirname(self.name), name))
+
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        return list_directory(os.path.dirname(self.name))
 
 
 def new_shard_file(path: str) -> LocalShardSink:
@@ -763,24 +789,13 @@ class LocalStorage(Storage):
         final = self.location(dir, file)
         return LocalShardSink(final + PARTIAL_SUFFIX, final, self.direct_io)
 
-    def create_data_file(self, dir: str, file: str) -> "LocalDataFile":
-        """The new data file ``file`` of a shard of snapshot ``dir`` (docs/FORMAT.md 3.8), under
-        its final name: the shard that names it is made durable after it
-        (``LocalShardSink.finish`` syncs the directory)."""
+    def create_data_file(self, dir: str, file: str) -> LocalDataFile:
+        """(``LocalShardSink.finish`` syncs the directory, so the data file's name is durable
+        with the shard's.)"""
         return LocalDataFile(self.location(dir, file))
 
     def list_snapshot(self, dir: str) -> tuple[tuple[str, int], ...]:
-        """Empty also when ``dir`` is not a directory (a link is not followed); an entry that
-        vanishes while listed (a rename) is left out, and links inside are not followed."""
-        path = self.location(dir)
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                return ()
-            with os.scandir(path) as entries:
-                found = [(e.name, _size_of(e)) for e in entries]
-        except FileNotFoundError:
-            return ()
-        return tuple(sorted((name, size) for name, size in found if size is not None))
+        return list_directory(self.location(dir))
 
     def sync_snapshot(self, dir: str) -> None:
         fsync_dir(self.location(dir))
@@ -858,6 +873,20 @@ class LocalStorage(Storage):
             except (OSError, CheckpointDirError):
                 continue
         return beats
+
+
+def list_directory(path: str) -> tuple[tuple[str, int], ...]:
+    """The (name, size) of the entries of directory ``path``, sorted (``Storage.list_snapshot``):
+    empty also when ``path`` is not a directory (a link is not followed); an entry that vanishes
+    while listed (a rename) is left out, and links inside are not followed."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return ()
+        with os.scandir(path) as entries:
+            found = [(e.name, _size_of(e)) for e in entries]
+    except FileNotFoundError:
+        return ()
+    return tuple(sorted((name, size) for name, size in found if size is not None))
 
 
 def _size_of(entry: os.DirEntry) -> Optional[int]:

@@ -25,8 +25,12 @@ MANIFEST_TMP = re.compile(re.escape(MANIFEST_NAME + _REPLACEMENT) + r"[0-9]{1,10
 REPLACEMENT_FILE = re.compile(r".+" + re.escape(_REPLACEMENT) + r"[0-9]{1,10}")  # of any file
 SNAPSHOT_DIR = re.compile(r"step-([0-9]{20})\.([0-9a-f]{8})")
 SHARD_FILE = re.compile(r"rank-([0-9]{5})\.ackpt")
-DATA_FILE = re.compile(r"rank-([0-9]{5})\.([0-9]{1,2})\.(pt|safetensors)")
-"""A file of a shard's chunks in a framework's format (format version 6): rank, number, suffix."""
+DATA_FILE_SUFFIXES = {"torch": "pt", "safetensors": "safetensors"}
+"""The suffix of a shard's data file in each framework format that ``format.native`` writes."""
+DATA_FILE = re.compile(r"rank-([0-9]{5})\.(0|[1-9][0-9]?)\.("
+                       + "|".join(map(re.escape, DATA_FILE_SUFFIXES.values())) + ")")
+"""A file of a shard's chunks in a framework's format (format version 6): rank, number (one
+spelling each: no leading zero), suffix."""
 MAX_DATA_FILES = 100  # what DATA_FILE's number can count
 PARTIAL_SUFFIX = ".partial"  # a shard being written; renamed to its final name once durable
 PARTIAL_SHARD_FILE = re.compile(SHARD_FILE.pattern + re.escape(PARTIAL_SUFFIX))
@@ -92,10 +96,11 @@ def data_files_of(rank: int, names: Iterable[tuple[str, int]]) -> list[tuple[str
             if (m := DATA_FILE.fullmatch(name)) and int(m.group(1)) == rank]
 
 
-def data_file_name(rank: int, number: int, suffix: str) -> str:
-    """The name of data file ``number`` of ``rank``'s shard, a file in a framework's format whose
-    suffix (``pt``, ``safetensors``) says which: what ``DATA_FILE`` matches."""
-    return f"rank-{rank:05d}.{number}.{suffix}"
+def data_file_name(rank: int, number: int, format: str) -> str:
+    """The name of data file ``number`` of ``rank``'s shard, a file in framework format
+    ``format`` (a key of ``DATA_FILE_SUFFIXES``, whose suffix says which): what ``DATA_FILE``
+    matches."""
+    return f"rank-{rank:05d}.{number}.{DATA_FILE_SUFFIXES[format]}"
 
 
 def rank_root_name(rank: int) -> str:

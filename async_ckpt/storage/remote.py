@@ -30,9 +30,10 @@ import re
 from pathlib import Path
 from typing import Hashable, Iterable, Optional, Type
 
-from .base import ShardSink, ShardSource, Storage
+from .base import DataFileSink, ShardSink, ShardSource, Storage
 from ..errors import (CheckpointError, CheckpointDirError, CorruptSnapshotError,
-                      InvalidArgumentError, RemoteConflictError, RemoteStorageError)
+                      InvalidArgumentError, RemoteConflictError, RemoteStorageError,
+                      SnapshotWriteError)
 from .names import MANIFEST_NAME, is_ours
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,13 @@ class ObjectStorage(Storage):
         return _ObjectSink(self._call(f"uploading {dir}/{file}", obstore.open_writer,
                                       self._key(dir, file), buffer_size=PART_BYTES,
                                       max_concurrency=TRANSFER_CONCURRENCY))
+
+    def create_data_file(self, dir: str, file: str) -> DataFileSink:
+        """Refused: an object is not written in place, and a data file is one (a zip's header
+        is completed last). The writer writes data files into its local directory, and the
+        uploader uploads them whole (``upload_file``) before the shard that names them."""
+        raise SnapshotWriteError(f"{self.location(dir, file)}: an object store takes data files "
+                                 "by upload, once written to the local directory")
 
     def upload_file(self, dir: str, file: str, path: str) -> int:
         """Upload the local file ``path`` as ``dir/file`` (multipart, ``TRANSFER_CONCURRENCY``
@@ -361,7 +369,14 @@ class _ObjectSource(ShardSource):
         pass
 
     def sibling(self, name: str) -> "_ObjectSource":
-        return self._storage._open(f"{self._key.rsplit('/', 1)[0]}/{name}")
+        return self._storage._open(f"{self._directory}/{name}")
+
+    def siblings(self) -> tuple[tuple[str, int], ...]:
+        return self._storage.list_snapshot(self._directory)
+
+    @property
+    def _directory(self) -> str:
+        return self._key.rsplit("/", 1)[0]
 
 
 def _first_line(e: Exception) -> str:

@@ -10,7 +10,9 @@ from typing import Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir,
                      size_text, when_text)
+from ..errors import CheckpointError
 from ..format.manifest import SnapshotRecord, leftovers, read_manifest
+from ..format.shard import ShardReader, data_file_problems
 from ..storage.names import MANIFEST_NAME, snapshot_dir_step
 from ..storage.base import Storage
 
@@ -19,7 +21,8 @@ HELP = "list committed snapshots and leftovers"
 DESCRIPTION = f"""\
 List the committed snapshots of DIR in commit order (the last one is what restore() loads), and,
 apart, leftovers of snapshots that never committed. Checks that every shard file is present with
-its recorded size (exit 1 if not); checksums are read by `{PROG} verify`.
+its recorded size, and every data file its index names (exit 1 if not); checksums are read by
+`{PROG} verify`.
 """
 
 
@@ -99,7 +102,9 @@ def _print_ls(root: str, has_manifest: bool, snapshots: list[dict], stray: list[
 
 
 def _shard_problems_quick(storage: Storage, record: SnapshotRecord) -> list[str]:
-    """What a listing shows wrong with a committed snapshot's files (missing, wrong size)."""
+    """What a listing shows wrong with a committed snapshot's files (missing, wrong size): its
+    shard files, and where its stored bytes say it keeps data files (docs/FORMAT.md 3.8), the
+    data files their indexes name (read for that alone)."""
     problems = []
     sizes = dict(storage.list_snapshot(record.dir))
     for shard in record.shards:
@@ -109,6 +114,15 @@ def _shard_problems_quick(storage: Storage, record: SnapshotRecord) -> list[str]
         elif size != shard.bytes:
             problems.append(f"{os.path.join(record.dir, shard.file)} has {size} bytes, the "
                             f"manifest recorded {shard.bytes}")
+    if problems or record.stored_bytes <= sum(s.bytes for s in record.shards):
+        return problems
+    for shard in record.shards:
+        try:
+            with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
+                             shard.index_xxh3) as reader:
+                problems += data_file_problems(reader.index, sizes, record.dir)
+        except CheckpointError as e:
+            problems.append(str(e))
     return problems
 
 

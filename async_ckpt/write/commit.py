@@ -32,7 +32,7 @@ from ..errors import (CheckpointError, CorruptSnapshotError, InternalError, Mani
 from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
                                write_manifest)
 from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
-from ..format.shard import ShardReader, data_file_bytes, referenced_dirs
+from ..format.shard import ShardReader, data_file_bytes, data_file_problems, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_storage, write_error
 from .protocol import Abandoned, Committed, Dropped, Failed, WriterEvent
@@ -306,11 +306,13 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
                 ranks: list[int]) -> SnapshotRecord:
     """``record`` (holding rank 0's shard, whose index lists ``replicas``) with the shards of
     ``ranks`` added from ``storage``: each one's index is read and checked (its step, rank and
-    world size; its replicas agree with rank 0's), and its size and index checksum recorded.
+    world size; its replicas agree with rank 0's; the data files it names are there, with their
+    sizes), and its size and index checksum recorded.
     The committer completes a snapshot in a shared directory this way, and rank 0's uploader one
     in the object store when the ranks share no directory."""
     shards, raw, refers = list(record.shards), record.raw_bytes, set(record.refers)
     stored = record.stored_bytes
+    listing = dict(storage.list_snapshot(record.dir)) if ranks else {}
     for rank in ranks:
         with ShardReader(storage.open_shard(record.dir, shard_file_name(rank))) as reader:
             index = reader.index
@@ -320,6 +322,10 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
                     f"{reader.path} is not rank {rank}'s shard of step {record.step} with "
                     f"{record.world_size} ranks; do several jobs share {storage.location()}?")
             _check_replicas(record.step, replicas, rank, index.get("replicas", []))
+            missing = data_file_problems(index, listing, storage.location(record.dir))
+            if missing:
+                raise CorruptSnapshotError(f"rank {rank}'s shard of step {record.step} is "
+                                           f"incomplete: {'; '.join(missing[:3])}")
             shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
             raw += sum(s["nbytes"] for s in index["storages"])
             stored += reader.size + data_file_bytes(index)

@@ -42,8 +42,8 @@ from typing import Callable, Optional
 
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteConflictError, SnapshotWriteError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
-from ..storage.names import MANIFEST_NAME, data_files_of, shard_file_name
-from ..format.shard import ShardReader
+from ..storage.names import MANIFEST_NAME, shard_file_name
+from ..format.shard import ShardReader, data_files
 from ..storage.base import Storage
 from ..storage.remote import ObjectStorage
 from .commit import with_shards
@@ -179,16 +179,21 @@ class Uploader:
             present = self.remote.list_snapshot(record.dir)
             if (shard.file, shard.bytes) in present:
                 continue  # uploaded before a retry or a restart
-            # its data files first (format version 6): a shard in the bucket has them there
-            files = [(name, size) for name, size in data_files_of(
-                self.rank, self.local.list_snapshot(record.dir)) if (name, size) not in present]
             try:
+                # its data files first (format version 6), as its index names them: a shard in
+                # the bucket has them there
+                with ShardReader(self.local.open_shard(record.dir, shard.file), shard.bytes,
+                                 shard.index_xxh3) as reader:
+                    files = [f for f in data_files(reader.index) if f not in present]
                 for name, size in (*files, (shard.file, shard.bytes)):
                     self.remote.upload_file(record.dir, name, self.local.location(record.dir, name))
                     self.uploaded_bytes += size
-            except FileNotFoundError:  # dropped locally since (engine.drop): nothing to upload
+            except (FileNotFoundError, CorruptSnapshotError) as e:
+                if any(s.dir == record.dir for s in read_manifest(self.local).snapshots):
+                    return self._rejected(upload.record, e)  # damaged here: never uploaded
                 log.info("remote: step %d was dropped before it was uploaded", record.step)
-                return "skip"
+                return "skip"  # dropped locally since (engine.drop, retention): its files are
+                # deleted only once the manifest no longer names it
         return "peers" if self.rank == 0 else "watch"
 
     def _check_peers(self, upload: _Upload) -> str:
@@ -231,14 +236,19 @@ class Uploader:
             replicas = reader.index.get("replicas", [])
         return with_shards(self.remote, record, replicas, others)
 
+    def _rejected(self, record: SnapshotRecord, error: Exception) -> str:
+        """Give up publishing ``record``, whose shards failed the checks (not the store): told
+        to the trainer; the next phase."""
+        self.rejected, self.last_error = error, f"{type(error).__name__}: {error}"
+        self.rejections += 1
+        log.error("remote: step %d is not published: %s", record.step, error)
+        return "skip"
+
     def _publish(self, upload: _Upload) -> str:
         try:
             upload.record = self._complete(upload.record)
         except (CorruptSnapshotError, SnapshotWriteError) as e:  # the shards, not the store
-            self.rejected, self.last_error = e, f"{type(e).__name__}: {e}"
-            self.rejections += 1
-            log.error("remote: step %d is not published: %s", upload.record.step, e)
-            return "skip"
+            return self._rejected(upload.record, e)
         manifest, dropped = self.remote_manifest, []
         for record in (*upload.closure, upload.record):
             manifest, gone = manifest.commit(record, self.keep_last, self.keep_every)

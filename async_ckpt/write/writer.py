@@ -40,8 +40,8 @@ from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
-from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardWriter, checksum, reference_to,
-                            version_needed)
+from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
+                            reference_to, version_needed)
 from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
                              make_dirs, remove_tree)
 from ..storage.remote import ObjectStorage
@@ -86,6 +86,7 @@ class SnapshotWriter:
         # Drops received while snapshots taken before them were still waiting for the other
         # ranks' shards (rank 0's commit stage): each with the jobs it waits for, in order
         self.drops: list[tuple[frozenset[int], Drop]] = []
+        self.unlaid: set[Derived] = set()  # the framework files a bug kept from being data files
         self.uploader = None if config.remote is None else Uploader(
             self.storage, ObjectStorage(config.remote, config.remote_options), self.rank,
             self.world_size, config.remote_keep_last, config.keep_every, self.send)
@@ -170,10 +171,10 @@ class SnapshotWriter:
 
     def send(self, event: WriterEvent) -> None:
         """Tell the trainer; a job's markers are written first, once it is committed."""
-        if isinstance(event, JobOutcome) and event.job in self.markers:
-            directory, markers = self.markers.pop(event.job)
+        if isinstance(event, JobOutcome):  # nothing of the job is kept past its outcome
             data_files = self.data_files.pop(event.job, {})
-            if isinstance(event, Committed):
+            directory, markers = self.markers.pop(event.job, (None, ()))
+            if isinstance(event, Committed) and markers:
                 event = _write_markers(event, markers, functools.partial(
                     self.derive, directory), data_files, self.commit_timeout)
         try:
@@ -237,9 +238,11 @@ class SnapshotWriter:
                         shard.add_stored(region.nbytes, region.itemsize, region.is_float,
                                          stored_elsewhere[n], **fields)
                     elif layout.written[n] in refer:
+                        holder = refer[layout.written[n]]
                         shard.add_reference(region.nbytes, region.itemsize, region.is_float,
-                                            self.reference(references, refer[layout.written[n]], n,
-                                                           region))
+                                            reference_to(self.referred(references, holder, n,
+                                                                       region), holder,
+                                                         shard_file_name(self.rank), n))
                     else:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
                                           region.itemsize, region.is_float, **fields)
@@ -277,7 +280,8 @@ class SnapshotWriter:
         """The framework files of the job's markers that its shard can keep its storages in (a
         framework file is then the snapshot's bytes, linked after the commit, and nothing is
         written twice). A file the snapshot cannot be written as is left to ``derive``, whose
-        error the marker reports."""
+        error the marker reports; so is one whose layout fails on a bug (warned once per file):
+        the snapshot keeps its state in the shard, as without the marker."""
         if job.job not in self.markers:
             return []
         _, markers = self.markers[job.job]
@@ -293,6 +297,14 @@ class SnapshotWriter:
                 natives.append(NativeFile(index, derived, f"the snapshot of step {job.step}"))
             except LayoutError:
                 continue
+            except Exception as e:  # a bug: the snapshot is written all the same
+                if derived not in self.unlaid:
+                    self.unlaid.add(derived)
+                    log.warning("cannot lay out the %s file of %s (step %d) as a data file, on a "
+                                "bug (%s: %s); its state stays in the shard, and the file is made "
+                                "from the committed snapshot. Please report it with this log",
+                                derived.format, f"entry {derived.entry!r}" if derived.entry
+                                else "the state", job.step, type(e).__name__, e, exc_info=e)
         return natives[:MAX_DATA_FILES]
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
@@ -306,13 +318,14 @@ class SnapshotWriter:
         chunks: dict[int, list[dict]] = {}
         files, paths = [], {}
         for number, native in enumerate(natives):
-            name = data_file_name(self.rank, number, native.suffix)
+            name = data_file_name(self.rank, number, native.derived.format)
             kept = {n: [] for n in native.whole if n not in chunks and written[n] not in refer}
             chunks.update(kept)
             with self.storage.create_data_file(job.dir, name) as out:
                 def pieces(n: int) -> Iterator[memoryview]:
                     if written[n] in refer:  # unchanged: not staged, read from where it is
-                        return references.open(refer[written[n]], self.rank).storage_pieces(n)
+                        return self.referred(references, refer[written[n]], n,
+                                             regions[n]).storage_pieces(n)
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
                                      regions[n].itemsize, out, number, kept.get(n))
                 native.write(out, pieces)
@@ -321,11 +334,12 @@ class SnapshotWriter:
         self.data_files[job.job] = paths
         return chunks, files
 
-    def reference(self, references: References, holder: str, n: int, region: Region) -> dict:
-        """The reference to storage ``n`` of this rank's shard of committed snapshot ``holder``,
-        which the trainer says stored ``region`` unchanged with the same plan (so at the same
-        storage number); refused unless the manifest names it and the storage fits."""
-        file = shard_file_name(self.rank)
+    def referred(self, references: References, holder: str, n: int,
+                 region: Region) -> ShardReader:
+        """This rank's shard of committed snapshot ``holder``, whose storage ``n`` the trainer
+        says stored ``region`` unchanged with the same plan (so at the same storage number):
+        refused unless the manifest names it and the storage fits, before a byte of it is read
+        (into a data file) or referred to."""
         target = references.open(holder, self.rank)
         storages = target.index["storages"]
         if not (n < len(storages) and "chunks" in storages[n]
@@ -333,7 +347,7 @@ class SnapshotWriter:
                                                                           region.itemsize)):
             raise SnapshotWriteError(f"storage {n} of {target.path} is not the unchanged region "
                                      "the trainer referred to; the snapshot was not written")
-        return reference_to(target, holder, file, n)
+        return target
 
     def derive(self, directory: str, derived: Derived) -> Callable[[BinaryIO], None]:
         """What writes ``derived`` of this rank's shard of the committed snapshot ``directory``
@@ -439,6 +453,9 @@ def _write_markers(committed: Committed, markers: tuple[Marker, ...],
                 f"the snapshot was committed, but {marker.path} could not be written "
                 f"({getattr(e, 'strerror', None) or e}): what looks for it will not find it."
                 f"{advice}"))
+        except Exception as e:  # a bug: the snapshot stays committed, and the writer serves on
+            return Failed(committed.job, failure(e, "writing", f"{marker.path}, made from a "
+                                                 "committed snapshot,"))
     return committed
 
 
