@@ -750,6 +750,8 @@ class CheckpointEngine:
                         raise
                     except RemoteStorageError as e:
                         log.error("closing without the upload: %s", e)
+                if self._heartbeat is not None:
+                    self._heartbeat.beat(closed=True)
         finally:
             self._closed = True
             if self._broken is None:

@@ -15,15 +15,17 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import psutil
 import pytest
+import torch
 
-from async_ckpt import load
+from async_ckpt import CheckpointEngine, load
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.errors import PREEMPTED_EXIT_CODE
 from async_ckpt.train.heartbeat import heartbeat_path
-from async_ckpt.tools.supervisor import main, supervise
+from async_ckpt.tools.supervisor import _Supervisor, main, supervise
 from conftest import assert_same
 
 pytestmark = pytest.mark.slow
@@ -151,6 +153,28 @@ def test_no_first_heartbeat_within_startup_timeout_counts_as_hung(tmp_path, caps
     err = capsys.readouterr().err
     assert ("giving up after 0 restarts; last failure: no heartbeat within 0.5 s of the start "
             "(--startup-timeout) (no step committed)") in err
+
+
+def test_a_rank_whose_engine_closed_is_not_timed_any_more(tmp_path):
+    """A job whose engine has closed (its writer stopping, its interpreter exiting: seconds on a
+    loaded machine) was killed as hung once that outlasted --heartbeat-timeout, and restarted to
+    redo nothing. The engine's last beat says it closed; only the ranks still open are timed."""
+    watcher = _Supervisor(["true"], max_restarts=0, heartbeat_timeout=1, grace=1,
+                          ckpt_dir=str(tmp_path), startup_timeout=1, backoff=0,
+                          preemption_exit_code=75, poll_interval=0.05)
+    job = types.SimpleNamespace(started_wall=time.time() - 60, started=time.monotonic() - 60)
+    old = {"step": 11, "time": time.time() - 30, "pid": 1, "host": "h", "interval": 0.5}
+    with CheckpointEngine(tmp_path, {"w": torch.zeros(2)}, heartbeat_interval=0.5) as engine:
+        engine.snapshot(11)
+    closed = json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
+    assert closed["closed"] is True and closed["step"] == 11
+    (tmp_path / "heartbeat.rank00000.json").write_text(json.dumps({**closed, **old}))
+    assert watcher._hang(job) is None  # rank 0 closed 30 s ago: not hung
+    (tmp_path / "heartbeat.rank00001.json").write_text(json.dumps({**old, "rank": 1}))
+    assert watcher._hang(job).startswith("heartbeat stale for 30.")  # rank 1 still open: hung
+    (tmp_path / "heartbeat.rank00001.json").write_text(json.dumps({**old, "rank": 1,
+                                                                   "closed": True}))
+    assert watcher._hang(job) is None
 
 
 # --- crashes -------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ rank, replaced atomically, written from ``snapshot()`` calls at most once per th
 10 s by default; ``--heartbeat-timeout`` must be well above it). Only heartbeats written after the
 current attempt started count; the job is hung when no rank wrote one within ``--startup-timeout``
 seconds of the start, or when the oldest rank's last heartbeat is older than
-``--heartbeat-timeout`` seconds. The heartbeat's ``time`` is compared with this machine's clock.
+``--heartbeat-timeout`` seconds; a rank whose engine has closed (its last heartbeat says
+``"closed": true``) is past its checkpointing and no longer timed. The heartbeat's ``time`` is
+compared with this machine's clock.
 
 Restarts are delayed by ``--backoff`` seconds, doubled after each failure that committed no newer
 snapshot, capped at ``MAX_BACKOFF_S``; a run that committed a newer snapshot resets the delay. Every
@@ -345,6 +347,10 @@ class _Supervisor:
     def _hang(self, job: _Job) -> Optional[str]:
         """Why the job counts as hung now, or None."""
         beats = _fresh_beats(self.ckpt_dir, job.started_wall)
+        live = {rank: beat for rank, beat in beats.items() if beat.get("closed") is not True}
+        if beats and not live:
+            return None  # every rank's engine closed: the job is past checkpointing, exiting
+        beats = live
         if not beats:
             waited = time.monotonic() - job.started
             if waited > self.startup_timeout:

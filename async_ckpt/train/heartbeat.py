@@ -40,19 +40,23 @@ class Heartbeat:
         self._host = socket.gethostname()
         self._warned = False
 
-    def beat(self, step: Optional[int] = None) -> None:
+    def beat(self, step: Optional[int] = None, *, closed: bool = False) -> None:
         """Write the heartbeat, at most once per interval; ``step`` defaults to the last one given
-        (a beat while the engine waits for its writer)."""
+        (a beat while the engine waits for its writer). ``closed``: the last one, written at
+        once, when the engine has closed: what the process does from then on (its writer
+        stopping, the interpreter's exit) is no checkpointing a supervisor should time."""
         if step is not None:
             self.step = step
         if self.step is None:
             return  # no snapshot() yet: a heartbeat names a step
         now = time.monotonic()
-        if now - self._last < self.interval:
+        if now - self._last < self.interval and not closed:
             return
         self._last = now
         record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "host": self._host, "interval": self.interval}
+        if closed:
+            record["closed"] = True
         try:
             self.directory.write_heartbeat(self.rank, json.dumps(record).encode())
         except OSError as e:  # a directory planted at the name, a full disk: liveness only
