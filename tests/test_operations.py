@@ -102,7 +102,9 @@ def test_heartbeat_is_written_from_snapshot_calls_and_rate_limited(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, every=10, heartbeat_interval=3600) as engine:
         for step in range(5, 8):
             engine.snapshot(step)
-    assert [b["step"] for b in read_heartbeats(ckpt_dir)] == [5]
+        assert [b["step"] for b in read_heartbeats(ckpt_dir)] == [5]  # one beat per interval
+    closed, = read_heartbeats(ckpt_dir)  # and close() writes its last one at once
+    assert closed["step"] == 7 and closed["closed"] is True
 
 
 def test_heartbeat_can_be_turned_off(ckpt_dir):

@@ -171,7 +171,7 @@ def test_a_rank_whose_engine_closed_is_not_timed_any_more(tmp_path):
     (tmp_path / "heartbeat.rank00000.json").write_text(json.dumps({**closed, **old}))
     assert watcher._hang(job) is None  # rank 0 closed 30 s ago: not hung
     (tmp_path / "heartbeat.rank00001.json").write_text(json.dumps({**old, "rank": 1}))
-    assert watcher._hang(job).startswith("heartbeat stale for 30.")  # rank 1 still open: hung
+    assert re.match(r"heartbeat stale for \d+\.\d s \(rank 1, ", watcher._hang(job))  # still open
     (tmp_path / "heartbeat.rank00001.json").write_text(json.dumps({**old, "rank": 1,
                                                                    "closed": True}))
     assert watcher._hang(job) is None

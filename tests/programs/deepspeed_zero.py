@@ -168,6 +168,7 @@ def main():
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", help="where the resume phase writes its findings")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # losses compared bit for bit across processes (docs/data.md)
     deepspeed.init_distributed(dist_backend="gloo")
     uninterrupted = os.path.join(args.root, "uninterrupted.json")
     if args.phase == "kill":
