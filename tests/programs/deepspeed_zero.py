@@ -11,7 +11,7 @@ durable; then every rank SIGKILLs its writers and itself. ``--phase resume``: fo
 ``load_checkpoint`` of what ``latest`` names, then trains on to ``TOTAL`` steps; compares what the
 copied ``zero_to_fp32.py`` makes of that checkpoint with the engine's full fp32 parameters right
 after the load, and the resumed run's losses and final state with the uninterrupted run's. Rank 0
-writes the findings as JSON.
+writes the findings as JSON; then every rank ends without the interpreter's teardown (``leave``).
 """
 
 import argparse
@@ -162,6 +162,18 @@ def write_gathered(found, out):
             json.dump(everyone, f)
 
 
+def leave():
+    """End this rank now, skipping the interpreter's teardown. A gloo worker thread that drops a
+    finished collective's tensors once teardown has begun needs the GIL, and Python ends such a
+    thread by unwinding it through C++ that may not throw: std::terminate, SIGABRT
+    (pytorch/pytorch#190489). ``destroy_process_group`` would join those threads first, but
+    DeepSpeed keeps its process groups alive past it (``torch.distributed.nn``, imported once
+    the group exists, keeps the default group in its defaults; a ZeRO-3 engine is never freed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=("kill", "resume"), required=True)
@@ -176,10 +188,7 @@ def main():
         sys.exit("not killed")
     with open(uninterrupted) as f:
         write_gathered(resume(args.root, json.load(f)[dist.get_rank()]), args.out)
-    # joins gloo's worker threads: left running into the interpreter's exit, one that finishes
-    # the all-gather's work then drops a tensor needs the GIL, which finalization no longer gives
-    # (the thread is unwound, std::terminate: SIGABRT, about one run in ten)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
