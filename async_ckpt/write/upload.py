@@ -218,8 +218,11 @@ class Uploader:
         """Whether one of the ``missing`` ranks has uploaded its shard of a snapshot committed
         after the one rank 0 waits for: each rank uploads the newest snapshot it has seen
         committed and never goes back, so that one cannot complete any more (waiting for it
-        would hold every later upload back by ``PEER_WAIT_S``)."""
-        for record, _ in self.queue:
+        would hold every later upload back by ``PEER_WAIT_S``). It runs in the upload thread
+        while the writer's thread appends to the queue: it walks a copy (list() of a deque is one
+        step under the GIL; iterating the deque itself raised "deque mutated during iteration"
+        and killed the writer)."""
+        for record, _ in list(self.queue):
             present = dict(self.remote.list_snapshot(record.dir))
             if any(shard_file_name(rank) in present for rank in missing):
                 return True
