@@ -157,8 +157,8 @@ class CheckpointEngine:
                 remote=o.remote, remote_options=o.remote_options,
                 remote_keep_last=r.remote_keep_last, direct_io=o.direct_io))
             if o.memory_every is not None:
-                self._memory = open_memory_tier(session.directory, r.rank, self._pool,
-                                                o.memory_idle_timeout, r.writer_nice)
+                self._memory = open_memory_tier(session.directory, r.rank, r.world_size,
+                                                self._pool, o.memory_idle_timeout, r.writer_nice)
         except BaseException:
             if self._writer is not None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
@@ -470,14 +470,46 @@ class CheckpointEngine:
 
     def _read_held(self) -> Optional[tuple[int, int, Entry]]:
         """(step, world size, entry) of the memory tier's snapshot when it is newer than the
-        newest committed one and verifies; None to read the disk instead (said with a warning
-        when the tier was expected to hold something and does not, or what it holds is
-        damaged)."""
+        newest committed one, verifies, and every rank's keeper holds that same step, verified;
+        None to read the disk instead (said with a warning when the tier was expected to hold
+        something and does not, what it holds is damaged, or the ranks' keepers differ). Every
+        rank learns what every other found, so all read the same tier, and an error on one rank
+        (a state that does not fit) is raised on all."""
+        held = problem = None
+        try:
+            held = self._verified_held()
+        except errors.CheckpointError as e:
+            problem = e
+        answers = self._coordinator.gather(
+            (None, type(problem).__name__, str(problem)) if problem is not None
+            else (None if held is None else held[0], None, None))
+        if problem is not None:
+            raise problem
+        failed = [(r, name, text) for r, (_, name, text) in enumerate(answers) if name]
+        if failed:
+            rank, name, text = failed[0]
+            error_type = getattr(errors, name, errors.CheckpointError)
+            if not (isinstance(error_type, type) and issubclass(error_type, errors.CheckpointError)):
+                error_type = errors.CheckpointError
+            raise error_type(f"rank {rank} cannot restore its memory snapshot: {text}")
+        steps = [step for step, _, _ in answers]
+        if held is None or len(set(steps)) != 1:
+            if held is not None:
+                message = (f"the ranks' memory tiers hold different steps ({steps}, by rank): "
+                           "restoring from disk")
+                log.warning("%s", message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return None
+        return held[0], self.world_size, held[1]
+
+    def _verified_held(self) -> Optional[tuple[int, Entry]]:
+        """This rank's keeper's snapshot (step, entry) when it is newer than the newest committed
+        one and verifies; None otherwise (said with a warning as ``_read_held`` says)."""
         memory = self._memory
         fallback = "restoring from disk"
         if not memory.active:
             warnings.warn(f"the memory tier's keeper is gone ({memory.lost}): {fallback}",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
             return None
         received = memory.query()
         if received is None:
@@ -486,7 +518,7 @@ class CheckpointEngine:
                 message = ("the memory tier's keeper of the previous run is gone (killed, out of "
                            "memory, or past memory_idle_timeout): " + fallback)
                 log.warning("%s", message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
             return None
         held = received.held
         manifest = read_manifest(self._committed_source())
@@ -509,9 +541,9 @@ class CheckpointEngine:
             message = (f"the memory tier's snapshot of step {held.step} is unusable ({e}): "
                        + fallback)
             log.warning("%s", message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
             return None
-        return held.step, 1, loaded
+        return held.step, loaded
 
     def _restored(self, step: int, tier: str) -> int:
         self._restored_from = tier

@@ -180,10 +180,6 @@ class EngineOptions:
                      "yet: a memory snapshot must hold every byte of the state")
             _require(self.slots >= 2, "memory_every needs slots >= 2: the keeper holds one slot "
                      "while the next snapshot is staged into another")
-            if resolved.world_size > 1:
-                raise DistributedSetupError(
-                    f"memory_every works with one rank for now; this job has "
-                    f"{resolved.world_size}. Create the engine with memory_every=None")
         if self.incremental and resolved.world_size > 1:
             raise DistributedSetupError(
                 f"incremental=True works with one rank; this job has {resolved.world_size}. "

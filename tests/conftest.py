@@ -107,9 +107,9 @@ def pytest_runtest_makereport(item, call):
 COSTLIEST_FIRST = (
     "test_bench.py", "test_distributed.py", "test_sharded.py", "test_readme.py",
     "test_integration_lightning.py", "test_data_matrix.py", "test_integration_lightning_sharded.py",
-    "test_crash.py", "test_integration_accelerate.py", "test_supervisor.py", "test_resume.py",
-    "test_remote.py", "test_integration_deepspeed.py", "test_reproducibility.py",
-    "test_user_loop.py", "test_memory_tier.py", "test_fuzz.py", "test_integration_transformers.py",
+    "test_crash.py", "test_integration_accelerate.py", "test_supervisor.py", "test_memory_tier.py",
+    "test_resume.py", "test_remote.py", "test_integration_deepspeed.py", "test_reproducibility.py",
+    "test_user_loop.py", "test_fuzz.py", "test_integration_transformers.py",
 )
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import InsufficientMemoryError, MemoryTierError
+from async_ckpt.errors import InsufficientMemoryError, MemoryTierError, StateMismatchError
 from async_ckpt.format.shard import CHUNK_BYTES, checksum
 from async_ckpt.keeper.client import _mapped
 from async_ckpt.keeper.keeper import Keeper
@@ -116,6 +116,46 @@ def _killed_and_resumed(directory, logs, seeded_random):
         assert line["loss"] == expected[line["step"]], f"step {line['step']} differs"
 
 
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snapshots(tmp_path):
+    """2 ranks, every=50 and memory_every=1: rank 1 dies (SIGKILL) after step 6; torchrun
+    restarts both, and both resume from step 6 in memory (the disk holds only step 0), bit for
+    bit; the keepers outlive the restart and exit with the job."""
+    directory, log, kill_at, steps = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl"), 6, 12
+    # Workers restarted by torchrun need gloo's lazy init (see tests/test_distributed.py).
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", "--max-restarts=1", LOOP, directory, log,
+                          str(steps), str(kill_at)],
+                         env={**os.environ, "TORCH_GLOO_LAZY_INIT": "1"}, capture_output=True,
+                         text=True, timeout=240)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    keepers = set()
+    for rank in range(2):
+        lines = read_log(f"{log}.rank{rank}")
+        starts = [line for line in lines if "pid" in line]
+        assert [s["restored"] for s in starts] == [None, kill_at], starts
+        assert starts[1]["tier"] == "memory" and starts[1]["keeper"] == starts[0]["keeper"]
+        keepers.add(starts[0]["keeper"])
+        taken = [line["step"] for line in steps_of(lines)]
+        assert taken == list(range(kill_at + 1)) + list(range(kill_at + 1, steps)), taken
+        with torch.random.fork_rng():  # the uninterrupted run of this rank
+            model, optimizer = build(seed=rank)
+            expected = [loop_step(model, optimizer) for _ in range(steps)]
+        assert [line["loss"] for line in steps_of(lines)] == expected, f"rank {rank}"
+    assert len(keepers) == 2  # one per rank
+    for pid in keepers:  # close(final_step) committed what they held: they exit
+        try:
+            psutil.Process(pid).wait(timeout=60)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _second_rank(answer):
+    """A stand-in for the ranks' gather: a second rank answers the memory tier's question
+    (step, error type, error) with ``answer`` and agrees with this rank on everything else."""
+    return lambda mine: [mine, answer if isinstance(mine, tuple) and len(mine) == 3 else mine]
+
+
 def _sealed(engine, step):
     """Wait until ``engine`` knows that its keeper sealed ``step`` (a real process answers)."""
     for _ in range(3000):
@@ -162,6 +202,21 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
                                                                                  {"memory": 1})
         assert engine.committed_steps() == [0], "a memory snapshot is never committed"
 
+        # With several ranks each asks its keeper, and all learn what the others found (a
+        # second rank stands in here): keepers that hold different steps send every rank to the
+        # disk; a rank whose state does not fit its snapshot makes every rank raise.
+        with monkeypatch.context() as ranks:
+            ranks.setattr(engine._coordinator, "gather", _second_rank((2, None, None)))
+            with pytest.warns(RuntimeWarning, match=r"hold different steps \(\[3, 2\], by rank"):
+                assert engine.restore() == 0
+            assert_same(on_disk, _state_dicts(state))
+            ranks.setattr(engine._coordinator, "gather", _second_rank(
+                (None, "StateMismatchError", "it has no entry 'model'")))
+            with pytest.raises(StateMismatchError, match="rank 1 cannot restore its memory "
+                               "snapshot: it has no entry 'model'"):
+                engine.restore()
+            assert_same(on_disk, _state_dicts(state))  # nothing loaded
+
         # The held memory changed after the keeper sealed it: caught, and the disk read instead.
         held.tensor[:64] ^= 0xFF
         with pytest.warns(RuntimeWarning, match="step 3 is unusable.*fails its checksum"):
@@ -179,7 +234,7 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
         with pytest.warns(RuntimeWarning, match="keeper is gone"):
             assert engine.restore() == 0
         assert_same(on_disk, _state_dicts(state))
-        assert engine.stats()["restores"] == {"memory": 1, "disk": 2}
+        assert engine.stats()["restores"] == {"memory": 1, "disk": 3}
     finally:
         engine.close()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import DistributedSetupError, InvalidArgumentError
+from async_ckpt.errors import InvalidArgumentError
 from async_ckpt.storage.names import RNG_KEY
 from async_ckpt.options import _RULES, DEFAULT_PREEMPTION_SIGNALS, EngineOptions
 
@@ -153,6 +153,7 @@ def test_the_engine_signature_lists_every_option_with_its_default_and_type():
         assert (parameter.default, parameter.annotation) == (field.default, field.type)
 
 
-def test_the_memory_tier_needs_one_rank_for_now():
-    with pytest.raises(DistributedSetupError, match="memory_every works with one rank"):
-        EngineOptions(memory_every=1, rank=0, world_size=2)
+def test_the_memory_tier_takes_several_ranks_but_not_incremental_snapshots():
+    assert EngineOptions(memory_every=1, rank=1, world_size=2).resolved.world_size == 2
+    with pytest.raises(InvalidArgumentError, match="memory_every and incremental"):
+        EngineOptions(memory_every=1, incremental=True)

@@ -31,17 +31,22 @@ _MAX_SESSION_BYTES = 4096
 _SESSION = re.compile(r"[0-9a-f]{32}")
 
 
-def open_memory_tier(directory: LocalStorage, rank: int, pool: StagingPool,
+def open_memory_tier(directory: LocalStorage, rank: int, world_size: int, pool: StagingPool,
                      idle_timeout: float, nice: int) -> "MemoryTier":
     """Greet ``rank``'s keeper of ``directory`` (started at niceness ``nice`` if none runs) with
     the directory's memory session: the token its session file names, or a new one where there
-    is none (a new directory, or one emptied since: then the keeper drops what it held for the
-    old one)."""
+    is none (a new directory, or one emptied since) or where the job ran on another number of
+    ranks (what rank ``rank`` held then is another part of the state). With a new session the
+    keeper drops what it held for the old one."""
     name = memory_session_file_name(rank)
     previous = _read_session(directory, name)
+    if previous is not None and previous["world_size"] != world_size:
+        log.info("the memory tier held rank %d's state of a job of %d rank(s); this one has %d: "
+                 "starting anew", rank, previous["world_size"], world_size)
+        previous = None
     session = new_session() if previous is None else previous["session"]
     client = KeeperClient.open(*directory.identity(), rank, session, idle_timeout, nice)
-    tier = MemoryTier(client, pool, directory, name, session)
+    tier = MemoryTier(client, pool, directory, name, session, world_size)
     tier.lost_before = previous is not None and previous["open"] and client.started
     try:
         tier.record(open=True)
@@ -64,7 +69,8 @@ def _read_session(directory: LocalStorage, name: str) -> Optional[dict]:
     except (OSError, ValueError, RecursionError, CheckpointDirError):
         return None
     if not (isinstance(doc, dict) and type(doc.get("session")) is str
-            and _SESSION.fullmatch(doc["session"]) and type(doc.get("open")) is bool):
+            and _SESSION.fullmatch(doc["session"]) and type(doc.get("open")) is bool
+            and type(doc.get("world_size")) is int):
         return None
     return doc
 
@@ -73,11 +79,12 @@ class MemoryTier:
     """The keeper's connection and what it holds, as this trainer knows it."""
 
     def __init__(self, client: KeeperClient, pool: StagingPool, directory: LocalStorage,
-                 name: str, session: str):
+                 name: str, session: str, world_size: int):
         self.client: Optional[KeeperClient] = client
         self.pool = pool
         self.lost_before = False  # a keeper of this session was expected, and is gone
         self._directory, self._name, self._session = directory, name, session
+        self._world_size = world_size
         self.keeper_pid = client.pid
         self.sealed: Optional[int] = None  # the buffer of ours the keeper holds sealed
         self.step: Optional[int] = client.step  # the newest step the keeper holds sealed
@@ -183,7 +190,8 @@ class MemoryTier:
         once it was told to quit, a next engine finding no keeper has lost nothing)."""
         try:
             self._directory.publish(self._name, json.dumps(
-                {"session": self._session, "open": open}).encode())
+                {"session": self._session, "open": open,
+                 "world_size": self._world_size}).encode())
         except OSError as e:
             raise MemoryTierError(f"cannot write {self._directory.location(self._name)} "
                                   f"({e.strerror}): the memory tier needs it to find its keeper "
