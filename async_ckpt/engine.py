@@ -50,7 +50,7 @@ from .read.tiered import TieredStorage
 from .train.capture import Planner, capture, check_registrable
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker, trainable_storages
-from .train.memory_tier import MemoryTier, open_memory_tier
+from .train.memory_tier import SHARDED_REFUSED, MemoryTier, open_memory_tier, refuse_sharded
 from .train.session import start_session
 from .train.staging import Copy, StagingPool
 from .write.client import WriterClient
@@ -111,6 +111,8 @@ class CheckpointEngine:
         r = o.resolved
         o.check_state(state)
         check_registrable(state, o.allow_pickle)
+        if o.memory_every is not None:
+            refuse_sharded(state)
         for message in inexact_loader_warnings(state):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.state = state
@@ -252,8 +254,8 @@ class CheckpointEngine:
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
         if to_memory and captured.dtensors:
-            raise LayoutError("memory_every does not hold sharded tensors (DTensor) yet; create "
-                              "the engine with memory_every=None")
+            raise LayoutError(f"{captured.dtensors[0]['key']} is a sharded tensor: "
+                              f"{SHARDED_REFUSED}")
         plan, sources = self._planner.plan(captured.tensors, replica_of)
         self._fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))
         t_captured = time.perf_counter()

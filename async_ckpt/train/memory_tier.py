@@ -11,24 +11,44 @@ slots come back to the pool, and restores read the disk.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 import secrets
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
-from ..errors import CheckpointDirError, MemoryTierError
+import torch
+
+from ..errors import CheckpointDirError, LayoutError, MemoryTierError
 from ..format.layout import Plan
 from ..keeper.client import HeldMemory, KeeperClient, KeeperEvent, Sealed
 from ..keeper.protocol import Gone, layout_message
 from ..storage.local import LocalStorage
 from ..storage.names import memory_session_file_name
+from ..tensors import is_dtensor, registered_objects
 from .staging import Slot, StagingPool
 
 log = logging.getLogger(__name__)
 _MAX_SESSION_BYTES = 4096
 _SESSION = re.compile(r"[0-9a-f]{32}")
+
+
+SHARDED_REFUSED = ("memory_every does not hold sharded tensors (DTensor) yet; create the engine "
+                   "with memory_every=None")
+
+
+def refuse_sharded(state: Any) -> None:
+    """LayoutError when a module or tensor registered in ``state`` is sharded: said when the
+    engine is created rather than at its first memory snapshot (a DTensor that the state gains
+    later is refused then)."""
+    for obj in registered_objects(state, (torch.nn.Module, torch.Tensor)):
+        named = (itertools.chain(obj.named_parameters(), obj.named_buffers())
+                 if isinstance(obj, torch.nn.Module) else [("a registered tensor", obj)])
+        for name, tensor in named:
+            if is_dtensor(tensor):
+                raise LayoutError(f"{name} is a sharded tensor: {SHARDED_REFUSED}")
 
 
 def open_memory_tier(directory: LocalStorage, rank: int, world_size: int, pool: StagingPool,

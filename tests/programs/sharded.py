@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from async_ckpt import CheckpointEngine
+from async_ckpt.errors import LayoutError
 
 # The hidden size divides among 1-4 tensor-parallel ranks; 13 and 7 rows shard unevenly.
 SIZES = (13, 12, 7)
@@ -104,6 +105,15 @@ def save(args, rank: int, world: int) -> dict:
             engine.wait()
         if layout == "big":  # for the memory check only
             continue
+        if layout == "fsdp":  # the memory tier refuses sharded modules when the engine is made
+            try:
+                CheckpointEngine(os.path.join(root, "memory"), {"app": AppState(model, optimizer)},
+                                 memory_every=1)
+            except LayoutError as e:
+                assert "is a sharded tensor: memory_every does not hold" in str(e), e
+            else:
+                raise AssertionError("an engine with memory_every took a sharded model")
+            assert not os.path.exists(os.path.join(root, "memory"))
         dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=os.path.join(root, "dcp"))
         reference = full_state(model, optimizer)
         if rank == 0:
