@@ -84,28 +84,29 @@ class CheckpointEngine:
     _clock = staticmethod(time.monotonic)
 
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
-                 mode: Literal["async", "sync"] = _O.mode,
-                 staging: Literal["eager", "lazy"] = _O.staging, every: int = _O.every,
-                 memory_every: Optional[int] = _O.memory_every,
-                 memory_idle_timeout: float = _O.memory_idle_timeout,
-                 keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
-                 slots: int = _O.slots, when_busy: Literal["wait", "skip"] = _O.when_busy,
+                 mode: Literal["async", "sync"] = _O.mode, every: int = _O.every,
+                 preemption: Union[bool, None, Collection[int]] = _O.preemption,
+                 staging: Literal["eager", "lazy"] = _O.staging, slots: int = _O.slots,
+                 when_busy: Literal["wait", "skip"] = _O.when_busy,
+                 slow_writer_s: float = _O.slow_writer_s, rng: bool = _O.rng,
+                 allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle,
                  compression: Optional[Literal["zstd"]] = _O.compression, level: int = _O.level,
-                 allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle, rng: bool = _O.rng,
-                 rank: Optional[int] = _O.rank, world_size: Optional[int] = _O.world_size,
-                 replicated: Union[str, Collection[str]] = _O.replicated,
-                 spread_replicated: bool = _O.spread_replicated,
+                 incremental: bool = _O.incremental, full_every: int = _O.full_every,
                  commit_timeout: float = _O.commit_timeout,
                  writer_nice: Optional[int] = _O.writer_nice,
                  writer_low_io: bool = _O.writer_low_io, reserve_bytes: int = _O.reserve_bytes,
-                 lock_timeout: float = _O.lock_timeout,
-                 preemption: Union[bool, None, Collection[int]] = _O.preemption,
-                 heartbeat_interval: Optional[float] = _O.heartbeat_interval,
-                 slow_writer_s: float = _O.slow_writer_s, incremental: bool = _O.incremental,
-                 full_every: int = _O.full_every, remote: Optional[str] = _O.remote,
+                 direct_io: bool = _O.direct_io, keep_last: int = _O.keep_last,
+                 keep_every: Optional[int] = _O.keep_every, rank: Optional[int] = _O.rank,
+                 world_size: Optional[int] = _O.world_size,
+                 replicated: Union[str, Collection[str]] = _O.replicated,
+                 spread_replicated: bool = _O.spread_replicated,
+                 remote: Optional[str] = _O.remote,
                  remote_options: Optional[dict] = _O.remote_options,
                  remote_keep_last: Optional[int] = _O.remote_keep_last,
-                 direct_io: bool = _O.direct_io):
+                 memory_every: Optional[int] = _O.memory_every,
+                 memory_idle_timeout: float = _O.memory_idle_timeout,
+                 lock_timeout: float = _O.lock_timeout,
+                 heartbeat_interval: Optional[float] = _O.heartbeat_interval):
         given = locals()  # the parameters: every option by name, checked by EngineOptions
         self.options = o = _O(**{f.name: given[f.name] for f in dataclasses.fields(_O)})
         r = o.resolved
@@ -148,14 +149,9 @@ class CheckpointEngine:
                 self._heartbeat = Heartbeat(session.directory, self.rank, o.heartbeat_interval)
             self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
-                root=self.root, own_root=session.own_root, rank=r.rank, world_size=r.world_size,
-                spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
-                keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
-                level=o.level, reserve_bytes=o.reserve_bytes, nice=r.writer_nice,
-                low_io_priority=o.writer_low_io, lock=session.directory.lock_file(r.rank),
+                root=self.root, own_root=session.own_root, lock=session.directory.lock_file(r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
-                remote=o.remote, remote_options=o.remote_options,
-                remote_keep_last=r.remote_keep_last, direct_io=o.direct_io))
+                **o.writer_settings()))
             if o.memory_every is not None:
                 self._memory = open_memory_tier(session.directory, r.rank, self._pool,
                                                 o.memory_idle_timeout, r.writer_nice)
