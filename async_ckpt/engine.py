@@ -4,7 +4,8 @@
 the writer process (the steps are ``train/pipeline.py``'s; the engine sequences them and holds the
 policy: when, what to keep, what an error means); that is all the training loop ever waits for
 (plus, when every slot is still being written, for one to come free). Everything else (encoding,
-writing, fsync, commit, retention) happens in the writer. Failures of the writer come back as typed errors at the next call.
+writing, fsync, commit, retention) happens in the writer. Failures of the writer come back as
+typed errors at the next call.
 
 The engine is driven from one thread (the training loop); it is not thread-safe. Under
 ``torch.distributed`` every rank runs its own engine and writer on one shared directory; rank 0's

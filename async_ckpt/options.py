@@ -229,9 +229,9 @@ class EngineOptions:
     remote: Optional[str] = _setting(None, (lambda v: v is None or isinstance(v, str),
                                             "None or an s3://bucket/prefix URL"),
                                      shared=True, writer=True)
-    remote_options: Optional[dict] = _setting(None, (lambda v: v is None or isinstance(v, dict),
-                                                     "None or a dict of the object store's settings"),
-                                              writer=True)
+    remote_options: Optional[dict] = _setting(
+        None, (lambda v: v is None or isinstance(v, dict),
+               "None or a dict of the object store's settings"), writer=True)
     remote_keep_last: Optional[int] = _setting(None, _int(1, optional=True), shared=True,
                                                writer=True)
     # --- memory tier: snapshots kept only in memory, by a keeper process ----------------------
