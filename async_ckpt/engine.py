@@ -1,9 +1,11 @@
 """The public engine: ``snapshot(step)`` in the training loop, ``restore()`` at start-up.
 
 ``snapshot`` captures the state, copies its tensors into a free staging slot and hands the slot to
-the writer process; that is all the training loop ever waits for (plus, when every slot is still
-being written, for one to come free). Everything else (encoding, writing, fsync, commit, retention)
-happens in the writer. Failures of the writer come back as typed errors at the next call.
+the writer process (the steps are ``train/pipeline.py``'s; the engine sequences them and holds the
+policy: when, what to keep, what an error means); that is all the training loop ever waits for
+(plus, when every slot is still being written, for one to come free). Everything else (encoding,
+writing, fsync, commit, retention) happens in the writer. Failures of the writer come back as
+typed errors at the next call.
 
 The engine is driven from one thread (the training loop); it is not thread-safe. Under
 ``torch.distributed`` every rank runs its own engine and writer on one shared directory; rank 0's
@@ -31,7 +33,7 @@ from . import errors
 from .data import ResumableLoader, ResumableSampler, after_restore, inexact_loader_warnings
 from .checks import is_int, short_repr
 from .distributed import Coordinator
-from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, LayoutError,
+from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError,
                      Preempted, RemoteConflictError, RemoteStorageError, SnapshotWriteError,
                      StagingRaceError, StateMismatchError, WorldSizeMismatchError,
                      WriterDiedError)
@@ -47,15 +49,16 @@ from .tensors import registered_objects
 from .storage.local import LocalStorage
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
-from .train.capture import Planner, capture, check_registrable
+from .train.capture import check_registrable
 from .train.heartbeat import Heartbeat
-from .train.incremental import ChangeTracker, trainable_storages
-from .train.memory_tier import SHARDED_REFUSED, MemoryTier, open_memory_tier, refuse_sharded
-from .train.session import start_session
-from .train.staging import Copy, StagingPool
+from .train.incremental import ChangeTracker
+from .train.memory_tier import MemoryTier, open_memory_tier, refuse_sharded
+from .train.pipeline import SnapshotPipeline, Staged
+from .train.session import Session, start_session
+from .train.staging import Slot, StagingPool
 from .write.client import WriterClient
 from .write.protocol import (Abandoned, Committed, Dropped, Failed, Marker, Released,
-                             RemoteStatus, SnapshotJob, WriterConfig, WriterEvent)
+                             RemoteStatus, WriterConfig, WriterEvent)
 
 log = logging.getLogger(__name__)
 _STATS_HISTORY = 1000
@@ -84,28 +87,29 @@ class CheckpointEngine:
     _clock = staticmethod(time.monotonic)
 
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
-                 mode: Literal["async", "sync"] = _O.mode,
-                 staging: Literal["eager", "lazy"] = _O.staging, every: int = _O.every,
-                 memory_every: Optional[int] = _O.memory_every,
-                 memory_idle_timeout: float = _O.memory_idle_timeout,
-                 keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
-                 slots: int = _O.slots, when_busy: Literal["wait", "skip"] = _O.when_busy,
+                 mode: Literal["async", "sync"] = _O.mode, every: int = _O.every,
+                 preemption: Union[bool, None, Collection[int]] = _O.preemption,
+                 staging: Literal["eager", "lazy"] = _O.staging, slots: int = _O.slots,
+                 when_busy: Literal["wait", "skip"] = _O.when_busy,
+                 slow_writer_s: float = _O.slow_writer_s, rng: bool = _O.rng,
+                 allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle,
                  compression: Optional[Literal["zstd"]] = _O.compression, level: int = _O.level,
-                 allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle, rng: bool = _O.rng,
-                 rank: Optional[int] = _O.rank, world_size: Optional[int] = _O.world_size,
-                 replicated: Union[str, Collection[str]] = _O.replicated,
-                 spread_replicated: bool = _O.spread_replicated,
+                 incremental: bool = _O.incremental, full_every: int = _O.full_every,
                  commit_timeout: float = _O.commit_timeout,
                  writer_nice: Optional[int] = _O.writer_nice,
                  writer_low_io: bool = _O.writer_low_io, reserve_bytes: int = _O.reserve_bytes,
-                 lock_timeout: float = _O.lock_timeout,
-                 preemption: Union[bool, None, Collection[int]] = _O.preemption,
-                 heartbeat_interval: Optional[float] = _O.heartbeat_interval,
-                 slow_writer_s: float = _O.slow_writer_s, incremental: bool = _O.incremental,
-                 full_every: int = _O.full_every, remote: Optional[str] = _O.remote,
+                 direct_io: bool = _O.direct_io, keep_last: int = _O.keep_last,
+                 keep_every: Optional[int] = _O.keep_every, rank: Optional[int] = _O.rank,
+                 world_size: Optional[int] = _O.world_size,
+                 replicated: Union[str, Collection[str]] = _O.replicated,
+                 spread_replicated: bool = _O.spread_replicated,
+                 remote: Optional[str] = _O.remote,
                  remote_options: Optional[dict] = _O.remote_options,
                  remote_keep_last: Optional[int] = _O.remote_keep_last,
-                 direct_io: bool = _O.direct_io):
+                 memory_every: Optional[int] = _O.memory_every,
+                 memory_idle_timeout: float = _O.memory_idle_timeout,
+                 lock_timeout: float = _O.lock_timeout,
+                 heartbeat_interval: Optional[float] = _O.heartbeat_interval):
         given = locals()  # the parameters: every option by name, checked by EngineOptions
         self.options = o = _O(**{f.name: given[f.name] for f in dataclasses.fields(_O)})
         r = o.resolved
@@ -127,16 +131,14 @@ class CheckpointEngine:
         self._failures: collections.deque[errors.CheckpointError] = collections.deque()
         self._history: collections.deque[SnapshotFigures] = collections.deque(maxlen=_STATS_HISTORY)
         self._counts = EngineCounts()
-        self._writer_plan = None
         self._tracker = ChangeTracker(o.full_every) if o.incremental else None
-        self._planner = Planner()
         self._heartbeat: Optional[Heartbeat] = None
         self._preempted_by: Optional[int] = None
         self._old_handlers: dict = {}
         self._coordinator = Coordinator(self.rank, self.world_size)
         self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
         self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
-        self._staging: Optional[_Staged] = None  # the snapshot whose copy fence() waits for
+        self._staging: Optional[Staged] = None  # the snapshot whose copy fence() waits for
         self._restored_from: Optional[str] = None  # the tier the last restore read: memory, disk
         self._restores: collections.Counter = collections.Counter()  # restores by tier
         session = self._pool = self._writer = self._memory = None
@@ -150,24 +152,24 @@ class CheckpointEngine:
                 self._heartbeat = Heartbeat(session.directory, self.rank, o.heartbeat_interval)
             self._pool = StagingPool(o.slots)
             self._writer = WriterClient(WriterConfig(
-                root=self.root, own_root=session.own_root, rank=r.rank, world_size=r.world_size,
-                spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,
-                keep_last=o.keep_last, keep_every=o.keep_every, compression=o.compression,
-                level=o.level, reserve_bytes=o.reserve_bytes, nice=r.writer_nice,
-                low_io_priority=o.writer_low_io, lock=session.directory.lock_file(r.rank),
+                root=self.root, own_root=session.own_root, lock=session.directory.lock_file(r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),
-                remote=o.remote, remote_options=o.remote_options,
-                remote_keep_last=r.remote_keep_last, direct_io=o.direct_io))
+                **o.writer_settings()))
             if o.memory_every is not None:
                 self._memory = open_memory_tier(session.directory, r.rank, r.world_size,
                                                 self._pool, o.memory_idle_timeout, r.writer_nice)
+            self._pipeline = SnapshotPipeline(
+                self._pool, self._writer, self._memory, o.allow_pickle, self._rng, r.replicated,
+                lambda nbytes: require_memory(nbytes, "a staging slot of the memory tier "
+                                              "(memory_every)", "free host memory, lower slots, "
+                                              "or turn the memory tier off"))
         except BaseException:
             if self._writer is not None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
             if self._pool is not None:
                 self._pool.close()
             if session is not None:
-                os.close(session.lock_fd)
+                session.close()
             raise
         self._fences = _install_fences(self) if o.staging == "lazy" else []
         release_verify_threads = hold_verify_threads()  # its restores reuse them; close joins them
@@ -175,7 +177,7 @@ class CheckpointEngine:
         # what was staged (it exits when the socket closes) instead of blocking the next engine.
         # The memory tier's keeper keeps what it holds: the process may be dying.
         self._release = weakref.finalize(self, _release_resources, self._pool, self._writer,
-                                         session.lock_fd, self._fences, release_verify_threads,
+                                         session, self._fences, release_verify_threads,
                                          self._memory)
         self._old_handlers = self._install_preemption_handlers(r.preemption)
 
@@ -230,58 +232,19 @@ class CheckpointEngine:
             return False
         called_at, t0 = time.monotonic(), time.perf_counter()
         self.fence()  # the previous snapshot's copy ends before this one is taken
-        if to_disk:
-            slot = self._acquire_slot(may_skip=not preempting)
-            if slot is None:
-                self._counts.skipped += 1
-                log.warning("skipped the snapshot of step %d: every staging slot is still being "
-                            "written (%d skipped so far; add slots or snapshot less often)", step,
-                            self._counts.skipped)
-                return False
-        else:  # memory only: never waits (the keeper keeps the previous one meanwhile)
-            slot = self._pool.free_slot()
-            if slot is None:
-                self._memory.skipped += 1
-                return False
+        slot = self._acquire_slot(step, to_disk, may_skip=not preempting)
+        if slot is None:
+            return False
         t_slot = time.perf_counter()
-        captured = self._capture(state)
-        replicated = self.options.resolved.replicated
-        replica_of = [key if key in replicated else None for key in captured.entry_of]
-        sharded = [d for d in captured.dtensors if d["tensor"] is not None
-                   and replica_of[d["tensor"]] is not None]
-        if sharded:
-            raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
-                              "replicated; its pieces differ between ranks: leave the entry out "
-                              "of replicated= (sharded tensors are written once per piece anyway)")
-        if to_memory and captured.dtensors:
-            raise LayoutError(f"{captured.dtensors[0]['key']} is a sharded tensor: "
-                              f"{SHARDED_REFUSED}")
-        plan, sources = self._planner.plan(captured.tensors, replica_of)
-        self._fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))
+        prepared = self._pipeline.prepare(state, slot, to_memory)
         t_captured = time.perf_counter()
         job = directory = None
-        refer = {}
         if to_disk:
             job, directory = next(self._jobs), self._session.snapshot_dir(step)
-            if self._tracker is not None:
-                refer = self._tracker.unchanged(plan, sources, captured.tensors, job, step,
-                                                directory, trainable_storages(state))
         lazy = (self.options.staging == "lazy" and self.options.mode == "async"
                 and not preempting)
-        now = _buffer_regions(sources, state) if lazy else set()
-        watched = [] if not lazy else [  # what must not change until the copy has ended
-            (path, t, t._version) for path, t, record in zip(captured.paths, captured.tensors,
-                                                              plan.tensors)
-            if record.region is not None and record.region not in refer
-            and record.region not in now and not t.is_inference()]
-        copy = self._pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
-        del sources, captured.tensors
-        slot.busy, slot.held = to_disk, to_memory
-        staged = _Staged(copy, slot, watched, step, None if not to_disk else SnapshotJob(
-            job=job, step=step, buffer_id=slot.buffer_id, dir=directory, tree=captured.tree,
-            plan=plan if plan != self._writer_plan else None, submitted=time.monotonic(),
-            refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
-            markers=tuple(markers)), (plan, captured.tree) if to_memory else None)
+        staged = self._pipeline.start(prepared, slot, state, step, job, directory, to_memory,
+                                      lazy, self._tracker, markers)
         self._staging = staged
         if not to_disk:
             if not lazy:
@@ -289,11 +252,9 @@ class CheckpointEngine:
                 self._raise_failures()
             return True
         self._last_step_taken = step
-        self._writer_plan = plan
         record = SnapshotFigures(step, called_at, blocking_s=0.0, wait_slot_s=t_slot - t0,
                                  capture_s=t_captured - t_slot, staging_s=0.0,
-                                 staged_bytes=plan.raw_bytes - sum(plan.regions[k].nbytes
-                                                                   for k in refer))
+                                 staged_bytes=staged.staged_bytes)
         self._pending[job] = record
         if not lazy:
             self.fence()
@@ -308,42 +269,6 @@ class CheckpointEngine:
                         "NOT committed (see the warning above)", Preempted(step, 0).code)
             raise Preempted(step, self._preempted_by)
         return True
-
-    def _capture(self, state: MutableMapping[str, Any]):
-        """``capture`` of ``state`` and, with ``rng``, the global RNG states."""
-        return capture(state if self._rng is None else {**state, RNG_KEY: self._rng},
-                       self.options.allow_pickle)
-
-    def _fit(self, slot, plan, pin: bool) -> None:
-        """Make ``slot`` fit ``plan`` (page-locked if ``pin``), telling the writer of new memory.
-        With the memory tier, new memory is asked for only when it is there: a keeper may hold
-        an earlier run's slot meanwhile, and shared memory that is not there kills a process
-        that touches it (SIGBUS) rather than failing its allocation."""
-        old_buffer = slot.buffer_id
-        if self._memory is not None and slot.nbytes < plan.nbytes:
-            require_memory(plan.nbytes, "a staging slot of the memory tier (memory_every)",
-                           "free host memory, lower slots, or turn the memory tier off")
-        if self._pool.fit(slot, plan, pin):
-            if old_buffer >= 0:
-                self._writer.detach(old_buffer)
-            self._writer.attach(slot.buffer_id, slot.fd, slot.nbytes)
-
-    def _restore_memory(self) -> tuple[bool, Optional[memoryview]]:
-        """(``mapped``, ``scratch``) of a restore's read. With CUDA tensors registered, every
-        storage is read into a page-locked staging slot, fitted to the state as its first
-        snapshot would fit it (the same memory, so nothing extra is held), so that the copies
-        onto the device run from pinned memory at full bandwidth and need no bounce through
-        CUDA's own staging, as copies from the files' pageable mappings do. Otherwise (or where
-        CUDA refuses to pin the slot) the files are mapped, and a free slot, if any, is
-        scratch for what must be decoded."""
-        slot = self._pool.free_slot()
-        if slot is not None and torch.cuda.is_available():  # (no state is on CUDA without it)
-            tensors = self._capture(self.state).tensors
-            if any(t.is_cuda for t in tensors):
-                self._fit(slot, self._planner.plan(tensors)[0], pin=True)
-                if slot.pinned:
-                    return False, self._pool.scratch(slot)
-        return True, self._pool.scratch()
 
     def fence(self) -> None:
         """Wait until the tensors of the last snapshot are copied (lazy staging; at once with
@@ -363,13 +288,11 @@ class CheckpointEngine:
                 f"step {staged.step} was not saved: copying its tensors into the staging slot "
                 f"failed ({type(e).__name__}: {e}); the next snapshot is taken afresh"), e)
             return
-        changed = [path for path, t, version in staged.watched if t._version != version]
+        changed = staged.changed()
         if not changed:
-            if staged.memory is not None:  # first: a writer gone must not keep the slot held
-                self._memory.hold(staged.slot, *staged.memory, staged.step)
             if staged.job is not None:
                 self._pending[staged.job.job].staging_s = seconds
-                self._writer.submit(staged.job)
+            self._pipeline.hand_over(staged)
             return
         self._fail_staged(staged, StagingRaceError(
             f"step {staged.step} was not saved: {', '.join(changed[:3])}"
@@ -377,15 +300,14 @@ class CheckpointEngine:
             "copied (lazy staging), by a write no fence saw. Call engine.fence() before changing "
             "the state in place outside an optimizer's step(), or use staging='eager'"))
 
-    def _fail_staged(self, staged: "_Staged", error: errors.CheckpointError,
+    def _fail_staged(self, staged: Staged, error: errors.CheckpointError,
                      cause: Optional[BaseException] = None) -> None:
         """A snapshot that never reached the writer: its slot is free again, the next snapshot is
         whole, and ``error`` is raised at the next call (not from inside an optimizer's step)."""
-        staged.slot.busy = staged.slot.held = False
+        self._pipeline.abandon(staged)
         if staged.job is not None:
             self._pending.pop(staged.job.job)
             self._counts.record_failure()
-            self._writer_plan = None  # the next job carries its plan: the writer never got it
             self._next_snapshot_full()
         error.__cause__ = cause
         log.error("%s", error)
@@ -460,7 +382,7 @@ class CheckpointEngine:
         held = self._read_held() if step is None and self._memory is not None else None
         if held is not None:
             return self._restored(self._load(*held, strict, False, frozenset(skip)), "memory")
-        mapped, scratch = self._restore_memory()
+        mapped, scratch = self._pipeline.read_memory(self.state)
         record, loaded = read_committed(
             self._committed_source(), step, self.rank, self.options.allow_pickle,
             self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded,
@@ -852,8 +774,15 @@ class CheckpointEngine:
             self._drops_queued = 0
             raise
 
-    def _acquire_slot(self, may_skip: bool):
-        """A free slot; waits for one unless skipping is allowed (then None when all are busy)."""
+    def _acquire_slot(self, step: int, to_disk: bool, may_skip: bool) -> Optional[Slot]:
+        """A free slot for the snapshot of ``step``, or None when it is skipped (counted). A
+        disk snapshot waits for one unless skipping is allowed; a memory snapshot never waits
+        (the keeper keeps the previous one meanwhile)."""
+        if not to_disk:
+            slot = self._pool.free_slot()
+            if slot is None:
+                self._memory.skipped += 1
+            return slot
         started = self._clock()
         while True:
             slot = self._pool.free_slot()
@@ -868,6 +797,11 @@ class CheckpointEngine:
             self._counts.writer_behind += 1
             log.warning("the writer is falling behind: waited %.1f s for a free staging slot "
                         "(snapshot less often, add slots, or use a faster disk)", waited)
+        if slot is None:
+            self._counts.skipped += 1
+            log.warning("skipped the snapshot of step %d: every staging slot is still being "
+                        "written (%d skipped so far; add slots or snapshot less often)", step,
+                        self._counts.skipped)
         return slot
 
     def _drain(self, block: bool, raise_failures: bool = True) -> None:
@@ -887,9 +821,7 @@ class CheckpointEngine:
 
     def _handle(self, event: WriterEvent) -> None:
         if isinstance(event, Released):
-            for slot in self._pool.slots:
-                if slot.buffer_id == event.buffer_id:
-                    slot.busy = False
+            self._pool.release_written(event.buffer_id)
         elif isinstance(event, Committed):
             record = self._pending.pop(event.job)
             figures = event.figures
@@ -933,7 +865,7 @@ class CheckpointEngine:
 
 
 
-def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
+def _release_resources(pool: StagingPool, writer: WriterClient, session: Session,
                        fences: list, release_verify_threads: Callable[[], None],
                        memory: Optional[MemoryTier]) -> None:
     for handle in fences:
@@ -942,32 +874,8 @@ def _release_resources(pool: StagingPool, writer: WriterClient, lock_fd: int,
         memory.close(quit=False)
     pool.close()
     writer.conn.close()
-    os.close(lock_fd)
+    session.close()
     release_verify_threads()
-
-
-@dataclasses.dataclass
-class _Staged:
-    """A snapshot of ``step`` being copied into its slot: handed to the writer (``job``) and the
-    memory tier's keeper (``memory``: its plan and state tree) by ``fence()`` once the copy is
-    done and none of the ``watched`` (key path, tensor, version) tensors changed meanwhile."""
-
-    copy: Copy
-    slot: Any
-    watched: list
-    step: int
-    job: Optional[SnapshotJob]
-    memory: Optional[tuple]
-
-
-def _buffer_regions(sources: list, state: Any) -> set[int]:
-    """The regions holding buffers of the registered modules (batch-norm statistics and the
-    like): the next forward pass updates them in place, before any fence, so lazy staging copies
-    them before ``snapshot()`` returns."""
-    buffers = {b.untyped_storage().data_ptr()
-               for module in registered_objects(state, (torch.nn.Module,))
-               for b in module.buffers()}
-    return {k for k, src in enumerate(sources) if src.storage.data_ptr() in buffers}
 
 
 def _install_fences(engine: CheckpointEngine) -> list:

@@ -12,7 +12,10 @@ import torch
 from async_ckpt import CheckpointEngine
 from async_ckpt.errors import InvalidArgumentError
 from async_ckpt.storage.names import RNG_KEY
-from async_ckpt.options import _RULES, DEFAULT_PREEMPTION_SIGNALS, EngineOptions
+from async_ckpt.options import DEFAULT_PREEMPTION_SIGNALS, EngineOptions
+from async_ckpt.write.protocol import WriterConfig
+
+SETTINGS = [f.name for f in dataclasses.fields(EngineOptions)]
 
 
 def test_defaults_are_resolved_at_construction_and_the_settings_kept_as_given():
@@ -34,8 +37,10 @@ def test_replicated_and_preemption_are_normalised():
     assert EngineOptions(preemption=None).resolved.preemption == ()
 
 
-def test_every_setting_has_a_rule():
-    assert list(_RULES) == [f.name for f in dataclasses.fields(EngineOptions)]
+def test_every_setting_is_declared_with_its_rule():
+    for field in dataclasses.fields(EngineOptions):
+        ok, expected = field.metadata["rule"]
+        assert ok(field.default) and expected, field.name  # the default passes its own rule
 
 
 # Refused values, setting by setting: each an InvalidArgumentError naming the setting and value.
@@ -57,7 +62,7 @@ REFUSED = {
 
 
 def test_every_setting_has_refused_values():
-    assert REFUSED.keys() == _RULES.keys()
+    assert sorted(REFUSED) == sorted(SETTINGS)
 
 
 @pytest.mark.parametrize("name, value", [(n, v) for n, values in REFUSED.items() for v in values],
@@ -138,6 +143,17 @@ def test_shared_settings_are_what_every_rank_must_agree_on():
                         "spread_replicated": False, "rng": True, "mode": "sync",
                         "remote": None, "remote_keep_last": 3}
     assert EngineOptions(lock_timeout=1, slots=4).shared_settings() == EngineOptions().shared_settings()
+
+
+def test_the_writer_settings_are_the_writer_config_less_what_the_session_decides():
+    """What crosses to the writer is built from the options in one place: with the session's
+    facts (where, which lock, the log level), exactly the fields of its WriterConfig."""
+    settings = EngineOptions(writer_low_io=False, remote_options={"region": "x"}).writer_settings()
+    session = {"root", "own_root", "lock", "log_level"}
+    assert settings.keys() | session == {f.name for f in dataclasses.fields(WriterConfig)}
+    assert not settings.keys() & session
+    assert (settings["nice"], settings["low_io_priority"], settings["rank"]) == (10, False, 0)
+    assert settings["remote_keep_last"] == 3 and settings["remote_options"] == {"region": "x"}
 
 
 def test_the_engine_signature_lists_every_option_with_its_default_and_type():

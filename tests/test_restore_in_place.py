@@ -336,14 +336,14 @@ def test_a_state_on_cuda_is_read_into_a_pinned_staging_slot_not_mapped(ckpt_dir,
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
     monkeypatch.setattr(engine_module, "read_committed", read_committed)
     with CheckpointEngine(ckpt_dir, {"model": model, "optimizer": opt}) as engine:
-        real_capture = engine._capture
+        real_capture = engine._pipeline.capture
 
         def capture_on_cuda(state):
             captured = real_capture(state)
             captured.tensors = [t.detach().as_subclass(_OnCuda) for t in captured.tensors]
             return captured
 
-        monkeypatch.setattr(engine, "_capture", capture_on_cuda)
+        monkeypatch.setattr(engine._pipeline, "capture", capture_on_cuda)
         assert engine.restore() == 1
         slot = next(s for s in engine._pool.slots if s.pinned)
         assert registered == [slot.nbytes]

@@ -47,20 +47,20 @@ def test_one_rank_holds_its_lock_and_cleans_leftovers(tmp_path):
         with pytest.raises(DirectoryInUseError):
             take_rank_lock(root, 0, timeout=0.1)
     finally:
-        os.close(first.lock_fd)
+        first.close()
     second = start_session(root, Coordinator(0, 1), SETTINGS, lock_timeout=1)
-    os.close(second.lock_fd)
+    second.close()
     assert second.token != first.token
 
 
 def test_rank0_publishes_the_token_and_rank1_must_see_it(tmp_path):
     root = str(tmp_path)
     started = start_session(root, TwoRanks(0), SETTINGS, lock_timeout=1)
-    os.close(started.lock_fd)
+    started.close()
     with open(os.path.join(root, SESSION_NAME)) as f:
         assert json.load(f)["token"] == started.token
     joined = start_session(root, TwoRanks(1, their_token=started.token), SETTINGS, lock_timeout=1)
-    os.close(joined.lock_fd)
+    joined.close()
     with pytest.raises(CheckpointDirError, match="does not hold rank 0's session.json"):
         start_session(root, TwoRanks(1, their_token="f" * 16), SETTINGS, lock_timeout=1)
     os.close(take_rank_lock(root, 1, timeout=0))  # the refused rank released its lock
@@ -99,32 +99,32 @@ def test_ranks_that_share_no_directory_each_get_a_root_of_their_own(tmp_path):
     with pytest.raises(CheckpointDirError, match="or pass remote="):
         start_session(str(node1), TwoRanks(1), SETTINGS, lock_timeout=1)
     joined = start_session(str(node1), TwoRanks(1), SETTINGS, lock_timeout=1, own_roots=True)
-    os.close(joined.lock_fd)
+    joined.close()
     assert joined.own_root and joined.root == str(node1 / "rank-00001")
     assert joined.token == "0" * 16 and not leftover.exists()
     (tmp_path / "node0").mkdir()
     shared = start_session(str(tmp_path / "node0"), TwoRanks(0), SETTINGS, 1, own_roots=True)
-    os.close(shared.lock_fd)  # rank 0 sees its own session.json; the other rank reports no problem
+    shared.close()  # rank 0 sees its own session.json; the other rank reports no problem
     assert not shared.own_root and shared.root == str(tmp_path / "node0")
 
 
 def test_every_attempt_at_a_step_gets_a_fresh_snapshot_directory(tmp_path):
     """Named by the token, the step and the attempt: the same on every rank, never reused."""
     started = start_session(str(tmp_path), Coordinator(0, 1), SETTINGS, lock_timeout=1)
-    os.close(started.lock_fd)
+    started.close()
     first, second, other = (started.snapshot_dir(5), started.snapshot_dir(5),
                             started.snapshot_dir(6))
     assert len({first, second, other}) == 3
     assert [snapshot_dir_step(d) for d in (first, second, other)] == [5, 5, 6]
     again = start_session(str(tmp_path), Coordinator(0, 1), SETTINGS, lock_timeout=1)
-    os.close(again.lock_fd)
+    again.close()
     assert again.snapshot_dir(5) not in (first, second)  # a new session: a new token
 
 
 def test_the_directory_is_created_and_must_be_writable(tmp_path):
     nested = tmp_path / "a" / "b"
     started = start_session(str(nested), Coordinator(0, 1), SETTINGS, lock_timeout=1)
-    os.close(started.lock_fd)
+    started.close()
     assert nested.is_dir() and started.root == str(nested)
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointDirError, match="exists and is not a directory"):

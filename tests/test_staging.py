@@ -105,6 +105,31 @@ def test_staging_copies_every_region_and_reuses_the_slot(tmp_path):
     assert all(s.fd == -1 and s.nbytes == 0 for s in pool.slots)
 
 
+def test_a_slot_is_free_once_the_writer_and_the_keeper_each_released_it():
+    pool = StagingPool(2)
+    try:
+        plan, _ = Planner().plan([torch.zeros(4)])
+        first = pool.free_slot()
+        pool.fit(first, plan, pin=False)
+        pool.acquire(first, writer=True, keeper=True)
+        second = pool.free_slot()
+        assert second is not first
+        pool.fit(second, plan, pin=False)
+        pool.acquire(second, writer=True, keeper=False)
+        assert pool.free_slot() is None
+        pool.release_written(first.buffer_id)
+        assert pool.free_slot() is None  # the keeper still holds it
+        pool.release_held(first.buffer_id)
+        assert pool.free_slot() is first
+        pool.acquire(first, writer=False, keeper=True)
+        pool.release(second)  # staged, never handed over
+        assert pool.free_slot() is second
+        pool.release_held()  # the keeper is gone: every slot it held comes back
+        assert not (first.busy or first.held)
+    finally:
+        pool.close()
+
+
 def test_capture_turns_the_state_into_a_safe_tree_and_a_tensor_list():
     model = torch.nn.Linear(2, 2)
     captured = capture({"model": model, "step": {"n": 3, "t": torch.ones(1)}})

@@ -122,7 +122,7 @@ class MemoryTier:
     def hold(self, slot: Slot, plan: Plan, tree: dict, step: int) -> None:
         """Hand over ``slot`` (staged, held already) with the snapshot of ``step`` in it."""
         if self.client is None:
-            slot.held = False
+            self.pool.release_held(slot.buffer_id)
             return
         layout = None if plan == self._plan else layout_message(
             [(r.offset, r.nbytes) for r in plan.regions],
@@ -130,7 +130,7 @@ class MemoryTier:
         try:
             self.client.hold(slot.buffer_id, slot.fd, step, tree, layout)
         except Gone as e:
-            slot.held = False
+            self.pool.release_held(slot.buffer_id)
             self._lose(f"it closed the connection ({e})")
             return
         self._plan = plan
@@ -166,22 +166,17 @@ class MemoryTier:
         self.pending.pop(event.buffer, None)
         if isinstance(event, Sealed):
             if self.sealed is not None and self.sealed != event.buffer:
-                self._let_go(self.sealed)
+                self.pool.release_held(self.sealed)
             self.sealed, self.step, self.held_bytes = event.buffer, event.step, event.held_bytes
             self.snapshots += 1
             return
-        self._let_go(event.buffer)
+        self.pool.release_held(event.buffer)
         if event.error is None:
             self.superseded += 1
             return
         self.refused += 1
         if self.refused == 1:
             log.warning("the memory tier's keeper refused a snapshot: %s", event.error)
-
-    def _let_go(self, buffer: int) -> None:
-        for slot in self.pool.slots:
-            if slot.buffer_id == buffer:
-                slot.held = False
 
     def _lose(self, why: str) -> None:
         """The keeper is gone: its slots come back, and the tier stops."""
@@ -190,8 +185,7 @@ class MemoryTier:
         log.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.lost = why
-        for slot in self.pool.slots:
-            slot.held = False
+        self.pool.release_held()
         self.sealed, self.step, self.newest, self.held_bytes = None, None, None, 0
         self.pending.clear()
         client, self.client = self.client, None

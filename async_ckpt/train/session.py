@@ -55,6 +55,11 @@ class Session:
         self._attempts[step] += 1
         return snapshot_dir_name(step, self.token, attempt)
 
+    def close(self) -> None:
+        """Release this rank's lock: the session ends (the writer's own hold on the lock file
+        ends when the writer does)."""
+        os.close(self.lock_fd)
+
 
 def start_session(directory: str | os.PathLike, coordinator: Coordinator, settings: dict,
                   lock_timeout: float, own_roots: bool = False) -> Session:

@@ -102,8 +102,8 @@ class Slot:
 
 
 class StagingPool:
-    """A fixed number of slots; the engine acquires a free one per snapshot and the writer's
-    "released" message frees it."""
+    """A fixed number of slots, whose flags only the pool sets: a free one is acquired per
+    snapshot, and freed by the writer's "released" message and the keeper's letting go."""
 
     def __init__(self, slots: int):
         self.slots = [Slot(i) for i in range(slots)]
@@ -119,6 +119,27 @@ class StagingPool:
 
     def free_slot(self) -> Optional[Slot]:
         return next((s for s in self.slots if not (s.busy or s.held)), None)
+
+    def acquire(self, slot: Slot, writer: bool, keeper: bool) -> None:
+        """``slot``, staged into, is the ``writer``'s to read and the ``keeper``'s to hold until
+        each releases it."""
+        slot.busy, slot.held = writer, keeper
+
+    def release(self, slot: Slot) -> None:
+        """``slot`` never reached the writer or the keeper: free again."""
+        slot.busy = slot.held = False
+
+    def release_written(self, buffer_id: int) -> None:
+        """The writer's "released" message: it no longer reads ``buffer_id``."""
+        for slot in self.slots:
+            if slot.buffer_id == buffer_id:
+                slot.busy = False
+
+    def release_held(self, buffer_id: Optional[int] = None) -> None:
+        """The keeper no longer holds ``buffer_id`` (None: any, the keeper is gone)."""
+        for slot in self.slots:
+            if buffer_id is None or slot.buffer_id == buffer_id:
+                slot.held = False
 
     def scratch(self, slot: Optional[Slot] = None) -> Optional[memoryview]:
         """The memory of ``slot``, or of the largest free slot, for a restore to read into
