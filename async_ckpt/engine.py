@@ -393,64 +393,74 @@ class CheckpointEngine:
                                          reshard, frozenset(skip)), "disk")
 
     def _read_held(self) -> Optional[tuple[int, int, Entry]]:
-        """(step, world size, entry) of the memory tier's snapshot when it is newer than the
-        newest committed one, verifies, and every rank's keeper holds that same step, verified;
-        None to read the disk instead (said with a warning when the tier was expected to hold
-        something and does not, what it holds is damaged, or the ranks' keepers differ). Every
-        rank learns what every other found, so all read the same tier, and an error on one rank
-        (a state that does not fit) is raised on all."""
+        """(step, world size, entry) of the memory tier's snapshot: the newest step that every
+        rank's keeper holds, newer than the newest committed one, verified on every rank; None
+        to read the disk instead (said with a warning when a keeper was expected to hold
+        something and does not, what it holds is damaged, or the ranks' keepers hold no step in
+        common). Every rank learns what every other found (from the training thread), so all
+        read the same tier, and an error on one rank (a state that does not fit) is raised on
+        all."""
+        everyone = self._coordinator.gather(self._held_steps())
+        common = set(everyone[0]).intersection(*everyone[1:])
+        if not common:
+            if any(everyone):
+                self._fall_back(f"the ranks' memory tiers hold no step in common newer than the "
+                                f"disk's (steps {everyone}, by rank)", 4)
+            return None
+        step = max(common)
         held = problem = None
         try:
-            held = self._verified_held()
+            held = self._verified_held(step)
         except errors.CheckpointError as e:
             problem = e
         answers = self._coordinator.gather(
-            (None, type(problem).__name__, str(problem)) if problem is not None
-            else (None if held is None else held[0], None, None))
+            (False, type(problem).__name__, str(problem)) if problem is not None
+            else (held is not None, None, None))
         if problem is not None:
             raise problem
         failed = [(r, name, text) for r, (_, name, text) in enumerate(answers) if name]
         if failed:
             rank, name, text = failed[0]
-            error_type = getattr(errors, name, errors.CheckpointError)
-            if not (isinstance(error_type, type) and issubclass(error_type, errors.CheckpointError)):
+            error_type = getattr(errors, name, None)
+            if not (isinstance(error_type, type)
+                    and issubclass(error_type, errors.CheckpointError)):
                 error_type = errors.CheckpointError
             raise error_type(f"rank {rank} cannot restore its memory snapshot: {text}")
-        steps = [step for step, _, _ in answers]
-        if held is None or len(set(steps)) != 1:
+        if not all(ok for ok, _, _ in answers):
             if held is not None:
-                message = (f"the ranks' memory tiers hold different steps ({steps}, by rank): "
-                           "restoring from disk")
-                log.warning("%s", message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                self._fall_back(f"another rank's memory snapshot of step {step} is unusable", 4)
             return None
-        return held[0], self.world_size, held[1]
+        return step, self.world_size, held
 
-    def _verified_held(self) -> Optional[tuple[int, Entry]]:
-        """This rank's keeper's snapshot (step, entry) when it is newer than the newest committed
-        one and verifies; None otherwise (said with a warning as ``_read_held`` says)."""
+    def _held_steps(self) -> list[int]:
+        """The steps this rank's keeper holds that are newer than the newest committed one."""
         memory = self._memory
-        fallback = "restoring from disk"
         if not memory.active:
-            warnings.warn(f"the memory tier's keeper is gone ({memory.lost}): {fallback}",
-                          RuntimeWarning, stacklevel=4)
-            return None
+            self._fall_back(f"the memory tier's keeper is gone ({memory.lost})", 5, log_it=False)
+            return []
         received = memory.query()
         if received is None:
             if memory.lost_before:
                 memory.lost_before = False  # said once
-                message = ("the memory tier's keeper of the previous run is gone (killed, out of "
-                           "memory, or past memory_idle_timeout): " + fallback)
-                log.warning("%s", message)
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
+                self._fall_back("the memory tier's keeper of the previous run is gone (killed, "
+                                "out of memory, or past memory_idle_timeout)", 5)
+            return []
+        manifest = read_manifest(self._committed_source())
+        newest = manifest.snapshots[-1].step if manifest.snapshots else -1
+        steps = [s for s in received.held.steps if s > newest]
+        if not steps:
+            log.info("the memory tier holds steps %s, none newer than committed step %d: "
+                     "restoring from disk", list(received.held.steps), newest)
+        return steps
+
+    def _verified_held(self, step: int) -> Optional[Entry]:
+        """This rank's keeper's snapshot of ``step``, verified; None when it is damaged or
+        gone (said with a warning)."""
+        received = self._memory.query(step)
+        if received is None:
+            self._fall_back(f"the memory tier's keeper no longer holds step {step}", 5)
             return None
         held = received.held
-        manifest = read_manifest(self._committed_source())
-        newest = manifest.snapshots[-1].step if manifest.snapshots else None
-        if newest is not None and held.step <= newest:
-            log.info("the memory tier holds step %d, not newer than committed step %d: %s",
-                     held.step, newest, fallback)
-            return None
         try:
             loaded = read_held(held.tree, held.tensors,
                                [(s.offset, s.nbytes, s.checksums) for s in held.storages],
@@ -462,12 +472,18 @@ class CheckpointEngine:
         except errors.CheckpointError as e:
             if not e.is_damage:
                 raise
-            message = (f"the memory tier's snapshot of step {held.step} is unusable ({e}): "
-                       + fallback)
-            log.warning("%s", message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            self._fall_back(f"the memory tier's snapshot of step {step} is unusable ({e})", 5)
             return None
-        return held.step, loaded
+        return loaded
+
+    @staticmethod
+    def _fall_back(why: str, stacklevel: int, log_it: bool = True) -> None:
+        """Say why a restore reads the disk rather than the memory tier: a warning the user sees
+        without logging set up, pointing at their restore() call ``stacklevel`` frames up."""
+        message = f"{why}: restoring from disk"
+        if log_it:
+            log.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def _restored(self, step: int, tier: str) -> int:
         self._restored_from = tier

@@ -261,6 +261,11 @@ class EngineOptions:
                      "yet: a memory snapshot must hold every byte of the state")
             _require(self.slots >= 2, "memory_every needs slots >= 2: the keeper holds one slot "
                      "while the next snapshot is staged into another")
+            _require(resolved.world_size == 1 or self.slots >= 3,
+                     "memory_every with several ranks needs slots >= 3 (4 for no memory snapshot "
+                     "to be skipped while a disk snapshot is written): each rank's keeper holds "
+                     "two slots, so that the ranks can agree on the older step when one died "
+                     "while staging the newer")
         if self.incremental and resolved.world_size > 1:
             raise DistributedSetupError(
                 f"incremental=True works with one rank; this job has {resolved.world_size}. "

@@ -27,7 +27,7 @@ from async_ckpt.errors import InsufficientMemoryError, MemoryTierError, StateMis
 from async_ckpt.format.shard import CHUNK_BYTES, checksum
 from async_ckpt.keeper.client import _mapped
 from async_ckpt.keeper.keeper import Keeper
-from async_ckpt.keeper.protocol import (MAGIC, HeldStorage, check_same_user, held_message,
+from async_ckpt.keeper.protocol import (MAGIC, Gone, HeldStorage, check_same_user, held_message,
                                         keeper_address, layout_message, parse_held, receive, send)
 from conftest import assert_same, make_training_state, train_step
 
@@ -118,9 +118,10 @@ def _killed_and_resumed(directory, logs, seeded_random):
 
 @pytest.mark.slow
 def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snapshots(tmp_path):
-    """2 ranks, every=50 and memory_every=1: rank 1 dies (SIGKILL) after step 6; torchrun
-    restarts both, and both resume from step 6 in memory (the disk holds only step 0), bit for
-    bit; the keepers outlive the restart and exit with the job."""
+    """2 ranks, every=50 and memory_every=1: rank 1 dies (SIGKILL) while it would stage step 6,
+    which rank 0 snapshots; torchrun restarts both, and both resume from step 5 in memory (the
+    disk holds only step 0; rank 0's keeper still holds 5 beside 6), bit for bit; the keepers
+    outlive the restart and exit with the job."""
     directory, log, kill_at, steps = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl"), 6, 12
     # Workers restarted by torchrun need gloo's lazy init (see tests/test_distributed.py).
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -133,15 +134,17 @@ def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snap
     for rank in range(2):
         lines = read_log(f"{log}.rank{rank}")
         starts = [line for line in lines if "pid" in line]
-        assert [s["restored"] for s in starts] == [None, kill_at], starts
+        assert [s["restored"] for s in starts] == [None, kill_at - 1], starts
         assert starts[1]["tier"] == "memory" and starts[1]["keeper"] == starts[0]["keeper"]
         keepers.add(starts[0]["keeper"])
+        first = kill_at + 1 if rank == 0 else kill_at  # rank 1 died before logging step 6
         taken = [line["step"] for line in steps_of(lines)]
-        assert taken == list(range(kill_at + 1)) + list(range(kill_at + 1, steps)), taken
+        assert taken == list(range(first)) + list(range(kill_at, steps)), taken
         with torch.random.fork_rng():  # the uninterrupted run of this rank
             model, optimizer = build(seed=rank)
             expected = [loop_step(model, optimizer) for _ in range(steps)]
-        assert [line["loss"] for line in steps_of(lines)] == expected, f"rank {rank}"
+        for line in steps_of(lines):  # rank 0's step 6 twice: before the kill and redone
+            assert line["loss"] == expected[line["step"]], (rank, line["step"])
     assert len(keepers) == 2  # one per rank
     for pid in keepers:  # close(final_step) committed what they held: they exit
         try:
@@ -150,10 +153,17 @@ def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snap
             pass
 
 
-def _second_rank(answer):
-    """A stand-in for the ranks' gather: a second rank answers the memory tier's question
-    (step, error type, error) with ``answer`` and agrees with this rank on everything else."""
-    return lambda mine: [mine, answer if isinstance(mine, tuple) and len(mine) == 3 else mine]
+def _second_rank(steps=None, verified=None):
+    """A stand-in for the ranks' gather: a second rank answers the memory tier's questions (the
+    steps its keeper holds; then (verified, error type, error)) with ``steps`` and ``verified``
+    where given, and agrees with this rank on everything else."""
+    def gather(mine):
+        if isinstance(mine, list) and steps is not None:
+            return [mine, steps]
+        if isinstance(mine, tuple) and len(mine) == 3 and verified is not None:
+            return [mine, verified]
+        return [mine, mine]
+    return gather
 
 
 def _sealed(engine, step):
@@ -189,7 +199,7 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
             _sealed(engine, step)
         in_memory = _state_dicts(state)
         stats = engine.stats()
-        held = next(s for s in engine._pool.slots if s.buffer_id == engine._memory.sealed)
+        held = next(s for s in engine._pool.slots if s.buffer_id == engine._memory.sealed[-1])
         assert stats["memory_bytes"] == held.nbytes > 0  # one slot: no memory of its own
         assert stats["memory_snapshots"] == 4 and stats["committed"] == 1
         keeper = psutil.Process(stats["keeper_pid"])
@@ -206,12 +216,18 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
         # second rank stands in here): keepers that hold different steps send every rank to the
         # disk; a rank whose state does not fit its snapshot makes every rank raise.
         with monkeypatch.context() as ranks:
-            ranks.setattr(engine._coordinator, "gather", _second_rank((2, None, None)))
-            with pytest.warns(RuntimeWarning, match=r"hold different steps \(\[3, 2\], by rank"):
+            ranks.setattr(engine._coordinator, "gather", _second_rank(steps=[2]))
+            with pytest.warns(RuntimeWarning, match=r"hold no step in common newer than the "
+                              r"disk's \(steps \[\[3\], \[2\]\], by rank\)"):
                 assert engine.restore() == 0
             assert_same(on_disk, _state_dicts(state))
             ranks.setattr(engine._coordinator, "gather", _second_rank(
-                (None, "StateMismatchError", "it has no entry 'model'")))
+                verified=(False, None, None)))  # its snapshot of step 3 failed its checksums
+            with pytest.warns(RuntimeWarning, match="another rank's memory snapshot of step 3 "
+                              "is unusable: restoring from disk"):
+                assert engine.restore() == 0
+            ranks.setattr(engine._coordinator, "gather", _second_rank(
+                verified=(False, "StateMismatchError", "it has no entry 'model'")))
             with pytest.raises(StateMismatchError, match="rank 1 cannot restore its memory "
                                "snapshot: it has no entry 'model'"):
                 engine.restore()
@@ -234,7 +250,7 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
         with pytest.warns(RuntimeWarning, match="keeper is gone"):
             assert engine.restore() == 0
         assert_same(on_disk, _state_dicts(state))
-        assert engine.stats()["restores"] == {"memory": 1, "disk": 3}
+        assert engine.stats()["restores"] == {"memory": 1, "disk": 4}
     finally:
         engine.close()
 
@@ -298,11 +314,11 @@ def keeper(request):
     keeper.close()
 
 
-def attach(keeper, session="a" * 32, launcher=0):
+def attach(keeper, session="a" * 32, launcher=0, keep=1):
     ours, theirs = socket.socketpair()
     keeper.add(theirs)
     send(ours, {"type": "hello", "session": session, "dev": 0, "ino": keeper.identity[1],
-                "rank": 0, "launcher": launcher, "idle_timeout": 10.0})
+                "rank": 0, "launcher": launcher, "idle_timeout": 10.0, "keep": keep})
     keeper.poll(0)
     welcome, _ = receive(ours)
     assert welcome["type"] == "welcome"
@@ -380,6 +396,31 @@ def test_the_keeper_seals_the_newest_hold_and_serves_only_its_session(keeper):
         os.close(fd)
 
 
+def test_a_keeper_told_to_keep_two_holds_the_two_newest_and_serves_either(keeper):
+    sock, _ = attach(keeper, keep=2)
+    data = os.urandom(100)
+    fds = [memory(data) for _ in range(3)]
+    for buffer, (fd, step) in enumerate(zip(fds, (4, 5, 6))):
+        hold(sock, fd, step=step, buffer=buffer)
+        keeper.poll(0)
+        assert receive(sock)[0]["type"] == "sealed"
+    assert keeper.held_bytes() == 2 * len(data)  # step 4's memory let go
+    for asked, held in ((None, 6), (5, 5), (4, None)):
+        send(sock, {"type": "query", "step": asked})
+        keeper.poll(0)
+        answer, fd = receive(sock)
+        assert answer["step"] == held, asked
+        if held is not None:
+            assert answer["steps"] == [5, 6]
+            os.close(fd)
+    attach(keeper, keep=1)  # a trainer of one rank: the older one goes
+    assert keeper.held_bytes() == len(data)
+    with pytest.raises(Gone):
+        attach(keeper, keep=3)  # more than KEEP_MAX: a malformed hello, dropped
+    for fd in fds:
+        os.close(fd)
+
+
 def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):
     good, _ = attach(keeper)
     for frame, fd in [(b"XXXX" + (8).to_bytes(4, "little") + b"{}      ", None),  # bad magic
@@ -420,7 +461,12 @@ def _pipe():
 
 
 def test_a_held_answer_is_untrusted(monkeypatch):
-    message = held_message(3, {"kind": "dict", "entries": {}}, [], [HeldStorage(0, 100, ("0" * 16,))])
+    message = held_message(3, {"kind": "dict", "entries": {}}, [],
+                           [HeldStorage(0, 100, ("0" * 16,))], [2, 3])
+    assert parse_held(message, 100, 64).steps == (2, 3)
+    for steps in ([2], [1, 2, 3], [3, -1], "3"):  # without the step, past KEEP_MAX, not steps
+        with pytest.raises(MemoryTierError, match="malformed"):
+            parse_held({**message, "steps": steps}, 100, 64)
     with pytest.raises(MemoryTierError, match="outside"):
         parse_held(message, 99, 64)  # a storage past the memory's end
     with pytest.raises(MemoryTierError, match="outside"):

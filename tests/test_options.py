@@ -170,6 +170,8 @@ def test_the_engine_signature_lists_every_option_with_its_default_and_type():
 
 
 def test_the_memory_tier_takes_several_ranks_but_not_incremental_snapshots():
-    assert EngineOptions(memory_every=1, rank=1, world_size=2).resolved.world_size == 2
+    assert EngineOptions(memory_every=1, slots=3, rank=1, world_size=2).resolved.world_size == 2
+    with pytest.raises(InvalidArgumentError, match="several ranks needs slots >= 3"):
+        EngineOptions(memory_every=1, slots=2, rank=1, world_size=2)
     with pytest.raises(InvalidArgumentError, match="memory_every and incremental"):
         EngineOptions(memory_every=1, incremental=True)

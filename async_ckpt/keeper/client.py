@@ -82,13 +82,15 @@ class KeeperClient:
 
     @classmethod
     def open(cls, dev: int, ino: int, rank: int, session: str, idle_timeout: float,
-             nice: int) -> "KeeperClient":
+             nice: int, keep: int) -> "KeeperClient":
         """Greet the keeper of (``dev``, ``ino``, ``rank``), starting one (at niceness
-        ``nice``), detached from this process's session, when none listens. MemoryTierError
-        when that fails, or when the process at the keeper's address is another user's."""
+        ``nice``), detached from this process's session, when none listens; it is to hold the
+        newest ``keep`` sealed snapshots. MemoryTierError when that fails, or when the process
+        at the keeper's address is another user's."""
         address = keeper_address(os.getuid(), dev, ino, rank)
         hello = {"type": "hello", "session": session, "dev": dev, "ino": ino, "rank": rank,
                  "launcher": os.getppid(), "idle_timeout": idle_timeout, "nice": nice,
+                 "keep": keep,
                  "log_level": logging.getLogger("async_ckpt").getEffectiveLevel()}
         sock = _connect(address)
         if sock is not None:
@@ -158,9 +160,10 @@ class KeeperClient:
             timeout = 0
         return found
 
-    def query(self) -> tuple[list[KeeperEvent], Optional[HeldMemory]]:
-        """The answers to earlier holds, and the snapshot the keeper holds (None: none)."""
-        send(self.sock, {"type": "query"})
+    def query(self, step: Optional[int] = None) -> tuple[list[KeeperEvent], Optional[HeldMemory]]:
+        """The answers to earlier holds, and the snapshot of ``step`` the keeper holds (None:
+        its newest), or None when it holds none (of that step)."""
+        send(self.sock, {"type": "query", "step": step})
         found: list[KeeperEvent] = []
         self.sock.settimeout(QUERY_TIMEOUT_S)
         try:

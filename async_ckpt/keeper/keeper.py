@@ -12,11 +12,12 @@ keeper greeted with another session drops what it holds.
 
 The trainer stages a snapshot into a staging slot as for the disk, then hands the slot's memfd
 over (``hold``); the keeper checksums it (off the training process) and answers ``sealed``: from
-then on it holds that slot's memory, and lets go of the one it held before, which the trainer
-may stage into again. Holds that arrive faster than it seals are answered ``superseded``, all
-but the newest. So it holds at most one sealed snapshot and one being sealed, memory the trainer
-allocated; once the trainer dies, only the sealed one. A restarted trainer asks for it
-(``query``), verifies it and copies it into place.
+then on it holds that slot's memory, and lets go of the oldest it held beyond the ``keep`` the
+trainer asked for (one, or two where several ranks must agree on a step), which the trainer may
+stage into again. Holds that arrive faster than it seals are answered ``superseded``, all but
+the newest. So it holds at most ``keep`` sealed snapshots and one being sealed, memory the
+trainer allocated; once the trainer dies, only the sealed ones. A restarted trainer asks for one
+(``query``: the newest, or a step), verifies it and copies it into place.
 
 It exits when told (``quit``: the job ended with its newest state on disk), when no trainer has
 been attached for ``idle_timeout`` seconds, or as soon as none is attached once the process that
@@ -42,7 +43,7 @@ from typing import Callable, Optional
 from ..checks import is_int, is_number
 from ..errors import MemoryTierError
 from ..format.shard import CHUNK_BYTES, checksum
-from .protocol import (FRAME_TIMEOUT_S, Gone, HeldStorage, check_same_user, held_message,
+from .protocol import (FRAME_TIMEOUT_S, KEEP_MAX, Gone, HeldStorage, check_same_user, held_message,
                        keeper_address, parse_layout, receive, send)
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class Keeper:
         self.clock = clock
         self.session: Optional[str] = None
         self.trainers: dict[int, _Trainer] = {}  # by socket fd
-        self.sealed: Optional[_Snapshot] = None
+        self.sealed: list[_Snapshot] = []  # oldest first, at most ``keep``
+        self.keep = 1
         self.pending: Optional[_Snapshot] = None
         self.layout: Optional[dict] = None  # the last hold's layout, for holds that name none
         self.launcher: Optional[int] = None  # a pidfd on the last trainer's parent
@@ -227,7 +229,7 @@ class Keeper:
         elif kind == "hold":
             self._hold(trainer, message, fd)
         elif kind == "query":
-            self._query(trainer)
+            self._query(trainer, message.get("step"))
         elif kind == "quit":
             log.info("told to quit by pid %d", trainer.pid)
             self.finished = True
@@ -239,16 +241,17 @@ class Keeper:
         identity = (message.get("dev"), message.get("ino"), message.get("rank"))
         if identity != self.identity or not all(is_int(v) for v in identity):
             raise MemoryTierError("a hello for another directory or rank")
+        keep = message.get("keep", 1)
         if not (type(session) is str and 0 < len(session) <= _SESSION_CHARS
                 and is_int(launcher) and is_number(message.get("idle_timeout"))
-                and message["idle_timeout"] > 0):
+                and message["idle_timeout"] > 0 and is_int(keep, 1, KEEP_MAX)):
             raise MemoryTierError("a malformed hello")
         if session != self.session:  # the directory started anew: nothing of the old one stays
-            if self.sealed is not None:
+            if self.sealed:
                 log.warning("a trainer of another memory session of the directory attached: "
-                            "dropping step %d of the earlier one", self.sealed.step)
-                self._release(self.sealed)
-                self.sealed = None
+                            "dropping step(s) %s of the earlier one",
+                            [s.step for s in self.sealed])
+                self._keep_newest(0)
             if self.pending is not None:
                 self._release(self.pending)
                 self.pending = None
@@ -257,10 +260,11 @@ class Keeper:
             self.session = session
         trainer.greeted = True
         self.idle_timeout = float(message["idle_timeout"])
+        self.keep = keep
+        self._keep_newest(keep)
         self._watch_launcher(launcher)
-        held = self.sealed
         self._answer(trainer, {"type": "welcome", "pid": os.getpid(),
-                               "step": None if held is None else held.step,
+                               "step": self.sealed[-1].step if self.sealed else None,
                                "bytes": self.held_bytes()})
 
     def _watch_launcher(self, pid: int) -> None:
@@ -307,7 +311,7 @@ class Keeper:
                                  trainer)
 
     def seal(self) -> None:
-        """Checksum the pending hold and hold it instead of the sealed one."""
+        """Checksum the pending hold and hold it, letting go of sealed ones past ``keep``."""
         snapshot, self.pending = self.pending, None
         if snapshot is None:
             return
@@ -320,25 +324,32 @@ class Keeper:
                         for at in range(s.offset, s.offset + s.nbytes, CHUNK_BYTES)))
                     for s in snapshot.storages]
                 view.release()
-        if self.sealed is not None:
-            self._release(self.sealed)
-        self.sealed = snapshot
+        self.sealed.append(snapshot)
+        self._keep_newest(self.keep)
         self._answer(snapshot.trainer, {"type": "sealed", "buffer": snapshot.buffer,
                                         "step": snapshot.step, "bytes": self.held_bytes()})
         snapshot.trainer = None
 
-    def _query(self, trainer: _Trainer) -> None:
+    def _keep_newest(self, count: int) -> None:
+        """Let go of the sealed snapshots but the newest ``count``."""
+        while len(self.sealed) > count:
+            self._release(self.sealed.pop(0))
+
+    def _query(self, trainer: _Trainer, step: Optional[int]) -> None:
+        """Answer with the sealed snapshot of ``step`` (None: the newest), or with nothing."""
+        if step is not None and not is_int(step):
+            raise MemoryTierError("a malformed query")
         for other in [t for t in self.trainers.values() if t is not trainer]:
             if other.pidfd is not None and _readable_fd(other.pidfd):  # dead: its holds first
                 self._drain(other)
                 self.drop(other)
         self.seal()
-        held = self.sealed
+        held = next((s for s in reversed(self.sealed) if step is None or s.step == step), None)
         if held is None:
             self._answer(trainer, {"type": "held", "step": None})
             return
-        self._answer(trainer, held_message(held.step, held.tree, held.tensors, held.storages),
-                     held.fd)
+        self._answer(trainer, held_message(held.step, held.tree, held.tensors, held.storages,
+                                           [s.step for s in self.sealed]), held.fd)
 
     def _answer(self, trainer: Optional[_Trainer], message: dict,
                 fd: Optional[int] = None) -> None:
@@ -350,8 +361,8 @@ class Keeper:
             self.drop(trainer)
 
     def held_bytes(self) -> int:
-        """The memory the keeper holds: the sealed snapshot's memfd and the one being sealed."""
-        return sum(s.size for s in (self.sealed, self.pending) if s is not None)
+        """The memory the keeper holds: the sealed snapshots' memfds and the one being sealed."""
+        return sum(s.size for s in [*self.sealed, self.pending] if s is not None)
 
     def _release(self, snapshot: _Snapshot) -> None:
         os.close(snapshot.fd)
@@ -359,10 +370,10 @@ class Keeper:
     def close(self) -> None:
         for trainer in list(self.trainers.values()):
             self.drop(trainer)
-        for snapshot in (self.pending, self.sealed):
-            if snapshot is not None:
-                self._release(snapshot)
-        self.pending = self.sealed = None
+        self._keep_newest(0)
+        if self.pending is not None:
+            self._release(self.pending)
+            self.pending = None
         if self.launcher is not None:
             os.close(self.launcher)
             self.launcher = None

@@ -213,32 +213,43 @@ def chunk_count(nbytes: int) -> int:
     return -(-nbytes // CHUNK_BYTES)
 
 
-def held_message(step: int, tree: Any, tensors: list, storages: list[HeldStorage]) -> dict:
-    """The answer to a query when the keeper holds a sealed snapshot (its memfd rides along)."""
+KEEP_MAX = 2
+"""Sealed snapshots a keeper holds at most (``hello``'s ``keep``): two where several ranks must
+agree on a step, so that a rank that died while staging step N still finds N-1 in the others'."""
+
+
+def held_message(step: int, tree: Any, tensors: list, storages: list[HeldStorage],
+                 steps: list[int]) -> dict:
+    """The answer to a query when the keeper holds a sealed snapshot of ``step`` (its memfd rides
+    along); ``steps``: every step it holds sealed, oldest first."""
     return {"type": "held", "step": step, "tree": tree, "tensors": tensors,
             "storages": [{"offset": s.offset, "nbytes": s.nbytes, "xxh3": list(s.checksums)}
-                         for s in storages]}
+                         for s in storages], "steps": steps}
 
 
 @dataclass(frozen=True)
 class Held:
     """A held snapshot as a trainer received it, its structure checked: the step, the state
     tree and tensor records (checked further as they are used), the storages and their chunk
-    checksums (``HeldStorage``) inside ``size`` bytes of the memfd."""
+    checksums (``HeldStorage``) inside ``size`` bytes of the memfd, and every step the keeper
+    holds sealed (``steps``, oldest first, ``step`` among them)."""
 
     step: int
     tree: Any
     tensors: list
     storages: tuple[HeldStorage, ...]
+    steps: tuple[int, ...]
 
 
 def parse_held(message: dict, size: int, alignment: int) -> Held:
     """The keeper's ``held`` answer for a memfd of ``size`` bytes: every storage inside it, at a
     multiple of ``alignment`` (as a slot places them), with one checksum per chunk. Raises
     MemoryTierError for anything else."""
-    step, storages = message.get("step"), message.get("storages")
+    step, storages, steps = message.get("step"), message.get("storages"), message.get("steps")
     if not (is_int(step, 0, MAX_STEP - 1) and isinstance(message.get("tree"), dict)
-            and isinstance(message.get("tensors"), list) and isinstance(storages, list)):
+            and isinstance(message.get("tensors"), list) and isinstance(storages, list)
+            and isinstance(steps, list) and 0 < len(steps) <= KEEP_MAX and step in steps
+            and all(is_int(s, 0, MAX_STEP - 1) for s in steps)):
         raise MemoryTierError("the keeper's answer is malformed")
     parsed = []
     for s in storages:
@@ -249,4 +260,4 @@ def parse_held(message: dict, size: int, alignment: int) -> Held:
             raise MemoryTierError("the keeper's answer names a storage outside its memory, or "
                                   "without a checksum for each chunk")
         parsed.append(HeldStorage(s["offset"], s["nbytes"], tuple(s["xxh3"])))
-    return Held(step, message["tree"], message["tensors"], tuple(parsed))
+    return Held(step, message["tree"], message["tensors"], tuple(parsed), tuple(steps))

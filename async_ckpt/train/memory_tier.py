@@ -2,15 +2,17 @@
 staging slots the keeper holds, handing it each memory snapshot once staged, and its answers.
 
 A memory snapshot is staged into a free slot as a disk one is; once its copy has ended, the slot
-is handed to the keeper (``hold``), which seals it and then lets go of the slot it held before. A
-slot the keeper holds, or is handed (``Slot.held``), is neither staged nor read into until the
-keeper lets go of it, so what it holds is never overwritten: at most one sealed slot and those
-handed over since. Losing the keeper (killed, out of memory) stops the tier with a warning: its
-slots come back to the pool, and restores read the disk.
+is handed to the keeper (``hold``), which seals it and then lets go of the oldest slot it held
+beyond ``keep`` (one; two with several ranks). A slot the keeper holds, or is handed
+(``Slot.held``), is neither staged nor read into until the keeper lets go of it, so what it holds
+is never overwritten: at most ``keep`` sealed slots and those handed over since. Losing the
+keeper (killed, out of memory) stops the tier with a warning: its slots come back to the pool,
+and restores read the disk.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -24,7 +26,7 @@ import torch
 from ..errors import CheckpointDirError, LayoutError, MemoryTierError
 from ..format.layout import Plan
 from ..keeper.client import HeldMemory, KeeperClient, KeeperEvent, Sealed
-from ..keeper.protocol import Gone, layout_message
+from ..keeper.protocol import KEEP_MAX, Gone, layout_message
 from ..storage.local import LocalStorage
 from ..storage.names import memory_session_file_name
 from ..tensors import is_dtensor, registered_objects
@@ -57,7 +59,9 @@ def open_memory_tier(directory: LocalStorage, rank: int, world_size: int, pool: 
     the directory's memory session: the token its session file names, or a new one where there
     is none (a new directory, or one emptied since) or where the job ran on another number of
     ranks (what rank ``rank`` held then is another part of the state). With a new session the
-    keeper drops what it held for the old one."""
+    keeper drops what it held for the old one. With several ranks the keeper holds the two
+    newest sealed snapshots: a rank killed while staging step N leaves N-1 in its keeper while
+    the others' hold N, and the ranks then agree on N-1."""
     name = memory_session_file_name(rank)
     previous = _read_session(directory, name)
     if previous is not None and previous["world_size"] != world_size:
@@ -65,8 +69,9 @@ def open_memory_tier(directory: LocalStorage, rank: int, world_size: int, pool: 
                  "starting anew", rank, previous["world_size"], world_size)
         previous = None
     session = new_session() if previous is None else previous["session"]
-    client = KeeperClient.open(*directory.identity(), rank, session, idle_timeout, nice)
-    tier = MemoryTier(client, pool, directory, name, session, world_size)
+    keep = KEEP_MAX if world_size > 1 else 1
+    client = KeeperClient.open(*directory.identity(), rank, session, idle_timeout, nice, keep)
+    tier = MemoryTier(client, pool, directory, name, session, world_size, keep)
     tier.lost_before = previous is not None and previous["open"] and client.started
     try:
         tier.record(open=True)
@@ -99,14 +104,15 @@ class MemoryTier:
     """The keeper's connection and what it holds, as this trainer knows it."""
 
     def __init__(self, client: KeeperClient, pool: StagingPool, directory: LocalStorage,
-                 name: str, session: str, world_size: int):
+                 name: str, session: str, world_size: int, keep: int):
         self.client: Optional[KeeperClient] = client
         self.pool = pool
         self.lost_before = False  # a keeper of this session was expected, and is gone
         self._directory, self._name, self._session = directory, name, session
         self._world_size = world_size
         self.keeper_pid = client.pid
-        self.sealed: Optional[int] = None  # the buffer of ours the keeper holds sealed
+        self.keep = keep  # how many sealed snapshots the keeper holds
+        self.sealed: collections.deque[int] = collections.deque()  # our buffers it holds sealed
         self.step: Optional[int] = client.step  # the newest step the keeper holds sealed
         self.newest: Optional[int] = client.step  # the newest step handed to it, sealed or not
         self.held_bytes = client.held_bytes
@@ -149,12 +155,13 @@ class MemoryTier:
         for event in events:
             self._handle(event)
 
-    def query(self) -> Optional[HeldMemory]:
-        """What the keeper holds (after it sealed what it was handed), or None."""
+    def query(self, step: Optional[int] = None) -> Optional[HeldMemory]:
+        """What the keeper holds of ``step`` (None: its newest), after it sealed what it was
+        handed; None when it holds nothing (of that step)."""
         if self.client is None:
             return None
         try:
-            events, held = self.client.query()
+            events, held = self.client.query(step)
         except (Gone, MemoryTierError) as e:
             self._lose(str(e))
             return None
@@ -165,9 +172,10 @@ class MemoryTier:
     def _handle(self, event: KeeperEvent) -> None:
         self.pending.pop(event.buffer, None)
         if isinstance(event, Sealed):
-            if self.sealed is not None and self.sealed != event.buffer:
-                self.pool.release_held(self.sealed)
-            self.sealed, self.step, self.held_bytes = event.buffer, event.step, event.held_bytes
+            self.sealed.append(event.buffer)
+            while len(self.sealed) > self.keep:  # the keeper lets go of these, as it does
+                self.pool.release_held(self.sealed.popleft())
+            self.step, self.held_bytes = event.step, event.held_bytes
             self.snapshots += 1
             return
         self.pool.release_held(event.buffer)
@@ -186,7 +194,8 @@ class MemoryTier:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.lost = why
         self.pool.release_held()
-        self.sealed, self.step, self.newest, self.held_bytes = None, None, None, 0
+        self.sealed.clear()
+        self.step, self.newest, self.held_bytes = None, None, 0
         self.pending.clear()
         client, self.client = self.client, None
         if client is not None:

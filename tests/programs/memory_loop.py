@@ -8,8 +8,9 @@ trains the same steps in its own process (``build``, ``train_step``) for the uni
 
 Under torchrun (gloo) each rank trains its own model, seeded by its rank, logs to LOG.rankR, waits
 after each step until its keeper sealed that step, and meets the other ranks at a barrier, so
-that both keepers hold the same step when one rank dies: with KILL_AT, rank 1 of the first
-attempt SIGKILLs itself once its keeper holds step KILL_AT (torchrun then restarts the job).
+that the keepers' steps are known when one rank dies: with KILL_AT, rank 1 of the first attempt
+SIGKILLs itself after training step KILL_AT, before its snapshot (as if killed while staging it),
+while rank 0 snapshots it; torchrun then restarts the job.
 
 Usage: memory_loop.py DIR LOG STEPS [KILL_AT]
 """
@@ -73,15 +74,15 @@ def main() -> None:
         for step in range(progress["next_step"], steps):
             loss = train_step(model, optimizer)
             progress["next_step"] = step + 1
+            if (step == kill_at and rank == 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
             engine.snapshot(step)
             if ranks:
                 sealed(engine, step)
             committed = engine.committed_steps()
             write({"step": step, "loss": loss, "memory_step": engine.stats()["memory_step"],
                    "committed": committed[-1] if committed else None})
-            if (step == kill_at and rank == 1
-                    and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
-                os.kill(os.getpid(), signal.SIGKILL)
             if ranks:
                 torch.distributed.barrier()
             time.sleep(0.01)
