@@ -47,9 +47,10 @@ from typing import Optional, Sequence
 from async_ckpt.tools.argtypes import parse_duration
 
 from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
-               integrations_deepspeed, integrations_lightning, integrations_torchtitan,
-               integrations_transformers, interval, lazy, plots, ranks, records, remote, report,
-               sharded, targets)
+               integrations_deepspeed, integrations_lightning, integrations_lightning_sharded,
+               integrations_torchtitan,
+               integrations_transformers, interval, lazy, memory_tier, plots, ranks, records,
+               remote, report, sharded, targets)
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
 from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
@@ -63,6 +64,7 @@ PARTS = {  # part: run(args, root) -> its raw results
         args.preset.systems, root, args.ks, {k: loop_steps(k, args.quick) for k in args.ks},
         args.preset.workload, args.rounds),
     "lazy": lambda args, root: lazy.run(root, args.quick),
+    "memory_tier": lambda args, root: memory_tier.run(root, args.quick),
     "ranks": lambda args, root: _torchrun_part(ranks, args, root),
     "sharded": lambda args, root: _torchrun_part(sharded, args, root),
     "incremental": lambda args, root: incremental.run(root, args.quick),
@@ -72,10 +74,12 @@ PARTS = {  # part: run(args, root) -> its raw results
     "integrations": lambda args, root: {
         module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},
     "integrations_deepspeed": lambda args, root: integrations_deepspeed.run(root, args.quick),
+    "integrations_lightning_sharded": lambda args, root: integrations_lightning_sharded.run(
+        root, args.quick),
     "integrations_torchtitan": lambda args, root: integrations_torchtitan.run(root),
 }
 """What runs after the sweep, in this order (``measure_parts``)."""
-FULL_ONLY = ("integrations_deepspeed", "integrations_torchtitan")
+FULL_ONLY = ("integrations_deepspeed", "integrations_lightning_sharded", "integrations_torchtitan")
 """Parts left out of --quick: their torchrun runs of a framework cost a minute or more."""
 
 

@@ -31,11 +31,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .markdown import milliseconds, spread_text, thousandths
-from .measure import files_under, log, ratio_spread, rotated, spread, standalone
-from .ranks import finish, torchrun, worker_arguments
+from . import adapter_pair
+from .measure import files_under, log, rotated, standalone
+from .ranks import finish, worker_arguments
 
-RANKS = 2
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
 SYSTEMS = ("adapter", "torch")
@@ -43,18 +42,8 @@ SYSTEMS = ("adapter", "torch")
 
 def run(root: str, quick: bool) -> dict:
     """Run the workers under torchrun; the results block of results.json."""
-    config = QUICK if quick else FULL
-    raw = torchrun("deepspeed", "bench.integrations_deepspeed", RANKS,
-                   os.path.join(root, "deepspeed"), 0.0, config["rounds"],
-                   "--width", str(config["width"]), "--layers", str(config["layers"]))
-    measured = raw["rounds"][1:] or raw["rounds"]  # the first round allocates the staging memory
-    return {"config": config, "ranks": RANKS, "state_bytes": raw["state_bytes"],
-            "figures": {f"{system}_{kind}_s": spread([r[f"{system}_{kind}_s"] for r in measured])
-                        for system in SYSTEMS for kind in ("blocking", "durable")},
-            "ratios": {kind: ratio_spread([r[f"adapter_{kind}_s"] for r in measured],
-                                          [r[f"torch_{kind}_s"] for r in measured])
-                       for kind in ("blocking", "durable")},
-            "rounds": raw["rounds"]}
+    return adapter_pair.run("deepspeed", "bench.integrations_deepspeed",
+                            os.path.join(root, "deepspeed"), QUICK if quick else FULL, SYSTEMS)
 
 
 def render(results: dict) -> str:
@@ -62,24 +51,12 @@ def render(results: dict) -> str:
     block = results.get("integrations_deepspeed")
     if not block:
         return ""
-    f, r = block["figures"], block["ratios"]
-
-    def cell(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms")
-
-    return "\n".join([
-        "### DeepSpeed: a save's cost, the adapter against DeepSpeed's torch engine", "",
-        f"ZeRO stage 2 on {block['ranks']} ranks (CPU, gloo), {block['state_bytes'] / 1e6:.0f} MB "
-        "of fp32 parameters, ZeRO fp32 partitions and Adam moments in all; median of "
-        f"{f['torch_blocking_s']['n']} interleaved rounds after a warm-up (min–max); the slower "
-        "rank's figure.", "",
-        "| per `save_checkpoint` | adapter | `TorchCheckpointEngine` | ratio |",
-        "|---|---|---|---|",
-        f"| training blocked | {cell('adapter_blocking_s')} | {cell('torch_blocking_s')} | "
-        f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| durable (every file and `latest` fsynced) | {cell('adapter_durable_s')} | "
-        f"{cell('torch_durable_s')} (its save, then an fsync of its files) | "
-        f"×{spread_text(r['durable'], thousandths)} |"])
+    return adapter_pair.render(
+        block, SYSTEMS,
+        "### DeepSpeed: a save's cost, the adapter against DeepSpeed's torch engine",
+        "ZeRO stage 2", "of fp32 parameters, ZeRO fp32 partitions and Adam moments",
+        ("per `save_checkpoint`", "adapter", "`TorchCheckpointEngine`"),
+        "durable (every file and `latest` fsynced)", "its save, then an fsync of its files")
 
 
 # --- the worker (one per rank, under torchrun) ---------------------------------------------------

@@ -19,8 +19,9 @@ from typing import Optional
 from async_ckpt.tools.advise import format_advice
 
 from . import (article, decode, direct, incremental, integrations_accelerate,
-               integrations_deepspeed, integrations_lightning, integrations_torchtitan,
-               integrations_transformers, lazy, ranks, remote, sharded)
+               integrations_deepspeed, integrations_lightning, integrations_lightning_sharded,
+               integrations_torchtitan, integrations_transformers, lazy, memory_tier, ranks,
+               remote, sharded)
 from .article import ASYNC, PERIODIC, headline_case
 from .markdown import factor, median_range, number, table
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
@@ -38,11 +39,14 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     trained = "training" in results["raw"]  # not in the --stall preset
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
                 _headline(results, image_dir), trained and _training(results, image_dir),
-                lazy.render(results), trained and _memory(results), ranks.render(results),
+                lazy.render(results), memory_tier.render(results), trained and _memory(results),
+                ranks.render(results),
                 sharded.render(results), incremental.render(results), decode.render(results),
                 direct.render(results),
                 remote.render(results),
-                integrations_lightning.render(results), integrations_transformers.render(results),
+                integrations_lightning.render(results),
+                integrations_lightning_sharded.render(results),
+                integrations_transformers.render(results),
                 integrations_accelerate.render(results), integrations_deepspeed.render(results),
                 integrations_torchtitan.render(results),
                 trained and _consistency(results),

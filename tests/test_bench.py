@@ -395,6 +395,19 @@ def test_lazy_staging_is_measured_and_reported(quick_run):
     assert "### Lazy staging in the training loop" in report and lazy.NICED in report
 
 
+def test_the_memory_tier_is_measured_and_reported(quick_run):
+    out, results, _ = quick_run
+    block = results["memory_tier"]  # its restores were checked bit for bit in the run
+    figures = block["figures"]
+    for staging in ("eager", "lazy"):
+        assert figures[staging]["blocking_x_copy"]["median"] > 0
+        assert figures[staging]["overhead"]["median"] > 0
+    assert all(figures["restore"][f"{way}_x_copy"]["median"] > 0
+               for way in ("memory", "warm", "cold"))
+    assert figures["kills"]["advised_every"] >= 1 and figures["kills"]["memory_redone"] is None
+    assert "### Memory tier (`memory_every=1`)" in (out / "report.md").read_text()
+
+
 def test_every_framework_adapter_is_measured_and_reported(quick_run):
     out, results, _ = quick_run
     report = (out / "report.md").read_text()
@@ -428,7 +441,24 @@ def test_the_deepspeed_part_is_left_out_of_quick_runs_and_renders_its_figures():
              "ratios": {kind: spread([0.5, 0.5]) for kind in ("blocking", "durable")}}
     text = integrations_deepspeed.render({"integrations_deepspeed": block})
     assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500" in text
+    assert "ZeRO stage 2 on 2 ranks (CPU, gloo), 270 MB of fp32 parameters" in text
     assert integrations_deepspeed.render({}) == ""
+
+
+def test_the_lightning_model_parallel_part_is_left_out_of_quick_runs_and_renders_its_figures():
+    """Its torchrun of two Lightning ranks costs half a minute: measured by full runs only."""
+    from bench import integrations_lightning_sharded as part
+    from bench.__main__ import FULL
+
+    assert "integrations_lightning_sharded" in set(FULL.parts) - set(QUICK.parts)
+    figures = {f"{system}_{kind}_s": spread([0.1 * (n + 1), 0.3 * (n + 1)])
+               for n, system in enumerate(part.SYSTEMS) for kind in ("blocking", "durable")}
+    block = {"ranks": 2, "state_bytes": 2e8, "figures": figures,
+             "ratios": {kind: spread([0.5, 0.5]) for kind in ("blocking", "durable")}}
+    text = part.render({"integrations_lightning_sharded": block})
+    assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500" in text
+    assert "FSDP2 on 2 ranks (CPU, gloo), 200 MB of parameters and Adam moments" in text
+    assert part.render({}) == ""
 
 
 def test_typed_records_travel_through_results_json_unchanged():
