@@ -36,7 +36,8 @@ from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentErr
                      StagingRaceError, StateMismatchError, WorldSizeMismatchError,
                      WriterDiedError)
 from .format.manifest import committed_steps, read_manifest
-from .storage.names import RNG_KEY, check_step
+from .format.tree import RNG_KEY
+from .storage.names import check_step
 from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
