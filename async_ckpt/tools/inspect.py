@@ -18,6 +18,7 @@ from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, chec
 from ..errors import CorruptSnapshotError
 from ..format import tree as tree_model, values
 from ..format.tree import Leaf
+from ..format.values import Kind
 from ..format.manifest import read_manifest
 from ..format.shard import ShardReader
 
@@ -139,14 +140,14 @@ class _TreeWalk:
             self._tensor(payload, path)
         elif leaf is Leaf.DTENSOR:
             self._dtensor(payload, path)
-        elif kind in ("dict", "$dict"):
+        elif kind in (Kind.DICT, Kind.KEYED_DICT):
             items = values.children(v)
             if not items:
                 self._leaf(path, "{}")
             for key, child in items:
-                self._value(child, _child_path(path, key if kind == "dict"
+                self._value(child, _child_path(path, key if kind == Kind.DICT
                                                else _render(key) or _summary(key)))
-        elif kind in ("list", "$tuple") and _worth_expanding(v):
+        elif kind in (Kind.LIST, Kind.TUPLE) and _worth_expanding(v):
             for i, child in values.children(v):
                 self._value(child, _child_path(path, i))
         else:
@@ -224,7 +225,7 @@ def _worth_expanding(v: Any) -> bool:
     """Expand a list or tuple into one line per element when it holds tensors or mappings."""
     for _, kind, node in values.walk(v):
         leaf, _ = tree_model.leaf_of(node) or (None, None)
-        if kind in ("dict", "$dict") or leaf in (Leaf.TENSOR, Leaf.DTENSOR):
+        if kind in (Kind.DICT, Kind.KEYED_DICT) or leaf in (Leaf.TENSOR, Leaf.DTENSOR):
             return True
     return False
 
@@ -257,22 +258,22 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
     def go(x: Any) -> None:
         kind = values.kind_of(x)
         leaf, payload = tree_model.leaf_of(x) or (None, None)
-        if kind == "list":
+        if kind == Kind.LIST:
             seq([child for _, child in values.children(x)], "[", "]")
-        elif kind == "$tuple":
+        elif kind == Kind.TUPLE:
             seq([child for _, child in values.children(x)], "(", ")")
-        elif kind == "dict":
+        elif kind == Kind.DICT:
             put("{")
             for i, (key, child) in enumerate(values.children(x)):
                 put(", " if i else "")
                 put(repr(key) + ": ")
                 go(child)
             put("}")
-        elif kind == "value":
+        elif kind == Kind.VALUE:
             put(repr(x) if isinstance(x, (bool, str, float)) or x is None else str(x))
-        elif kind == "$int":
+        elif kind == Kind.INT:
             put(str(values.decode(x)))
-        elif kind == "$float":
+        elif kind == Kind.FLOAT:
             put(f"float({str(values.decode(x))!r})")
         elif leaf is Leaf.DTYPE:
             put(f"torch.{payload}")
@@ -293,26 +294,26 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
 def _summary(v: Any) -> str:
     """A short description of an encoded value by type and length."""
     kind = values.kind_of(v)
-    if kind in ("list", "dict"):
+    if kind in (Kind.LIST, Kind.DICT):
         return f"{kind}[{len(v)}]"
-    if kind == "value":
+    if kind == Kind.VALUE:
         if isinstance(v, str):
             return f"str[{len(v)}] {v[:_PREVIEW_CHARS - 12]!r}..."
         return type(v).__name__
     p = v[kind]
-    if kind in ("$tuple", "$set", "$frozenset", "$dict"):
+    if kind in (Kind.TUPLE, Kind.SET, Kind.FROZENSET, Kind.KEYED_DICT):
         return f"{kind[1:]}[{len(p)}]"
-    if kind in ("$bytes", "$bytearray"):
+    if kind in (Kind.BYTES, Kind.BYTEARRAY):
         return f"{kind[1:]}[{values.payload_nbytes(v)}]"
-    if kind == "$str":
+    if kind == Kind.STR:
         return f"str (not valid UTF-8, {values.payload_nbytes(v)} bytes)"
-    if kind == "$ndarray":
+    if kind == Kind.NDARRAY:
         return f"ndarray {p.get('dtype')} {p.get('shape')}"
-    if kind == "$npscalar":
+    if kind == Kind.NPSCALAR:
         return f"numpy scalar {p.get('dtype')}"
-    if kind == "$pickle":
+    if kind == Kind.PICKLE:
         return f"pickled object ({size_text(values.payload_nbytes(v))}, not decoded)"
-    if kind == "$int":
+    if kind == Kind.INT:
         return f"int ({len(p)} hex digits)"
     return f"{kind} node"
 
