@@ -44,6 +44,15 @@ def leaf_node(leaf: Leaf, payload: Any) -> dict:
     return {leaf.value: payload}
 
 
+_TENSOR_TAG = Leaf.TENSOR.value
+
+
+def tensor_leaf(number: int) -> dict:
+    """``leaf_node(Leaf.TENSOR, number)`` at the cost of a literal: capture writes one per
+    tensor, in ``snapshot()``'s blocking time."""
+    return {_TENSOR_TAG: number}
+
+
 def leaf_of(node: Any) -> Optional[tuple[Leaf, Any]]:
     """``(leaf, payload)`` where an encoded node is one of ``Leaf``'s, else None (nothing is
     checked beyond the tag: a malformed payload is the caller's to refuse)."""
@@ -180,9 +189,10 @@ def rebuild(tree: Any, leaf: Callable[[Leaf, Any], Any], allow_pickle: values.Al
     and every ``Leaf`` by ``leaf(leaf, payload)``, which returns NotImplemented for a leaf it does
     not take. A module's state dict comes back as an ``OrderedDict`` with its ``_metadata``, as
     ``state_dict()`` made it. Malformed trees raise CorruptSnapshotError naming ``path``."""
-    def decode_leaf(node: dict) -> Any:
-        found = leaf_of(node)
-        return NotImplemented if found is None else leaf(*found)
+    def decode_leaf(node: dict) -> Any:  # values.decode asks only for a node of one tag
+        (tag, payload), = node.items()
+        kind = _LEAF_OF_TAG.get(tag)
+        return NotImplemented if kind is None else leaf(kind, payload)
 
     def decode(node: Any) -> Any:
         return values.decode(node, allow_pickle=allow_pickle, leaf=decode_leaf, unpickle=unpickle)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 
 from ..format import tree as tree_model, values
-from ..format.tree import Leaf, leaf_node
+from ..format.tree import Leaf, leaf_node, tensor_leaf
 from ..errors import EncodingError, LayoutError
 from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
@@ -34,8 +34,8 @@ class Captured:
     entry_of: list[str]  # the top-level entry each tensor belongs to
     paths: list[str]  # each tensor's key path, for messages
     # Sharded tensors (``DTensor``), one record each (docs/FORMAT.md 3.6), referenced from the
-    # tree as a ``Leaf.DTENSOR`` leaf; a record's "tensor" indexes ``tensors`` (its local piece), or is
-    # None where another rank stores the same (replicated) piece.
+    # tree as a ``Leaf.DTENSOR`` leaf; a record's "tensor" indexes ``tensors`` (its local piece),
+    # or is None where another rank stores the same (replicated) piece.
     dtensors: list[dict] = field(default_factory=list)
 
 
@@ -54,7 +54,7 @@ def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) 
         if isinstance(value, torch.Tensor):
             tensors.append(_checked(value, path))
             paths.append(path)
-            return leaf_node(Leaf.TENSOR, len(tensors) - 1)
+            return tensor_leaf(len(tensors) - 1)
         return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
@@ -141,7 +141,7 @@ def check_registrable(state: Mapping[str, Any], allow_pickle: values.AllowPickle
     cannot be checkpointed."""
     def tensor_or_scalar(value: Any, path: str):  # tensors are checked when captured
         if isinstance(value, torch.Tensor):
-            return leaf_node(Leaf.TENSOR, 0)
+            return tensor_leaf(0)
         return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
