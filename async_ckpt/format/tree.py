@@ -1,9 +1,9 @@
 """The state tree of a shard's index (docs/FORMAT.md section 5): its node kinds, the leaves it adds
 to the value trees, and the one walker every reader goes through.
 
-A node is an ``object``, ``tensor``, ``dict`` or ``value``; all but ``dict`` hold a value tree
-(section 6) whose ``Leaf`` nodes stand for tensors and torch's objects. Capture builds the tree
-with the constructors here (``dict_node``, ``object_node``, ``leaf_node``, ...); readers meet it
+A node is an ``object``, ``tensor``, ``dict`` or ``value`` (``NodeKind``); all but a dict hold a
+value tree (section 6) whose ``Leaf`` nodes stand for tensors and torch's objects. Capture builds
+the tree with the constructors here (``dict_node``, ``object_node``, ``leaf_node``, ...); readers meet it
 only through ``walk`` (the stored nodes, typed, not decoded), ``leaves``/``leaf_of`` (the leaves
 of a value tree) and ``rebuild`` (the ``Entry`` tree, the caller's ``leaf`` decoding tensors:
 torch tensors on the read side, stand-ins in ``native.py``). No module outside ``format/`` knows
@@ -21,9 +21,17 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from ..errors import CorruptSnapshotError
 from . import values
 
-NODE_KINDS = ("object", "tensor", "dict", "value")
 MAX_TREE_DEPTH = 100
 RNG_KEY = "__async_ckpt_rng__"  # the top-level entry under which the engine saves the global RNGs
+
+
+class NodeKind(enum.StrEnum):
+    """What a node of the state tree holds, and so how restore puts it back (FORMAT.md 5)."""
+
+    OBJECT = "object"  # an object's state_dict(), given to its load_state_dict()
+    TENSOR = "tensor"  # a registered tensor, copied into
+    DICT = "dict"  # a dict of entries, each restored in turn
+    VALUE = "value"  # a plain value, assigned into its parent dict
 
 
 class Leaf(enum.Enum):
@@ -37,6 +45,7 @@ class Leaf(enum.Enum):
 
 
 _LEAF_OF_TAG = {leaf.value: leaf for leaf in Leaf}
+_NODE_KIND_OF = {kind.value: kind for kind in NodeKind}
 
 
 def leaf_node(leaf: Leaf, payload: Any) -> dict:
@@ -68,7 +77,7 @@ def leaf_of(node: Any) -> Optional[tuple[Leaf, Any]]:
 
 def dict_node(entries: Mapping[str, dict]) -> dict:
     """A dict of entries; the tree's root is one, of the registered state's top-level entries."""
-    return {"kind": "dict", "entries": dict(entries)}
+    return {"kind": NodeKind.DICT.value, "entries": dict(entries)}
 
 
 _ABSENT = object()
@@ -77,7 +86,7 @@ _ABSENT = object()
 def object_node(state: Any = _ABSENT, metadata: Any = _ABSENT) -> dict:
     """An object's node; no ``state`` where it is left empty (``check_registrable``), a
     module's ``metadata`` (its state dict's ``_metadata``, encoded) where it has one."""
-    node = {"kind": "object"}
+    node = {"kind": NodeKind.OBJECT.value}
     if state is not _ABSENT:
         node["state"] = state
     if metadata is not _ABSENT:
@@ -86,11 +95,11 @@ def object_node(state: Any = _ABSENT, metadata: Any = _ABSENT) -> dict:
 
 
 def tensor_node(state: Any) -> dict:
-    return {"kind": "tensor", "state": state}
+    return {"kind": NodeKind.TENSOR.value, "state": state}
 
 
 def value_node(state: Any) -> dict:
-    return {"kind": "value", "state": state}
+    return {"kind": NodeKind.VALUE.value, "state": state}
 
 
 # ------------------------------------------------------------------------------- reading a tree
@@ -111,7 +120,7 @@ class Node:
     ``state`` and (a module's, where ``has_metadata``) ``metadata``, not decoded."""
 
     keys: tuple[str, ...]
-    kind: str
+    kind: NodeKind
     state: Any = None
     metadata: Any = None
     has_metadata: bool = False
@@ -130,20 +139,19 @@ def walk(tree: Any, where: str) -> Iterator[Node]:
     """Every node of a state tree below its root, each parent before its children, in stored
     order. Lazy; raises CorruptSnapshotError naming ``where`` for a malformed root or node when it
     gets there."""
-    if not isinstance(tree, dict) or tree.get("kind") != "dict":
+    if not isinstance(tree, dict) or tree.get("kind") != NodeKind.DICT:
         raise CorruptSnapshotError(f"{where}: the state tree's root is not a dict")
     todo = [((key,), child) for key, child in reversed(_entries(tree, where))]
     while todo:
         keys, node = todo.pop()
-        if (not isinstance(node, dict) or node.get("kind") not in NODE_KINDS
-                or len(keys) > MAX_TREE_DEPTH):
+        kind = _node_kind(node)
+        if kind is None or len(keys) > MAX_TREE_DEPTH:
             raise CorruptSnapshotError(f"{where}: malformed state tree")
-        if node["kind"] == "dict":
-            yield Node(keys, "dict")
+        if kind is NodeKind.DICT:
+            yield Node(keys, kind)
             todo.extend((keys + (k,), child) for k, child in reversed(_entries(node, where)))
         else:
-            yield Node(keys, node["kind"], node.get("state"), node.get("metadata"),
-                       "metadata" in node)
+            yield Node(keys, kind, node.get("state"), node.get("metadata"), "metadata" in node)
 
 
 def leaves(node: Node) -> Iterator[tuple[str, Leaf, Any]]:
@@ -153,6 +161,11 @@ def leaves(node: Node) -> Iterator[tuple[str, Leaf, Any]]:
         found = leaf_of(value)
         if found is not None:  # a path is built only here: a deep tree's are long (issue 28)
             yield (functools.reduce(values.child_path, keys, node.path), *found)
+
+
+def _node_kind(node: Any) -> Optional[NodeKind]:
+    kind = node.get("kind") if isinstance(node, dict) else None
+    return _NODE_KIND_OF.get(kind) if type(kind) is str else None
 
 
 def _entries(node: dict, where: str) -> list[tuple[str, Any]]:
@@ -171,13 +184,13 @@ class Entry:
     slot). Restore copies them into the registered objects' own memory and must not hand them
     over: an object keeping one would keep a file mapped, or see the next snapshot's bytes."""
 
-    kind: str
-    value: Any  # for "dict": dict[str, Entry]
+    kind: NodeKind
+    value: Any  # for a DICT: dict[str, Entry]
     borrowed: frozenset = frozenset()
     differing: frozenset = frozenset()  # read with compare_ranks: entries the ranks held unalike
 
     def plain(self) -> Any:
-        if self.kind == "dict":
+        if self.kind == NodeKind.DICT:
             return {k: e.plain() for k, e in self.value.items()}
         return self.value
 
@@ -197,11 +210,11 @@ def rebuild(tree: Any, leaf: Callable[[Leaf, Any], Any], allow_pickle: values.Al
     def decode(node: Any) -> Any:
         return values.decode(node, allow_pickle=allow_pickle, leaf=decode_leaf, unpickle=unpickle)
 
-    top = Entry("dict", {})
+    top = Entry(NodeKind.DICT, {})
     dicts = {(): top}  # the dict entries made so far, by their keys
     for node in walk(tree, path):
-        if node.kind == "dict":
-            entry = dicts[node.keys] = Entry("dict", {})
+        if node.kind is NodeKind.DICT:
+            entry = dicts[node.keys] = Entry(NodeKind.DICT, {})
         else:
             entry = Entry(node.kind, _value(node, decode, path))
         dicts[node.keys[:-1]].value[node.keys[-1]] = entry
@@ -211,7 +224,8 @@ def rebuild(tree: Any, leaf: Callable[[Leaf, Any], Any], allow_pickle: values.Al
 def _value(node: Node, decode: Callable[[Any], Any], path: str) -> Any:
     """The decoded value of an ``object``, ``tensor`` or ``value`` node."""
     value = decode(node.state)
-    if node.kind == "value" and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if node.kind is NodeKind.VALUE and isinstance(value, dict) and all(
+            isinstance(k, str) for k in value):
         # the writer keeps a dict of str keys as a "dict" entry, never as a plain value: one
         # restored as a value would turn the slot into a dict that later snapshots cannot fill
         raise CorruptSnapshotError(f"{path}: malformed state tree (a dict of str keys as a "

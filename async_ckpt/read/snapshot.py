@@ -25,7 +25,7 @@ from ..errors import (CheckpointDirError, CheckpointError, ChecksumMismatchError
                       CorruptSnapshotError, NoSnapshotError)
 from ..format.values import AllowPickle
 from ..format import tree as tree_model
-from ..format.tree import RNG_KEY, Entry, Leaf
+from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..format.references import References
@@ -347,7 +347,7 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
     """Put the sharded tensors into the tree ``root``, read all at once (all or nothing) beside
     the registered ``state`` they will be loaded into."""
     def visit(entry: Entry, current: Any, first_pass: bool) -> None:
-        if entry.kind == "dict":
+        if entry.kind == NodeKind.DICT:
             for key, child in entry.value.items():
                 visit(child, current.get(key) if isinstance(current, Mapping) else None,
                       first_pass)

@@ -17,7 +17,7 @@ from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, chec
                      pick_record, size_text, step_arg, when_text)
 from ..errors import CorruptSnapshotError
 from ..format import tree as tree_model, values
-from ..format.tree import Leaf
+from ..format.tree import Leaf, NodeKind
 from ..format.values import Kind
 from ..format.manifest import read_manifest
 from ..format.shard import ShardReader
@@ -126,7 +126,7 @@ class _TreeWalk:
                     self.totals[node.top] = {"kind": node.kind, "tensors": 0, "bytes": 0,
                                              "stored": 0, "values": 0}
                     self.lines.append(("head", node.top, node.kind))
-                if node.kind != "dict":  # a module's metadata (versions) is not shown
+                if node.kind != NodeKind.DICT:  # a module's metadata (versions) is not shown
                     self._value(node.state, functools.reduce(_child_path, node.keys[1:], node.top))
         except (CorruptSnapshotError, KeyError, TypeError, IndexError, ValueError, AttributeError,
                 RecursionError) as e:  # the walker's own refusals too: say where
