@@ -3,11 +3,11 @@ to the value trees, and the one walker every reader goes through.
 
 A node is an ``object``, ``tensor``, ``dict`` or ``value`` (``NodeKind``); all but a dict hold a
 value tree (section 6) whose ``Leaf`` nodes stand for tensors and torch's objects. Capture builds
-the tree with the constructors here (``dict_node``, ``object_node``, ``leaf_node``, ...); readers meet it
-only through ``walk`` (the stored nodes, typed, not decoded), ``leaves``/``leaf_of`` (the leaves
-of a value tree) and ``rebuild`` (the ``Entry`` tree, the caller's ``leaf`` decoding tensors:
-torch tensors on the read side, stand-ins in ``native.py``). No module outside ``format/`` knows
-a tag or a node's keys. Nothing here imports torch.
+the tree with the constructors here (``dict_node``, ``object_node``, ``leaf_node``, ...);
+readers meet it only through ``walk`` (the stored nodes, typed, not decoded), ``leaves`` and
+``leaf_of`` (the leaves of a value tree) and ``rebuild`` (the ``Entry`` tree, the caller's
+``leaf`` decoding tensors: torch tensors on the read side, stand-ins in ``native.py``). No module
+outside ``format/`` knows a tag or a node's keys. Nothing here imports torch.
 """
 
 from __future__ import annotations
