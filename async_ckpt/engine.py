@@ -38,7 +38,8 @@ from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentErr
                      StagingRaceError, StateMismatchError, WorldSizeMismatchError,
                      WriterDiedError)
 from .format.manifest import committed_steps, read_manifest
-from .storage.names import RNG_KEY, check_step
+from .format.tree import RNG_KEY, NodeKind
+from .storage.names import check_step
 from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
@@ -558,11 +559,11 @@ class CheckpointEngine:
         set, and the states of registered generators (checked before anything is loaded)."""
         rng = loaded.value.get(RNG_KEY)
         if self._rng is not None and rng is not None:
-            if rng.kind != "object":
+            if rng.kind != NodeKind.OBJECT:
                 raise CorruptSnapshotError(f"the snapshot's {RNG_KEY} entry is not an RNG state")
             GlobalRNG.check_state(rng.value)
-        check_generator_states(self.state, Entry("dict", {k: v for k, v in loaded.value.items()
-                                                          if k != RNG_KEY}))
+        check_generator_states(self.state, Entry(NodeKind.DICT, {
+            k: v for k, v in loaded.value.items() if k != RNG_KEY}))
 
     def _per_rank_entries(self, step: int, world_size: int, loaded: Entry, reshard: bool,
                           skip: frozenset) -> frozenset:
@@ -601,7 +602,7 @@ class CheckpointEngine:
         state = self.state
         if kept:
             state = {k: v for k, v in self.state.items() if k not in kept}
-            loaded = Entry("dict", {k: v for k, v in loaded.value.items() if k not in kept},
+            loaded = Entry(NodeKind.DICT, {k: v for k, v in loaded.value.items() if k not in kept},
                            loaded.borrowed)
         error = mismatch_error(state, loaded, step, strict)
         self._coordinator.raise_if_any(None if error is None else str(error), StateMismatchError,

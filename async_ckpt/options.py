@@ -23,8 +23,9 @@ from typing import Any, Callable, Collection, Literal, MutableMapping, Optional,
 from .checks import is_int, is_number, short_repr
 from .distributed import resolve_ranks
 from .errors import DistributedSetupError, InvalidArgumentError
-from .storage.names import MAX_WORLD_SIZE, RNG_KEY
+from .storage.names import MAX_WORLD_SIZE
 from .format.shard import COMPRESSIONS, ZSTD_LEVELS
+from .format.tree import RNG_KEY
 from .format.values import Picklable
 from .storage.remote import check_remote_url
 

@@ -190,3 +190,23 @@ def test_every_import_of_the_package_names_one_of_its_modules():
                     for target, _ in _import_targets(path, everywhere=True)
                     if target.startswith(("async_ckpt", "<above")) and target not in known})
     assert not wrong, f"imports of modules that do not exist: {wrong}"
+
+
+def _string_constants(path: pathlib.Path) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_no_module_outside_format_spells_out_a_tag_of_the_state_tree():
+    """format/ owns the tags of the state tree (``{"$tensor": 3}``: ``format/tree.py``'s
+    ``Leaf``) and of its value trees (``{"$tuple": [...]}``: ``format/values.py``'s ``Kind``);
+    the others build and read the tree through them, so a tag is written in one place."""
+    from async_ckpt.format.tree import Leaf
+    from async_ckpt.format.values import Kind
+
+    tags = {leaf.value for leaf in Leaf} | {kind.value for kind in Kind if kind.startswith("$")}
+    spelled = {name: sorted(_string_constants(path) & tags) for name, path in MODULES.items()}
+    assert {"$tensor", "$dtensor", "$tuple"} <= set(spelled["async_ckpt.format.tree"]
+                                                     + spelled["async_ckpt.format.values"])
+    assert {name: found for name, found in spelled.items()
+            if found and _part(name) != "format"} == {}

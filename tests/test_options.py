@@ -11,7 +11,7 @@ import torch
 
 from async_ckpt import CheckpointEngine
 from async_ckpt.errors import InvalidArgumentError
-from async_ckpt.storage.names import RNG_KEY
+from async_ckpt.format.tree import RNG_KEY
 from async_ckpt.options import DEFAULT_PREEMPTION_SIGNALS, EngineOptions
 from async_ckpt.write.protocol import WriterConfig
 

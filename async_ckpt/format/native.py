@@ -36,8 +36,9 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
 import numpy
 
 from ..errors import InvalidArgumentError, LayoutError
-from ..storage.names import DATA_FILE_SUFFIXES, RNG_KEY
+from ..storage.names import DATA_FILE_SUFFIXES
 from . import tree as tree_model
+from .tree import RNG_KEY, Leaf
 from .manifest import SnapshotRecord
 from .references import References
 
@@ -222,27 +223,23 @@ def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: s
     empty = _Storage(str(len(storages)), 0)
     tensors = [_tensor(record, storages, empty, where) for record in index["tensors"]]
 
-    def leaf(node: dict) -> Any:
-        (tag, v), = node.items()
-        if tag == "$tensor":
+    def leaf(kind: Leaf, v: Any) -> Any:
+        if kind is Leaf.TENSOR:
             return tensors[v]
-        if tag == "$dtype":
+        if kind is Leaf.DTYPE:
             return _Global("torch", v)
-        if tag == "$size":
+        if kind is Leaf.SIZE:
             return _Call(_TORCH_SIZE, (tuple(v),))
-        if tag == "$device":
+        if kind is Leaf.DEVICE:
             return _Call(_TORCH_DEVICE, (v,))
-        if tag == "$dtensor":
-            raise LayoutError(f"{where} holds sharded tensors (DTensor): a framework's file "
-                              "holds whole tensors only")
-        return NotImplemented
+        raise LayoutError(f"{where} holds sharded tensors (DTensor): a framework's file "
+                          "holds whole tensors only")
 
     tree = index["tree"]
     if entry is not None:  # only that entry is rebuilt: the others may hold sharded tensors
-        entries = tree.get("entries") if isinstance(tree, dict) else None
-        if not isinstance(entries, dict) or entry not in entries:
+        tree = tree_model.only(tree, entry)
+        if tree is None:
             raise LayoutError(f"{where}: the snapshot has no entry {entry!r}")
-        tree = {"kind": "dict", "entries": {entry: entries[entry]}}
     root = tree_model.rebuild(tree, leaf, True, where, unpickle=_Pickled)
     root.value.pop(RNG_KEY, None)
     return root.plain() if entry is None else root.value[entry].plain()

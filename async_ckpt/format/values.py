@@ -62,6 +62,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import enum
 import functools
 import io
 import json
@@ -76,7 +77,7 @@ import numpy as np
 from ..checks import short_repr
 from ..errors import CorruptSnapshotError, EncodingError, InvalidArgumentError
 
-__all__ = ["encode", "decode", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
+__all__ = ["encode", "decode", "Kind", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
            "unescape_key", "payload_nbytes"]
 
 _MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
@@ -92,6 +93,27 @@ _SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
 AllowPickle = Union[bool, Collection[Any]]
 """What ``allow_pickle`` may be: False, True, or the classes (and torch dtypes) a pickle may
 name."""
+
+
+class Kind(enum.StrEnum):
+    """What an encoded node is (``kind_of``): a JSON list, str-keyed dict or scalar, or one of
+    the tags this module owns (the caller's tags, such as ``format/tree.py``'s, are not here)."""
+
+    LIST = "list"
+    DICT = "dict"  # a str-keyed dict
+    VALUE = "value"  # None, bool, int, float or str
+    INT = "$int"
+    FLOAT = "$float"
+    STR = "$str"
+    BYTES = "$bytes"
+    BYTEARRAY = "$bytearray"
+    TUPLE = "$tuple"
+    SET = "$set"
+    FROZENSET = "$frozenset"
+    KEYED_DICT = "$dict"  # a dict with a key that is not a str
+    NDARRAY = "$ndarray"
+    NPSCALAR = "$npscalar"
+    PICKLE = "$pickle"
 
 
 def encode(
@@ -261,14 +283,15 @@ class _Encoder:
             if out is not NotImplemented:
                 return out
         if t is bytes:
-            return {"$bytes": _b64(v)}
+            return {Kind.BYTES.value: _b64(v)}
         if t is bytearray:
-            return {"$bytearray": _b64(v)}
+            return {Kind.BYTEARRAY.value: _b64(v)}
         if t is np.ndarray and v.dtype.kind in _NUMERIC_KINDS:
             data = _b64(v.tobytes(order="C"))
-            return {"$ndarray": {"dtype": v.dtype.str, "shape": list(v.shape), "data": data}}
+            return {Kind.NDARRAY.value: {"dtype": v.dtype.str, "shape": list(v.shape),
+                                         "data": data}}
         if isinstance(v, np.generic) and v.dtype.kind in _NUMERIC_KINDS:
-            return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
+            return {Kind.NPSCALAR.value: {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
         return self._fallback(v, path)
 
     def _container(self, v: Any, t: type, path: str, depth: int) -> Any:
@@ -288,15 +311,15 @@ class _Encoder:
             if t is list:
                 return self._items(v, path, d)
             if t is tuple:
-                return {"$tuple": self._items(v, path, d)}
+                return {Kind.TUPLE.value: self._items(v, path, d)}
             if t is set or t is frozenset:
                 items = [self(x, f"{path}{{{short_repr(x)}}}", d) for x in v]
                 items.sort(key=_canonical)
-                return {"$set" if t is set else "$frozenset": items}
+                return {Kind.SET.value if t is set else Kind.FROZENSET.value: items}
             if all(type(k) is str and _is_utf8(k) for k in v):
                 return {_escape_key(k): self._item(x, path, k, d) for k, x in v.items()}
-            return {"$dict": [[self._item(k, path, k, d, " (dict key)"), self._item(x, path, k, d)]
-                              for k, x in v.items()]}
+            return {Kind.KEYED_DICT.value: [[self._item(k, path, k, d, " (dict key)"),
+                                             self._item(x, path, k, d)] for k, x in v.items()]}
         finally:
             self.open.discard(id(v))
 
@@ -327,19 +350,19 @@ class _Encoder:
             ) from e
         if self.picklable.restricted:  # refused now what could not be loaded back
             self.picklable.check(data, _where(path))
-        return {"$pickle": _b64(data)}
+        return {Kind.PICKLE.value: _b64(data)}
 
 
 def _scalar(v: Any, t: type) -> Any:
     """A ``None``, ``bool``, ``int``, ``float`` or ``str`` (``t``, its exact type) encoded."""
     if t is int:
-        return v if _INT64_MIN <= v <= _INT64_MAX else {"$int": hex(v)}
+        return v if _INT64_MIN <= v <= _INT64_MAX else {Kind.INT.value: hex(v)}
     if t is float:
         if math.isfinite(v):
             return v
-        return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        return {Kind.FLOAT.value: "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
     if t is str:
-        return v if _is_utf8(v) else {"$str": _b64(v.encode("utf-8", "surrogatepass"))}
+        return v if _is_utf8(v) else {Kind.STR.value: _b64(v.encode("utf-8", "surrogatepass"))}
     return v
 
 
@@ -433,7 +456,7 @@ def _dec_float(dec: _Decoder, p: Any, path: _Path, depth: int) -> float:
 
 
 def _dec_str(dec: _Decoder, p: Any, path: _Path, depth: int) -> str:
-    raw = _unb64(p, path, "$str")
+    raw = _unb64(p, path, Kind.STR)
     try:
         return raw.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as e:
@@ -445,7 +468,7 @@ def _dec_bytes(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: 
 
 
 def _dec_tuple(dec: _Decoder, p: Any, path: _Path, depth: int) -> tuple:
-    return tuple(_dec_items(dec, p, path, depth, "$tuple"))
+    return tuple(_dec_items(dec, p, path, depth, Kind.TUPLE))
 
 
 def _dec_set(kind: type, tag: str, dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
@@ -481,7 +504,7 @@ def _pairs(p: Any, path: _Path) -> list:
 def _dec_dict(dec: _Decoder, p: Any, path: _Path, depth: int) -> dict:
     pairs = _pairs(p, path)
     keys = [dec(pair[0], (path, _KeyNumber(n)), depth) for n, pair in enumerate(pairs)]
-    _check_hashes(keys, path, "$dict", "key")
+    _check_hashes(keys, path, Kind.KEYED_DICT, "key")
     out: dict = {}
     for n, (key, pair) in enumerate(zip(keys, pairs)):
         if key in out:
@@ -510,7 +533,7 @@ def _check_hashes(keys: list, path: _Path, tag: str, what: str) -> None:
 
 
 def _dec_ndarray(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.ndarray:
-    dtype, raw = _numpy_payload(p, path, "$ndarray", {"dtype", "shape", "data"})
+    dtype, raw = _numpy_payload(p, path, Kind.NDARRAY, {"dtype", "shape", "data"})
     shape = p["shape"]
     if type(shape) is not list or len(shape) > 64 or any(type(n) is not int or n < 0 for n in shape):
         raise _corrupt(path, "$ndarray shape must be a list of at most 64 non-negative ints")
@@ -524,7 +547,7 @@ def _dec_ndarray(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.ndarray:
 
 
 def _dec_npscalar(dec: _Decoder, p: Any, path: _Path, depth: int) -> np.generic:
-    dtype, raw = _numpy_payload(p, path, "$npscalar", {"dtype", "data"})
+    dtype, raw = _numpy_payload(p, path, Kind.NPSCALAR, {"dtype", "data"})
     if len(raw) != dtype.itemsize:
         raise _corrupt(path, f"$npscalar of dtype {dtype.str} needs {dtype.itemsize} bytes, data has {len(raw)}")
     return np.frombuffer(raw, dtype=dtype)[0]
@@ -556,7 +579,7 @@ def _dec_pickle(dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
             "in the file, so it is refused by default. Load with allow_pickle=True only if you "
             "trust where this checkpoint came from"
         )
-    raw = _unb64(p, path, "$pickle")
+    raw = _unb64(p, path, Kind.PICKLE)
     try:
         return dec.unpickle(raw)
     except EncodingError as e:  # a global not among the classes allowed
@@ -567,18 +590,18 @@ def _dec_pickle(dec: _Decoder, p: Any, path: _Path, depth: int) -> Any:
 
 # The tags this module owns and how each is decoded: decoder(dec, payload, path, depth).
 _TAGS: dict = {
-    "$int": _dec_int,
-    "$float": _dec_float,
-    "$str": _dec_str,
-    "$bytes": functools.partial(_dec_bytes, bytes, "$bytes"),
-    "$bytearray": functools.partial(_dec_bytes, bytearray, "$bytearray"),
-    "$tuple": _dec_tuple,
-    "$set": functools.partial(_dec_set, set, "$set"),
-    "$frozenset": functools.partial(_dec_set, frozenset, "$frozenset"),
-    "$dict": _dec_dict,
-    "$ndarray": _dec_ndarray,
-    "$npscalar": _dec_npscalar,
-    "$pickle": _dec_pickle,
+    Kind.INT: _dec_int,
+    Kind.FLOAT: _dec_float,
+    Kind.STR: _dec_str,
+    Kind.BYTES: functools.partial(_dec_bytes, bytes, Kind.BYTES),
+    Kind.BYTEARRAY: functools.partial(_dec_bytes, bytearray, Kind.BYTEARRAY),
+    Kind.TUPLE: _dec_tuple,
+    Kind.SET: functools.partial(_dec_set, set, Kind.SET),
+    Kind.FROZENSET: functools.partial(_dec_set, frozenset, Kind.FROZENSET),
+    Kind.KEYED_DICT: _dec_dict,
+    Kind.NDARRAY: _dec_ndarray,
+    Kind.NPSCALAR: _dec_npscalar,
+    Kind.PICKLE: _dec_pickle,
 }
 
 
@@ -587,8 +610,9 @@ _TAGS: dict = {
 # here builds a value from a payload, so nothing can run code from the file.
 
 # The kinds of node that hold other nodes (see kind_of).
-CONTAINER_KINDS = frozenset({"list", "dict", "$tuple", "$set", "$frozenset", "$dict"})
-_BASE64_TAGS = ("$str", "$bytes", "$bytearray", "$pickle")
+CONTAINER_KINDS = frozenset({Kind.LIST, Kind.DICT, Kind.TUPLE, Kind.SET, Kind.FROZENSET,
+                             Kind.KEYED_DICT})
+_BASE64_TAGS = (Kind.STR, Kind.BYTES, Kind.BYTEARRAY, Kind.PICKLE)
 
 
 def tag_of(node: Any) -> Optional[str]:
@@ -599,9 +623,10 @@ def tag_of(node: Any) -> Optional[str]:
 
 
 def kind_of(node: Any) -> str:
-    """What an encoded node is: ``"list"``, ``"dict"`` (a str-keyed dict), its tag for a tagged node
-    (``"$tuple"``, ``"$int"``, ``"$tensor"``, ...), or ``"value"`` for None, bool, int, float, str.
-    Raises CorruptSnapshotError for anything JSON cannot hold and for mixed objects."""
+    """What an encoded node is, as a plain string: a ``Kind``'s (``"list"``, ``"dict"`` for a
+    str-keyed dict, ``"value"`` for None, bool, int, float, str, or one of this module's tags), or
+    a caller's tag (``"$tensor"``). Raises CorruptSnapshotError for anything JSON cannot hold and
+    for mixed objects."""
     return _kind_of(node, "")
 
 
@@ -632,22 +657,22 @@ def walk(tree: Any) -> Iterator[tuple[tuple, str, Any]]:
 def _kind_of(node: Any, path: _Path) -> str:
     t = type(node)
     if t is list:
-        return "list"
+        return Kind.LIST.value
     if t is dict:
-        return _tag_of(node, path) or "dict"
+        return _tag_of(node, path) or Kind.DICT.value
     if t is float and not math.isfinite(node):
         raise _corrupt(path, "a bare non-finite float (these are written as $float nodes)")
     if node is None or t is bool or t is int or t is float or t is str:
-        return "value"
+        return Kind.VALUE.value
     raise _corrupt(path, f"a value of type {t.__name__!r}, which JSON cannot hold")
 
 
 def _children(node: Any, kind: str, path: _Path) -> list[tuple[Any, Any]]:
-    if kind == "list":
+    if kind == Kind.LIST:
         return list(enumerate(node))
-    if kind == "dict":
+    if kind == Kind.DICT:
         return [(unescape_key(k), x) for k, x in node.items()]
-    if kind == "$dict":
+    if kind == Kind.KEYED_DICT:
         return [(k, x) for k, x in _pairs(node[kind], path)]
     if kind in CONTAINER_KINDS:
         return list(enumerate(_items(node[kind], path, kind)))

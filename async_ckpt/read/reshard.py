@@ -25,7 +25,9 @@ import torch
 from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
 from ..format.references import References
+from ..format import tree as tree_model
 from ..format.shard import ChunkCache, ShardReader, checksum
+from ..format.tree import Leaf
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
 from .memory import allocating, require_memory
 from .records import tensor_layout
@@ -378,27 +380,26 @@ def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
     design). An entry that differs holds per-rank state."""
     digests: dict[str, list] = {}
     for shard in record.shards:
-        reader = refs.open(record.dir, shard.rank)
-        tree = reader.index.get("tree")
-        entries = tree.get("entries") if isinstance(tree, dict) else None
-        for name, node in (entries if isinstance(entries, dict) else {}).items():
-            digests.setdefault(name, []).append(_digest(node, reader, refs, record))
+        for name, digest in _digests(refs.open(record.dir, shard.rank), refs, record).items():
+            digests.setdefault(name, []).append(digest)
     return {name for name, seen in digests.items()
             if len(seen) != len(record.shards) or len(set(seen)) > 1}
 
 
-def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRecord) -> str:
+def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> dict[str, str]:
+    """Top-level entry -> a digest of what a shard holds in it; none where the shard's tree is
+    malformed (its entries then count as differing)."""
     tensors, storages = reader.index["tensors"], reader.index["storages"]
     dtensors = reader.index.get("dtensors", [])
 
     def canonical(v: Any) -> Any:
+        leaf, payload = tree_model.leaf_of(v) or (None, None)
+        if leaf is Leaf.TENSOR:
+            return [leaf.name, _tensor_digest(payload)]
+        if leaf is Leaf.DTENSOR:
+            d = dtensors[payload] if type(payload) is int and 0 <= payload < len(dtensors) else None
+            return [leaf.name, None if d is None else [d["key"], d["dtype"], d["global_shape"]]]
         if isinstance(v, dict):
-            if len(v) == 1 and "$tensor" in v:
-                return ["$tensor", _tensor_digest(v["$tensor"])]
-            if len(v) == 1 and "$dtensor" in v:
-                k = v["$dtensor"]
-                d = dtensors[k] if type(k) is int and 0 <= k < len(dtensors) else None
-                return ["$dtensor", None if d is None else [d["key"], d["dtype"], d["global_shape"]]]
             return {k: canonical(x) for k, x in v.items()}
         if isinstance(v, list):
             return [canonical(x) for x in v]
@@ -418,4 +419,12 @@ def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRe
             r["bytes"] = s["ref"]["chunks_xxh3"] if "ref" in s else [c["xxh3"] for c in s["chunks"]]
         return r
 
-    return checksum(json.dumps(canonical(node), sort_keys=True, separators=(",", ":")).encode())
+    nodes: dict[str, list] = {}
+    try:
+        for node in tree_model.walk(reader.index.get("tree"), reader.path):
+            nodes.setdefault(node.top, []).append(
+                [node.keys, node.kind, canonical(node.state), canonical(node.metadata)])
+    except CorruptSnapshotError:
+        return {}
+    return {name: checksum(json.dumps(held, sort_keys=True, separators=(",", ":")).encode())
+            for name, held in nodes.items()}

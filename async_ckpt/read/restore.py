@@ -15,6 +15,7 @@ from typing import Any, Mapping, MutableMapping, Optional
 import torch
 
 from ..errors import CheckpointError, StateMismatchError
+from ..format.tree import NodeKind
 from ..format.values import child_path
 from ..rng import NumpyGenerator, TorchGenerator
 from ..tensors import as_stateful, is_dtensor
@@ -50,10 +51,10 @@ def check_generator_states(state: Mapping[str, Any], loaded: Entry) -> None:
     """Raise CorruptSnapshotError (damage: restore falls back) for a saved generator state that
     the registered generator must not be given, before anything is loaded: such states reach C
     code that trusts them (see ``rng.py``)."""
-    if loaded.kind == "dict" and isinstance(state, Mapping) and as_stateful(state) is None:
+    if loaded.kind == NodeKind.DICT and isinstance(state, Mapping) and as_stateful(state) is None:
         for key in loaded.value.keys() & state.keys():
             check_generator_states(state[key], loaded.value[key])
-    elif loaded.kind == "object":
+    elif loaded.kind == NodeKind.OBJECT:
         adapter = as_stateful(state)
         if isinstance(adapter, (TorchGenerator, NumpyGenerator)):
             adapter.check_state(loaded.value)
@@ -97,19 +98,19 @@ def _tensor_mismatch(current: torch.Tensor, saved: Any) -> Optional[str]:
 
 def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: bool) -> None:
     where = path or "<state>"
-    if saved.kind == "dict":
+    if saved.kind == NodeKind.DICT:
         if not isinstance(current, MutableMapping) or as_stateful(current) is not None:
             mismatch.mismatched.append(f"{where} (saved a dict, registered a {type(current).__name__})")
             return
         for key in saved.value.keys() - current.keys():
-            if strict and saved.value[key].kind != "value":  # plain values are simply assigned
+            if strict and saved.value[key].kind != NodeKind.VALUE:  # plain values: assigned
                 mismatch.unexpected.append(child_path(path, key))
         for key in current.keys() - saved.value.keys():
             if strict:
                 mismatch.missing.append(child_path(path, key))
         for key in saved.value.keys() & current.keys():
             _check(child_path(path, key), current[key], saved.value[key], mismatch, strict)
-    elif saved.kind == "object":
+    elif saved.kind == NodeKind.OBJECT:
         if as_stateful(current) is None:
             mismatch.mismatched.append(f"{where} (saved a state_dict, registered a {type(current).__name__})")
         elif isinstance(current, torch.nn.Module):
@@ -125,7 +126,7 @@ def _check(path: str, current: Any, saved: Entry, mismatch: _Mismatch, strict: b
             problem = _scheduler_mismatch(current, saved.value)
             if problem:
                 mismatch.mismatched.append(f"{where} ({problem})")
-    elif saved.kind == "tensor":
+    elif saved.kind == NodeKind.TENSOR:
         problem = (_tensor_mismatch(current, saved.value) if isinstance(current, torch.Tensor)
                    else f"registered a {type(current).__name__}, not a tensor")
         if problem:
@@ -442,20 +443,20 @@ def _own_memory(value: Any, borrowed: frozenset, copies: Optional[dict] = None) 
 def _collect(current: Any, saved: Entry, strict: bool, skip_ids: set[int], objects: list,
              in_place: list, values: list) -> None:
     """Sort the loads ``_load`` will do into objects, in-place copies and plain assignments."""
-    if saved.kind == "dict":
+    if saved.kind == NodeKind.DICT:
         for key, entry in saved.value.items():
-            if entry.kind == "value":
+            if entry.kind == NodeKind.VALUE:
                 values.append((current, key, entry.value))
             elif key in current:
                 _collect(current[key], entry, strict, skip_ids, objects, in_place, values)
     elif id(current) in skip_ids:
         return
-    elif saved.kind == "object" and isinstance(current, torch.nn.Module):
+    elif saved.kind == NodeKind.OBJECT and isinstance(current, torch.nn.Module):
         state = _matching(current, saved.value) if not strict else saved.value
         in_place.append(lambda: current.load_state_dict(state, strict=strict))
-    elif saved.kind == "object":
+    elif saved.kind == NodeKind.OBJECT:
         objects.append((current, saved.value))
-    elif saved.kind == "tensor":
+    elif saved.kind == NodeKind.TENSOR:
         in_place.append(lambda: _copy_into(current, saved.value))
 
 

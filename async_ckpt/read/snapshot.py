@@ -16,20 +16,18 @@ import warnings
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from ..distributed import Coordinator
 from ..errors import (CheckpointDirError, CheckpointError, ChecksumMismatchError,
                       CorruptSnapshotError, NoSnapshotError)
-from ..format import values
 from ..format.values import AllowPickle
 from ..format import tree as tree_model
-from ..format.tree import Entry
+from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
-from ..storage.names import RNG_KEY
 from ..format.references import References
 from ..format.shard import CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum
 from .memory import allocating, require_memory
@@ -163,25 +161,15 @@ def _held_by(tree: Any, records: list, rank: int) -> dict[tuple[int, int], str]:
     reads that follow say what is wrong with them."""
     held: dict[tuple[int, int], list[str]] = {}
     try:
-        for entry, node in tree["entries"].items():
-            for tensor, path in _tensor_paths(node, entry):
-                r = records[tensor]
-                held.setdefault((r.get("rank", rank), r["storage"]), []).append(path)
+        for node in tree_model.walk(tree, ""):
+            for path, leaf, tensor in tree_model.leaves(node):
+                if leaf is Leaf.TENSOR:
+                    r = records[tensor]
+                    held.setdefault((r.get("rank", rank), r["storage"]), []).append(path)
     except (CorruptSnapshotError, KeyError, TypeError, IndexError, AttributeError):
         return {}
     return {key: ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             for key, paths in held.items()}
-
-
-def _tensor_paths(node: dict, path: str) -> Iterator[tuple[int, str]]:
-    """(tensor number, key path) of every ``$tensor`` under a state tree node."""
-    if node["kind"] == "dict":
-        for key, child in node["entries"].items():
-            yield from _tensor_paths(child, values.child_path(path, key))
-        return
-    for keys, kind, leaf in values.walk(node["state"]):
-        if kind == "$tensor":
-            yield leaf["$tensor"], functools.reduce(values.child_path, keys, path)
 
 
 def _naming(read: Callable[[], None], held: Optional[str]) -> Callable[[], None]:
@@ -351,15 +339,15 @@ def _device(v: Any) -> torch.device:
     return torch.device(v)
 
 
-_TORCH_TAGS = {"$dtype": lambda v: ALL_DTYPES[v] if type(v) is str else None, "$size": _size,
-               "$device": _device}
+_TORCH_LEAVES = {Leaf.DTYPE: lambda v: ALL_DTYPES[v] if type(v) is str else None,
+                 Leaf.SIZE: _size, Leaf.DEVICE: _device}
 
 
 def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> None:
     """Put the sharded tensors into the tree ``root``, read all at once (all or nothing) beside
     the registered ``state`` they will be loaded into."""
     def visit(entry: Entry, current: Any, first_pass: bool) -> None:
-        if entry.kind == "dict":
+        if entry.kind == NodeKind.DICT:
             for key, child in entry.value.items():
                 visit(child, current.get(key) if isinstance(current, Mapping) else None,
                       first_pass)
@@ -375,26 +363,22 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
 
 def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list,
              allow_pickle: AllowPickle, path: str) -> Entry:
-    def leaf(node: dict):
-        if len(node) == 1:
-            (tag, v), = node.items()
-            try:
-                if tag == "$tensor":
-                    if type(v) is not int or v < 0 or tensors[v] is None:
-                        raise IndexError(v)
-                    return tensors[v]
-                if tag == "$dtensor":
-                    if type(v) is not int or v < 0:
-                        raise IndexError(v)
-                    return sharded_ref(dtensors[v], path)
-                if tag in _TORCH_TAGS:
-                    value = _TORCH_TAGS[tag](v)
-                    if value is None:
-                        raise KeyError(v)
-                    return value
-            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-                raise CorruptSnapshotError(f"{path}: bad {tag} value {str(v)[:40]!r}") from e
-        return NotImplemented
+    def leaf(kind: Leaf, v: Any):
+        try:
+            if kind is Leaf.TENSOR:
+                if type(v) is not int or v < 0 or tensors[v] is None:
+                    raise IndexError(v)
+                return tensors[v]
+            if kind is Leaf.DTENSOR:
+                if type(v) is not int or v < 0:
+                    raise IndexError(v)
+                return sharded_ref(dtensors[v], path)
+            value = _TORCH_LEAVES[kind](v)
+            if value is None:
+                raise KeyError(v)
+            return value
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise CorruptSnapshotError(f"{path}: bad {kind.value} value {str(v)[:40]!r}") from e
 
     return tree_model.rebuild(tree, leaf, allow_pickle, path)
 

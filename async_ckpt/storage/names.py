@@ -43,7 +43,6 @@ MEMORY_SESSION_FILE = re.compile(r"memory\.rank[0-9]{5}\.json")  # the memory ti
 RANK_ROOT = re.compile(r"rank-([0-9]{5})")  # a rank's own root when the ranks share no directory
 MAX_STEP = 10**20  # steps have 20 digits in directory names
 MAX_WORLD_SIZE = 10**5  # ranks have 5 digits in shard, lock and heartbeat file names
-RNG_KEY = "__async_ckpt_rng__"  # the state entry under which the engine saves the global RNG states
 _DELETABLE = (SNAPSHOT_DIR, MANIFEST_TMP, SHARD_FILE, PARTIAL_SHARD_FILE, DATA_FILE,
               PARTIAL_DATA_FILE)
 

@@ -1,12 +1,14 @@
 """``async-ckpt inspect``: what a committed snapshot holds, from its shard's index alone.
 
-The value trees are read with ``format.values``' walker, which owns the tag scheme; this module
-only decides how they are shown (which lists are expanded, how values are summarised)."""
+The state tree is read with ``format.tree``'s walker and its value trees with ``format.values``',
+which own the tags; this module only decides how they are shown (which lists are expanded, how
+values are summarised)."""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import math
 import os
 from typing import Any, Optional
@@ -14,7 +16,9 @@ from typing import Any, Optional
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
                      pick_record, size_text, step_arg, when_text)
 from ..errors import CorruptSnapshotError
-from ..format import values
+from ..format import tree as tree_model, values
+from ..format.tree import Leaf, NodeKind
+from ..format.values import Kind
 from ..format.manifest import read_manifest
 from ..format.shard import ShardReader
 
@@ -116,43 +120,34 @@ class _TreeWalk:
 
     def run(self) -> None:
         try:
-            if not isinstance(self.tree, dict) or self.tree.get("kind") != "dict":
-                raise TypeError("the root is not a dict node")
-            for name, node in self.tree["entries"].items():
-                self._top = name
-                self.totals[name] = {"kind": node["kind"], "tensors": 0, "bytes": 0, "stored": 0,
-                                     "values": 0}
-                self.lines.append(("head", name, node["kind"]))
-                self._node(node, name)
+            for node in tree_model.walk(self.tree, "the state tree"):
+                if len(node.keys) == 1:
+                    self._top = node.top
+                    self.totals[node.top] = {"kind": node.kind, "tensors": 0, "bytes": 0,
+                                             "stored": 0, "values": 0}
+                    self.lines.append(("head", node.top, node.kind))
+                if node.kind != NodeKind.DICT:  # a module's metadata (versions) is not shown
+                    self._value(node.state, functools.reduce(_child_path, node.keys[1:], node.top))
         except (CorruptSnapshotError, KeyError, TypeError, IndexError, ValueError, AttributeError,
                 RecursionError) as e:  # the walker's own refusals too: say where
             raise CorruptSnapshotError(
                 f"{self.path}: malformed state tree near {self._top[:60]!r}: {str(e)[:200]}") from e
 
-    def _node(self, node: dict, path: str) -> None:
-        kind = node["kind"]
-        if kind == "dict":
-            for key, child in node["entries"].items():
-                self._node(child, _child_path(path, key))
-        elif kind in ("object", "tensor", "value"):
-            self._value(node["state"], path)  # a module's "metadata" (versions) is not shown
-        else:
-            raise ValueError(f"unknown node kind {kind!r}")
-
     def _value(self, v: Any, path: str) -> None:
+        leaf, payload = tree_model.leaf_of(v) or (None, None)
         kind = values.kind_of(v)
-        if kind == "$tensor":
-            self._tensor(v["$tensor"], path)
-        elif kind == "$dtensor":
-            self._dtensor(v["$dtensor"], path)
-        elif kind in ("dict", "$dict"):
+        if leaf is Leaf.TENSOR:
+            self._tensor(payload, path)
+        elif leaf is Leaf.DTENSOR:
+            self._dtensor(payload, path)
+        elif kind in (Kind.DICT, Kind.KEYED_DICT):
             items = values.children(v)
             if not items:
                 self._leaf(path, "{}")
             for key, child in items:
-                self._value(child, _child_path(path, key if kind == "dict"
+                self._value(child, _child_path(path, key if kind == Kind.DICT
                                                else _render(key) or _summary(key)))
-        elif kind in ("list", "$tuple") and _worth_expanding(v):
+        elif kind in (Kind.LIST, Kind.TUPLE) and _worth_expanding(v):
             for i, child in values.children(v):
                 self._value(child, _child_path(path, i))
         else:
@@ -226,12 +221,13 @@ def _shape_text(shape: list) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-_EXPANDED = ("$tensor", "$dtensor", "$dict", "dict")
-
-
 def _worth_expanding(v: Any) -> bool:
     """Expand a list or tuple into one line per element when it holds tensors or mappings."""
-    return any(kind in _EXPANDED for _, kind, _ in values.walk(v))
+    for _, kind, node in values.walk(v):
+        leaf, _ = tree_model.leaf_of(node) or (None, None)
+        if kind in (Kind.DICT, Kind.KEYED_DICT) or leaf in (Leaf.TENSOR, Leaf.DTENSOR):
+            return True
+    return False
 
 
 class _TooLong(Exception):
@@ -261,29 +257,30 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
 
     def go(x: Any) -> None:
         kind = values.kind_of(x)
-        if kind == "list":
+        leaf, payload = tree_model.leaf_of(x) or (None, None)
+        if kind == Kind.LIST:
             seq([child for _, child in values.children(x)], "[", "]")
-        elif kind == "$tuple":
+        elif kind == Kind.TUPLE:
             seq([child for _, child in values.children(x)], "(", ")")
-        elif kind == "dict":
+        elif kind == Kind.DICT:
             put("{")
             for i, (key, child) in enumerate(values.children(x)):
                 put(", " if i else "")
                 put(repr(key) + ": ")
                 go(child)
             put("}")
-        elif kind == "value":
+        elif kind == Kind.VALUE:
             put(repr(x) if isinstance(x, (bool, str, float)) or x is None else str(x))
-        elif kind == "$int":
+        elif kind == Kind.INT:
             put(str(values.decode(x)))
-        elif kind == "$float":
+        elif kind == Kind.FLOAT:
             put(f"float({str(values.decode(x))!r})")
-        elif kind == "$dtype":
-            put(f"torch.{x[kind]}")
-        elif kind == "$size":
-            put(f"torch.Size({x[kind]})")
-        elif kind == "$device":
-            put(f"device({x[kind]!r})")
+        elif leaf is Leaf.DTYPE:
+            put(f"torch.{payload}")
+        elif leaf is Leaf.SIZE:
+            put(f"torch.Size({payload})")
+        elif leaf is Leaf.DEVICE:
+            put(f"device({payload!r})")
         else:
             put(_summary(x))
 
@@ -297,26 +294,26 @@ def _render(v: Any, limit: int = _PREVIEW_CHARS) -> Optional[str]:
 def _summary(v: Any) -> str:
     """A short description of an encoded value by type and length."""
     kind = values.kind_of(v)
-    if kind in ("list", "dict"):
+    if kind in (Kind.LIST, Kind.DICT):
         return f"{kind}[{len(v)}]"
-    if kind == "value":
+    if kind == Kind.VALUE:
         if isinstance(v, str):
             return f"str[{len(v)}] {v[:_PREVIEW_CHARS - 12]!r}..."
         return type(v).__name__
     p = v[kind]
-    if kind in ("$tuple", "$set", "$frozenset", "$dict"):
+    if kind in (Kind.TUPLE, Kind.SET, Kind.FROZENSET, Kind.KEYED_DICT):
         return f"{kind[1:]}[{len(p)}]"
-    if kind in ("$bytes", "$bytearray"):
+    if kind in (Kind.BYTES, Kind.BYTEARRAY):
         return f"{kind[1:]}[{values.payload_nbytes(v)}]"
-    if kind == "$str":
+    if kind == Kind.STR:
         return f"str (not valid UTF-8, {values.payload_nbytes(v)} bytes)"
-    if kind == "$ndarray":
+    if kind == Kind.NDARRAY:
         return f"ndarray {p.get('dtype')} {p.get('shape')}"
-    if kind == "$npscalar":
+    if kind == Kind.NPSCALAR:
         return f"numpy scalar {p.get('dtype')}"
-    if kind == "$pickle":
+    if kind == Kind.PICKLE:
         return f"pickled object ({size_text(values.payload_nbytes(v))}, not decoded)"
-    if kind == "$int":
+    if kind == Kind.INT:
         return f"int ({len(p)} hex digits)"
     return f"{kind} node"
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from ..format import values
+from ..format import tree as tree_model, values
+from ..format.tree import Leaf, leaf_node, tensor_leaf
 from ..errors import EncodingError, LayoutError
 from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
@@ -33,8 +34,8 @@ class Captured:
     entry_of: list[str]  # the top-level entry each tensor belongs to
     paths: list[str]  # each tensor's key path, for messages
     # Sharded tensors (``DTensor``), one record each (docs/FORMAT.md 3.6), referenced from the
-    # tree as {"$dtensor": k}; a record's "tensor" indexes ``tensors`` (its local piece), or is
-    # None where another rank stores the same (replicated) piece.
+    # tree as a ``Leaf.DTENSOR`` leaf; a record's "tensor" indexes ``tensors`` (its local piece),
+    # or is None where another rank stores the same (replicated) piece.
     dtensors: list[dict] = field(default_factory=list)
 
 
@@ -47,13 +48,13 @@ def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) 
 
     def leaf(value: Any, path: str):
         if type(value) not in _PLAIN_TENSOR_TYPES and is_dtensor(value):
-            encoded = {"$dtensor": _capture_dtensor(value, path, tensors, dtensors)}
+            encoded = leaf_node(Leaf.DTENSOR, _capture_dtensor(value, path, tensors, dtensors))
             paths.extend([path] * (len(tensors) - len(paths)))
             return encoded
         if isinstance(value, torch.Tensor):
             tensors.append(_checked(value, path))
             paths.append(path)
-            return {"$tensor": len(tensors) - 1}
+            return tensor_leaf(len(tensors) - 1)
         return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
@@ -70,7 +71,7 @@ def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) 
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise LayoutError(f"two sharded tensors have the same key path {twice[0]!r}: their pieces "
                           "could not be told apart on restore; give the state dict distinct keys")
-    return Captured({"kind": "dict", "entries": entries}, tensors, entry_of, paths, dtensors)
+    return Captured(tree_model.dict_node(entries), tensors, entry_of, paths, dtensors)
 
 
 def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
@@ -106,22 +107,22 @@ def _capture_entry(obj: Any, path: str, encode: Callable[[Any, str], Any],
     stateful = as_stateful(obj)
     if stateful is not None:
         if not objects:
-            return {"kind": "object"}
+            return tree_model.object_node()
         state_dict = stateful.state_dict()
-        node = {"kind": "object", "state": encode(state_dict, path)}
+        state = encode(state_dict, path)
         metadata = getattr(state_dict, "_metadata", None)
-        if isinstance(obj, torch.nn.Module) and metadata is not None:
-            # module versions
-            node["metadata"] = encode(dict(metadata), values.child_path(path, "_metadata"))
-        return node
+        if isinstance(obj, torch.nn.Module) and metadata is not None:  # module versions
+            return tree_model.object_node(state, encode(dict(metadata),
+                                                        values.child_path(path, "_metadata")))
+        return tree_model.object_node(state)
     if isinstance(obj, torch.Tensor):
-        return {"kind": "tensor", "state": encode(obj, path)}
+        return tree_model.tensor_node(encode(obj, path))
     _refuse_stock_loader(obj, path)
     if isinstance(obj, Mapping) and all(isinstance(k, str) for k in obj):
-        return {"kind": "dict", "entries": {
+        return tree_model.dict_node({
             k: _capture_entry(v, values.child_path(path, k), encode, objects)
-            for k, v in obj.items()}}
-    return {"kind": "value", "state": encode(obj, path)}
+            for k, v in obj.items()})
+    return tree_model.value_node(encode(obj, path))
 
 
 def _refuse_stock_loader(obj: Any, path: str) -> None:
@@ -139,7 +140,9 @@ def check_registrable(state: Mapping[str, Any], allow_pickle: values.AllowPickle
     value with no safe encoding. Otherwise a job would train ``every`` steps before learning it
     cannot be checkpointed."""
     def tensor_or_scalar(value: Any, path: str):  # tensors are checked when captured
-        return {"$tensor": 0} if isinstance(value, torch.Tensor) else encode_torch_scalar(value)
+        if isinstance(value, torch.Tensor):
+            return tensor_leaf(0)
+        return encode_torch_scalar(value)
 
     def encode(value: Any, path: str):
         return values.encode(value, allow_pickle=allow_pickle, leaf=tensor_or_scalar, path=path)
@@ -151,11 +154,11 @@ def check_registrable(state: Mapping[str, Any], allow_pickle: values.AllowPickle
 def encode_torch_scalar(value: Any):
     """torch values that are not tensors but appear in state dicts; NotImplemented for others."""
     if isinstance(value, torch.dtype):
-        return {"$dtype": str(value).removeprefix("torch.")}
+        return leaf_node(Leaf.DTYPE, str(value).removeprefix("torch."))
     if isinstance(value, torch.Size):
-        return {"$size": list(value)}
+        return leaf_node(Leaf.SIZE, list(value))
     if isinstance(value, torch.device):
-        return {"$device": str(value)}
+        return leaf_node(Leaf.DEVICE, str(value))
     return NotImplemented
 
 

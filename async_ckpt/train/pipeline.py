@@ -19,7 +19,7 @@ import torch
 from ..errors import LayoutError
 from ..format.layout import Plan
 from ..rng import GlobalRNG
-from ..storage.names import RNG_KEY
+from ..format.tree import RNG_KEY
 from ..tensors import registered_objects
 from ..write.client import WriterClient
 from ..write.protocol import Marker, SnapshotJob

@@ -1,0 +1,68 @@
+"""format/tree.py: the one model of the state tree that capture builds and every reader walks."""
+
+import pytest
+import torch
+
+from async_ckpt.errors import CorruptSnapshotError
+from async_ckpt.format import tree as tree_model
+from async_ckpt.format.tree import Leaf, NodeKind
+from async_ckpt.train.capture import capture
+
+
+def _captured():
+    model = torch.nn.Linear(2, 1)
+    return model, capture({"model": model, "extra": {"weird key": torch.zeros(3),
+                                                     "meta": (torch.float16, torch.Size([2]))}})
+
+
+def test_walk_meets_every_node_typed_parents_first_in_stored_order():
+    _, captured = _captured()
+    nodes = list(tree_model.walk(captured.tree, "here"))
+    assert [(n.keys, n.kind) for n in nodes] == [
+        (("model",), NodeKind.OBJECT), (("extra",), NodeKind.DICT),
+        (("extra", "weird key"), NodeKind.TENSOR), (("extra", "meta"), NodeKind.VALUE)]
+    assert nodes[0].has_metadata and not nodes[3].has_metadata
+    assert [n.path for n in nodes[2:]] == ['extra["weird key"]', "extra.meta"]
+    found = [leaf for node in nodes for leaf in tree_model.leaves(node)]
+    assert found == [("model.weight", Leaf.TENSOR, 0), ("model.bias", Leaf.TENSOR, 1),
+                     ('extra["weird key"]', Leaf.TENSOR, 2),
+                     ("extra.meta[0]", Leaf.DTYPE, "float16"), ("extra.meta[1]", Leaf.SIZE, [2])]
+
+
+def test_rebuild_decodes_each_leaf_through_the_callers_function():
+    model, captured = _captured()
+    seen = []
+
+    def leaf(kind, payload):
+        seen.append(kind)
+        return captured.tensors[payload] if kind is Leaf.TENSOR else NotImplemented
+
+    with pytest.raises(CorruptSnapshotError, match=r"unknown tag '\$dtype'"):
+        tree_model.rebuild(captured.tree, leaf, False, "here")  # a leaf the caller does not take
+    assert seen[:3] == [Leaf.TENSOR] * 3 and seen[-1] is Leaf.DTYPE
+    only = tree_model.rebuild(tree_model.only(captured.tree, "model"), leaf, False, "here")
+    assert only.value["model"].kind is NodeKind.OBJECT
+    assert only.value["model"].value["weight"] is captured.tensors[0]
+    assert only.value["model"].value._metadata == model.state_dict()._metadata
+    assert tree_model.only(captured.tree, "nope") is None
+
+
+@pytest.mark.parametrize("bad", [
+    {"kind": "dict", "entries": {"a": {"kind": ["dict"]}}},  # a kind JSON could not hash
+    {"kind": "dict", "entries": {"a": {"kind": "module"}}},
+    {"kind": "dict", "entries": {"a": {"kind": "dict", "entries": []}}},
+    {"kind": "dict", "entries": {"a": 3}},
+    {"kind": "value", "state": 1},  # the root is not a dict
+])
+def test_walk_refuses_a_malformed_tree_with_a_typed_error_naming_the_file(bad):
+    with pytest.raises(CorruptSnapshotError, match="^here: "):
+        list(tree_model.walk(bad, "here"))
+
+
+def test_walk_refuses_a_tree_nested_deeper_than_the_reader_allows():
+    deep = {"kind": "value", "state": 1}
+    for _ in range(tree_model.MAX_TREE_DEPTH):
+        deep = {"kind": "dict", "entries": {"k": deep}}
+    assert len(list(tree_model.walk(deep, "here"))) == tree_model.MAX_TREE_DEPTH
+    with pytest.raises(CorruptSnapshotError, match="malformed state tree"):
+        list(tree_model.walk({"kind": "dict", "entries": {"k": deep}}, "here"))
