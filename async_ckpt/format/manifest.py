@@ -450,7 +450,7 @@ def _complete_snapshot(storage: Storage, name: str,
     from .shard import (ShardReader, data_file_bytes, data_file_problems,  # only for this
                         referenced_dirs)  # repair
 
-    shards, indexes = {}, []
+    shards, indexes, raw, refers_to = {}, [], 0, set()
     listing = dict(storage.list_snapshot(name))
     for file in listing:
         if not SHARD_FILE.fullmatch(file) or (  # e.g. a shard still being written (*.partial)
@@ -459,6 +459,8 @@ def _complete_snapshot(storage: Storage, name: str,
         try:
             with ShardReader(storage.open_shard(name, file)) as reader:
                 index = reader.index
+                raw += reader.raw_bytes
+                refers_to.update(referenced_dirs(reader.storages))
                 record = ShardRecord(int(SHARD_FILE.fullmatch(file).group(1)), file, reader.size,
                                      reader.index_xxh3)
         except CheckpointError:
@@ -477,10 +479,9 @@ def _complete_snapshot(storage: Storage, name: str,
             or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
                    for i in indexes)):
         return None
-    refers = tuple(sorted({d for i in indexes for d in referenced_dirs(i)}))
+    refers = tuple(sorted(refers_to))
     if name in refers:  # a shard that refers to its own snapshot cannot be restored
         return None
-    raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
                           world_size=world_size, shards=tuple(shards[r] for r in needed),
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values())

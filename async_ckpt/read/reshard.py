@@ -103,12 +103,13 @@ class PieceIndex:
                                            f"tensor {missing[:80]!r}: it is not in every rank's "
                                            "shard")
 
-    def chunks(self, piece: _Piece) -> list:
-        """The chunks of the storage holding ``piece`` (none for an empty piece)."""
+    def largest_chunk(self, piece: _Piece) -> int:
+        """The raw bytes of the largest chunk of the storage holding ``piece`` (0 for an empty
+        piece): what reading part of it decodes at once."""
         if piece.storage is None:
-            return []
+            return 0
         reader, storage = self._open_storage(self._refs, self._record, piece.rank, piece.storage)
-        return reader.index["storages"][storage]["chunks"]
+        return reader.storages[storage].largest_chunk
 
     @staticmethod
     def _piece(d: dict, records: list, rank: int, where: str) -> _Piece:
@@ -173,7 +174,7 @@ class PieceIndex:
 
 
 def _read(reader: ShardReader, storage: int, start: int, stop: int, out, cache) -> None:
-    if stop > reader.index["storages"][storage]["nbytes"]:
+    if stop > reader.storages[storage].nbytes:
         raise CorruptSnapshotError(f"{reader.path}: a piece lies outside storage {storage}")
     reader.read_range(storage, start, stop, out, cache)
 
@@ -302,8 +303,8 @@ class Resolver:
             if t.whole is None:
                 t.overlapping = self.pieces.check_covered(t.ref, t.offset, t.shape, self.where)
         need = sum(math.prod(t.shape) * t.ref.dtype.itemsize for t in self._targets)
-        need += SLAB_BYTES + max((c["raw"] for t in self._targets for piece, _ in t.overlapping
-                                  for c in self.pieces.chunks(piece)), default=0) if any(
+        need += SLAB_BYTES + max((self.pieces.largest_chunk(piece) for t in self._targets
+                                  for piece, _ in t.overlapping), default=0) if any(
             t.overlapping for t in self._targets) else 0
         require_memory(need, "restoring the sharded tensors", "free memory, or restore on more "
                        "ranks. The snapshot was not checked for damage, and nothing was loaded")
@@ -388,7 +389,7 @@ def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
 
 
 def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRecord) -> str:
-    tensors, storages = reader.index["tensors"], reader.index["storages"]
+    tensors, storages = reader.index["tensors"], reader.storages
     dtensors = reader.index.get("dtensors", [])
 
     def canonical(v: Any) -> Any:
@@ -412,10 +413,10 @@ def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRe
         if "rank" in r:  # a replica stored in its owner's shard
             owner = r.pop("rank")
             if type(owner) is int and any(s.rank == owner for s in record.shards):
-                holder = refs.open(record.dir, owner).index["storages"]
+                holder = refs.open(record.dir, owner).storages
         s = holder[n] if type(n) is int and 0 <= n < len(holder) else None
         if s is not None:
-            r["bytes"] = s["ref"]["chunks_xxh3"] if "ref" in s else [c["xxh3"] for c in s["chunks"]]
+            r["bytes"] = list(s.chunk_digests)
         return r
 
     return checksum(json.dumps(canonical(node), sort_keys=True, separators=(",", ":")).encode())

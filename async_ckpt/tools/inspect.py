@@ -16,6 +16,7 @@ from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, chec
 from ..errors import CorruptSnapshotError
 from ..format import values
 from ..format.manifest import read_manifest
+from ..format.records import StorageEntry, raw_bytes
 from ..format.shard import ShardReader
 
 _PREVIEW_CHARS = 60  # longer values are summarised by type and length
@@ -48,15 +49,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = storage.location(record.dir, shard.file)
     with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                      shard.index_xxh3) as reader:
-        index = reader.index
+        index, storages = reader.index, reader.storages
         reader.check_step(record.step)
-    _check_tensor_table(index, path)
-    walk = _TreeWalk(index, path)
+    _check_tensor_table(index, len(storages), path)
+    walk = _TreeWalk(index, storages, path)
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
-    raw = sum(s["nbytes"] for s in index["storages"])
-    stored = sum(c["stored"] for s in index["storages"] for c in s.get("chunks", ()))
-    referred = sum(s["nbytes"] for s in index["storages"] if "ref" in s)
+    raw = raw_bytes(storages)
+    stored = sum(s.stored_bytes for s in storages)
+    referred = raw_bytes(s for s in storages if s.ref is not None)
     print(f"step {record.step}{newest} in {root}, rank {shard.rank} of {record.world_size}, "
           f"committed {when_text(record.committed_at)}")
     print(f"file {os.path.join(record.dir, shard.file)}: {size_text(shard.bytes)}; tensor data "
@@ -84,14 +85,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_tensor_table(index: dict, path: str) -> None:
+def _check_tensor_table(index: dict, storages: int, path: str) -> None:
     """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
     from ..read.records import tensor_layout
 
     tensors = index.get("tensors")
     if not isinstance(tensors, list):
         raise CorruptSnapshotError(f"{path}: the index has no tensor table")
-    storages = len(index["storages"])
     for i, t in enumerate(tensors):
         tensor_layout(t, path, i)
         if t.get("rank") is None and t.get("storage") is not None and not 0 <= t["storage"] < storages:
@@ -103,12 +103,12 @@ class _TreeWalk:
     """Turns a shard index's state tree (docs/FORMAT.md section 5) into display lines and totals,
     without decoding anything that could run code or loading tensor data."""
 
-    def __init__(self, index: dict, path: str):
+    def __init__(self, index: dict, storages: tuple[StorageEntry, ...], path: str):
         self.path = path
         self.tree = index.get("tree")
         self.tensors = index.get("tensors")
         self.dtensors = index.get("dtensors", [])
-        self.storages = index["storages"]
+        self.storages = storages
         self.lines: list[tuple] = []
         self.totals: dict[str, dict] = {}
         self._storage_owner: dict[int, str] = {}
@@ -190,15 +190,15 @@ class _TreeWalk:
             codec = "-"
         elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
             codec = f"in rank {t['rank']}'s shard"
-        elif "ref" in self.storages[storage]:  # incremental: stored by an earlier snapshot
-            codec = f"in {self.storages[storage]['ref']['dir']}"
+        elif self.storages[storage].ref is not None:  # incremental: in an earlier snapshot
+            codec = f"in {self.storages[storage].ref.dir}"
         else:
-            chunks = self.storages[storage]["chunks"]
-            codec = "+".join(dict.fromkeys(c["codec"] for c in chunks)) or "-"
+            chunks = self.storages[storage].chunks
+            codec = "+".join(dict.fromkeys(c.codec for c in chunks)) or "-"
             owner = self._storage_owner.get(storage)
             if owner is None:
                 self._storage_owner[storage] = path
-                total["stored"] += sum(c["stored"] for c in chunks)
+                total["stored"] += self.storages[storage].stored_bytes
             else:
                 codec += f"  (shares storage with {owner})"
         if sharded is None:

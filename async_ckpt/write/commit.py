@@ -327,9 +327,9 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
                 raise CorruptSnapshotError(f"rank {rank}'s shard of step {record.step} is "
                                            f"incomplete: {'; '.join(missing[:3])}")
             shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
-            raw += sum(s["nbytes"] for s in index["storages"])
+            raw += reader.raw_bytes
             stored += reader.size + data_file_bytes(index)
-            refers.update(referenced_dirs(index))
+            refers.update(referenced_dirs(reader.storages))
     shards.sort(key=lambda s: s.rank)
     return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw, stored_bytes=stored,
                                refers=tuple(sorted(refers)))

@@ -341,10 +341,7 @@ class SnapshotWriter:
         refused unless the manifest names it and the storage fits, before a byte of it is read
         (into a data file) or referred to."""
         target = references.open(holder, self.rank)
-        storages = target.index["storages"]
-        if not (n < len(storages) and "chunks" in storages[n]
-                and (storages[n]["nbytes"], storages[n]["itemsize"]) == (region.nbytes,
-                                                                          region.itemsize)):
+        if target.held_storage(n, region.nbytes, region.itemsize) is None:
             raise SnapshotWriteError(f"storage {n} of {target.path} is not the unchanged region "
                                      "the trainer referred to; the snapshot was not written")
         return target
