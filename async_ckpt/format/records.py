@@ -82,3 +82,23 @@ def raw_bytes(storages: Iterable[StorageEntry]) -> int:
     """The tensor bytes of ``storages`` before encoding: what the manifest records as a
     snapshot's ``raw_bytes``, summed here only."""
     return sum(s.nbytes for s in storages)
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A replicated entry's digest in the index (``replicas``): its ``nbytes`` bytes, stored in
+    rank ``owner``'s shard, had checksum ``xxh3`` on the rank that wrote the index; the
+    committer checks that every rank's agree."""
+    entry: str
+    owner: int
+    nbytes: int
+    xxh3: str
+
+    @classmethod
+    def of(cls, r: dict) -> "Replica":
+        return cls(r["entry"], r["owner"], r["nbytes"], r["xxh3"])
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it."""
+        return {"entry": self.entry, "owner": self.owner, "nbytes": self.nbytes,
+                "xxh3": self.xxh3}
