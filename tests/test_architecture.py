@@ -192,9 +192,10 @@ def test_every_import_of_the_package_names_one_of_its_modules():
     assert not wrong, f"imports of modules that do not exist: {wrong}"
 
 
-# Keys of a shard index's storage table and replica digests (docs/FORMAT.md 3.4): format/ parses
+# Keys of a shard index's storage table, replica digests and sharded-tensor table (docs/FORMAT.md): format/ parses
 # them into records (format/records.py), and no other module reads the parsed JSON by them.
-_INDEX_KEYS = {"storages", "chunks", "ref", "chunks_xxh3", "index_xxh3", "replicas"}
+_INDEX_KEYS = {"storages", "chunks", "ref", "chunks_xxh3", "index_xxh3", "replicas", "dtensors",
+               "global_shape"}
 # Modules outside format/ with a message of their own that shares one of those keys.
 _OWN_FORMATS = {"async_ckpt.keeper.protocol": "a hold's layout message names its 'storages'",
                 "async_ckpt.train.capture": "a group of tensors being planned has 'replicas'"}

@@ -102,3 +102,19 @@ class Replica:
         """The index's form of it, as ``of`` reads it."""
         return {"entry": self.entry, "owner": self.owner, "nbytes": self.nbytes,
                 "xxh3": self.xxh3}
+
+
+@dataclass(frozen=True, slots=True)
+class DTensorPiece:
+    """A record of the sharded-tensor table (``dtensors``, docs/FORMAT.md 3.6): the piece of the
+    sharded tensor ``key`` (of ``dtype``, ``global_shape``) this shard holds at ``offset``, in
+    tensor record ``tensor`` (None: this rank holds none of it)."""
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: Optional[int]
+
+    @classmethod
+    def of(cls, d: dict) -> "DTensorPiece":
+        return cls(d["key"], d["dtype"], tuple(d["global_shape"]), tuple(d["offset"]), d["tensor"])

@@ -33,7 +33,7 @@ import zstandard
 
 from . import filters, values
 from .layout import DIRECT_BYTES
-from .records import Chunk, Replica, StorageEntry, raw_bytes
+from .records import Chunk, DTensorPiece, Replica, StorageEntry, raw_bytes
 from ..checks import is_int, short_repr
 from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
                              data_files_of)
@@ -388,6 +388,7 @@ class ShardReader:
                     "the file was truncated or replaced")
             self.index, self.storages = self._read_index(expected_index_xxh3)
             self.replicas = tuple(map(Replica.of, self.index.get("replicas", ())))  # validated
+            self.dtensors = tuple(map(DTensorPiece.of, self.index.get("dtensors", ())))
         except BaseException:
             self.close()
             raise

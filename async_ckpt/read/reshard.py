@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
+from ..format.records import DTensorPiece
 from ..format.references import References
 from ..format.shard import ChunkCache, ShardReader, checksum
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
@@ -56,13 +57,13 @@ class _Piece:
     shape: tuple[int, ...]
 
 
-def sharded_ref(record: Any, path: str) -> ShardedRef:
-    """The placeholder of a (validated) ``dtensors`` record, its dtype checked."""
-    dtype = DTYPES.get(record["dtype"])
+def sharded_ref(record: DTensorPiece, path: str) -> ShardedRef:
+    """The placeholder of a ``dtensors`` record, its dtype checked."""
+    dtype = DTYPES.get(record.dtype)
     if dtype is None:
-        raise CorruptSnapshotError(f"{path}: sharded tensor {record['key'][:80]!r} has unknown "
-                                   f"dtype {record['dtype']!r}")
-    return ShardedRef(record["key"], dtype, tuple(record["global_shape"]))
+        raise CorruptSnapshotError(f"{path}: sharded tensor {record.key[:80]!r} has unknown "
+                                   f"dtype {record.dtype!r}")
+    return ShardedRef(record.key, dtype, record.global_shape)
 
 
 class PieceIndex:
@@ -80,21 +81,21 @@ class PieceIndex:
         for shard in record.shards:
             reader = refs.open(record.dir, shard.rank)
             where = reader.path
-            table = reader.index.get("dtensors", [])
+            table = reader.dtensors
             records = reader.index.get("tensors")
             if not isinstance(records, list):
                 raise CorruptSnapshotError(f"{where}: the index has no tensor table")
             keys = keys_of[shard.rank] = set()
             for d in table:
-                spec = (d["dtype"], tuple(d["global_shape"]))
-                if seen.setdefault(d["key"], spec) != spec:
+                spec = (d.dtype, d.global_shape)
+                if seen.setdefault(d.key, spec) != spec:
                     raise CorruptSnapshotError(
-                        f"{where}: sharded tensor {d['key'][:80]!r} is {spec[0]} "
-                        f"{list(spec[1])[:8]} here and {seen[d['key']][0]} "
-                        f"{list(seen[d['key']][1])[:8]} in another rank's shard")
-                keys.add(d["key"])
-                if d["tensor"] is not None:
-                    self.pieces.setdefault(d["key"], []).append(
+                        f"{where}: sharded tensor {d.key[:80]!r} is {spec[0]} "
+                        f"{list(spec[1])[:8]} here and {seen[d.key][0]} "
+                        f"{list(seen[d.key][1])[:8]} in another rank's shard")
+                keys.add(d.key)
+                if d.tensor is not None:
+                    self.pieces.setdefault(d.key, []).append(
                         self._piece(d, records, shard.rank, where))
         for rank, keys in keys_of.items():
             if keys != seen.keys():
@@ -112,21 +113,21 @@ class PieceIndex:
         return reader.storages[storage].largest_chunk
 
     @staticmethod
-    def _piece(d: dict, records: list, rank: int, where: str) -> _Piece:
-        n = d["tensor"]
+    def _piece(d: DTensorPiece, records: list, rank: int, where: str) -> _Piece:
+        n = d.tensor
         if n >= len(records):
-            raise CorruptSnapshotError(f"{where}: sharded tensor {d['key'][:80]!r} names tensor "
+            raise CorruptSnapshotError(f"{where}: sharded tensor {d.key[:80]!r} names tensor "
                                        f"{n}, which does not exist")
         r = records[n]
         dtype, shape, stride = tensor_layout(r, where, n)
-        offset, global_shape = d["offset"], d["global_shape"]
-        if (str(dtype).removeprefix("torch.") != d["dtype"] or len(shape) != len(global_shape)
+        offset, global_shape = d.offset, d.global_shape
+        if (str(dtype).removeprefix("torch.") != d.dtype or len(shape) != len(global_shape)
                 or any(o + s > g for o, s, g in zip(offset, shape, global_shape))
                 or stride != _contiguous_strides(shape) or "rank" in r
                 or (math.prod(shape) and type(r.get("storage")) is not int)
                 or not (type(r.get("offset")) is int and r["offset"] >= 0
                         and r["offset"] % dtype.itemsize == 0)):
-            raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d['key'][:80]!r} "
+            raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d.key[:80]!r} "
                                        "does not fit its global tensor")
         return _Piece(rank, r.get("storage"), r, tuple(offset), tuple(shape))
 
@@ -390,7 +391,7 @@ def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
 
 def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRecord) -> str:
     tensors, storages = reader.index["tensors"], reader.storages
-    dtensors = reader.index.get("dtensors", [])
+    dtensors = reader.dtensors
 
     def canonical(v: Any) -> Any:
         if isinstance(v, dict):
@@ -399,7 +400,7 @@ def _digest(node: Any, reader: ShardReader, refs: References, record: SnapshotRe
             if len(v) == 1 and "$dtensor" in v:
                 k = v["$dtensor"]
                 d = dtensors[k] if type(k) is int and 0 <= k < len(dtensors) else None
-                return ["$dtensor", None if d is None else [d["key"], d["dtype"], d["global_shape"]]]
+                return ["$dtensor", None if d is None else [d.key, d.dtype, list(d.global_shape)]]
             return {k: canonical(x) for k, x in v.items()}
         if isinstance(v, list):
             return [canonical(x) for x in v]

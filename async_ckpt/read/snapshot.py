@@ -30,7 +30,7 @@ from ..format.tree import Entry
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
 from ..storage.names import RNG_KEY
-from ..format.records import raw_bytes
+from ..format.records import DTensorPiece, raw_bytes
 from ..format.references import References
 from ..format.shard import CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum
 from .memory import allocating, require_memory
@@ -73,8 +73,8 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
             manifest = read_manifest(refs.storage)
         if manifest is not None:
             refs.add(manifest.snapshots)
-        dtensors = index.get("dtensors", [])
-        pieces = {d["tensor"] for d in dtensors if d["tensor"] is not None}
+        dtensors = own.dtensors
+        pieces = {d.tensor for d in dtensors if d.tensor is not None}
         plain = [r for n, r in enumerate(records) if n not in pieces]
         only_pieces = (_storages_viewed([r for n, r in enumerate(records) if n in pieces])
                        - _storages_viewed(plain)) if pieces else set()
@@ -374,7 +374,7 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
     visit(root, state, False)
 
 
-def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list,
+def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[DTensorPiece, ...],
              allow_pickle: AllowPickle, path: str) -> Entry:
     def leaf(node: dict):
         if len(node) == 1:

@@ -9,14 +9,14 @@ import argparse
 import collections
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
                      pick_record, size_text, step_arg, when_text)
 from ..errors import CorruptSnapshotError
 from ..format import values
 from ..format.manifest import read_manifest
-from ..format.records import StorageEntry, raw_bytes
+from ..format.records import DTensorPiece, raw_bytes
 from ..format.shard import ShardReader
 
 _PREVIEW_CHARS = 60  # longer values are summarised by type and length
@@ -49,10 +49,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = storage.location(record.dir, shard.file)
     with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                      shard.index_xxh3) as reader:
-        index, storages = reader.index, reader.storages
         reader.check_step(record.step)
+    index, storages = reader.index, reader.storages  # parsed and checked: no more reads
     _check_tensor_table(index, len(storages), path)
-    walk = _TreeWalk(index, storages, path)
+    walk = _TreeWalk(reader, path)
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
     raw = raw_bytes(storages)
@@ -103,12 +103,11 @@ class _TreeWalk:
     """Turns a shard index's state tree (docs/FORMAT.md section 5) into display lines and totals,
     without decoding anything that could run code or loading tensor data."""
 
-    def __init__(self, index: dict, storages: tuple[StorageEntry, ...], path: str):
+    def __init__(self, shard: ShardReader, path: str):
         self.path = path
-        self.tree = index.get("tree")
-        self.tensors = index.get("tensors")
-        self.dtensors = index.get("dtensors", [])
-        self.storages = storages
+        self.tree = shard.index.get("tree")
+        self.tensors = shard.index.get("tensors")
+        self.dtensors, self.storages = shard.dtensors, shard.storages
         self.lines: list[tuple] = []
         self.totals: dict[str, dict] = {}
         self._storage_owner: dict[int, str] = {}
@@ -167,16 +166,16 @@ class _TreeWalk:
         if type(k) is not int or not 0 <= k < len(self.dtensors):
             raise IndexError(f"sharded tensor {k!r} is not in the sharded-tensor table")
         d = self.dtensors[k]
-        if d["tensor"] is not None:
-            return self._tensor(d["tensor"], path, d)
+        if d.tensor is not None:
+            return self._tensor(d.tensor, path, d)
         self._top_totals()["tensors"] += 1
-        self.lines.append(("row", path, d["dtype"], _shape_text(d["global_shape"]), "-",
+        self.lines.append(("row", path, d.dtype, _shape_text(d.global_shape), "-",
                            "sharded; this rank's piece is stored by another rank"))
 
     def _top_totals(self) -> dict:
         return self.totals[self._top]
 
-    def _tensor(self, i: int, path: str, sharded: Optional[dict] = None) -> None:
+    def _tensor(self, i: int, path: str, sharded: Optional[DTensorPiece] = None) -> None:
         if type(i) is not int or not 0 <= i < len(self.tensors):
             raise IndexError(f"tensor {i!r} is not in the tensor table")
         t = self.tensors[i]
@@ -204,9 +203,9 @@ class _TreeWalk:
         if sharded is None:
             shape_text = _shape_text(shape)
         else:  # the global shape, and which box of it this rank's piece is
-            shape_text = _shape_text(sharded["global_shape"])
+            shape_text = _shape_text(sharded.global_shape)
             codec += "  (sharded; piece [" + ", ".join(
-                f"{o}:{o + n}" for o, n in zip(sharded["offset"], shape)) + "])"
+                f"{o}:{o + n}" for o, n in zip(sharded.offset, shape)) + "])"
         self.lines.append(("row", path, dtype, shape_text, size_text(nbytes), codec))
 
 MAX_SHOWN_PATH = 240
@@ -222,7 +221,7 @@ def _child_path(path: str, key: Any) -> str:
     return joined if len(joined) <= MAX_SHOWN_PATH else joined[:MAX_SHOWN_PATH - 1] + "\u2026"
 
 
-def _shape_text(shape: list) -> str:
+def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
