@@ -322,10 +322,6 @@ class ShardWriter:
             self._write_oldest()
         self._sink.settle()
 
-    @property
-    def raw_bytes(self) -> int:
-        return sum(s["nbytes"] for s in self._storages)
-
     def finish(self, meta: dict) -> tuple[int, str]:
         """Write the index (``meta`` plus the storage table) and trailer; on return the file is
         durable under its final name (``ShardSink.finish``).
