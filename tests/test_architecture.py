@@ -210,3 +210,41 @@ def test_no_module_outside_format_spells_out_a_tag_of_the_state_tree():
                                                      + spelled["async_ckpt.format.values"])
     assert {name: found for name, found in spelled.items()
             if found and _part(name) != "format"} == {}
+
+
+# Keys of a shard index's storage table, replica digests and sharded-tensor table (docs/FORMAT.md): format/ parses
+# them into records (format/records.py), and no other module reads the parsed JSON by them.
+_INDEX_KEYS = {"storages", "chunks", "ref", "chunks_xxh3", "index_xxh3", "replicas", "dtensors",
+               "global_shape"}
+# Modules outside format/ with a message of their own that shares one of those keys.
+_OWN_FORMATS = {"async_ckpt.keeper.protocol": "a hold's layout message names its 'storages'",
+                "async_ckpt.train.capture": "a group of tensors being planned has 'replicas'"}
+
+
+def _index_key_uses(path: pathlib.Path) -> list[str]:
+    """Each ``x["key"]``, ``x.get("key")`` and ``"key" in x`` of ``path`` with a key of
+    ``_INDEX_KEYS``, as ``line: key``."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Subscript):
+            key = node.slice
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "get" and node.args):
+            key = node.args[0]
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            key = node.left
+        else:
+            continue
+        if isinstance(key, ast.Constant) and key.value in _INDEX_KEYS:
+            uses.append(f"{node.lineno}: {key.value}")
+    return uses
+
+
+def test_only_the_format_reads_a_parsed_index_by_its_keys():
+    """The storage table of a shard's index is read through format/'s records, built by its
+    validator: a module outside format/ that indexes the parsed JSON is found here."""
+    found = {name: uses for name, path in MODULES.items()
+             if _part(name) != "format" and name not in _OWN_FORMATS
+             for uses in [_index_key_uses(path)] if uses}
+    assert not found, f"modules that read a parsed shard index by string key: {found}"
+    assert all(_index_key_uses(MODULES[name]) for name in _OWN_FORMATS)  # each exemption is used

@@ -15,6 +15,7 @@ from async_ckpt.write.protocol import Abandoned, Committed, Failed, Marker
 from async_ckpt.write.writer import _write_markers
 from async_ckpt.errors import (CorruptSnapshotError, InternalError, ReplicaMismatchError,
                                SnapshotWriteError)
+from async_ckpt.format.records import Replica
 from async_ckpt.format.shard import ChunkEncoder, ShardWriter
 from async_ckpt.storage.names import PARTIAL_SUFFIX, shard_file_name
 from async_ckpt.format.manifest import ShardRecord, read_manifest
@@ -99,7 +100,8 @@ def write_shard(root, name, rank, step, replicas=(), partial=False, world_size=W
 def attempt(root, job, step, replicas=()):
     name = f"step-{step:020d}.{job:08x}"
     shard = write_shard(root, name, 0, step, replicas)
-    return Attempt(job=job, step=step, dir=name, shard=shard, replicas=list(replicas),
+    return Attempt(job=job, step=step, dir=name, shard=shard,
+                   replicas=[Replica.of(r) for r in replicas],
                    raw_bytes=64, figures={"write_s": 0.0})
 
 

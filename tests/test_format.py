@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
+from async_ckpt.format.records import Chunk, Replica, StorageEntry
 from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, STORAGE_ALIGNMENT, TRAILER_MAGIC,
                                     TRAILER_SIZE, ChunkCache, ChunkEncoder, ShardReader,
                                     ShardWriter, version_needed)
@@ -265,6 +266,26 @@ def test_golden_bytes_of_a_version_5_file(tmp_path):
     assert path.read_bytes() == expected
     assert (size, digest) == (len(expected), f"{xxhash.xxh3_64_intdigest(blob):016x}")
     assert read_storages(path) == [a, b"", b]
+
+
+def test_the_reader_s_records_are_what_the_index_says(tmp_path):
+    """The records a reader builds from a validated index (format/records.py) hold every field
+    of its storage table and replica digests; a replica's JSON is the index's, key for key."""
+    b = bytes(range(100, 170))
+    replica = Replica("model", 0, 70, xxhash.xxh3_64_hexdigest(b))
+    path = tmp_path / "records.ackpt"
+    write_shard(path, [(b"", 1, False), (b, 2, False)], compression=None, chunk_bytes=64,
+                meta={"step": 7, "replicas": [replica.to_json()]}, version=5)
+    with ShardReader(str(path)) as reader:
+        assert reader.storages == (
+            StorageEntry(0, 1),
+            StorageEntry(70, 2, (Chunk(64, 64, 64, "raw", xxhash.xxh3_64_hexdigest(b[:64])),
+                                 Chunk(128, 6, 6, "raw", xxhash.xxh3_64_hexdigest(b[64:])))))
+        assert reader.replicas == (replica,) and reader.raw_bytes == 70
+        assert reader.index["replicas"] == [{"entry": "model", "owner": 0, "nbytes": 70,
+                                             "xxh3": replica.xxh3}]
+        assert list(reader.index["replicas"][0]) == ["entry", "owner", "nbytes", "xxh3"]
+    assert b'"replicas":[{"entry":"model","owner":0,"nbytes":70,"xxh3":"' in path.read_bytes()
 
 
 @pytest.mark.parametrize("workers", [0, 3])

@@ -5,6 +5,7 @@ Everything is written under ``tmp_path``; failures are injected by monkeypatchin
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -615,7 +616,7 @@ def test_retention_over_a_long_chain_of_references_is_linear_and_right():
     chain = []
     for step in range(n):
         r = record(step, seq=step)
-        chain.append(SnapshotRecord(**{**r.__dict__, "refers": (chain[-1].dir,) if chain else ()}))
+        chain.append(dataclasses.replace(r, refers=(chain[-1].dir,) if chain else ()))
     manifest = Manifest(tuple(chain), next_seq=n)
     kept, dropped = manifest.without(range(n - 1))
     assert len(kept.snapshots) == n and not dropped
@@ -631,7 +632,7 @@ def test_retention_over_a_long_chain_of_references_is_linear_and_right():
 def own_record(step: int, rank: int, world_size: int = 4) -> SnapshotRecord:
     """A record of rank ``rank``'s own manifest: only its shard of ``world_size``."""
     full = record(step, world_size=world_size)
-    return SnapshotRecord(**{**full.__dict__, "shards": (full.shards[rank],)})
+    return dataclasses.replace(full, shards=(full.shards[rank],))
 
 
 def test_a_ranks_own_manifest_round_trips_as_version_3(tmp_path):

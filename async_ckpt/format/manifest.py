@@ -12,6 +12,7 @@ the snapshot committed last is the one to resume from, and retention must never 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -39,7 +40,12 @@ _MAX_INT = 2**62  # bound of sizes, steps and counts: arithmetic on them never o
 _LATEST_TIME = 253402300799  # 9999-12-31T23:59:59Z: any later Unix time cannot be shown as a date
 
 
-@dataclass(frozen=True)
+def _fields(record) -> dict:
+    """A record's fields by name, in their declared order: the manifest's keys for it."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+@dataclass(frozen=True, slots=True)
 class ShardRecord:
     """One rank's file of a snapshot, with what is needed to spot truncation before reading it."""
 
@@ -49,7 +55,7 @@ class ShardRecord:
     index_xxh3: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SnapshotRecord:
     """A committed snapshot as the manifest lists it."""
 
@@ -69,8 +75,8 @@ class SnapshotRecord:
         return next((s for s in self.shards if s.rank == rank), None)
 
     def to_json(self) -> dict:
-        d = self.__dict__.copy()
-        d["shards"] = [s.__dict__ for s in self.shards]
+        d = _fields(self)
+        d["shards"] = [_fields(s) for s in self.shards]
         if self.refers:
             d["refers"] = list(self.refers)
         else:
@@ -78,7 +84,7 @@ class SnapshotRecord:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DroppedRecord:
     """A snapshot that was committed and later dropped by retention. The other ranks' writers
     read these to tell "committed, then dropped" from "given up" when a directory is gone."""
@@ -126,7 +132,7 @@ class Manifest:
         once the new manifest is durable. ``keep``: directories to keep whatever retention says
         (the snapshot being uploaded)."""
         keep = set(keep)
-        record = SnapshotRecord(**{**record.__dict__, "seq": self.next_seq})
+        record = dataclasses.replace(record, seq=self.next_seq)
         replaced = [s for s in self.snapshots if s.step == record.step]
         ordered = [s for s in self.snapshots if s.step != record.step] + [record]
         newest = {s.seq for s in ordered[-keep_last:]}
@@ -162,7 +168,7 @@ class Manifest:
             "next_seq": self.next_seq,
             "snapshots": [s.to_json() for s in self.snapshots],
             **({"extra": self.extra} if self.extra else {}),
-            **({"dropped": [d.__dict__ for d in self.dropped]} if self.dropped else {}),
+            **({"dropped": [_fields(d) for d in self.dropped]} if self.dropped else {}),
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()  # on one line,
         # as json's C encoder writes it: an indented manifest of 60,000 shard records takes
@@ -433,7 +439,7 @@ def recover_manifest(root: str | Storage, write: bool = True,
     if not found:
         return Manifest(rank=rank)
     ordered = _restorable(sorted(found.values(), key=lambda r: r.committed_at))
-    manifest = Manifest(tuple(SnapshotRecord(**{**r.__dict__, "seq": i}) for i, r in enumerate(ordered)),
+    manifest = Manifest(tuple(dataclasses.replace(r, seq=i) for i, r in enumerate(ordered)),
                         next_seq=len(ordered), rank=rank)
     if write:
         write_manifest(storage, manifest)
@@ -450,7 +456,7 @@ def _complete_snapshot(storage: Storage, name: str,
     from .shard import (ShardReader, data_file_bytes, data_file_problems,  # only for this
                         referenced_dirs)  # repair
 
-    shards, indexes = {}, []
+    shards, indexes, raw, refers_to = {}, [], 0, set()
     listing = dict(storage.list_snapshot(name))
     for file in listing:
         if not SHARD_FILE.fullmatch(file) or (  # e.g. a shard still being written (*.partial)
@@ -459,6 +465,8 @@ def _complete_snapshot(storage: Storage, name: str,
         try:
             with ShardReader(storage.open_shard(name, file)) as reader:
                 index = reader.index
+                raw += reader.raw_bytes
+                refers_to.update(referenced_dirs(reader.storages))
                 record = ShardRecord(int(SHARD_FILE.fullmatch(file).group(1)), file, reader.size,
                                      reader.index_xxh3)
         except CheckpointError:
@@ -477,10 +485,9 @@ def _complete_snapshot(storage: Storage, name: str,
             or any(i.get("step") != snapshot_dir_step(name) or i.get("world_size") != world_size
                    for i in indexes)):
         return None
-    refers = tuple(sorted({d for i in indexes for d in referenced_dirs(i)}))
+    refers = tuple(sorted(refers_to))
     if name in refers:  # a shard that refers to its own snapshot cannot be restored
         return None
-    raw = sum(s["nbytes"] for i in indexes for s in i["storages"])
     return SnapshotRecord(step=snapshot_dir_step(name), seq=0, dir=name, committed_at=float(created),
                           world_size=world_size, shards=tuple(shards[r] for r in needed),
                           raw_bytes=raw, stored_bytes=sum(s.bytes for s in shards.values())

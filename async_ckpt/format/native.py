@@ -208,8 +208,8 @@ def write_committed(out: BinaryIO, references: References, record: SnapshotRecor
     index = reader.index
 
     def pieces(n: int) -> Iterator[memoryview]:
-        entry = index["storages"][n]
-        if "ref" in entry:
+        entry = reader.storages[n]
+        if entry.ref is not None:
             source, i = references.resolve(record, rank, entry, f"{reader.path} storage {n}")
             return source.storage_pieces(i)
         return reader.storage_pieces(n)

@@ -18,6 +18,7 @@ from ..errors import CorruptSnapshotError
 from ..storage.base import Storage
 from .manifest import SnapshotRecord
 from ..storage.names import shard_file_name
+from .records import StorageEntry
 from .shard import ShardReader, check_reference
 
 
@@ -56,19 +57,20 @@ class References:
             self._readers[key] = reader
         return self._readers[key]
 
-    def resolve(self, referencing: SnapshotRecord, rank: int, entry: dict,
+    def resolve(self, referencing: SnapshotRecord, rank: int, entry: StorageEntry,
                 where: str) -> tuple[ShardReader, int]:
         """The shard and storage number holding the bytes of reference ``entry``, found in
         ``rank``'s shard of ``referencing``."""
-        ref = entry["ref"]
-        target = self._records.get(ref["dir"])
-        if target is None or target.seq >= referencing.seq or ref["dir"] not in referencing.refers:
+        ref = entry.ref
+        assert ref is not None
+        target = self._records.get(ref.dir)
+        if target is None or target.seq >= referencing.seq or ref.dir not in referencing.refers:
             raise CorruptSnapshotError(
-                f"{where} refers to {ref['dir']}, which is not a committed snapshot that step "
+                f"{where} refers to {ref.dir}, which is not a committed snapshot that step "
                 f"{referencing.step} lists among those it refers to")
-        if ref["file"] != shard_file_name(rank):
-            raise CorruptSnapshotError(f"{where} refers to {ref['file']}, another rank's shard")
-        reader = self.open(ref["dir"], rank)
+        if ref.file != shard_file_name(rank):
+            raise CorruptSnapshotError(f"{where} refers to {ref.file}, another rank's shard")
+        reader = self.open(ref.dir, rank)
         return reader, check_reference(entry, reader, where)
 
     def close(self) -> None:

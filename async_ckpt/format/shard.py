@@ -33,6 +33,7 @@ import zstandard
 
 from . import filters, values
 from .layout import DIRECT_BYTES
+from .records import Chunk, DTensorPiece, Replica, StorageEntry, raw_bytes
 from ..checks import is_int, short_repr
 from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
                              data_files_of)
@@ -102,38 +103,36 @@ def data_file_bytes(index: dict) -> int:
     return sum(size for _, size in data_files(index))
 
 
-def referenced_dirs(index: dict) -> list[str]:
-    """The earlier snapshot directories whose shards a (validated) index's storages refer to."""
-    return sorted({s["ref"]["dir"] for s in index["storages"] if "ref" in s})
+def referenced_dirs(storages: tuple[StorageEntry, ...]) -> list[str]:
+    """The earlier snapshot directories whose shards ``storages`` (a shard's) refer to."""
+    return sorted({s.ref.dir for s in storages if s.ref is not None})
 
 
 def reference_to(target: "ShardReader", directory: str, file: str, i: int) -> dict:
     """The ``ref`` field of a storage stored as storage ``i`` of shard ``file`` of the earlier
     snapshot ``directory`` (read through ``target``): enough to find it and to tell that the
     target was replaced since."""
-    storage = target.index["storages"][i]
     return {"dir": directory, "file": file, "storage": i, "index_xxh3": target.index_xxh3,
-            "chunks_xxh3": [c["xxh3"] for c in storage["chunks"]]}
+            "chunks_xxh3": list(target.storages[i].chunk_digests)}
 
 
-def check_reference(entry: dict, target: "ShardReader", where: str) -> int:
+def check_reference(entry: StorageEntry, target: "ShardReader", where: str) -> int:
     """The storage number in ``target`` that reference ``entry`` (a storage with a ``ref``)
     names, after checking that it is the very storage referred to when written: same index, a
     storage that holds chunks (never another reference), same size, same chunk checksums."""
-    ref = entry["ref"]
-    storages = target.index["storages"]
-    i = ref["storage"]
-    if target.index_xxh3 != ref["index_xxh3"]:
+    ref = entry.ref
+    assert ref is not None
+    if target.index_xxh3 != ref.index_xxh3:
         raise CorruptSnapshotError(f"{where} refers to {target.path}, which was replaced since "
                                    "(its index checksum differs)")
-    if not (i < len(storages) and "chunks" in storages[i]):
-        raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which does "
-                                   "not hold its bytes")
-    if (storages[i]["nbytes"] != entry["nbytes"]
-            or [c["xxh3"] for c in storages[i]["chunks"]] != ref["chunks_xxh3"]):
-        raise CorruptSnapshotError(f"{where} refers to storage {i} of {target.path}, which holds "
-                                   "other bytes")
-    return i
+    held = target.held_storage(ref.storage)
+    if held is None:
+        raise CorruptSnapshotError(f"{where} refers to storage {ref.storage} of {target.path}, "
+                                   "which does not hold its bytes")
+    if held.nbytes != entry.nbytes or held.chunk_digests != ref.chunks_xxh3:
+        raise CorruptSnapshotError(f"{where} refers to storage {ref.storage} of {target.path}, "
+                                   "which holds other bytes")
+    return ref.storage
 
 
 def index_budget(data_bytes: int) -> int:
@@ -323,10 +322,6 @@ class ShardWriter:
             self._write_oldest()
         self._sink.settle()
 
-    @property
-    def raw_bytes(self) -> int:
-        return sum(s["nbytes"] for s in self._storages)
-
     def finish(self, meta: dict) -> tuple[int, str]:
         """Write the index (``meta`` plus the storage table) and trailer; on return the file is
         durable under its final name (``ShardSink.finish``).
@@ -387,10 +382,28 @@ class ShardReader:
                 raise CorruptSnapshotError(
                     f"{self.path} has {self.size} bytes, the manifest recorded {expected_bytes}: "
                     "the file was truncated or replaced")
-            self.index = self._read_index(expected_index_xxh3)
+            self.index, self.storages = self._read_index(expected_index_xxh3)
+            self.replicas = tuple(map(Replica.of, self.index.get("replicas", ())))  # validated
+            self.dtensors = tuple(map(DTensorPiece.of, self.index.get("dtensors", ())))
         except BaseException:
             self.close()
             raise
+
+    @property
+    def raw_bytes(self) -> int:
+        """The tensor bytes of its storages (those it refers to included), before encoding."""
+        return raw_bytes(self.storages)
+
+    def held_storage(self, i: int, nbytes: Optional[int] = None,
+                     itemsize: Optional[int] = None) -> Optional[StorageEntry]:
+        """Storage ``i`` if it holds its bytes here (it is no reference), of ``nbytes`` bytes of
+        elements of ``itemsize`` where given, else None: the one check of what a reference, read
+        (``check_reference``) or about to be written (the writer's), may name."""
+        s = self.storages[i] if 0 <= i < len(self.storages) else None
+        if s is None or s.ref is not None or nbytes not in (None, s.nbytes) or itemsize not in (
+                None, s.itemsize):
+            return None
+        return s
 
     def __enter__(self) -> "ShardReader":
         return self
@@ -403,10 +416,10 @@ class ShardReader:
         for source in self._data_files.values():
             source.close()
 
-    def _source_of(self, chunk: dict) -> ShardSource:
-        """The file that holds ``chunk``: this one, or one of its data files (version 6), opened
-        the first time and checked to have the size the index records."""
-        number = chunk.get("file")
+    def _source_of(self, number: Optional[int]) -> ShardSource:
+        """The file that holds a chunk of data file ``number``: this one (None), or one of its
+        data files (version 6), opened the first time and checked to have the size the index
+        records."""
         if number is None:
             return self._source
         with self._opening:
@@ -440,7 +453,7 @@ class ShardReader:
                                        f"{short_repr(self.index.get('step'), 40)}, not the step "
                                        f"{step} of the snapshot it is in")
 
-    def _read_index(self, expected_xxh3: Optional[str]) -> dict:
+    def _read_index(self, expected_xxh3: Optional[str]) -> tuple[dict, tuple[StorageEntry, ...]]:
         if self.size < HEADER_SIZE + TRAILER_SIZE:
             raise CorruptSnapshotError(f"{self.path} is too short ({self.size} bytes) to be a shard")
         magic, version, reserved = _HEADER.unpack(self._pread(HEADER_SIZE, 0))
@@ -476,8 +489,7 @@ class ShardReader:
             raise CorruptSnapshotError(f"{self.path}: the index is refused: {e}") from e
         except (ValueError, RecursionError) as e:
             raise CorruptSnapshotError(f"{self.path}: the index is not valid JSON") from e
-        _validate_index(index, self.path, data_end=offset, version=self.version)
-        return index
+        return index, _validate_index(index, self.path, data_end=offset, version=self.version)
 
     def _index_budget(self, data_end: int, cost: int) -> int:
         """The budget of the index (``index_budget``), whose parse costs ``cost``: its data area
@@ -503,30 +515,30 @@ class ShardReader:
         storage's size), each verified and decoded, each raising for its chunk's damage;
         independent, so callers may run them on several threads (reading, checksums and zstd
         all release the GIL: a compressed storage decodes on every core)."""
-        storage = self.index["storages"][i]
-        if "ref" in storage:  # the caller follows it (format/references.py)
+        storage = self.storages[i]
+        if storage.ref is not None:  # the caller follows it (format/references.py)
             raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
         view = memoryview(out).cast("B")
-        if len(view) != storage["nbytes"]:
-            raise ValueError(f"buffer has {len(view)} bytes, storage {i} has {storage['nbytes']}")
+        if len(view) != storage.nbytes:
+            raise ValueError(f"buffer has {len(view)} bytes, storage {i} has {storage.nbytes}")
         reads, position = [], 0
-        for chunk_no, chunk in enumerate(storage["chunks"]):
+        for chunk_no, chunk in enumerate(storage.chunks):
             reads.append(functools.partial(
-                self._read_chunk, chunk, storage["itemsize"],
-                view[position:position + chunk["raw"]], f"storage {i} chunk {chunk_no}"))
-            position += chunk["raw"]
+                self._read_chunk, chunk, storage.itemsize,
+                view[position:position + chunk.raw], f"storage {i} chunk {chunk_no}"))
+            position += chunk.raw
         return reads
 
     def storage_pieces(self, i: int) -> Iterator[memoryview]:
         """Storage ``i``'s bytes chunk by chunk, each verified and decoded into one reused buffer
         (valid until the next piece): to copy a storage elsewhere in memory of one chunk."""
-        storage = self.index["storages"][i]
-        if "ref" in storage:  # the caller follows it (format/references.py)
+        storage = self.storages[i]
+        if storage.ref is not None:  # the caller follows it (format/references.py)
             raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
-        buffer = memoryview(bytearray(max((c["raw"] for c in storage["chunks"]), default=0)))
-        for chunk_no, chunk in enumerate(storage["chunks"]):
-            piece = buffer[:chunk["raw"]]
-            self._read_chunk(chunk, storage["itemsize"], piece, f"storage {i} chunk {chunk_no}")
+        buffer = memoryview(bytearray(storage.largest_chunk))
+        for chunk_no, chunk in enumerate(storage.chunks):
+            piece = buffer[:chunk.raw]
+            self._read_chunk(chunk, storage.itemsize, piece, f"storage {i} chunk {chunk_no}")
             yield piece
 
     def read_range(self, i: int, start: int, stop: int, out,
@@ -536,16 +548,16 @@ class ShardReader:
         covers a chunk). A chunk needed only in part is decoded into ``cache``, where the next
         call finds it: reads of consecutive ranges decode each chunk once. Without a cache, the
         needed part of a raw chunk is read straight into ``out`` (the rest only to be checked)."""
-        storage = self.index["storages"][i]
-        if "ref" in storage:  # the caller follows it (format/references.py)
+        storage = self.storages[i]
+        if storage.ref is not None:  # the caller follows it (format/references.py)
             raise CorruptSnapshotError(f"{self.path}: storage {i} is a reference, not bytes")
         view = memoryview(out).cast("B")
-        if not (0 <= start <= stop <= storage["nbytes"] and len(view) == stop - start):
+        if not (0 <= start <= stop <= storage.nbytes and len(view) == stop - start):
             raise ValueError(f"bytes [{start}, {stop}) of storage {i} do not fit a buffer of "
                              f"{len(view)} bytes")
         position = 0
-        for chunk_no, chunk in enumerate(storage["chunks"]):
-            lo, hi = position, position + chunk["raw"]
+        for chunk_no, chunk in enumerate(storage.chunks):
+            lo, hi = position, position + chunk.raw
             position = hi
             if hi <= start:
                 continue
@@ -553,17 +565,17 @@ class ShardReader:
                 break
             where = f"storage {i} chunk {chunk_no}"
             if start <= lo and hi <= stop:
-                self._read_chunk(chunk, storage["itemsize"], view[lo - start:hi - start], where)
+                self._read_chunk(chunk, storage.itemsize, view[lo - start:hi - start], where)
                 continue
             a, b = max(lo, start), min(hi, stop)
-            if cache is None and chunk["codec"] == "raw" and chunk["stored"] == chunk["raw"]:
+            if cache is None and chunk.codec == "raw" and chunk.stored == chunk.raw:
                 self._read_chunk_part(chunk, view[a - start:b - start], a - lo, where)
                 continue
             key = (id(self), i, chunk_no)
             data = cache.get(key) if cache is not None else None
             if data is None:
-                data = memoryview(bytearray(chunk["raw"]))
-                self._read_chunk(chunk, storage["itemsize"], data, where)
+                data = memoryview(bytearray(chunk.raw))
+                self._read_chunk(chunk, storage.itemsize, data, where)
                 if cache is not None:
                     cache.put(key, data)
             view[a - start:b - start] = data[a - lo:b - lo]
@@ -577,24 +589,24 @@ class ShardReader:
 
         A page-cache hit costs no copy here: the checksums read the cached pages in place, and
         the caller copies them once, into the tensors that hold the state."""
-        storage = self.index["storages"][i]
-        chunks = storage["chunks"]
-        if (not chunks or any(c["codec"] != "raw" for c in chunks)
-                or chunks[0]["offset"] % alignment):
+        storage = self.storages[i]
+        chunks = storage.chunks
+        if (not chunks or any(c.codec != "raw" for c in chunks)
+                or chunks[0].offset % alignment):
             return None
-        mapping = self._map(chunks[0].get("file"))  # a storage's chunks are in one file, in a row
+        mapping = self._map(chunks[0].file)  # a storage's chunks are in one file, in a row
         if mapping is None:
             return None
-        start = chunks[0]["offset"]
-        return memoryview(mapping)[start:start + storage["nbytes"]]
+        start = chunks[0].offset
+        return memoryview(mapping)[start:start + storage.nbytes]
 
     def mapped_checks(self, i: int) -> list[Callable[[], None]]:
         """One check per chunk of mapped storage ``i`` (``mapped_storage``), each raising
         ChecksumMismatchError for a damaged chunk; independent, so callers may run them on
         several threads (the first touch of mapped pages is what costs, and it parallelises).
         The whole file is asked to be read ahead first, for a cold cache."""
-        chunks = self.index["storages"][i]["chunks"]
-        number = chunks[0].get("file") if chunks else None
+        chunks = self.storages[i].chunks
+        number = chunks[0].file if chunks else None
         mapping = self._map(number)
         if number not in self._prefetched:  # once, for a file's whole data area: one call costs
             self._prefetched.add(number)  # as much as many
@@ -604,9 +616,9 @@ class ShardReader:
                 _prefetch(mapping, 0, self.index["files"][number]["bytes"])
         view = memoryview(mapping)
 
-        def check(chunk_no: int, chunk: dict) -> None:
-            if checksum(view[chunk["offset"]:chunk["offset"] + chunk["stored"]]) != chunk["xxh3"]:
-                raise ChecksumMismatchError(f"{self._source_of(chunk).name}: storage {i} chunk "
+        def check(chunk_no: int, chunk: Chunk) -> None:
+            if checksum(view[chunk.offset:chunk.offset + chunk.stored]) != chunk.xxh3:
+                raise ChecksumMismatchError(f"{self._source_of(chunk.file).name}: storage {i} chunk "
                                             f"{chunk_no} fails its checksum (bytes damaged on "
                                             "disk)")
 
@@ -618,7 +630,7 @@ class ShardReader:
         program may truncate while it is read, and a mapping would then kill the process
         (SIGBUS) where a read into memory raises for the short read."""
         if number not in self._mappings:
-            source = self._source_of({"file": number})
+            source = self._source_of(number)
             if number is not None and source.linked:
                 self._mappings[number] = False
                 return None
@@ -629,74 +641,74 @@ class ShardReader:
                 self._mappings[number] = False
         return self._mappings[number] or None
 
-    def _read_chunk(self, chunk: dict, itemsize: int, target: Optional[memoryview],
+    def _read_chunk(self, chunk: Chunk, itemsize: int, target: Optional[memoryview],
                     where: str) -> None:
-        """Chunk ``chunk``, verified and decoded into ``target`` (``chunk["raw"]`` bytes), or with
+        """Chunk ``chunk``, verified and decoded into ``target`` (``chunk.raw`` bytes), or with
         ``target`` None only verified and decoded into scratch of at most ``DECODE_PIECE`` bytes
         (``verify``): no buffer the size of the chunk."""
-        if chunk["codec"] == "raw" and target is None:
+        if chunk.codec == "raw" and target is None:
             self._check_raw(chunk, where)
             return
-        source = self._source_of(chunk)
-        if chunk["codec"] == "raw":
+        source = self._source_of(chunk.file)
+        if chunk.codec == "raw":
             stored = target
             try:
-                got = source.read_into(stored, chunk["offset"])
+                got = source.read_into(stored, chunk.offset)
             except OSError as e:
                 raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
-            if got != chunk["stored"]:
+            if got != chunk.stored:
                 raise CorruptSnapshotError(f"{source.name}: short read of {where}")
         else:
-            stored = self._pread(chunk["stored"], chunk["offset"])
-        if checksum(stored) != chunk["xxh3"]:
+            stored = self._pread(chunk.stored, chunk.offset)
+        if checksum(stored) != chunk.xxh3:
             raise ChecksumMismatchError(
                 f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
-        if chunk["codec"] == "zstd":
-            _unzstd_into(stored, chunk["raw"], target, self.path, where)
-        elif chunk["codec"] == "planes":
+        if chunk.codec == "zstd":
+            _unzstd_into(stored, chunk.raw, target, self.path, where)
+        elif chunk.codec == "planes":
             self._decode_planes(chunk, itemsize, stored, target, where)
 
-    def _check_raw(self, chunk: dict, where: str) -> None:
+    def _check_raw(self, chunk: Chunk, where: str) -> None:
         """The checksum of a raw chunk, read in pieces of at most ``DECODE_PIECE`` bytes."""
-        source = self._source_of(chunk)
-        h, scratch = xxhash.xxh3_64(), memoryview(bytearray(min(chunk["raw"], DECODE_PIECE)))
-        for at in range(0, chunk["raw"], len(scratch)):
-            piece = scratch[:min(len(scratch), chunk["raw"] - at)]
+        source = self._source_of(chunk.file)
+        h, scratch = xxhash.xxh3_64(), memoryview(bytearray(min(chunk.raw, DECODE_PIECE)))
+        for at in range(0, chunk.raw, len(scratch)):
+            piece = scratch[:min(len(scratch), chunk.raw - at)]
             try:
-                got = source.read_into(piece, chunk["offset"] + at)
+                got = source.read_into(piece, chunk.offset + at)
             except OSError as e:
                 raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
             if got != len(piece):
                 raise CorruptSnapshotError(f"{source.name}: short read of {where}")
             h.update(piece)
-        if h.hexdigest() != chunk["xxh3"]:
+        if h.hexdigest() != chunk.xxh3:
             raise ChecksumMismatchError(
                 f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
 
-    def _read_chunk_part(self, chunk: dict, part: memoryview, skip: int, where: str) -> None:
+    def _read_chunk_part(self, chunk: Chunk, part: memoryview, skip: int, where: str) -> None:
         """Bytes ``[skip, skip + len(part))`` of a raw chunk into ``part``, the chunk verified
         whole: the bytes around them are read into scratch for the checksum."""
-        source = self._source_of(chunk)
-        head, tail = bytearray(skip), bytearray(chunk["raw"] - skip - len(part))
+        source = self._source_of(chunk.file)
+        head, tail = bytearray(skip), bytearray(chunk.raw - skip - len(part))
         for buffer, at in ((head, 0), (part, skip), (tail, skip + len(part))):
             try:
-                got = source.read_into(buffer, chunk["offset"] + at) if len(buffer) else 0
+                got = source.read_into(buffer, chunk.offset + at) if len(buffer) else 0
             except OSError as e:
                 raise CorruptSnapshotError(f"{source.name}: cannot read {where}: {e.strerror}") from e
             if got != len(buffer):
                 raise CorruptSnapshotError(f"{source.name}: short read of {where}")
-        if checksum(head, part, tail) != chunk["xxh3"]:
+        if checksum(head, part, tail) != chunk.xxh3:
             raise ChecksumMismatchError(
                 f"{source.name}: {where} fails its checksum (bytes damaged on disk)")
 
-    def _decode_planes(self, chunk: dict, itemsize: int, stored: bytes,
+    def _decode_planes(self, chunk: Chunk, itemsize: int, stored: bytes,
                        target: Optional[memoryview], where: str) -> None:
         """Un-shuffle a planes chunk into ``target`` (None: check it decodes) a block of elements
         at a time: each plane is read (or zstd-decoded) block by block into scratch of at most
         ``DECODE_PIECE`` bytes, never whole."""
-        plane = chunk["raw"] // itemsize
+        plane = chunk.raw // itemsize
         src, sources = memoryview(stored), []
-        for codec, length in chunk["planes"]:
+        for codec, length in chunk.planes:
             part, src = src[:length], src[length:]
             sources.append(part if codec == "raw" else _ZstdFrame(part, plane, self.path, where))
         block = max(1, DECODE_PIECE // itemsize)
@@ -720,30 +732,30 @@ class ShardReader:
         """Read every chunk stored here and return one line per damaged chunk, or padding that
         is not zero (empty when intact). References to earlier snapshots are not followed (see
         format/references.py)."""
-        return ([p for i in range(len(self.index["storages"])) for p in self.verify_storage(i)]
+        return ([p for i in range(len(self.storages)) for p in self.verify_storage(i)]
                 + self._padding_problems())
 
     def _padding_problems(self) -> list[str]:
         """One line per storage whose alignment padding (version 5) is not zero bytes: no
         checksum covers it, so this is the one check that it holds nothing."""
         position, problems = HEADER_SIZE, []
-        for i, storage in enumerate(self.index["storages"]):
-            chunks = storage.get("chunks") or ()
-            if not chunks or "file" in chunks[0]:  # a data file's other bytes are its format's
+        for i, storage in enumerate(self.storages):
+            chunks = storage.chunks
+            if not chunks or chunks[0].file is not None:  # a data file's other bytes are its format's
                 continue
-            gap = chunks[0]["offset"] - position
+            gap = chunks[0].offset - position
             if gap and any(self._pread(gap, position)):
                 problems.append(f"{self.path}: the {gap} bytes of padding before storage {i} are "
                                 "not zero (damaged on disk, or written by something else)")
-            position = chunks[-1]["offset"] + chunks[-1]["stored"]
+            position = chunks[-1].offset + chunks[-1].stored
         return problems
 
     def verify_storage(self, i: int) -> list[str]:
         """One line per damaged chunk of storage ``i`` (none for a reference)."""
-        storage, problems = self.index["storages"][i], []
-        for j, chunk in enumerate(storage.get("chunks", ())):
+        storage, problems = self.storages[i], []
+        for j, chunk in enumerate(storage.chunks):
             try:
-                self._read_chunk(chunk, storage["itemsize"], None, f"storage {i} chunk {j}")
+                self._read_chunk(chunk, storage.itemsize, None, f"storage {i} chunk {j}")
             except CorruptSnapshotError as e:
                 problems.append(str(e))
         return problems
@@ -849,8 +861,10 @@ def _unzstd_into(data, size: int, target: Optional[memoryview], path: str, where
     frame.finish()
 
 
-def _validate_index(index, path: str, data_end: int, version: int) -> None:
-    """Check the index's structure and that its chunks tile the data area exactly."""
+def _validate_index(index, path: str, data_end: int,
+                    version: int) -> tuple[StorageEntry, ...]:
+    """Check the index's structure and that its chunks tile the data area exactly; return its
+    storage table as records, built here only, so that a record describes a valid storage."""
 
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(f"{path}: invalid index: {why}")
@@ -920,6 +934,7 @@ def _validate_index(index, path: str, data_end: int, version: int) -> None:
         for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
             if start < end:
                 raise bad(f"storages {first} and {second} overlap in data file {number}")
+    return tuple(map(StorageEntry.of, storages))
 
 
 def _first_chunk_position(end: int, offset: int, version: int) -> int:

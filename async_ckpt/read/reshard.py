@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
+from ..format.records import DTensorPiece
 from ..format.references import References
 from ..format import tree as tree_model
 from ..format.shard import ChunkCache, ShardReader, checksum
@@ -58,13 +59,13 @@ class _Piece:
     shape: tuple[int, ...]
 
 
-def sharded_ref(record: Any, path: str) -> ShardedRef:
-    """The placeholder of a (validated) ``dtensors`` record, its dtype checked."""
-    dtype = DTYPES.get(record["dtype"])
+def sharded_ref(record: DTensorPiece, path: str) -> ShardedRef:
+    """The placeholder of a ``dtensors`` record, its dtype checked."""
+    dtype = DTYPES.get(record.dtype)
     if dtype is None:
-        raise CorruptSnapshotError(f"{path}: sharded tensor {record['key'][:80]!r} has unknown "
-                                   f"dtype {record['dtype']!r}")
-    return ShardedRef(record["key"], dtype, tuple(record["global_shape"]))
+        raise CorruptSnapshotError(f"{path}: sharded tensor {record.key[:80]!r} has unknown "
+                                   f"dtype {record.dtype!r}")
+    return ShardedRef(record.key, dtype, record.global_shape)
 
 
 class PieceIndex:
@@ -82,21 +83,21 @@ class PieceIndex:
         for shard in record.shards:
             reader = refs.open(record.dir, shard.rank)
             where = reader.path
-            table = reader.index.get("dtensors", [])
+            table = reader.dtensors
             records = reader.index.get("tensors")
             if not isinstance(records, list):
                 raise CorruptSnapshotError(f"{where}: the index has no tensor table")
             keys = keys_of[shard.rank] = set()
             for d in table:
-                spec = (d["dtype"], tuple(d["global_shape"]))
-                if seen.setdefault(d["key"], spec) != spec:
+                spec = (d.dtype, d.global_shape)
+                if seen.setdefault(d.key, spec) != spec:
                     raise CorruptSnapshotError(
-                        f"{where}: sharded tensor {d['key'][:80]!r} is {spec[0]} "
-                        f"{list(spec[1])[:8]} here and {seen[d['key']][0]} "
-                        f"{list(seen[d['key']][1])[:8]} in another rank's shard")
-                keys.add(d["key"])
-                if d["tensor"] is not None:
-                    self.pieces.setdefault(d["key"], []).append(
+                        f"{where}: sharded tensor {d.key[:80]!r} is {spec[0]} "
+                        f"{list(spec[1])[:8]} here and {seen[d.key][0]} "
+                        f"{list(seen[d.key][1])[:8]} in another rank's shard")
+                keys.add(d.key)
+                if d.tensor is not None:
+                    self.pieces.setdefault(d.key, []).append(
                         self._piece(d, records, shard.rank, where))
         for rank, keys in keys_of.items():
             if keys != seen.keys():
@@ -105,29 +106,30 @@ class PieceIndex:
                                            f"tensor {missing[:80]!r}: it is not in every rank's "
                                            "shard")
 
-    def chunks(self, piece: _Piece) -> list:
-        """The chunks of the storage holding ``piece`` (none for an empty piece)."""
+    def largest_chunk(self, piece: _Piece) -> int:
+        """The raw bytes of the largest chunk of the storage holding ``piece`` (0 for an empty
+        piece): what reading part of it decodes at once."""
         if piece.storage is None:
-            return []
+            return 0
         reader, storage = self._open_storage(self._refs, self._record, piece.rank, piece.storage)
-        return reader.index["storages"][storage]["chunks"]
+        return reader.storages[storage].largest_chunk
 
     @staticmethod
-    def _piece(d: dict, records: list, rank: int, where: str) -> _Piece:
-        n = d["tensor"]
+    def _piece(d: DTensorPiece, records: list, rank: int, where: str) -> _Piece:
+        n = d.tensor
         if n >= len(records):
-            raise CorruptSnapshotError(f"{where}: sharded tensor {d['key'][:80]!r} names tensor "
+            raise CorruptSnapshotError(f"{where}: sharded tensor {d.key[:80]!r} names tensor "
                                        f"{n}, which does not exist")
         r = records[n]
         dtype, shape, stride = tensor_layout(r, where, n)
-        offset, global_shape = d["offset"], d["global_shape"]
-        if (str(dtype).removeprefix("torch.") != d["dtype"] or len(shape) != len(global_shape)
+        offset, global_shape = d.offset, d.global_shape
+        if (str(dtype).removeprefix("torch.") != d.dtype or len(shape) != len(global_shape)
                 or any(o + s > g for o, s, g in zip(offset, shape, global_shape))
                 or stride != _contiguous_strides(shape) or "rank" in r
                 or (math.prod(shape) and type(r.get("storage")) is not int)
                 or not (type(r.get("offset")) is int and r["offset"] >= 0
                         and r["offset"] % dtype.itemsize == 0)):
-            raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d['key'][:80]!r} "
+            raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d.key[:80]!r} "
                                        "does not fit its global tensor")
         return _Piece(rank, r.get("storage"), r, tuple(offset), tuple(shape))
 
@@ -175,7 +177,7 @@ class PieceIndex:
 
 
 def _read(reader: ShardReader, storage: int, start: int, stop: int, out, cache) -> None:
-    if stop > reader.index["storages"][storage]["nbytes"]:
+    if stop > reader.storages[storage].nbytes:
         raise CorruptSnapshotError(f"{reader.path}: a piece lies outside storage {storage}")
     reader.read_range(storage, start, stop, out, cache)
 
@@ -304,8 +306,8 @@ class Resolver:
             if t.whole is None:
                 t.overlapping = self.pieces.check_covered(t.ref, t.offset, t.shape, self.where)
         need = sum(math.prod(t.shape) * t.ref.dtype.itemsize for t in self._targets)
-        need += SLAB_BYTES + max((c["raw"] for t in self._targets for piece, _ in t.overlapping
-                                  for c in self.pieces.chunks(piece)), default=0) if any(
+        need += SLAB_BYTES + max((self.pieces.largest_chunk(piece) for t in self._targets
+                                  for piece, _ in t.overlapping), default=0) if any(
             t.overlapping for t in self._targets) else 0
         require_memory(need, "restoring the sharded tensors", "free memory, or restore on more "
                        "ranks. The snapshot was not checked for damage, and nothing was loaded")
@@ -389,8 +391,8 @@ def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
 def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> dict[str, str]:
     """Top-level entry -> a digest of what a shard holds in it; none where the shard's tree is
     malformed (its entries then count as differing)."""
-    tensors, storages = reader.index["tensors"], reader.index["storages"]
-    dtensors = reader.index.get("dtensors", [])
+    tensors, storages = reader.index["tensors"], reader.storages
+    dtensors = reader.dtensors
 
     def canonical(v: Any) -> Any:
         leaf, payload = tree_model.leaf_of(v) or (None, None)
@@ -398,7 +400,7 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
             return [leaf.name, _tensor_digest(payload)]
         if leaf is Leaf.DTENSOR:
             d = dtensors[payload] if type(payload) is int and 0 <= payload < len(dtensors) else None
-            return [leaf.name, None if d is None else [d["key"], d["dtype"], d["global_shape"]]]
+            return [leaf.name, None if d is None else [d.key, d.dtype, list(d.global_shape)]]
         if isinstance(v, dict):
             return {k: canonical(x) for k, x in v.items()}
         if isinstance(v, list):
@@ -413,10 +415,10 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
         if "rank" in r:  # a replica stored in its owner's shard
             owner = r.pop("rank")
             if type(owner) is int and any(s.rank == owner for s in record.shards):
-                holder = refs.open(record.dir, owner).index["storages"]
+                holder = refs.open(record.dir, owner).storages
         s = holder[n] if type(n) is int and 0 <= n < len(holder) else None
         if s is not None:
-            r["bytes"] = s["ref"]["chunks_xxh3"] if "ref" in s else [c["xxh3"] for c in s["chunks"]]
+            r["bytes"] = list(s.chunk_digests)
         return r
 
     nodes: dict[str, list] = {}

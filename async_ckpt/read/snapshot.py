@@ -28,6 +28,7 @@ from ..format import tree as tree_model
 from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
+from ..format.records import DTensorPiece, raw_bytes
 from ..format.references import References
 from ..format.shard import CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum
 from .memory import allocating, require_memory
@@ -66,34 +67,34 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         records = index.get("tensors")
         if not isinstance(records, list):
             raise CorruptSnapshotError(f"{path}: the index has no tensor table")
-        if manifest is None and any("ref" in s for s in index["storages"]):
+        if manifest is None and any(s.ref is not None for s in own.storages):
             manifest = read_manifest(refs.storage)
         if manifest is not None:
             refs.add(manifest.snapshots)
-        dtensors = index.get("dtensors", [])
-        pieces = {d["tensor"] for d in dtensors if d["tensor"] is not None}
+        dtensors = own.dtensors
+        pieces = {d.tensor for d in dtensors if d.tensor is not None}
         plain = [r for n, r in enumerate(records) if n not in pieces]
         only_pieces = (_storages_viewed([r for n, r in enumerate(records) if n in pieces])
                        - _storages_viewed(plain)) if pieces else set()
-        wanted = [(rank, i) for i in range(len(index["storages"])) if i not in only_pieces]
+        wanted = [(rank, i) for i in range(len(own.storages)) if i not in only_pieces]
         wanted += sorted({(r["rank"], r["storage"]) for r in plain if isinstance(r, dict)
                           and r.get("rank", rank) != rank and _is_reference(r, record)})
         sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
         aligned = alignments(records, rank)
         views = {key: reader.mapped_storage(i, aligned.get(key, 1))
                  for key, (reader, i) in sources.items()
-                 if mapped and reader.index["storages"][i]["nbytes"]}
+                 if mapped and reader.storages[i].nbytes}
         views = {key: view for key, view in views.items() if view is not None}
         held = _held_by(index.get("tree"), records, rank)
         if verify:
             _in_parallel([_naming(check, held.get(key)) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
-        _check_fits_in_memory([reader.index["storages"][i] for key, (reader, i) in sources.items()
+        _check_fits_in_memory([reader.storages[i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
                               len(scratch) if scratch is not None else 0)
         buffers, lent, used, reads = {}, set(views), 0, []
         for key, (reader, i) in sources.items():
-            nbytes = reader.index["storages"][i]["nbytes"]
+            nbytes = reader.storages[i].nbytes
             if key in views:
                 buffers[key] = torch.frombuffer(views[key], dtype=torch.uint8)
                 continue
@@ -278,11 +279,11 @@ def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
     """The shard and storage number holding storage ``i`` of ``rank``'s shard of ``record``:
     there, or in the earlier snapshot it refers to."""
     reader = refs.open(record.dir, rank)
-    storages = reader.index["storages"]
-    if not 0 <= i < len(storages) or (must_be_replica and "replica" not in storages[i]):
+    storages = reader.storages
+    if not 0 <= i < len(storages) or (must_be_replica and storages[i].replica is None):
         raise CorruptSnapshotError(f"{reader.path} has no replicated storage {i}, which another "
                                    "rank's shard refers to")
-    if "ref" not in storages[i]:
+    if storages[i].ref is None:
         return reader, i
     return refs.resolve(record, rank, storages[i], f"{reader.path}: storage {i}")
 
@@ -292,8 +293,8 @@ def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
     the ``lent`` bytes of scratch memory they may go into), plus scratch for decoding the largest
     chunk (twice its size for byte planes) on each of the ``VERIFY_THREADS``."""
     storages = list(storages)
-    largest_chunk = max((c["raw"] for s in storages for c in s["chunks"]), default=0)
-    need = (max(0, sum(s["nbytes"] for s in storages) - lent)
+    largest_chunk = max((s.largest_chunk for s in storages), default=0)
+    need = (max(0, raw_bytes(storages) - lent)
             + 2 * largest_chunk * VERIFY_THREADS)
     require_memory(need, f"restoring step {step}", "free memory (or restore on a larger "
                    "machine). The snapshot was not checked for damage, and nothing was loaded")
@@ -361,7 +362,7 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
     visit(root, state, False)
 
 
-def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: list,
+def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[DTensorPiece, ...],
              allow_pickle: AllowPickle, path: str) -> Entry:
     def leaf(kind: Leaf, v: Any):
         try:

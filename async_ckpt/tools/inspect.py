@@ -11,7 +11,7 @@ import collections
 import functools
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
                      pick_record, size_text, step_arg, when_text)
@@ -20,6 +20,7 @@ from ..format import tree as tree_model, values
 from ..format.tree import Leaf, NodeKind
 from ..format.values import Kind
 from ..format.manifest import read_manifest
+from ..format.records import DTensorPiece, raw_bytes
 from ..format.shard import ShardReader
 
 _PREVIEW_CHARS = 60  # longer values are summarised by type and length
@@ -52,15 +53,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = storage.location(record.dir, shard.file)
     with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                      shard.index_xxh3) as reader:
-        index = reader.index
         reader.check_step(record.step)
-    _check_tensor_table(index, path)
-    walk = _TreeWalk(index, path)
+    index, storages = reader.index, reader.storages  # parsed and checked: no more reads
+    _check_tensor_table(index, len(storages), path)
+    walk = _TreeWalk(reader, path)
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
-    raw = sum(s["nbytes"] for s in index["storages"])
-    stored = sum(c["stored"] for s in index["storages"] for c in s.get("chunks", ()))
-    referred = sum(s["nbytes"] for s in index["storages"] if "ref" in s)
+    raw = raw_bytes(storages)
+    stored = sum(s.stored_bytes for s in storages)
+    referred = raw_bytes(s for s in storages if s.ref is not None)
     print(f"step {record.step}{newest} in {root}, rank {shard.rank} of {record.world_size}, "
           f"committed {when_text(record.committed_at)}")
     print(f"file {os.path.join(record.dir, shard.file)}: {size_text(shard.bytes)}; tensor data "
@@ -88,14 +89,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_tensor_table(index: dict, path: str) -> None:
+def _check_tensor_table(index: dict, storages: int, path: str) -> None:
     """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
     from ..read.records import tensor_layout
 
     tensors = index.get("tensors")
     if not isinstance(tensors, list):
         raise CorruptSnapshotError(f"{path}: the index has no tensor table")
-    storages = len(index["storages"])
     for i, t in enumerate(tensors):
         tensor_layout(t, path, i)
         if t.get("rank") is None and t.get("storage") is not None and not 0 <= t["storage"] < storages:
@@ -107,12 +107,11 @@ class _TreeWalk:
     """Turns a shard index's state tree (docs/FORMAT.md section 5) into display lines and totals,
     without decoding anything that could run code or loading tensor data."""
 
-    def __init__(self, index: dict, path: str):
+    def __init__(self, shard: ShardReader, path: str):
         self.path = path
-        self.tree = index.get("tree")
-        self.tensors = index.get("tensors")
-        self.dtensors = index.get("dtensors", [])
-        self.storages = index["storages"]
+        self.tree = shard.index.get("tree")
+        self.tensors = shard.index.get("tensors")
+        self.dtensors, self.storages = shard.dtensors, shard.storages
         self.lines: list[tuple] = []
         self.totals: dict[str, dict] = {}
         self._storage_owner: dict[int, str] = {}
@@ -162,16 +161,16 @@ class _TreeWalk:
         if type(k) is not int or not 0 <= k < len(self.dtensors):
             raise IndexError(f"sharded tensor {k!r} is not in the sharded-tensor table")
         d = self.dtensors[k]
-        if d["tensor"] is not None:
-            return self._tensor(d["tensor"], path, d)
+        if d.tensor is not None:
+            return self._tensor(d.tensor, path, d)
         self._top_totals()["tensors"] += 1
-        self.lines.append(("row", path, d["dtype"], _shape_text(d["global_shape"]), "-",
+        self.lines.append(("row", path, d.dtype, _shape_text(d.global_shape), "-",
                            "sharded; this rank's piece is stored by another rank"))
 
     def _top_totals(self) -> dict:
         return self.totals[self._top]
 
-    def _tensor(self, i: int, path: str, sharded: Optional[dict] = None) -> None:
+    def _tensor(self, i: int, path: str, sharded: Optional[DTensorPiece] = None) -> None:
         if type(i) is not int or not 0 <= i < len(self.tensors):
             raise IndexError(f"tensor {i!r} is not in the tensor table")
         t = self.tensors[i]
@@ -185,23 +184,23 @@ class _TreeWalk:
             codec = "-"
         elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
             codec = f"in rank {t['rank']}'s shard"
-        elif "ref" in self.storages[storage]:  # incremental: stored by an earlier snapshot
-            codec = f"in {self.storages[storage]['ref']['dir']}"
+        elif self.storages[storage].ref is not None:  # incremental: in an earlier snapshot
+            codec = f"in {self.storages[storage].ref.dir}"
         else:
-            chunks = self.storages[storage]["chunks"]
-            codec = "+".join(dict.fromkeys(c["codec"] for c in chunks)) or "-"
+            chunks = self.storages[storage].chunks
+            codec = "+".join(dict.fromkeys(c.codec for c in chunks)) or "-"
             owner = self._storage_owner.get(storage)
             if owner is None:
                 self._storage_owner[storage] = path
-                total["stored"] += sum(c["stored"] for c in chunks)
+                total["stored"] += self.storages[storage].stored_bytes
             else:
                 codec += f"  (shares storage with {owner})"
         if sharded is None:
             shape_text = _shape_text(shape)
         else:  # the global shape, and which box of it this rank's piece is
-            shape_text = _shape_text(sharded["global_shape"])
+            shape_text = _shape_text(sharded.global_shape)
             codec += "  (sharded; piece [" + ", ".join(
-                f"{o}:{o + n}" for o, n in zip(sharded["offset"], shape)) + "])"
+                f"{o}:{o + n}" for o, n in zip(sharded.offset, shape)) + "])"
         self.lines.append(("row", path, dtype, shape_text, size_text(nbytes), codec))
 
 MAX_SHOWN_PATH = 240
@@ -217,7 +216,7 @@ def _child_path(path: str, key: Any) -> str:
     return joined if len(joined) <= MAX_SHOWN_PATH else joined[:MAX_SHOWN_PATH - 1] + "\u2026"
 
 
-def _shape_text(shape: list) -> str:
+def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 

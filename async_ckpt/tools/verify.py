@@ -110,8 +110,8 @@ def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> l
     damaged: damage of this snapshot, which restore() would skip."""
     problems = []
     reader = refs.open(record.dir, rank)
-    for i, entry in enumerate(reader.index["storages"]):
-        if "ref" in entry:
+    for i, entry in enumerate(reader.storages):
+        if entry.ref is not None:
             try:
                 target, j = refs.resolve(record, rank, entry, f"{reader.path}: storage {i}")
                 problems += target.verify_storage(j)
@@ -134,8 +134,7 @@ def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
                     reader.check_step(step)
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
-            largest = max((c["raw"] for s in reader.index["storages"] for c in s.get("chunks", ())),
-                          default=0)  # decoded one at a time, byte planes into scratch of their own
+            largest = max((s.largest_chunk for s in reader.storages), default=0)  # decoded one at a time, byte planes into scratch of their own
             require_memory(2 * largest, f"verifying {path}", "free memory, or verify on a larger "
                            "machine")
             return problems + reader.verify()

@@ -25,13 +25,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Protocol
+from typing import Callable, Hashable, Optional, Protocol, Sequence
 
 from ..errors import (CheckpointError, CorruptSnapshotError, InternalError, ManifestError,
                       ReplicaMismatchError)
 from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRecord, read_manifest,
                                write_manifest)
 from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
+from ..format.records import Replica
 from ..format.shard import ShardReader, data_file_bytes, data_file_problems, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import as_storage, write_error
@@ -50,7 +51,7 @@ class Attempt:
     step: int
     dir: str
     shard: ShardRecord  # rank 0's own shard
-    replicas: list  # rank 0's replica digests, which every rank's must equal
+    replicas: list[Replica]  # rank 0's replica digests, which every rank's must equal
     raw_bytes: int
     figures: dict
     refers: tuple[str, ...] = ()  # earlier snapshots rank 0's shard refers to (incremental)
@@ -302,7 +303,7 @@ def failure(exc: Exception, doing: str, what: str) -> CheckpointError:
     return error
 
 
-def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
+def with_shards(storage: Storage, record: SnapshotRecord, replicas: Sequence[Replica],
                 ranks: list[int]) -> SnapshotRecord:
     """``record`` (holding rank 0's shard, whose index lists ``replicas``) with the shards of
     ``ranks`` added from ``storage``: each one's index is read and checked (its step, rank and
@@ -321,27 +322,28 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: list,
                 raise CorruptSnapshotError(
                     f"{reader.path} is not rank {rank}'s shard of step {record.step} with "
                     f"{record.world_size} ranks; do several jobs share {storage.location()}?")
-            _check_replicas(record.step, replicas, rank, index.get("replicas", []))
+            _check_replicas(record.step, replicas, rank, reader.replicas)
             missing = data_file_problems(index, listing, storage.location(record.dir))
             if missing:
                 raise CorruptSnapshotError(f"rank {rank}'s shard of step {record.step} is "
                                            f"incomplete: {'; '.join(missing[:3])}")
             shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
-            raw += sum(s["nbytes"] for s in index["storages"])
+            raw += reader.raw_bytes
             stored += reader.size + data_file_bytes(index)
-            refers.update(referenced_dirs(index))
+            refers.update(referenced_dirs(reader.storages))
     shards.sort(key=lambda s: s.rank)
     return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw, stored_bytes=stored,
                                refers=tuple(sorted(refers)))
 
 
-def _check_replicas(step: int, ours: list, rank: int, theirs: list) -> None:
-    if [(r.get("entry"), r.get("nbytes")) for r in theirs] != [(r["entry"], r["nbytes"]) for r in ours]:
+def _check_replicas(step: int, ours: Sequence[Replica], rank: int,
+                    theirs: Sequence[Replica]) -> None:
+    if [(r.entry, r.nbytes) for r in theirs] != [(r.entry, r.nbytes) for r in ours]:
         raise ReplicaMismatchError(
             f"step {step}: the replicated entries have a different layout on rank {rank} "
             f"than on rank 0 ({_entries(theirs)} vs {_entries(ours)}); every rank must register "
             "the same replicated entries with the same shapes")
-    differ = sorted({a["entry"] for a, b in zip(ours, theirs) if a["xxh3"] != b.get("xxh3")})
+    differ = sorted({a.entry for a, b in zip(ours, theirs) if a.xxh3 != b.xxh3})
     if differ:
         raise ReplicaMismatchError(
             f"step {step}: replicated state {', '.join(map(repr, differ))} differs between "
@@ -350,6 +352,6 @@ def _check_replicas(step: int, ours: list, rank: int, theirs: list) -> None:
             "optimizer, not ZeRO/FSDP shards), and start every rank from the same weights")
 
 
-def _entries(replicas: list) -> str:
-    return ", ".join(sorted({str(r.get("entry")) for r in replicas})) or "none"
+def _entries(replicas: Sequence[Replica]) -> str:
+    return ", ".join(sorted({r.entry for r in replicas})) or "none"
 

@@ -236,7 +236,7 @@ class Uploader:
             return record
         own = record.shard_of(self.rank)
         with ShardReader(self.local.open_shard(record.dir, own.file)) as reader:
-            replicas = reader.index.get("replicas", [])
+            replicas = reader.replicas
         return with_shards(self.remote, record, replicas, others)
 
     def _rejected(self, record: SnapshotRecord, error: Exception) -> str:

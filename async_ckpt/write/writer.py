@@ -38,6 +38,7 @@ from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, 
                        Ready, Released, SnapshotJob, WriterConfig, WriterEvent)
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
+from ..format.records import Replica
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
@@ -247,16 +248,16 @@ class SnapshotWriter:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
                                           region.itemsize, region.is_float, **fields)
             shard.flush()  # every chunk is read: only then may the buffer be released
-            replicas = [{"entry": entry, "owner": owner, "nbytes": plan.regions[i].nbytes,
-                         "xxh3": checksum(buf[plan.regions[i].offset:
-                                              plan.regions[i].offset + plan.regions[i].nbytes])}
+            replicas = [Replica(entry, owner, plan.regions[i].nbytes,
+                                checksum(buf[plan.regions[i].offset:
+                                             plan.regions[i].offset + plan.regions[i].nbytes]))
                         for i, entry, owner in layout.replicas]
             release()
             t_written = time.monotonic()
             size, index_digest = shard.finish({
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
-                **({"replicas": replicas} if replicas else {}),
+                **({"replicas": [r.to_json() for r in replicas]} if replicas else {}),
                 **({"dtensors": list(job.dtensors)} if job.dtensors else {}),
                 **({"files": files} if files else {})})
         except BaseException:
@@ -341,10 +342,7 @@ class SnapshotWriter:
         refused unless the manifest names it and the storage fits, before a byte of it is read
         (into a data file) or referred to."""
         target = references.open(holder, self.rank)
-        storages = target.index["storages"]
-        if not (n < len(storages) and "chunks" in storages[n]
-                and (storages[n]["nbytes"], storages[n]["itemsize"]) == (region.nbytes,
-                                                                          region.itemsize)):
+        if target.held_storage(n, region.nbytes, region.itemsize) is None:
             raise SnapshotWriteError(f"storage {n} of {target.path} is not the unchanged region "
                                      "the trainer referred to; the snapshot was not written")
         return target

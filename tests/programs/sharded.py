@@ -108,7 +108,7 @@ def save(args, rank: int, world: int) -> dict:
         if layout == "fsdp":  # the memory tier refuses sharded modules when the engine is made
             try:
                 CheckpointEngine(os.path.join(root, "memory"), {"app": AppState(model, optimizer)},
-                                 memory_every=1)
+                                 memory_every=1, slots=3)
             except LayoutError as e:
                 assert "is a sharded tensor: memory_every does not hold" in str(e), e
             else:

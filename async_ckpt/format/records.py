@@ -1,0 +1,120 @@
+"""Typed, immutable records of a shard index's storage table (docs/FORMAT.md 3.4).
+
+The index is JSON; ``shard._validate_index`` checks it and builds these records as it goes, so
+a record that exists describes a valid storage of a file that was checked. Readers outside
+format/ use the records, never the parsed dicts: the keys of the file are known here and in the
+validator only. The writer still writes the dicts (``ShardWriter``), so the bytes on disk are
+exactly what they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk: ``stored`` bytes at ``offset`` of the shard (or of data file ``file``,
+    version 6), ``raw`` bytes once decoded by ``codec``; ``planes`` the byte planes' codecs and
+    lengths of a ``planes`` chunk."""
+    offset: int
+    stored: int
+    raw: int
+    codec: str
+    xxh3: str
+    file: Optional[int] = None
+    planes: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, c: dict) -> "Chunk":
+        return cls(c["offset"], c["stored"], c["raw"], c["codec"], c["xxh3"], c.get("file"),
+                   tuple((codec, length) for codec, length in c.get("planes", ())))
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """Where a storage of an incremental snapshot keeps its bytes: storage ``storage`` of shard
+    ``file`` of the earlier snapshot ``dir``, whose index and chunks had these checksums."""
+    dir: str
+    file: str
+    storage: int
+    index_xxh3: str
+    chunks_xxh3: tuple[str, ...]
+
+    @classmethod
+    def of(cls, r: dict) -> "Reference":
+        return cls(r["dir"], r["file"], r["storage"], r["index_xxh3"], tuple(r["chunks_xxh3"]))
+
+
+@dataclass(frozen=True, slots=True)
+class StorageEntry:
+    """One storage: ``nbytes`` bytes of elements of ``itemsize``, held in ``chunks`` here or,
+    with ``ref``, in an earlier snapshot; ``replica`` the number of a replicated storage."""
+    nbytes: int
+    itemsize: int
+    chunks: tuple[Chunk, ...] = ()
+    ref: Optional[Reference] = None
+    replica: Optional[int] = None
+
+    @classmethod
+    def of(cls, s: dict) -> "StorageEntry":
+        ref = s.get("ref")
+        return cls(s["nbytes"], s["itemsize"], tuple(map(Chunk.of, s.get("chunks", ()))),
+                   None if ref is None else Reference.of(ref), s.get("replica"))
+
+    @property
+    def chunk_digests(self) -> tuple[str, ...]:
+        """The checksums of the chunks holding its bytes, here or where it refers to."""
+        return self.ref.chunks_xxh3 if self.ref is not None else tuple(c.xxh3 for c in self.chunks)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes its chunks take here (none for a reference)."""
+        return sum(c.stored for c in self.chunks)
+
+    @property
+    def largest_chunk(self) -> int:
+        return max((c.raw for c in self.chunks), default=0)
+
+
+def raw_bytes(storages: Iterable[StorageEntry]) -> int:
+    """The tensor bytes of ``storages`` before encoding: what the manifest records as a
+    snapshot's ``raw_bytes``, summed here only."""
+    return sum(s.nbytes for s in storages)
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A replicated entry's digest in the index (``replicas``): its ``nbytes`` bytes, stored in
+    rank ``owner``'s shard, had checksum ``xxh3`` on the rank that wrote the index; the
+    committer checks that every rank's agree."""
+    entry: str
+    owner: int
+    nbytes: int
+    xxh3: str
+
+    @classmethod
+    def of(cls, r: dict) -> "Replica":
+        return cls(r["entry"], r["owner"], r["nbytes"], r["xxh3"])
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it."""
+        return {"entry": self.entry, "owner": self.owner, "nbytes": self.nbytes,
+                "xxh3": self.xxh3}
+
+
+@dataclass(frozen=True, slots=True)
+class DTensorPiece:
+    """A record of the sharded-tensor table (``dtensors``, docs/FORMAT.md 3.6): the piece of the
+    sharded tensor ``key`` (of ``dtype``, ``global_shape``) this shard holds at ``offset``, in
+    tensor record ``tensor`` (None: this rank holds none of it)."""
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: Optional[int]
+
+    @classmethod
+    def of(cls, d: dict) -> "DTensorPiece":
+        return cls(d["key"], d["dtype"], tuple(d["global_shape"]), tuple(d["offset"]), d["tensor"])
