@@ -13,7 +13,7 @@ then writes to ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
   its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
-  the article's comparison, the interval advice, and the raw samples;
+  and the raw samples;
 * ``blocking_vs_size.png``, ``throughput_vs_k.png``;
 * ``report.md``: the tables, also printed on stdout (progress goes to stderr).
 
@@ -44,11 +44,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from async_ckpt.tools.argtypes import parse_duration
-
-from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
+from . import (dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
                integrations_deepspeed, integrations_lightning, integrations_torchtitan,
-               integrations_transformers, interval, lazy, plots, ranks, records, remote, report,
+               integrations_transformers, lazy, plots, ranks, records, remote, report,
                sharded, targets)
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
@@ -150,10 +148,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "so that it never overwrites the committed report)")
     parser.add_argument("--dir", default=None,
                         help="where to make the scratch directory (default /tmp); it is removed")
-    parser.add_argument("--mtbf", type=parse_duration, default=parse_duration("24h"),
-                        help="mean time between failures for the interval advice (default 24h)")
-    parser.add_argument("--run-length", type=parse_duration, default=parse_duration("10d"),
-                        help="training run length for the article's 1-5%% rule (default 10d)")
     parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
@@ -270,7 +264,7 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
         "config": {"command": args.command, "preset": args.preset.name,
                    "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
-                   "rounds": args.rounds, "mtbf_s": args.mtbf, "run_length_s": args.run_length},
+                   "rounds": args.rounds},
         "systems": _availability(specs, sweep, training),
         "floors": _floor_summary(sweep, training),
         "figures": figures.build(sweep, training, specs),
@@ -282,8 +276,6 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
         results["consistency"] = {name: block["consistency"] if block["available"]
                                   else records.NotAvailable(block["reason"])
                                   for name, block in training["systems"].items()}
-        results["comparison"] = article.compare(results)
-        results["advice"] = interval.advice(results, specs, args.mtbf, args.run_length)
     results.update({part: raw[part] for part in PARTS if part not in ("training", "integrations")
                     and part in raw})
     results.update(raw.get("integrations", {}))
