@@ -85,7 +85,8 @@ class CheckpointEngine:
 
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
                  mode: Literal["async", "sync"] = _O.mode,
-                 staging: Literal["eager", "lazy"] = _O.staging, every: int = _O.every,
+                 staging: Literal["eager", "lazy"] = _O.staging, copy_nice: int = _O.copy_nice,
+                 every: int = _O.every,
                  memory_every: Optional[int] = _O.memory_every,
                  memory_idle_timeout: float = _O.memory_idle_timeout,
                  keep_last: int = _O.keep_last, keep_every: Optional[int] = _O.keep_every,
@@ -146,7 +147,7 @@ class CheckpointEngine:
             self.root = session.root  # where this rank's snapshots go: DIR, or DIR/rank-RRRRR
             if o.heartbeat_interval is not None:
                 self._heartbeat = Heartbeat(session.directory, self.rank, o.heartbeat_interval)
-            self._pool = StagingPool(o.slots)
+            self._pool = StagingPool(o.slots, o.copy_nice)
             self._writer = WriterClient(WriterConfig(
                 root=self.root, own_root=session.own_root, rank=r.rank, world_size=r.world_size,
                 spread_replicated=o.spread_replicated, commit_timeout=o.commit_timeout,

@@ -57,6 +57,9 @@ class EngineOptions:
             and ``fence()``, which code changing the state in place by other means calls first).
             A change the fences missed fails that snapshot (``StagingRaceError``), never commits
             a torn one. Async mode only; in sync mode staging is eager.
+        copy_nice: niceness added to the thread that copies CPU tensors into a staging slot
+            while training goes on (lazy staging); 0 unless measurements show training runs
+            faster with the copy yielding the CPU (bench/lazy.py measures 10).
         every: ``snapshot(step)`` does nothing unless ``step % every == 0`` (or ``force=True``)
             or the memory tier takes it (``memory_every``).
         memory_every: the memory tier (docs/memory_tier.md): also take a snapshot every
@@ -132,6 +135,7 @@ class EngineOptions:
 
     mode: Literal["async", "sync"] = "async"
     staging: Literal["eager", "lazy"] = "eager"
+    copy_nice: int = 0
     every: int = 1
     memory_every: Optional[int] = None
     memory_idle_timeout: float = 600.0
@@ -270,7 +274,8 @@ _BOOL = (lambda v: type(v) is bool, "True or False")
 
 # What each setting must be: checked in this order, every one before the engine touches anything.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "every": _int(1),
+    "mode": _one_of("async", "sync"), "staging": _one_of("eager", "lazy"), "copy_nice": _int(0, 19),
+    "every": _int(1),
     "memory_every": _int(1, optional=True),
     "memory_idle_timeout": (lambda v: is_number(v) and 0 < v < math.inf,
                             "a finite number of seconds > 0"),

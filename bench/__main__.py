@@ -309,7 +309,7 @@ def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,
         if training_raw is not None:
             blocks.append(training_raw["systems"][spec.name])
         failed = [b for b in blocks if not b["available"]]
-        rows.append({"name": spec.name, "ours": spec.ours, "blocking": spec.blocking,
+        rows.append({"name": spec.name, "ours": spec.ours,
                      "ran": len(failed) < len(blocks),
                      "reason": failed[0]["reason"] if failed else None,
                      "failed_cases": len(failed)})

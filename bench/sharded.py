@@ -47,7 +47,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from examples.train_fsdp import AppState  # the example's: DCP's pattern, written once
 
 from . import ranks
 from .markdown import factor, median_range, table
@@ -238,6 +237,27 @@ def render(results: dict) -> str:
 
 
 # --- the worker (one per rank, under torchrun) -------------------------------------------------------
+
+
+class AppState:
+    """DCP's ``Stateful`` pattern for FSDP2 (PyTorch's checkpoint tutorial; a user of the engine
+    writes the same, as examples/train_fsdp.py does): model and optimizer through
+    ``get_state_dict``/``set_state_dict``, as DTensors, for every system alike."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
 
 
 def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
