@@ -20,18 +20,20 @@ from .systems import Engine, NoCheckpoint, System, TorchSave
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """A system by name: ``open(state, directory)`` builds it (or raises ``Unavailable``); ``ours``
+    """A system by name: ``open(state, directory)`` builds it (or raises ``Unavailable``; the
+    engine's take more engine options by keyword, such as a run's ``remote`` URL); ``ours``
     marks async_ckpt (the others are the peers its figures are compared with)."""
 
     name: str
-    open: Callable[[dict, str], System]
+    open: Callable[..., System]
     ours: bool
 
 
 def _engine(name: str, mode: str = "async", compression: Optional[str] = None,
            **options) -> SystemSpec:
     """async_ckpt under ``name``, with these engine options."""
-    return SystemSpec(name, lambda state, d: Engine(state, d, name, mode, compression, **options), ours=True)
+    return SystemSpec(name, lambda state, d, **more: Engine(state, d, name, mode, compression,
+                                                            **options, **more), ours=True)
 
 
 def _dcp(name: str, **options) -> SystemSpec:
@@ -48,6 +50,10 @@ OURS_SYNC = _engine("async_ckpt sync", "sync")
 OURS_ASYNC = _engine("async_ckpt async")
 OURS_ASYNC_ZSTD = _engine("async_ckpt async zstd", compression="zstd")
 OURS_LAZY = _engine("async_ckpt async, lazy staging", staging="lazy")
+OURS_INCREMENTAL = _engine("async_ckpt async, incremental", incremental=True)
+OURS_DIRECT = _engine("async_ckpt async, direct writes", direct_io=True)
+OURS_REMOTE = _engine("async_ckpt async, remote tier", rng=False)
+"""Opened with ``remote=URL`` (``bench/remote.py``)."""
 OURS_LAZY_NICED = _engine("async_ckpt async, lazy, niced copy thread", staging="lazy", copy_nice=10)
 OURS_LAZY_FEWER = _engine("async_ckpt async, lazy, one torch thread fewer", staging="lazy",
                           fewer_threads=True)

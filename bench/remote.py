@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 
-from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
 from .markdown import hundredths, milliseconds, spread_text
 from .measure import log, ratio_spread, remove, spread, standalone
-from .workloads import restore_quietly
+from .registry import OURS_REMOTE
 
 FULL = {"bytes": 1 << 30, "rounds": 4, "steps": 20}
 QUICK = {"bytes": 16 << 20, "rounds": 2, "steps": 3}
@@ -91,11 +90,11 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
     url = f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:8]}"
     state = {"weights": torch.randn(nbytes // 4)}
     local = os.path.join(root, "node")
-    with CheckpointEngine(local, state, remote=url, rng=False, heartbeat_interval=None) as engine:
-        engine.snapshot(0)
-        engine.wait()
+    with contextlib.closing(OURS_REMOTE.open(state, local, remote=url)) as system:
+        system.save(0)
+        system.wait()
         start = time.perf_counter()
-        engine.wait(remote=True)
+        system.engine.wait(remote=True)
         upload_s = time.perf_counter() - start
     record = read_manifest(local).snapshots[-1]
     shard = os.path.join(local, record.dir, record.shards[0].file)
@@ -113,9 +112,9 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
     floors["boto3 upload_file"] = time.perf_counter() - start
     fresh = os.path.join(root, "fresh")
     target = {"weights": torch.empty(nbytes // 4)}
-    with CheckpointEngine(fresh, target, remote=url, rng=False, heartbeat_interval=None) as engine:
+    with contextlib.closing(OURS_REMOTE.open(target, fresh, remote=url)) as system:
         start = time.perf_counter()
-        restore_quietly(engine)
+        system.restore()
         restore_s = time.perf_counter() - start
     assert torch.equal(target["weights"], state["weights"])
     downloads = {}
@@ -152,8 +151,8 @@ def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
     x = torch.randn(256, 2048)
     times: dict[str, list[float]] = {"up": [], "down": []}
     url = f"s3://{BUCKET}/steps-{uuid.uuid4().hex[:8]}"
-    with CheckpointEngine(local, {"model": model, "optimizer": opt}, remote=url, rng=False,
-                          heartbeat_interval=None, keep_last=2) as engine:
+    with contextlib.closing(OURS_REMOTE.open({"model": model, "optimizer": opt}, local, remote=url,
+                                             keep_last=2)) as system:
         step = 0
         try:
             for phase in ("up", "down", "up", "down"):
@@ -163,13 +162,13 @@ def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
                     model(x).square().mean().backward()
                     opt.step()
                     opt.zero_grad()
-                    engine.snapshot(step)
+                    system.save(step)
                     times[phase].append(time.perf_counter() - start)
                     step += 1
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        lag = engine.stats()["upload_lag_steps"]
-        engine.wait(remote=True)
+        lag = system.engine.stats()["upload_lag_steps"]
+        system.engine.wait(remote=True)
     shutil.rmtree(local)
     return {"step_up_s": spread(times["up"])["median"], "step_down_s": spread(times["down"])["median"],
             "lag_steps_when_down": lag}

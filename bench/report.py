@@ -16,9 +16,7 @@ import dataclasses
 import datetime
 from typing import Optional
 
-from . import (decode, direct, incremental, integrations_accelerate,
-               integrations_deepspeed, integrations_lightning, integrations_torchtitan,
-               integrations_transformers, lazy, ranks, remote, sharded)
+from .parts import PARTS
 from .markdown import factor, median_range, number, table
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
@@ -37,16 +35,9 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     trained = "training" in results["raw"]  # not in the --stall preset
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
                 _headline(results, image_dir), trained and _training(results, image_dir),
-                lazy.render(results), trained and _memory(results), ranks.render(results),
-                sharded.render(results), incremental.render(results), decode.render(results),
-                direct.render(results),
-                remote.render(results),
-                integrations_lightning.render(results), integrations_transformers.render(results),
-                integrations_accelerate.render(results), integrations_deepspeed.render(results),
-                integrations_torchtitan.render(results),
-                trained and _consistency(results),
-                _per_size(results),
-                _load(results), _notes(results)]
+                trained and _memory(results), *(part.render(results) for part in PARTS),
+                trained and _consistency(results), _per_size(results), _load(results),
+                _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 

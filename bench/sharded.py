@@ -66,23 +66,9 @@ KEPT_STEP = 1
 PEERS = tuple(spec.name for spec in SHARDED_SYSTEMS if not spec.ours)
 
 
-class DcpLoad:
-    """``torch.distributed.checkpoint.load`` of the checkpoint at ``path`` into the live state."""
-
-    def __init__(self, state: dict, path: str):
-        self.state, self.path = state, path
-
-    def restore(self) -> None:
-        import torch.distributed.checkpoint as dcp
-        dcp.load(self.state, checkpoint_id=self.path)
-
-    def close(self) -> None:
-        pass
-
-
-RESTORERS = ((OURS, True, lambda state, kept: OURS_ASYNC.open(state, kept["ours"])),
-             (DCP_LOAD, False, lambda state, kept: DcpLoad(state, kept["dcp"])))
-"""Restoring on another world size: (name, ours, open(state, kept.json's record))."""
+RESTORERS = ((OURS, OURS_ASYNC, "ours"), (DCP_LOAD, DCP_SAVE, "dcp"))
+"""Restoring on another world size: (name, the registry's system, its directory in kept.json),
+each opened on the directory of the snapshot it kept at the other world size."""
 
 
 # --- the runs -------------------------------------------------------------------------------------
@@ -323,7 +309,7 @@ def keep(state: dict, directory: str) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(directory, "kept.json"), "w", encoding="utf-8") as f:
             json.dump({"world": dist.get_world_size(), "step": KEPT_STEP, "ours": ours.directory,
-                       "dcp": theirs.newest_path()}, f)
+                       "dcp": theirs.directory}, f)
 
 
 def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
@@ -333,8 +319,8 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
         kept = json.load(f)
 
     def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
-        name, ours, open_ = system
-        restorer = open_(state, kept)
+        name, spec, key = system
+        restorer = spec.open(state, kept[key])
         try:
             restored, seconds = [], []
             for _ in range(2):  # the first is the warm-up
@@ -344,7 +330,7 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
         finally:
             restorer.close()
             dist.barrier()
-        if ours and restored != [kept["step"]] * 2:
+        if restored != [kept["step"]] * 2:
             raise RuntimeError(f"{name} restored steps {restored}, not {kept['step']}")
         log(f"  restore {kept['world']} -> {dist.get_world_size()} ranks, {name}: "
             f"{seconds[1]:.3f} s (warm-up {seconds[0]:.3f} s)")

@@ -397,7 +397,7 @@ def test_the_torchtitan_part_is_measured_where_torchtitan_is_installed(tmp_path,
 
     assert integrations_torchtitan.render({"integrations_torchtitan": {}}) == ""
     monkeypatch.setattr(integrations_torchtitan.importlib.util, "find_spec", lambda name: None)
-    skipped = integrations_torchtitan.run(str(tmp_path))
+    skipped = integrations_torchtitan.run(str(tmp_path), quick=True)
     assert "Not measured: torchtitan is not installed" in integrations_torchtitan.render(
         {"integrations_torchtitan": skipped})
 
