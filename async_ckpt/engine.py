@@ -90,7 +90,8 @@ class CheckpointEngine:
     def __init__(self, directory: str | os.PathLike, state: MutableMapping[str, Any], *,
                  mode: Literal["async", "sync"] = _O.mode, every: int = _O.every,
                  preemption: Union[bool, None, Collection[int]] = _O.preemption,
-                 staging: Literal["eager", "lazy"] = _O.staging, slots: int = _O.slots,
+                 staging: Literal["eager", "lazy"] = _O.staging, copy_nice: int = _O.copy_nice,
+                 slots: int = _O.slots,
                  when_busy: Literal["wait", "skip"] = _O.when_busy,
                  slow_writer_s: float = _O.slow_writer_s, rng: bool = _O.rng,
                  allow_pickle: Union[bool, Collection[Any]] = _O.allow_pickle,
@@ -151,7 +152,7 @@ class CheckpointEngine:
             self.root = session.root  # where this rank's snapshots go: DIR, or DIR/rank-RRRRR
             if o.heartbeat_interval is not None:
                 self._heartbeat = Heartbeat(session.directory, self.rank, o.heartbeat_interval)
-            self._pool = StagingPool(o.slots)
+            self._pool = StagingPool(o.slots, o.copy_nice)
             self._writer = WriterClient(WriterConfig(
                 root=self.root, own_root=session.own_root, lock=session.directory.lock_file(r.rank),
                 log_level=logging.getLogger("async_ckpt").getEffectiveLevel(),

@@ -119,6 +119,9 @@ class EngineOptions:
             and ``fence()``, which code changing the state in place by other means calls first).
             A change the fences missed fails that snapshot (``StagingRaceError``), never commits
             a torn one. Async mode only; in sync mode staging is eager.
+        copy_nice: niceness added to the thread that copies CPU tensors into a staging slot
+            while training goes on (lazy staging); 0 unless measurements show training runs
+            faster with the copy yielding the CPU (bench/lazy.py measures 10).
         slots: staging buffers, each the size of the state; more slots absorb slower disks.
         when_busy: "wait" for a slot when all are being written, or "skip" the step (counted and
             logged; one rank only).
@@ -201,6 +204,7 @@ class EngineOptions:
         _signals, "True, False or a list of signals that can be caught (not SIGKILL or SIGSTOP)"))
     # --- staging: the copy into CPU memory that snapshot() waits for --------------------------
     staging: Literal["eager", "lazy"] = _setting("eager", _one_of("eager", "lazy"))
+    copy_nice: int = _setting(0, _int(0, 19))
     slots: int = _setting(2, _int(1))
     when_busy: Literal["wait", "skip"] = _setting("wait", _one_of("wait", "skip"))
     slow_writer_s: float = _setting(30.0, _seconds(zero=True))

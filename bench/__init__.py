@@ -4,6 +4,6 @@ machine's floors in the same run. ``python -m bench`` (from the repository root)
 ``workloads``; the systems: ``systems`` (the interface), ``dcp``, ``tsnap``, ``registry`` (all by
 name); the parts, each with its ``run`` (and ``render``): ``sweep``, ``training``, ``lazy``,
 ``ranks``, ``sharded``, ``incremental``, ``decode``, ``remote``, ``integrations_*``; the results:
-``figures``, ``targets``, ``consistency``, ``article``, ``interval`` (as ``records``), turned
+``figures``, ``targets``, ``consistency`` (as ``records``), turned
 into ``report`` (with ``markdown``) and ``plots``. ``bench_filters.py`` measures the C byte-shuffle.
 """

@@ -1,19 +1,14 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
 Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/registry.py``), two ranks under torchrun against DCP (``bench/ranks.py``),
-sharded FSDP2 state at 2 and 4 ranks and restores on another world size (``bench/sharded.py``)
-lazy staging against eager staging and DCP in a training loop (``bench/lazy.py``),
-incremental snapshots of a LoRA-style state (``bench/incremental.py``), a zstd restore on one
-core and on all (``bench/decode.py``), direct writes against the buffered writer, quiet and with
-every core busy (``bench/direct.py``), the remote tier against a loopback S3 server
-(``bench/remote.py``) and the framework adapters (DeepSpeed's, on two ranks, not with
-``--quick``), against the floors measured in the same run;
+every system (``bench/registry.py``), then the parts of ``bench/parts.py`` (two ranks, sharded
+FSDP2 state, lazy staging, incremental snapshots, zstd decoding across cores, direct writes, the
+remote tier, the framework adapters), against the floors measured in the same run;
 then writes to ``--out`` (default ``bench/results/``):
 
 * ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
   its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
-  the article's comparison, the interval advice, and the raw samples;
+  and the raw samples;
 * ``blocking_vs_size.png``, ``throughput_vs_k.png``;
 * ``report.md``: the tables, also printed on stdout (progress goes to stderr).
 
@@ -44,50 +39,26 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from async_ckpt.tools.argtypes import parse_duration
-
-from . import (article, dcp, decode, direct, figures, gpu, incremental, integrations_accelerate,
-               integrations_deepspeed, integrations_lightning, integrations_lightning_sharded,
-               integrations_torchtitan,
-               integrations_transformers, interval, lazy, memory_tier, plots, ranks, records,
-               remote, report, sharded, targets)
+from . import dcp, figures, gpu, plots, records, report, sharded, targets
 from .floors import FLOOR_KEYS
 from .measure import load_between, load_now, log, machine, spread
+from .parts import BY_KEY, PARTS
 from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
 from .sweep import run_sweep
 from .training import run_training
 
 SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
 # 3: floors as the fastest of several ways (durable_s), settle waits, step_overhead_pct
-PARTS = {  # part: run(args, root) -> its raw results
-    "training": lambda args, root: run_training(
-        args.preset.systems, root, args.ks, {k: loop_steps(k, args.quick) for k in args.ks},
-        args.preset.workload, args.rounds),
-    "lazy": lambda args, root: lazy.run(root, args.quick),
-    "memory_tier": lambda args, root: memory_tier.run(root, args.quick),
-    "ranks": lambda args, root: _torchrun_part(ranks, args, root),
-    "sharded": lambda args, root: _torchrun_part(sharded, args, root),
-    "incremental": lambda args, root: incremental.run(root, args.quick),
-    "decode": lambda args, root: decode.run(root, args.quick),
-    "direct": lambda args, root: direct.run(root, args.quick),
-    "remote": lambda args, root: remote.run(root, args.quick),
-    "integrations": lambda args, root: {
-        module.__name__.rsplit(".", 1)[1]: module.run(root, args.quick) for module in INTEGRATIONS},
-    "integrations_deepspeed": lambda args, root: integrations_deepspeed.run(root, args.quick),
-    "integrations_lightning_sharded": lambda args, root: integrations_lightning_sharded.run(
-        root, args.quick),
-    "integrations_torchtitan": lambda args, root: integrations_torchtitan.run(root),
-}
-"""What runs after the sweep, in this order (``measure_parts``)."""
-FULL_ONLY = ("integrations_deepspeed", "integrations_lightning_sharded", "integrations_torchtitan")
-"""Parts left out of --quick: their torchrun runs of a framework cost a minute or more."""
+TRAINING = "training"
+"""The training loop (``bench/training.py``): the first of a preset's parts, its figures the
+report's own; the others are ``parts.PARTS``."""
 
 
 @dataclass(frozen=True)
 class Preset:
     """A run's defaults (``name``): the sweep's fp32 and bf16 state sizes (GB), the interleaved
     rounds, the training loop's model (``workloads.TrainingWorkload``) and snapshot intervals, the
-    systems, and the parts of ``PARTS`` that run after the sweep."""
+    systems, and the parts that run after the sweep (``TRAINING`` and keys of ``parts.PARTS``)."""
 
     name: str
     sizes: tuple[float, ...]
@@ -96,18 +67,16 @@ class Preset:
     workload: dict
     ks: tuple[int, ...]
     systems: tuple[SystemSpec, ...] = SYSTEMS
-    parts: tuple[str, ...] = tuple(PARTS)
+    parts: tuple[str, ...] = (TRAINING, *BY_KEY)
 
 
 FULL = Preset("full", (0.256, 1.0, 2.0), (0.256,), 3, {"width": 768, "depth": 10, "batch": 16},
               (1, 10, 100))
 QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3),
-               parts=tuple(p for p in PARTS if p not in FULL_ONLY))
+               parts=(TRAINING, *(p.key for p in PARTS if p.quick)))
 STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
-INTEGRATIONS = (integrations_lightning, integrations_transformers, integrations_accelerate)
-"""Each framework adapter against that framework's own save (results key: the module's name)."""
 
 
 def loop_steps(k: int, quick: bool) -> int:
@@ -154,10 +123,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "so that it never overwrites the committed report)")
     parser.add_argument("--dir", default=None,
                         help="where to make the scratch directory (default /tmp); it is removed")
-    parser.add_argument("--mtbf", type=parse_duration, default=parse_duration("24h"),
-                        help="mean time between failures for the interval advice (default 24h)")
-    parser.add_argument("--run-length", type=parse_duration, default=parse_duration("10d"),
-                        help="training run length for the article's 1-5%% rule (default 10d)")
     parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
@@ -177,7 +142,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
         parser.error("--sizes needs at least one size, and every size must be positive")
-    if "training" in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
+    if TRAINING in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
         parser.error("--ks needs at least one interval, each at least 1")
     args.ks = tuple(sorted(set(args.ks)))
     if args.out is None:
@@ -248,17 +213,12 @@ def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
     raw = {"sweep": run_sweep(args.preset.systems, cases, root, args.rounds)}
     log(f"sweep done after {time.perf_counter() - start:.0f} s")
     for part in args.preset.parts:
-        raw[part] = PARTS[part](args, root)
+        raw[part] = (run_training(args.preset.systems, root, args.ks,
+                                  {k: loop_steps(k, args.quick) for k in args.ks},
+                                  args.preset.workload, args.rounds)
+                     if part == TRAINING else BY_KEY[part].run(args, root))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
     return raw
-
-
-def _torchrun_part(module, args: argparse.Namespace, root: str) -> dict:
-    """``ranks`` or ``sharded``, whose torchrun runs start process groups of their own (so this
-    process's goes first); with --quick their rounds are the module's own unless given."""
-    dcp.shutdown()
-    return module.run(root, args.quick, None if args.quick and not args.rounds_given
-                      else args.rounds)
 
 
 def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,
@@ -266,7 +226,7 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
     """results.json's content (with typed records, ``records.to_json`` writes them) from the
     parts' raw results."""
     load = load_between(load_start, load_now())
-    specs, sweep, training = args.preset.systems, raw["sweep"], raw.get("training")
+    specs, sweep, training = args.preset.systems, raw["sweep"], raw.get(TRAINING)
     results = {
         "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
         "machine": machine_info, "loadavg_end": load["loadavg_end"],
@@ -274,23 +234,19 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
         "config": {"command": args.command, "preset": args.preset.name,
                    "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
-                   "rounds": args.rounds, "mtbf_s": args.mtbf, "run_length_s": args.run_length},
+                   "rounds": args.rounds},
         "systems": _availability(specs, sweep, training),
         "floors": _floor_summary(sweep, training),
         "figures": figures.build(sweep, training, specs),
         "targets": targets.build(sweep, specs),
         "loads": _loads(raw),
-        "raw": {part: raw[part] for part in ("sweep", "training") if part in raw},
+        "raw": {part: raw[part] for part in ("sweep", TRAINING) if part in raw},
     }
     if training is not None:
         results["consistency"] = {name: block["consistency"] if block["available"]
                                   else records.NotAvailable(block["reason"])
                                   for name, block in training["systems"].items()}
-        results["comparison"] = article.compare(results)
-        results["advice"] = interval.advice(results, specs, args.mtbf, args.run_length)
-    results.update({part: raw[part] for part in PARTS if part not in ("training", "integrations")
-                    and part in raw})
-    results.update(raw.get("integrations", {}))
+    results.update({part.key: raw[part.key] for part in PARTS if part.key in raw})
     return results
 
 
@@ -299,8 +255,8 @@ def _loads(raw: dict) -> dict:
     movement over the part (the two-rank part: per round only), and the disk-settle waits before
     each system."""
     parts = {f"sweep {label}": case for label, case in raw["sweep"].items()}
-    if "training" in raw:
-        parts["training loop"] = raw["training"]
+    if TRAINING in raw:
+        parts["training loop"] = raw[TRAINING]
     loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
                      "settle": part["settle"]} for label, part in parts.items()}
     if "ranks" in raw:
@@ -321,7 +277,7 @@ def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,
         if training_raw is not None:
             blocks.append(training_raw["systems"][spec.name])
         failed = [b for b in blocks if not b["available"]]
-        rows.append({"name": spec.name, "ours": spec.ours, "blocking": spec.blocking,
+        rows.append({"name": spec.name, "ours": spec.ours,
                      "ran": len(failed) < len(blocks),
                      "reason": failed[0]["reason"] if failed else None,
                      "failed_cases": len(failed)})

@@ -94,11 +94,14 @@ def stop_process_daemon() -> None:
 
 
 class DcpSave(System):
-    """``torch.distributed.checkpoint.save``: blocking until durable."""
+    """``torch.distributed.checkpoint.save``: blocking until durable. Opened on a directory that
+    holds its checkpoints already (another world size's), it restores the newest."""
 
     def __init__(self, name: str, state: dict, directory: str):
         super().__init__(state, directory)
         self.name = name
+        self._kept = sorted((int(n.removeprefix("step-")), os.path.join(directory, n))
+                            for n in os.listdir(directory) if n.startswith("step-"))
 
     def _save(self, step: int, path: str) -> None:
         import torch.distributed.checkpoint as dcp

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import time
 
-from async_ckpt import CheckpointEngine
-
 from .markdown import hundredths, spread_text, thousandths
 from .measure import log, ratio_spread, spread, standalone
+from .registry import OURS_ASYNC, OURS_ASYNC_ZSTD
 from .rounds import run_rounds
 from .workloads import build_state
 
@@ -37,14 +36,14 @@ def _restore_seconds(directory: str, size_gb: float) -> float:
     """In a child: the warm restore time of ``directory``'s snapshot into a fresh state of the same
     shape, after one warm-up restore (which starts the verify threads and faults the pages)."""
     state, _ = build_state(size_gb)
-    engine = CheckpointEngine(directory, state, heartbeat_interval=None)
+    system = OURS_ASYNC.open(state, directory)
     try:
-        engine.restore()
+        system.restore()
         start = time.perf_counter()
-        engine.restore()
+        system.restore()
         return time.perf_counter() - start
     finally:
-        engine.close()
+        system.close()
 
 
 def _in_child(directory: str, size_gb: float, cores: int) -> float:
@@ -62,9 +61,11 @@ def run(root: str, quick: bool) -> dict:
     config = QUICK if quick else FULL
     directory = os.path.join(root, "decode")
     state, nbytes = build_state(config["size_gb"])
-    with CheckpointEngine(directory, state, compression="zstd", heartbeat_interval=None) as engine:
-        engine.snapshot(1)
-        engine.wait()
+    system = OURS_ASYNC_ZSTD.open(state, directory)
+    try:
+        system.save(1)
+    finally:
+        system.close()  # waits for the commit
     del state
     every = len(os.sched_getaffinity(0))
     counts = sorted({1, every})

@@ -22,22 +22,20 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from contextlib import contextmanager
 
 import psutil
 
-from async_ckpt import CheckpointEngine
-
 from .floors import Floors
 from .markdown import hundredths, spread_text, thousandths
 from .measure import evict, log, ratio_spread, remove, spread, standalone
+from .registry import OURS_ASYNC, OURS_DIRECT
 from .rounds import run_rounds
 from .workloads import build_state
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
 QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
-WRITERS = {"direct": True, "buffered": False}
+WRITERS = {"direct": OURS_DIRECT, "buffered": OURS_ASYNC}
 FIGURES = ("to_durable_s", "writer_cpu_s_per_gb", "restore_s", "restore_cold_s")
 
 
@@ -53,30 +51,30 @@ def burners(count: int):
             proc.wait()
 
 
-def _writer_cpu_s(engine: CheckpointEngine) -> float:
-    times = psutil.Process(engine.stats()["writer_pid"]).cpu_times()
+def _writer_cpu_s(system) -> float:
+    times = psutil.Process(system.writer_pids()[0]).cpu_times()
     return times.user + times.system
 
 
-def _one_run(directory: str, state: dict, nbytes: int, direct: bool) -> dict:
-    warnings.filterwarnings("ignore", "restored step", RuntimeWarning)  # no loader: as meant
+def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
+    system = spec.open(state, directory)
     try:
-        with CheckpointEngine(directory, state, direct_io=direct, heartbeat_interval=None) as e:
-            e.snapshot(0)
-            e.wait()
-            cpu, start = _writer_cpu_s(e), time.perf_counter()
-            e.snapshot(1)
-            e.wait()
-            to_durable = time.perf_counter() - start
-            cpu = _writer_cpu_s(e) - cpu
-            start = time.perf_counter()
-            e.restore()
-            warm = time.perf_counter() - start
-            evict(directory)
-            start = time.perf_counter()
-            e.restore()
-            cold = time.perf_counter() - start
+        system.save(0)
+        system.wait()
+        cpu, start = _writer_cpu_s(system), time.perf_counter()
+        system.save(1)
+        system.wait()
+        to_durable = time.perf_counter() - start
+        cpu = _writer_cpu_s(system) - cpu
+        start = time.perf_counter()
+        system.restore()
+        warm = time.perf_counter() - start
+        evict(directory)
+        start = time.perf_counter()
+        system.restore()
+        cold = time.perf_counter() - start
     finally:
+        system.close()
         remove(directory, settle=True)
     return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
             "restore_s": warm, "restore_cold_s": cold, "state_bytes": nbytes}

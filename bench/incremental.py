@@ -28,10 +28,9 @@ import sys
 
 import torch
 
-from async_ckpt import CheckpointEngine
-
 from .markdown import hundredths, spread_text
 from .measure import ratio_spread, spread, standalone, timed
+from .registry import OURS_ASYNC, OURS_INCREMENTAL
 from .rounds import run_rounds
 from .workloads import tensor_bytes
 
@@ -64,25 +63,24 @@ def train_step(state: dict) -> None:
 
 def measure(states: dict, root: str, repetitions: int, nbytes: int) -> dict:
     """Blocking time and shard bytes of ``repetitions`` snapshots after a warm-up one, for each
-    run of ``states`` (name -> (state, engine options)), one snapshot of each per interleaved
-    round, after the disk settled (for at most the time it takes to write ``nbytes``)."""
-    engines = {name: CheckpointEngine(os.path.join(root, f"incremental-{name.replace(' ', '-')}"),
-                                      state, heartbeat_interval=None, **options)
-               for name, (state, options) in states.items()}
+    run of ``states`` (name -> (state, the registry's system)), one snapshot of each per
+    interleaved round, after the disk settled (for at most the time it takes to write ``nbytes``)."""
+    systems = {name: spec.open(state, os.path.join(root, f"incremental-{name.replace(' ', '-')}"))
+               for name, (state, spec) in states.items()}
 
     def snapshot(index: int, name: str, floor_hook) -> dict:
         train_step(states[name][0])
-        took = timed(lambda: engines[name].snapshot(index))
-        engines[name].wait()
+        took = timed(lambda: systems[name].save(index))
+        systems[name].wait()
         return {"blocking_s": took}
 
     try:
         record = run_rounds(list(states), repetitions + 1, 0, dict, snapshot, name=str,
                             settle_bytes=nbytes)
-        figures = {name: engine.stats()["snapshots"] for name, engine in engines.items()}
+        figures = {name: system.engine.stats()["snapshots"] for name, system in systems.items()}
     finally:
-        for engine in engines.values():
-            engine.close()
+        for system in systems.values():
+            system.close()
     return {name: {"blocking_s": spread([r["blocking_s"] for r in
                                          record["systems"][name]["runs"][1:]], samples=True),
                    "written_bytes": spread([float(f["shard_bytes"]) for f in snapshots[1:]],
@@ -102,8 +100,8 @@ def run(root: str, quick: bool) -> dict:
                                          "optimizer": state["optimizer"]})}
     print(f"incremental: base {nbytes['base'] / 1e6:.1f} MB, adapter and AdamW state "
           f"{nbytes['trainable'] / 1e6:.1f} MB", file=sys.stderr)
-    runs = measure({"incremental": (state, {"incremental": True}),
-                    "trainable only": (trainable, {})}, root, config["repetitions"],
+    runs = measure({"incremental": (state, OURS_INCREMENTAL),
+                    "trainable only": (trainable, OURS_ASYNC)}, root, config["repetitions"],
                    nbytes["base"] + nbytes["trainable"])
     ratios = {key: ratio_spread(runs["incremental"][key]["samples"],
                                 runs["trainable only"][key]["samples"])

@@ -10,7 +10,7 @@ these systems:
 * ``async_ckpt async, lazy staging`` (it returns once the copy has started; the copy runs on the
   engine's copy thread while the next forward and backward run, and the optimizer's step waits
   for it);
-* the same with the copy thread niced (``train.staging.COPY_THREAD_NICE`` = 10), and with one
+* the same with the copy thread niced (the engine's ``copy_nice=10``), and with one
   torch intra-op thread fewer for training (leaving a core to the copy): on a CPU the copy
   competes with training for cores and memory bandwidth, so these say which default is best;
 * ``DCP async_save (cached shm stager)``.
@@ -27,58 +27,23 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
-
-from async_ckpt.train import staging
 
 from .markdown import hundredths, spread_text
 from .measure import ratio_spread, spread, standalone
-from .registry import DCP_CACHED, OURS_ASYNC, OURS_LAZY, SystemSpec
-from .systems import Engine
+from .registry import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY_FEWER
 from .training import run_training
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10),
         "steps": {1: 24, 10: 40}, "rounds": 3}
 QUICK = {"workload": {"width": 128, "depth": 2, "batch": 8}, "ks": (1, 10),
          "steps": {1: 4, 10: 10}, "rounds": 1}
-NICE = 10
-NICED = "async_ckpt async, lazy, niced copy thread"
-FEWER = "async_ckpt async, lazy, one torch thread fewer"
-
-
-class _LazyEngine(Engine):
-    """The engine with lazy staging; ``nice`` and ``threads`` set the copy thread's niceness and
-    torch's intra-op threads while it is open."""
-
-    def __init__(self, state: dict, directory: str, name: str, nice: int = 0,
-                 fewer_threads: bool = False):
-        self._saved = (staging.COPY_THREAD_NICE, torch.get_num_threads())
-        staging.COPY_THREAD_NICE = nice
-        if fewer_threads:
-            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
-        super().__init__(state, directory, name, "async", None, staging="lazy")
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            staging.COPY_THREAD_NICE, threads = self._saved
-            torch.set_num_threads(threads)
-
-
-def _lazy(name: str, **options) -> SystemSpec:
-    return SystemSpec(name, lambda state, d: _LazyEngine(state, d, name, **options), ours=True,
-                      blocking=False)
-
-
-SPECS = (OURS_ASYNC, OURS_LAZY, _lazy(NICED, nice=NICE), _lazy(FEWER, fewer_threads=True),
-         DCP_CACHED)
+FEWER = OURS_LAZY_FEWER.name
 
 
 def run(root: str, quick: bool) -> dict:
     """The results block of results.json: ``run_training``'s, plus the figures ``render`` shows."""
     config = QUICK if quick else FULL
-    raw = run_training(SPECS, root, config["ks"], config["steps"], config["workload"],
+    raw = run_training(LAZY_SYSTEMS, root, config["ks"], config["steps"], config["workload"],
                        config["rounds"])
     copy_floor = [f["copy_s"] for f in raw["floors"]]
     eager = raw["systems"][OURS_ASYNC.name]

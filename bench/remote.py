@@ -1,4 +1,5 @@
-"""The remote tier against an S3-protocol server on loopback (moto, ``bench/s3server.py``).
+"""The remote tier against an S3-protocol server on loopback (``moto_server``, from the
+``bench`` extra, in a process of its own: ``_moto``).
 
 Two figures, each the median of interleaved rounds (the first round a warm-up, not reported)
 with its min-max spread, and its ratio to the floor measured in the same round:
@@ -22,9 +23,12 @@ alone: ``python -m bench.remote [--quick]``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -32,32 +36,65 @@ from pathlib import Path
 
 import torch
 
-from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
 from .markdown import hundredths, milliseconds, spread_text
 from .measure import log, ratio_spread, remove, spread, standalone
-from .s3server import S3Server
-from .workloads import restore_quietly
+from .registry import OURS_REMOTE
 
 FULL = {"bytes": 1 << 30, "rounds": 4, "steps": 20}
 QUICK = {"bytes": 16 << 20, "rounds": 2, "steps": 3}
+BUCKET = "bench-remote"
 
 
-def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
+@contextlib.contextmanager
+def _moto():
+    """A moto S3 server on a free loopback port with ``BUCKET`` made, the AWS environment
+    pointing at it while it runs: its process (stopped by ``_steps_while_down``)."""
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"),
+                               "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # moto imports for seconds on a busy machine
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                break
+            if server.poll() is not None:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("moto_server did not start listening")
+        boto3.client("s3").create_bucket(Bucket=BUCKET)  # raises if the server exited
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> dict:
     import boto3
     import obstore
     from boto3.s3.transfer import TransferConfig
 
-    url = server.url(f"bench-{uuid.uuid4().hex[:8]}")
+    url = f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:8]}"
     state = {"weights": torch.randn(nbytes // 4)}
     local = os.path.join(root, "node")
-    with CheckpointEngine(local, state, remote=url, rng=False, heartbeat_interval=None) as engine:
-        engine.snapshot(0)
-        engine.wait()
+    with contextlib.closing(OURS_REMOTE.open(state, local, remote=url)) as system:
+        system.save(0)
+        system.wait()
         start = time.perf_counter()
-        engine.wait(remote=True)
+        system.engine.wait(remote=True)
         upload_s = time.perf_counter() - start
     record = read_manifest(local).snapshots[-1]
     shard = os.path.join(local, record.dir, record.shards[0].file)
@@ -71,13 +108,13 @@ def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
                 max_concurrency=TRANSFER_CONCURRENCY)
     floors["obstore put"] = time.perf_counter() - start
     start = time.perf_counter()
-    client.upload_file(shard, server.bucket, key, Config=transfer)
+    client.upload_file(shard, BUCKET, key, Config=transfer)
     floors["boto3 upload_file"] = time.perf_counter() - start
     fresh = os.path.join(root, "fresh")
     target = {"weights": torch.empty(nbytes // 4)}
-    with CheckpointEngine(fresh, target, remote=url, rng=False, heartbeat_interval=None) as engine:
+    with contextlib.closing(OURS_REMOTE.open(target, fresh, remote=url)) as system:
         start = time.perf_counter()
-        restore_quietly(engine)
+        system.restore()
         restore_s = time.perf_counter() - start
     assert torch.equal(target["weights"], state["weights"])
     downloads = {}
@@ -92,7 +129,7 @@ def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
                 f.write(part)
     downloads["obstore ranged GETs"] = time.perf_counter() - start
     start = time.perf_counter()
-    client.download_file(server.bucket, key, os.path.join(root, "download2.bin"), Config=transfer)
+    client.download_file(BUCKET, key, os.path.join(root, "download2.bin"), Config=transfer)
     downloads["boto3 download_file"] = time.perf_counter() - start
     storage.remove([record.dir])
     obstore.delete(storage.store, "floor.bin")
@@ -105,7 +142,7 @@ def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
             **_steps_while_down(server, os.path.join(root, "steps"), steps)}
 
 
-def _steps_while_down(server: S3Server, local: str, steps: int) -> dict:
+def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
     """Median seconds of a training step (snapshot every step) with the store running, and with
     its process stopped, in blocks up, down, up, down; the server runs again on return."""
     torch.manual_seed(0)
@@ -113,25 +150,25 @@ def _steps_while_down(server: S3Server, local: str, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     x = torch.randn(256, 2048)
     times: dict[str, list[float]] = {"up": [], "down": []}
-    url = server.url(f"steps-{uuid.uuid4().hex[:8]}")
-    with CheckpointEngine(local, {"model": model, "optimizer": opt}, remote=url, rng=False,
-                          heartbeat_interval=None, keep_last=2) as engine:
+    url = f"s3://{BUCKET}/steps-{uuid.uuid4().hex[:8]}"
+    with contextlib.closing(OURS_REMOTE.open({"model": model, "optimizer": opt}, local, remote=url,
+                                             keep_last=2)) as system:
         step = 0
         try:
             for phase in ("up", "down", "up", "down"):
-                os.kill(server.process.pid, signal.SIGSTOP if phase == "down" else signal.SIGCONT)
+                os.kill(server.pid, signal.SIGSTOP if phase == "down" else signal.SIGCONT)
                 for _ in range(steps):
                     start = time.perf_counter()
                     model(x).square().mean().backward()
                     opt.step()
                     opt.zero_grad()
-                    engine.snapshot(step)
+                    system.save(step)
                     times[phase].append(time.perf_counter() - start)
                     step += 1
         finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        lag = engine.stats()["upload_lag_steps"]
-        engine.wait(remote=True)
+            os.kill(server.pid, signal.SIGCONT)
+        lag = system.engine.stats()["upload_lag_steps"]
+        system.engine.wait(remote=True)
     shutil.rmtree(local)
     return {"step_up_s": spread(times["up"])["median"], "step_down_s": spread(times["down"])["median"],
             "lag_steps_when_down": lag}
@@ -140,24 +177,13 @@ def _steps_while_down(server: S3Server, local: str, steps: int) -> dict:
 def run(root: str, quick: bool) -> dict:
     """Start a server, measure the rounds, stop it; the results block of results.json."""
     config = QUICK if quick else FULL
-    server = S3Server(bucket="bench-remote")
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    server.start()
-    try:
+    with _moto() as server:
         rounds = []
         for n in range(config["rounds"]):
             rounds.append(_one_round(server, root, config["bytes"], config["steps"]))
             log(f"remote: round {n + 1}/{config['rounds']}: upload {rounds[-1]['upload_s']:.2f} s "
                 f"(floor {rounds[-1]['upload_floor_s']:.2f}), restore {rounds[-1]['restore_s']:.2f}"
                 f" s (download {rounds[-1]['download_floor_s']:.2f})")
-    finally:
-        server.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     measured = rounds[1:] or rounds  # the first round warms up the server and the page cache
     figures = {key: spread([r[key] for r in measured]) for key in
                ("upload_s", "upload_floor_s", "restore_s", "download_floor_s", "step_up_s",

@@ -5,7 +5,7 @@ Every cell that holds a measured figure is the median over the interleaved round
 spread, and its ratio to the figure's floor and to the best peer: ``value (min–max) · ×floor ·
 ×best peer``. ``render`` returns the whole report; the README's "Performance" section quotes its
 headline (``overhead_headline``), its opening paragraph and its "Targets", "Saving and restoring",
-"2 ranks", "Sharded state", "Incremental snapshots" and "Periodic vs asynchronous saves" sections,
+"2 ranks", "Sharded state", and "Incremental snapshots" sections,
 pasted as they are (images are linked from ``image_dir``, the plots' directory relative to the
 repository root).
 """
@@ -16,17 +16,13 @@ import dataclasses
 import datetime
 from typing import Optional
 
-from async_ckpt.tools.advise import format_advice
-
-from . import (article, decode, direct, incremental, integrations_accelerate,
-               integrations_deepspeed, integrations_lightning, integrations_lightning_sharded,
-               integrations_torchtitan, integrations_transformers, lazy, memory_tier, ranks,
-               remote, sharded)
-from .article import ASYNC, PERIODIC, headline_case
+from .parts import PARTS
 from .markdown import factor, median_range, number, table
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
-from .registry import NONE
+from .registry import NONE, OURS_ASYNC, TORCH_SAVE
+
+PERIODIC, ASYNC = TORCH_SAVE.name, OURS_ASYNC.name
 
 FLOOR_LABELS = (("copy_s", "copy_"), ("durable_s", "disk (fastest durable write)"),
                 ("read_cache_s", "warm read (fastest, page cache)"),
@@ -39,24 +35,14 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     trained = "training" in results["raw"]  # not in the --stall preset
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
                 _headline(results, image_dir), trained and _training(results, image_dir),
-                lazy.render(results), memory_tier.render(results), trained and _memory(results),
-                ranks.render(results),
-                sharded.render(results), incremental.render(results), decode.render(results),
-                direct.render(results),
-                remote.render(results),
-                integrations_lightning.render(results),
-                integrations_lightning_sharded.render(results),
-                integrations_transformers.render(results),
-                integrations_accelerate.render(results), integrations_deepspeed.render(results),
-                integrations_torchtitan.render(results),
-                trained and _consistency(results),
-                trained and _article(results), trained and _advice(results), _per_size(results),
-                _load(results), _notes(results)]
+                trained and _memory(results), *(part.render(results) for part in PARTS),
+                trained and _consistency(results), _per_size(results), _load(results),
+                _notes(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
 def _typed(results: dict) -> dict:
-    """A copy of ``results`` with its figures, targets, consistency checks and advice as records,
+    """A copy of ``results`` with its figures, targets, and consistency checks as records,
     where a system that never ran says "n/a (not run)" in every cell: its reason is given once,
     under the report's heading."""
     not_run = {s["name"] for s in results["systems"] if not s["ran"]}
@@ -73,10 +59,6 @@ def _typed(results: dict) -> dict:
     if "consistency" in results:
         typed["consistency"] = {name: ran(name, Consistency.from_json(check))
                                 for name, check in results["consistency"].items()}
-    if "advice" in results:
-        typed["advice"] = {**results["advice"], "systems": {
-            name: ran(name, NotAvailable.parse(row) if isinstance(row, str) else row)
-            for name, row in results["advice"]["systems"].items()}}
     return typed
 
 
@@ -96,16 +78,11 @@ def _cell(entry: Value, scale: float = 1.0) -> str:
 # --- formatting ---------------------------------------------------------------------------------
 
 
-def _duration(seconds: float) -> str:
-    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds:.3g} s"
-
-
-def _pct(x: float) -> str:
-    x *= 100
-    return f"{x:.2g}%" if x < 10 else f"{x:.0f}%"
+def headline_case(results: dict) -> Optional[str]:
+    """The fp32 sweep case nearest 1 GB: the state the design notes measured."""
+    cases = [(abs(c["size_gb"] - 1.0), label) for label, c in results["raw"]["sweep"].items()
+             if c["dtype"] == "fp32"]
+    return min(cases)[1] if cases else None
 
 
 # --- sections -----------------------------------------------------------------------------------
@@ -359,50 +336,6 @@ def _consistency(results: dict) -> str:
             "snapshot; then one byte flipped in the middle of the snapshot's largest file and "
             "another restore.\n\n"
             + table(["system", "restore bit-exact", "one flipped byte"], rows))
-
-
-def _article(results: dict) -> str:
-    comparison = results["comparison"]
-    periodic, async_ = comparison["columns"]
-    rows = [[aspect, f"*{row['article'][0]}* — {row['measured'][0]}",
-             f"*{row['article'][1]}* — {row['measured'][1]}"]
-            for aspect, row in comparison["rows"].items()]
-    return ("### Periodic vs asynchronous saves: the article's table, measured\n\n"
-            f"\"The article\" is the source this project started from: {article.SOURCE}. In "
-            "italics its words, then what this run measured.\n\n"
-            + table(["", f"periodic blocking save ({periodic})",
-                     f"asynchronous side-path save ({async_})"], rows))
-
-
-def _advice(results: dict) -> str:
-    a = results["advice"]
-    rows = []
-    for name, r in a["systems"].items():
-        if isinstance(r, NotAvailable):
-            rows.append([name, str(r)] + [""] * 5)
-            continue
-        at_k = ", ".join(f"{k}: {_pct(v['fraction_lost'])}" for k, v in r["at_measured_k"].items())
-        rule = r["rule_of_thumb"]
-        rows.append([
-            name, f"{number(r['blocking_s'])} / {number(r['snapshot_cost_s'])}",
-            f"{_duration(r['young_interval_s'])} / {_duration(r['daly_interval_s'])}",
-            f"{r['interval_steps']} ({_duration(r['interval_s'])})",
-            f"{_pct(r['fraction_checkpointing'])} + {_pct(r['fraction_rework'])} = "
-            f"{_pct(r['fraction_lost'])}",
-            f"{_pct(rule['fraction_lost'][0])}-{_pct(rule['fraction_lost'][1])}",
-            at_k])
-    example = a["systems"].get(ASYNC)
-    text = ("\n\n`async-ckpt advise` for async_ckpt async with these numbers:\n\n```\n"
-            + format_advice(example) + "\n```") if isinstance(example, dict) else ""
-    return (f"### Snapshot interval advice (Young/Daly), MTBF {_duration(a['mtbf_s'])}, a "
-            f"{_duration(a['run_length_s'])} run of this model ({a['total_steps']:,} steps of "
-            f"{a['step_time_s'] * 1000:.0f} ms)\n\n"
-            "Blocking time slows training and sets the interval; the rest of the time to durable "
-            "adds to the rework after a failure.\n\n"
-            + table(["system", "blocking / to durable s", "Young / Daly interval",
-                     "recommended: steps", "time lost: snapshots + rework",
-                     "lost at the article's 1-5% rule", "lost at the measured K"], rows)
-            + text)
 
 
 def _per_size(results: dict) -> str:

@@ -47,7 +47,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from examples.train_fsdp import AppState  # the example's: DCP's pattern, written once
 
 from . import ranks
 from .markdown import factor, median_range, table
@@ -67,23 +66,9 @@ KEPT_STEP = 1
 PEERS = tuple(spec.name for spec in SHARDED_SYSTEMS if not spec.ours)
 
 
-class DcpLoad:
-    """``torch.distributed.checkpoint.load`` of the checkpoint at ``path`` into the live state."""
-
-    def __init__(self, state: dict, path: str):
-        self.state, self.path = state, path
-
-    def restore(self) -> None:
-        import torch.distributed.checkpoint as dcp
-        dcp.load(self.state, checkpoint_id=self.path)
-
-    def close(self) -> None:
-        pass
-
-
-RESTORERS = ((OURS, True, lambda state, kept: OURS_ASYNC.open(state, kept["ours"])),
-             (DCP_LOAD, False, lambda state, kept: DcpLoad(state, kept["dcp"])))
-"""Restoring on another world size: (name, ours, open(state, kept.json's record))."""
+RESTORERS = ((OURS, OURS_ASYNC, "ours"), (DCP_LOAD, DCP_SAVE, "dcp"))
+"""Restoring on another world size: (name, the registry's system, its directory in kept.json),
+each opened on the directory of the snapshot it kept at the other world size."""
 
 
 # --- the runs -------------------------------------------------------------------------------------
@@ -240,6 +225,27 @@ def render(results: dict) -> str:
 # --- the worker (one per rank, under torchrun) -------------------------------------------------------
 
 
+class AppState:
+    """DCP's ``Stateful`` pattern for FSDP2 (PyTorch's checkpoint tutorial; a user of the engine
+    writes the same, as examples/train_fsdp.py does): model and optimizer through
+    ``get_state_dict``/``set_state_dict``, as DTensors, for every system alike."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
 def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
     """``{"app": AppState}`` of about ``size_gb`` GB over ``world`` ranks (one real AdamW step
     taken), and the bytes of this rank's share of it."""
@@ -303,7 +309,7 @@ def keep(state: dict, directory: str) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(directory, "kept.json"), "w", encoding="utf-8") as f:
             json.dump({"world": dist.get_world_size(), "step": KEPT_STEP, "ours": ours.directory,
-                       "dcp": theirs.newest_path()}, f)
+                       "dcp": theirs.directory}, f)
 
 
 def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
@@ -313,8 +319,8 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
         kept = json.load(f)
 
     def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
-        name, ours, open_ = system
-        restorer = open_(state, kept)
+        name, spec, key = system
+        restorer = spec.open(state, kept[key])
         try:
             restored, seconds = [], []
             for _ in range(2):  # the first is the warm-up
@@ -324,7 +330,7 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
         finally:
             restorer.close()
             dist.barrier()
-        if ours and restored != [kept["step"]] * 2:
+        if restored != [kept["step"]] * 2:
             raise RuntimeError(f"{name} restored steps {restored}, not {kept['step']}")
         log(f"  restore {kept['world']} -> {dist.get_world_size()} ranks, {name}: "
             f"{seconds[1]:.3f} s (warm-up {seconds[0]:.3f} s)")

@@ -153,14 +153,18 @@ class Engine(System):
     """async_ckpt's ``CheckpointEngine``. Blocking time is measured around ``snapshot()`` by the
     caller like every other system's; time-to-commit is the engine's own ``to_commit_s`` (from
     the ``snapshot()`` call to the manifest commit, both clocks monotonic), and in sync mode the
-    blocking time, which includes the commit."""
+    blocking time, which includes the commit. ``fewer_threads``: one torch intra-op thread fewer
+    while it is open (a core left to lazy staging's copy thread)."""
 
     def __init__(self, state: dict, directory: str, name: str, mode: str,
-                 compression: Optional[str], **options):
+                 compression: Optional[str], fewer_threads: bool = False, **options):
         from async_ckpt import CheckpointEngine
 
         super().__init__(state, directory)
         self.name, self.mode = name, mode
+        self._threads = torch.get_num_threads()
+        if fewer_threads:
+            torch.set_num_threads(max(1, self._threads - 1))
         self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression,
                                        **options)
         self._blocking: Optional[float] = None
@@ -208,7 +212,10 @@ class Engine(System):
 
     def close(self) -> None:
         self._writer_pid = None
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            torch.set_num_threads(self._threads)
 
 
 def run_guarded(spec, state: dict, directory: str, body: Callable[[System], dict]) -> dict:

@@ -11,17 +11,24 @@ import tempfile
 import time
 
 import torch
+from torch.utils.data import TensorDataset
 
 from async_ckpt import CheckpointEngine
+from async_ckpt.data import ResumableLoader
+
+BATCH = 64
 
 
-def build(seed: int = 0):
+def build(dataset: TensorDataset, seed: int = 0) -> dict:
+    """The training state: model, optimizer, scheduler, the loader's position and the step."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(),
                                 torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
-    return model, optimizer, scheduler
+    loader = ResumableLoader(dataset, batch_size=BATCH, shuffle=True, seed=0)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+            "progress": {"step": 0}}
 
 
 def main() -> None:
@@ -39,9 +46,12 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, directory: str) -> None:
-
-    model, optimizer, scheduler = build()
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": {"step": 0}}
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(args.steps * BATCH, 1024, generator=generator),
+                            torch.randint(0, 10, (args.steps * BATCH,), generator=generator))
+    state = build(dataset)
+    model, optimizer, scheduler, loader = (state[k] for k in ("model", "optimizer", "scheduler",
+                                                              "loader"))
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f} M parameters; checkpoints in {directory}")
     reported = 0
@@ -55,14 +65,14 @@ def run(args: argparse.Namespace, directory: str) -> None:
             reported += 1
 
     with CheckpointEngine(directory, state, every=args.every) as engine:
-        for step in range(args.steps):
+        for step, (x, y) in enumerate(loader):  # one epoch: --steps batches
             t = time.perf_counter()
-            x = torch.randn(64, 1024)
-            loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,)))
+            loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
+            loader.advance()  # one batch consumed: the snapshot records where the data is
             state["progress"]["step"] = step
             step_time = time.perf_counter() - t
             if engine.snapshot(step):
@@ -73,12 +83,10 @@ def run(args: argparse.Namespace, directory: str) -> None:
         print(f"committed steps: {engine.committed_steps()}")
         expected = copy.deepcopy(model.state_dict())
 
-    fresh_model, fresh_optimizer, fresh_scheduler = build(seed=1)
-    fresh = {"model": fresh_model, "optimizer": fresh_optimizer, "scheduler": fresh_scheduler,
-             "progress": {}}
+    fresh = build(dataset, seed=1)
     with CheckpointEngine(directory, fresh) as engine:
         restored = engine.restore()
-    identical = all(torch.equal(expected[k], v) for k, v in fresh_model.state_dict().items())
+    identical = all(torch.equal(expected[k], v) for k, v in fresh["model"].state_dict().items())
     print(f"restored step {restored} into a fresh model: "
           f"{'bit-identical' if identical else 'DIFFERENT'} to the trained one")
     if not identical:

@@ -156,9 +156,9 @@ def fsynced(monkeypatch):
 
 @pytest.fixture(scope="module")
 def server():
-    """A real S3-protocol server on loopback (bench/s3server.py: moto), one per test module;
+    """A real S3-protocol server on loopback (tests/s3server.py: moto), one per test module;
     a test may kill it (a store that is down) and start it again."""
-    from bench.s3server import S3Server
+    from s3server import S3Server
 
     s3 = S3Server()
     s3.start()

@@ -1,5 +1,5 @@
 """The `async-ckpt` commands on an object store prefix (``s3://bucket/prefix``), against a real
-S3-protocol server on loopback (bench/s3server.py): the same output and exit codes as on the
+S3-protocol server on loopback (tests/s3server.py): the same output and exit codes as on the
 local directory the same engine committed to, damage found in the bucket, gc confined to the
 prefix, bad URLs and a store that cannot be reached.
 

@@ -45,7 +45,8 @@ def test_every_setting_is_declared_with_its_rule():
 
 # Refused values, setting by setting: each an InvalidArgumentError naming the setting and value.
 REFUSED = {
-    "mode": ["fast", None], "staging": ["later"], "every": [0, 1.5, True, "2"],
+    "mode": ["fast", None], "staging": ["later"], "copy_nice": [-1, 20, 2.5, None],
+    "every": [0, 1.5, True, "2"],
     "memory_every": [0, 1.5, True], "memory_idle_timeout": [0, -1, None, float("nan"), float("inf")],
     "keep_last": [0, None], "keep_every": [0, 2.0], "slots": [0, -1, 1.0, False],
     "when_busy": ["drop"], "compression": ["lz4", "ZSTD", "", "gzip", True, 1], "level": [23, 1.5, None, True],

@@ -79,7 +79,7 @@ def test_a_block_runs_and_a_second_run_resumes(tmp_path, heading):
 def test_the_remote_block_runs_against_a_store_and_a_fresh_node_resumes_from_it(tmp_path):
     """Run against a moto server through the AWS environment alone; the second run has a fresh
     local directory, so it resumes from the bucket."""
-    from bench.s3server import S3Server
+    from s3server import S3Server
 
     ckpt, last_step = WITH_A_STORE["Remote storage"]
     server = S3Server(bucket="my-bucket")

@@ -170,3 +170,19 @@ def test_a_slot_cuda_refuses_to_pin_stays_pageable_said_once_counted_and_not_ask
         assert len(caplog.records) == 1 and "pin_failures" in caplog.records[0].message
     finally:
         pool.close()
+
+
+def test_copy_nice_lowers_only_the_copy_thread():
+    """``copy_nice`` (the engine's option) is added to the copy thread's niceness, not to the
+    calling thread's."""
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool = StagingPool(1, copy_nice=3)
+    try:
+        before = niceness()
+        assert pool._copy_thread().submit(niceness).result() == min(19, before + 3)
+        assert niceness() == before
+    finally:
+        pool.close()

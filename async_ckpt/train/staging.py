@@ -39,9 +39,6 @@ _CPU = torch.device("cpu")
 _GROWTH_ALIGNMENT = 2 << 20
 PIECE_BYTES = 64 << 20
 """The copy thread copies a CPU region this many bytes at a time."""
-COPY_THREAD_NICE = 0
-"""Niceness added to the copy thread (Linux: threads have their own): 0 unless measurements
-(bench/lazy.py) show that training runs faster with the copy yielding the CPU."""
 
 
 class Copy:
@@ -105,8 +102,9 @@ class StagingPool:
     """A fixed number of slots, whose flags only the pool sets: a free one is acquired per
     snapshot, and freed by the writer's "released" message and the keeper's letting go."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, copy_nice: int = 0):
         self.slots = [Slot(i) for i in range(slots)]
+        self.copy_nice = copy_nice  # added to the copy thread's (Linux threads have their own)
         self.pin_failures = 0  # slot memories cudaHostRegister refused
         self._refused: set[int] = set()  # their buffer ids: not asked again
         self._next_buffer_id = 0
@@ -247,8 +245,9 @@ class StagingPool:
         """The pool's one copy thread, made on first use (and anew in a forked child, which
         inherits the executor but not its thread)."""
         if self._copier is None or self._copier[0] != os.getpid():
-            self._copier = (os.getpid(), ThreadPoolExecutor(1, "async_ckpt-stage",
-                                                            initializer=_lower_thread_priority))
+            self._copier = (os.getpid(), ThreadPoolExecutor(
+                1, "async_ckpt-stage", initializer=_lower_thread_priority,
+                initargs=(self.copy_nice,)))
         return self._copier[1]
 
     def close(self) -> None:
@@ -270,7 +269,7 @@ def _copy_pieces(slot: torch.Tensor, pairs: list[tuple[int, Source]]) -> float:
     return time.perf_counter()
 
 
-def _lower_thread_priority() -> None:
-    if COPY_THREAD_NICE:
+def _lower_thread_priority(nice: int) -> None:
+    if nice:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COPY_THREAD_NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)

@@ -1,6 +1,5 @@
-"""A real S3-protocol server on loopback for the remote-tier tests and benchmark: moto's server
-mode, started and stopped by whoever uses it (``moto_server``, from the ``moto[server]`` test and
-bench extras).
+"""A real S3-protocol server on loopback for the remote-tier tests: moto's server mode, started
+and stopped by whoever uses it (``moto_server``, from the ``moto[server]`` test extra).
 
 The server keeps its buckets in memory: ``restart()`` after ``kill()`` brings back an empty store
 (the bucket is created again), which is what an upload must survive."""
