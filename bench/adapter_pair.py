@@ -4,8 +4,13 @@ blocking and durable times of the slower rank, summarised and rendered alike."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.distributed as dist
+
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import ratio_spread, spread
+from .measure import files_under, ratio_spread, spread
 from .ranks import torchrun
 
 RANKS = 2
@@ -50,3 +55,20 @@ def render(block: dict, systems: tuple[str, str], heading: str, setup: str, cont
         f"×{spread_text(r['blocking'], thousandths)} |",
         f"| {durable_row} | {cell(f'{ours}_durable_s')} | {cell(f'{theirs}_durable_s')} "
         f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |"])
+
+
+def reduced(value: float, op=dist.ReduceOp.MAX) -> float:
+    """Every rank's ``value`` reduced by ``op`` (a collective): the slowest rank's by default."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def fsync_all(path: str) -> None:
+    """fsync ``path`` (every file under it, if a directory) and its parent directory."""
+    for name in files_under(path) + [path, os.path.dirname(path)]:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import adapter_pair
-from .measure import files_under, log, rotated, standalone
+from .measure import log, rotated, standalone
 from .ranks import finish, worker_arguments
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
@@ -81,22 +81,6 @@ def _step(engine, width: int) -> None:
     engine.step()
 
 
-def _reduced(value: float, op=dist.ReduceOp.MAX) -> float:
-    """Every rank's ``value`` reduced by ``op`` (a collective): the slowest rank's by default."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def _fsync_tree(path: str) -> None:
-    for name in files_under(path) + [path, os.path.dirname(path)]:
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -120,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
                  *(v for s in optimizer.optimizer.state.values() for v in s.values()
                    if torch.is_tensor(v) and v.dim())]
     state_bytes = int(sum(p.numel() * p.element_size() for p in engines["torch"].parameters())
-                      + _reduced(sum(t.numel() * t.element_size() for t in partition),
+                      + adapter_pair.reduced(sum(t.numel() * t.element_size() for t in partition),
                                  dist.ReduceOp.SUM))
     rounds = []
     for n in range(args.rounds):
@@ -133,13 +117,13 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             start = time.perf_counter()
             engine.save_checkpoint(save_dir, tag=tag)
-            figures[f"{system}_blocking_s"] = _reduced(time.perf_counter() - start)
+            figures[f"{system}_blocking_s"] = adapter_pair.reduced(time.perf_counter() - start)
             if system == "adapter":
                 ours.wait()
             else:
-                _fsync_tree(os.path.join(save_dir, tag))
-                _fsync_tree(os.path.join(save_dir, "latest"))
-            figures[f"{system}_durable_s"] = _reduced(time.perf_counter() - start)
+                adapter_pair.fsync_all(os.path.join(save_dir, tag))
+                adapter_pair.fsync_all(os.path.join(save_dir, "latest"))
+            figures[f"{system}_durable_s"] = adapter_pair.reduced(time.perf_counter() - start)
             dist.barrier()
             if dist.get_rank() == 0:
                 shutil.rmtree(os.path.join(save_dir, tag))

@@ -63,21 +63,6 @@ def render(results: dict) -> str:
 # --- the worker (one per rank, under torchrun) ---------------------------------------------------
 
 
-def _reduced(value: float, op=dist.ReduceOp.MAX) -> float:
-    """Every rank's ``value`` reduced by ``op`` (a collective): the slowest rank's by default."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
@@ -119,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
             if batch_idx >= rounds:
                 return
             if batch_idx == 0:
-                found["state_bytes"] = int(_reduced(sum(
+                found["state_bytes"] = int(adapter_pair.reduced(sum(
                     t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                     for group in trainer.optimizers[0].state.values()
                     for t in group.values() if torch.is_tensor(t) and t.dim())
@@ -132,16 +117,16 @@ def worker(args: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 if system == "adapter":
                     trainer.save_checkpoint(path)
-                    figures["adapter_blocking_s"] = _reduced(time.perf_counter() - start)
+                    figures["adapter_blocking_s"] = adapter_pair.reduced(time.perf_counter() - start)
                     while not os.path.exists(os.path.join(path, POINTER_NAME)):
                         time.sleep(0.001)  # the marker, written once the snapshot is committed
                 else:
                     checkpoint = trainer._checkpoint_connector.dump_checkpoint()
                     ModelParallelStrategy.save_checkpoint(trainer.strategy, checkpoint, path)
-                    figures["stock_blocking_s"] = _reduced(time.perf_counter() - start)
+                    figures["stock_blocking_s"] = adapter_pair.reduced(time.perf_counter() - start)
                     if trainer.is_global_zero:
-                        _fsync(os.path.join(path, "meta.pt"))
-                figures[f"{system}_durable_s"] = _reduced(time.perf_counter() - start)
+                        adapter_pair.fsync_all(os.path.join(path, "meta.pt"))
+                figures[f"{system}_durable_s"] = adapter_pair.reduced(time.perf_counter() - start)
             found["rounds"].append(figures)
             if trainer.is_global_zero:
                 log(f"integrations_lightning_sharded: round {batch_idx + 1}/{rounds}: adapter "
