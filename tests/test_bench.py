@@ -41,6 +41,22 @@ from bench.targets import TARGETS  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_process_group_left():
+    """Tests here run DCP's peers in this process, which start a one-process gloo group and set
+    MASTER_ADDR (bench/dcp.py): both go with the module, so that the next test file in this
+    worker (an Accelerator, say) does not find a process group and take itself for distributed."""
+    saved = os.environ.get("MASTER_ADDR")
+    yield
+    from bench import dcp
+
+    dcp.shutdown()
+    if saved is None:
+        os.environ.pop("MASTER_ADDR", None)
+    else:
+        os.environ["MASTER_ADDR"] = saved
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
