@@ -99,26 +99,6 @@ def pytest_runtest_makereport(item, call):
                                         f"{SEED_VARIABLE}={seed} to make the same choices"))
 
 
-# The files that run training programs, costliest first (wall seconds of an unloaded run on the
-# 2-core machine, --durations). pytest-xdist hands whole files to its workers in collection order
-# (--dist loadfile --no-loadscope-reorder in pyproject.toml); starting the longest ones first keeps
-# both workers busy to the end, where xdist's own order (most tests first) left the long files with
-# few tests to run last, one worker alone.
-COSTLIEST_FIRST = (
-    "test_bench.py", "test_distributed.py", "test_sharded.py", "test_readme.py",
-    "test_integration_lightning.py", "test_data_matrix.py", "test_integration_lightning_sharded.py",
-    "test_crash.py", "test_integration_accelerate.py", "test_supervisor.py", "test_memory_tier.py",
-    "test_resume.py", "test_remote.py", "test_integration_deepspeed.py", "test_reproducibility.py",
-    "test_user_loop.py", "test_fuzz.py", "test_integration_transformers.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    """Puts the costliest files first (``COSTLIEST_FIRST``), each file's tests in their order."""
-    position = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
-    items.sort(key=lambda item: position.get(item.path.name, len(position)))
-
-
 class FakeClock:
     """A monotonic clock that moves only when the test advances it: the library's timeouts and
     measured waits, given this clock, without sleeping or bounding a test by the wall clock."""

@@ -65,10 +65,3 @@ def test_a_machine_that_cannot_build_the_extension_still_builds_the_package(tmp_
     assert 'building extension "async_ckpt._native" failed' in result.stdout + result.stderr
     assert not list(build.rglob("_native*"))
 
-
-def test_the_files_the_suite_starts_first_exist():
-    """conftest's scheduling order names test files; a renamed one would silently run last."""
-    from conftest import COSTLIEST_FIRST
-    missing = [name for name in COSTLIEST_FIRST
-               if not os.path.isfile(os.path.join(ROOT, "tests", name))]
-    assert not missing, f"COSTLIEST_FIRST names files that are gone: {missing}"
