@@ -11,17 +11,9 @@ codes. Each command lives in a module of its own (``ls``, ``inspect``, ``verify`
 declares its arguments and whose ``cmd_<command>(args)`` runs it and returns the exit code; a new
 command is one more module and one more entry in ``_COMMANDS``. What commands share is in
 ``common``. Expected failures are exceptions caught once, in :func:`main`, and printed as one line
-on stderr:
-
-- exit 0: fine (everything named is intact, the logs are identical, gc finished);
-- exit 1: damage found or the job is not done: a damaged or missing snapshot file, an unreadable
-  manifest, a format version this release cannot read, no committed snapshot, logs that differ,
-  gc refused because an engine holds the directory, an object store that cannot be reached;
-- exit 2: usage error: bad arguments, a missing path, a directory (or s3:// URL) that is not a
-  checkpoint directory, a step that is not committed, an entry that does not exist;
-- exit 3: ``compare-loss`` found the runs not reproducible: they differ before the resume, or
-  two uninterrupted runs differ, so the difference is not the resume's (``EXIT_NOT_REPRODUCIBLE``,
-  returned by the command itself, as its exit 0 and 1 are).
+on stderr. The exit codes, and what each means, are declared once, in ``common`` (``EXIT_*``, and
+the ``EXIT_CODES_HELP`` every command's --help shows): 0 fine, 1 damage found or not done, 2 usage
+error, 3 (``compare-loss``) runs that are not reproducible; ``supervise`` exits with its job's.
 
 A command on a checkpoint directory takes an ``s3://bucket/prefix`` URL as well: ``common.
 checkpoint_dir`` opens either as a ``Storage``, and the commands read only through it.
@@ -37,13 +29,15 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
 import warnings
 from typing import Optional, Sequence
 
 from . import advise, compare_loss, export, gc, import_dcp, inspect, ls, supervisor, verify
-from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_USAGE, PROG, EscapedOutput,
-                     NotDone, UsageError, add_command, escaped, fail)
+from .common import (EXIT_CODES_HELP, EXIT_DAMAGE, EXIT_OK, EXIT_SIGNALLED, EXIT_USAGE, PROG,
+                     SUPERVISE_EXIT_CODES_HELP, EscapedOutput, NotDone, UsageError, add_command,
+                     escaped, fail)
 from .. import __version__
 from ..errors import CheckpointDirError, CheckpointError, CorruptSnapshotError, DirectoryInUseError
 
@@ -79,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         return fail(_os_error_message(e), EXIT_USAGE if e.errno in _USAGE_ERRNOS else EXIT_DAMAGE)
     except KeyboardInterrupt:
-        return fail("interrupted", 130)
+        return fail("interrupted", EXIT_SIGNALLED + signal.SIGINT)
     notes.report()
     return code
 
@@ -174,8 +168,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
 def _add_supervise(commands) -> None:
     sub = add_command(commands, "supervise", supervisor.run_from_args,
                       help="run a training command, restarting it when it crashes or hangs",
-                      description=supervisor.DESCRIPTION)
-    sub.epilog = supervisor.EXIT_CODES_HELP  # its exit codes are the job's, not 0/1/2
+                      description=supervisor.DESCRIPTION,
+                      exit_codes=SUPERVISE_EXIT_CODES_HELP)  # the job's codes, not 0/1/2
     supervisor.add_arguments(sub)
 
 

@@ -24,7 +24,13 @@ from ..storage.open import open_storage
 from ..storage.remote import is_remote
 
 PROG = "async-ckpt"
+# Every exit code of the command line is decided here (each command returns one of these, and
+# ``cli.main`` turns expected failures into them), and explained to users by the help texts below.
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_NOT_REPRODUCIBLE = 0, 1, 2, 3
+# ``supervise`` exits with its job's code; these are its own. A job killed by a signal or hung
+# after the last restart: 1; a command that cannot be run, or is not found: 126, 127 (as shells
+# say); a signal S that stopped the supervisor: 128 + S.
+EXIT_JOB_FAILED, EXIT_CANNOT_RUN, EXIT_NOT_FOUND, EXIT_SIGNALLED = 1, 126, 127, 128
 
 EXIT_CODES_HELP = """\
 exit codes:
@@ -44,6 +50,17 @@ exit codes:
 Errors are one line on stderr: "async-ckpt: error: <cause>; <what to do>".
 """
 
+SUPERVISE_EXIT_CODES_HELP = """\
+exit codes:
+  0    CMD finished with exit code 0
+  75   CMD exited with the preemption code (--preemption-exit-code)
+  N    after the last restart: CMD's exit code, or 1 if it was killed by a
+       signal or hung
+  128+S  the supervisor received signal S (143: SIGTERM, 130: SIGINT) and
+       CMD did not exit with the preemption code
+  2    usage error; 126/127: CMD cannot be run / was not found
+"""
+
 
 class UsageError(Exception):
     """The command line asked for something that does not exist or makes no sense: exit 2."""
@@ -54,12 +71,12 @@ class NotDone(Exception):
 
 
 def add_command(commands, name: str, run: Callable[[argparse.Namespace], int], help: str,
-                description: str) -> argparse.ArgumentParser:
-    """A command's sub-parser, which runs ``run(args)`` and shows the exit codes in its --help;
-    ``description`` is reflowed, so it may be written as a block of text."""
+                description: str, exit_codes: str = EXIT_CODES_HELP) -> argparse.ArgumentParser:
+    """A command's sub-parser, which runs ``run(args)`` and shows its ``exit_codes`` in its
+    --help; ``description`` is reflowed, so it may be written as a block of text."""
     sub = commands.add_parser(name, help=help,
                               description=textwrap.fill(" ".join(description.split()), 79),
-                              epilog=EXIT_CODES_HELP,
+                              epilog=exit_codes,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.set_defaults(run=run)
     return sub

@@ -58,6 +58,8 @@ from typing import Optional, Sequence
 import psutil
 
 from .argtypes import DURATION_FORMS, duration_arg, int_arg
+from .common import (EXIT_CANNOT_RUN, EXIT_JOB_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_SIGNALLED,
+                     EXIT_USAGE, SUPERVISE_EXIT_CODES_HELP)
 from ..checks import is_int, is_number
 from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
 from ..format.manifest import SnapshotRecord, read_manifest
@@ -261,7 +263,7 @@ class _Outcome:
 
     def exit_code(self) -> int:
         """What the supervisor exits with when it gives up after this failure."""
-        return self.rc if self.hung is None and self.rc > 0 else 1
+        return self.rc if self.hung is None and self.rc > 0 else EXIT_JOB_FAILED
 
 
 def _describe_rc(rc: int) -> str:
@@ -322,7 +324,7 @@ class _Supervisor:
         if self.ckpt_dir is None:
             return None, None
         try:
-            manifest = read_manifest(self.ckpt_dir)
+            manifest = read_manifest(LocalStorage(self.ckpt_dir))
         except (CheckpointError, OSError) as e:
             return None, str(e)
         return (manifest.snapshots[-1] if manifest.snapshots else None), None
@@ -426,7 +428,7 @@ class _Supervisor:
                 return self._stopped_by_signal(outcome, self.received)
             if outcome.hung is None and outcome.rc == 0:
                 _log(f"the job finished (exit code 0){self._committed()}")
-                return 0
+                return EXIT_OK
             if outcome.hung is None and outcome.rc == self.preemption_exit_code:
                 _log(f"the job was preempted (exit code {outcome.rc}); not restarting"
                      f"{self._committed()}")
@@ -448,7 +450,7 @@ class _Supervisor:
             if not self._sleep(delay):
                 name = signal.Signals(self.received).name
                 _log(f"received {name} while waiting to restart; not restarting{self._committed()}")
-                return 128 + self.received
+                return EXIT_SIGNALLED + self.received
 
     def _stopped_by_signal(self, outcome: _Outcome, signum: int) -> int:
         name = signal.Signals(signum).name
@@ -458,7 +460,7 @@ class _Supervisor:
             return outcome.rc
         _log(f"received {name}, forwarded it to the job; the job ended ({outcome.reason()}); "
              f"not restarting{self._committed()}")
-        return 128 + signum
+        return EXIT_SIGNALLED + signum
 
 
 def supervise(cmd: Sequence[str], *, max_restarts: int = 3,
@@ -525,18 +527,6 @@ DESCRIPTION = (
     "then not restarted. Works around `torchrun ...` as well as `python train.py ...`: every "
     f"process CMD starts is stopped with it. A DURATION is {DURATION_FORMS}.")
 
-EXIT_CODES_HELP = """\
-exit codes:
-  0    CMD finished with exit code 0
-  75   CMD exited with the preemption code (--preemption-exit-code)
-  N    after the last restart: CMD's exit code, or 1 if it was killed by a
-       signal or hung
-  128+S  the supervisor received signal S (143: SIGTERM, 130: SIGINT) and
-       CMD did not exit with the preemption code
-  2    usage error; 126/127: CMD cannot be run / was not found
-"""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the arguments of ``supervise`` on ``parser`` (a subcommand's parser)."""
     parser.add_argument("--max-restarts", type=int_arg(0), default=3, metavar="N",
@@ -578,17 +568,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _usage_error(str(e))
     except (FileNotFoundError, PermissionError) as e:
         _log(f"error: cannot run {cmd[0]}: {e.strerror}; check the command")
-        return 127 if isinstance(e, FileNotFoundError) else 126
+        return EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_CANNOT_RUN
 
 
 def _usage_error(message: str) -> int:
     _log(f"error: {message}")
-    return 2
+    return EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=textwrap.fill(DESCRIPTION, 79),
-                                     epilog=EXIT_CODES_HELP,
+                                     epilog=SUPERVISE_EXIT_CODES_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
