@@ -32,9 +32,10 @@ from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import load
-from async_ckpt.errors import IntegrationError, InvalidArgumentError
-from async_ckpt.integrations.directories import POINTER_NAME, read_pointer
+from async_ckpt.errors import IntegrationError, InvalidArgumentError, PointerFileError
+from async_ckpt.integrations.pointer import POINTER_NAME, read_pointer
 from async_ckpt.integrations import accelerate as accelerate_ckpt
 from conftest import assert_same
 from test_resume import read_log, run_killed
@@ -215,7 +216,7 @@ def test_a_damaged_newest_snapshot_falls_back_to_the_previous_one(ckpt_dir):
 def _newest_shard(ckpt_dir):
     from async_ckpt.format.manifest import read_manifest
 
-    record = read_manifest(ckpt_dir).snapshots[-1]
+    record = read_manifest(LocalStorage(ckpt_dir)).snapshots[-1]
     return os.path.join(ckpt_dir, record.dir, record.shards[0].file)
 
 
@@ -434,20 +435,18 @@ def test_save_state_hooks_write_their_files_and_may_take_a_model_out(ckpt_dir, t
 
 
 def test_a_pointer_is_read_only_from_a_small_regular_file(tmp_path):
-    from async_ckpt.errors import CorruptSnapshotError
-
     assert read_pointer(str(tmp_path)) is None  # no pointer: a directory of Accelerate's own
     pointer = tmp_path / POINTER_NAME
     os.mkfifo(pointer)  # would block a plain open()
-    with pytest.raises(CorruptSnapshotError, match="not a regular file"):
+    with pytest.raises(PointerFileError, match="not a regular file"):
         read_pointer(str(tmp_path))
     os.unlink(pointer)
     for content in [b"{" + b" " * 5000 + b"}", b'{"format": 1, "step": -1, "directory": "x"}',
                     b'{"format": 1, "step": 1, "directory": 5}', b"\xff"]:
         pointer.write_bytes(content)
-        with pytest.raises(CorruptSnapshotError, match="pointer"):
+        with pytest.raises(PointerFileError, match="pointer"):
             read_pointer(str(tmp_path))
-    pointer.write_bytes(b'{"format": 1, "step": 7, "directory": "../ckpt"}')
+    pointer.write_bytes(b'{"format": 1, "step": 7, "directory": "../ckpt"}')  # an older version's
     assert read_pointer(str(tmp_path)) == (str(tmp_path.parent / "ckpt"), 7)
 
 

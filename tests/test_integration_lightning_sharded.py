@@ -29,10 +29,11 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
+from async_ckpt.storage.local import LocalStorage  # noqa: E402
 from async_ckpt.errors import (CorruptSnapshotError, PointerFileError,  # noqa: E402
                                StateMismatchError, UnsupportedOptionError)
 from async_ckpt.format.manifest import read_manifest  # noqa: E402
-from async_ckpt.integrations.directories import read_pointer  # noqa: E402
+from async_ckpt.integrations.pointer import read_pointer  # noqa: E402
 from async_ckpt.integrations.lightning_sharded import (AsyncCkptModelParallelStrategy,  # noqa
                                                        consolidate, main as consolidate_main)
 from conftest import assert_same  # noqa: E402
@@ -93,7 +94,7 @@ def test_killed_mid_epoch_resumes_bit_exact_and_reshards_from_2_to_4_ranks(tmp_p
     # the engine keeps exactly the snapshots some checkpoint directory names (killed and explicit
     # share it): replaced and removed ones were dropped, the killed run's attempt never committed
     engine = killed / "engine"
-    assert read_manifest(str(engine)).steps() == sorted(
+    assert read_manifest(LocalStorage(str(engine))).steps() == sorted(
         named_steps(killed / "ckpts", tmp_path / "explicit" / "ckpts"))
     # the consolidated file of the last checkpoint: the whole state torch's full_state_dict gave
     last = killed / "ckpts" / "last.ckpt"
@@ -189,7 +190,7 @@ def test_checkpoint_names_top_k_and_last_links_come_out_as_with_the_stock_strate
         assert layout(tmp_path / name) == layout(tmp_path / "stock" / name), name
     assert sorted(os.listdir(tmp_path / "versioned")) == [
         "test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"]
-    assert read_manifest(str(tmp_path / "engine")).steps() == sorted(named_steps(
+    assert read_manifest(LocalStorage(str(tmp_path / "engine"))).steps() == sorted(named_steps(
         tmp_path / "versioned", tmp_path / "best"))  # nothing kept that no directory names
     meta = torch.load(tmp_path / "best" / "last.ckpt" / "meta.pt", weights_only=True)
     assert meta.keys() == torch.load(tmp_path / "stock" / "best" / "last.ckpt" / "meta.pt",

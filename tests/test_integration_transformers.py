@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import async_ckpt.integrations.transformers as hf  # noqa: E402
 from async_ckpt import load  # noqa: E402
-from async_ckpt.errors import CorruptSnapshotError, IntegrationError, NoSnapshotError  # noqa: E402
+from async_ckpt.errors import IntegrationError, NoSnapshotError, PointerFileError  # noqa: E402
 from async_ckpt.integrations.transformers import POINTER_NAME, AsyncCkptTrainer  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from programs.hf_trainer import STEPS, THREADS, GlobalRNGTokenData, build_trainer  # noqa: E402
@@ -156,7 +156,7 @@ def test_a_damaged_newest_snapshot_falls_back_and_a_named_one_raises(tmp_path):
     assert [r["step"] for r in read_log(log)] == [6, 7, 8, 9, 10]  # from checkpoint-5
     assert len(caught) == 1  # and nothing about the data: it resumes exactly
 
-    with pytest.raises(CorruptSnapshotError):  # the newest is whole again; corrupt its pointer
+    with pytest.raises(PointerFileError):  # the newest is whole again; corrupt its pointer
         with open(os.path.join(output_dir, "checkpoint-10", POINTER_NAME), "w") as f:
             f.write("{")
         build_trainer(output_dir, max_steps=10).train(

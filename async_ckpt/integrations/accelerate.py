@@ -58,7 +58,8 @@ from packaging.version import Version
 from .. import Derived, Marker
 from ..engine import CheckpointEngine
 from ..errors import InvalidArgumentError, IntegrationError, NoSnapshotError
-from .directories import files_written_by, pointer_file, read_pointer
+from .directories import files_written_by
+from .pointer import pointer_file, read_pointer
 
 __all__ = ["AccelerateEngine", "SUPPORTED", "engine"]
 

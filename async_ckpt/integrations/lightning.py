@@ -59,13 +59,11 @@ stood when it saved. Only global rank 0 saves (Lightning's rule); the engine is 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import stat
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -82,10 +80,11 @@ except ImportError as e:  # the optional extra
     raise ImportError("async_ckpt.integrations.lightning needs the lightning package: "
                       "pip install 'async_ckpt[lightning]'") from e
 
-from .. import MAX_STEP, CheckpointEngine, Derived, Marker, load
+from .. import CheckpointEngine, Derived, Marker, load
 from ..errors import (CheckpointError, EncodingError, IntegrationError, NoSnapshotError,
                       PointerFileError, UnsupportedOptionError)
 from ..rng import GlobalRNG
+from .pointer import Pointer, is_count, read_pointer_file as read_pointer
 
 __all__ = ["AsyncCkptIO", "AsyncCkptCallback", "Pointer", "read_pointer"]
 
@@ -101,73 +100,9 @@ if not SUPPORTED_VERSIONS[0] <= _version < SUPPORTED_VERSIONS[1]:
                   "differ (pip install 'async_ckpt[lightning]' installs a supported version)",
                   RuntimeWarning, stacklevel=2)
 
-POINTER_FORMAT = "async_ckpt.lightning"
-POINTER_VERSION = 1
-MAX_POINTER_BYTES = 4096
-_POINTER_PREFIX = b'{"format": "' + POINTER_FORMAT.encode() + b'"'
-_TORCH_FILE_PREFIX = b"PK\x03\x04"  # a zip archive: torch's file format
 _KEEP_ALL = 2**62  # the engine keeps every snapshot: Lightning's save_top_k decides
 # Engine settings the adapter decides: one rank saves, every save is taken, Lightning retains.
 _FIXED_OPTIONS = {"rank", "world_size", "every", "keep_last", "keep_every", "when_busy"}
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """What a ``.ckpt`` written by :class:`AsyncCkptIO` holds: the snapshot (engine step) it
-    stands for, in which checkpoint directory, and Lightning's global step and epoch saved in it
-    (checked against the snapshot when it is loaded)."""
-
-    step: int
-    directory: str  # the engine's directory, relative to the pointer's own directory
-    global_step: Optional[int]
-    epoch: Optional[int]
-
-    def to_bytes(self) -> bytes:
-        return (json.dumps({"format": POINTER_FORMAT, "version": POINTER_VERSION,
-                            "step": self.step, "directory": self.directory,
-                            "global_step": self.global_step, "epoch": self.epoch}) + "\n").encode()
-
-
-def read_pointer(path: PathLike) -> Optional[Pointer]:
-    """Which snapshot the ``.ckpt`` at ``path`` stands for: the record an ``AsyncCkptIO`` keeps
-    in the torch file it writes (or the small JSON pointer file earlier versions wrote); None
-    when there is no file or it is none of ours (a checkpoint written by another CheckpointIO).
-    The file is untrusted: a record that is not a valid one raises PointerFileError."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, a FIFO, a dangling link
-            return None
-        with open(path, "rb") as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
-            if data.startswith(_TORCH_FILE_PREFIX):
-                f.seek(0)
-                data = Marker.record_in(f) or b""
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    if not data.startswith(_POINTER_PREFIX):
-        return None
-    try:
-        if len(data) > MAX_POINTER_BYTES:
-            raise ValueError(f"longer than {MAX_POINTER_BYTES} bytes")
-        fields = json.loads(data.decode("utf-8"))
-        if type(fields) is not dict or set(fields) != {"format", "version", "step", "directory",
-                                                       "global_step", "epoch"}:
-            raise ValueError("not the fields of a pointer")
-        if fields["version"] != POINTER_VERSION:
-            raise ValueError(f"pointer version {fields['version']!r}, this library reads "
-                             f"{POINTER_VERSION}")
-        step, directory = fields["step"], fields["directory"]
-        counts = (fields["global_step"], fields["epoch"])
-        if not (_is_count(step) and step < MAX_STEP and type(directory) is str and directory
-                and all(v is None or _is_count(v) for v in counts)):
-            raise ValueError("a field of the wrong type or out of range")
-    except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
-        raise PointerFileError(f"{path} is a damaged async_ckpt pointer ({e}); it names no "
-                               "snapshot that can be loaded") from e
-    return Pointer(step, directory, fields["global_step"], fields["epoch"])
-
-
-def _is_count(value) -> bool:
-    return type(value) is int and value >= 0
 
 
 class AsyncCkptIO(CheckpointIO):
@@ -633,7 +568,7 @@ def _global_rank() -> int:
 
 
 def _count_or_none(value) -> Optional[int]:
-    return value if _is_count(value) else None
+    return value if is_count(value) else None
 
 
 def _is_last_checkpoint(path: str) -> bool:

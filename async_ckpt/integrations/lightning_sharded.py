@@ -19,7 +19,7 @@ rank 0's writer commits the snapshot once every rank's shard is durable. Lightni
 broadcast to every rank and saved once, as a replicated entry. The checkpoint path Lightning
 asked for (``epoch=0-step=4.ckpt``, ``last.ckpt``) appears only once the snapshot is committed,
 as a directory holding ``meta.pt`` (what the stock strategy writes there: the metadata, in
-torch's format) and a pointer to the snapshot (``directories.POINTER_NAME``); until then the
+torch's format) and a pointer to the snapshot (``pointer.POINTER_NAME``); until then the
 save counts as a file for ``ModelCheckpoint``'s names, as with :class:`~.lightning.AsyncCkptIO`.
 Loading a pointer's snapshot restores every rank's box of each tensor from the pieces that
 overlap it, so a checkpoint saved on one number of ranks (or mesh) resumes on another; any other
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 from .. import CheckpointEngine, Derived, Marker, load
 from ..errors import CheckpointError, EncodingError, PointerFileError, UnsupportedOptionError
 from ..rng import GlobalRNG
-from .directories import pointer_file, read_pointer
+from .pointer import pointer_file, read_pointer
 from .lightning import (DATA_POSITION_LOST, LAST_LINK_DANGLES, _count_saves_in_flight_as_files,
                         _encodable_hparams, _is_mid_epoch, _loses_data_position,
                         _read_named_or_newest, _restored_hparams, _stop_counting_saves_in_flight,

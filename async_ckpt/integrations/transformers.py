@@ -42,9 +42,11 @@ import numpy as np
 import torch
 
 from .. import CheckpointEngine, Derived, Marker, load
-from ..errors import CheckpointError, CorruptSnapshotError, IntegrationError, NoSnapshotError
+from ..errors import (CheckpointError, CorruptSnapshotError, IntegrationError, NoSnapshotError,
+                      PointerFileError)
 from ..rng import GlobalRNG, check_torch_state
-from .directories import POINTER_NAME, files_written_by, pointer_file, read_pointer
+from .directories import files_written_by
+from .pointer import POINTER_NAME, pointer_file, read_pointer
 
 SUPPORTED_VERSIONS = ("5.25", "6")  # [lowest tested, first unsupported major)
 
@@ -330,7 +332,7 @@ class AsyncCkptTrainer(Trainer):
         for checkpoint in _checkpoints_newest_first(output_dir):
             try:
                 pointer = read_pointer(checkpoint)
-            except CorruptSnapshotError:
+            except PointerFileError:
                 continue
             if pointer is not None and os.path.realpath(pointer[0]) == here:
                 steps.add(pointer[1])
@@ -357,7 +359,7 @@ class AsyncCkptTrainer(Trainer):
                 self._resume_state(checkpoint)
                 return checkpoint
             except CheckpointError as e:
-                if not (e.is_damage or isinstance(e, NoSnapshotError)):
+                if not (e.is_damage or isinstance(e, (NoSnapshotError, PointerFileError))):
                     raise
                 reason = f"{checkpoint}: {type(e).__name__}: {e}"
                 warnings.warn(f"AsyncCkptTrainer: cannot resume from {reason}; falling back to "
@@ -554,8 +556,9 @@ def _checkpoints_newest_first(output_dir: str) -> list[str]:
 
 def _read_checkpoint(checkpoint: str) -> Optional[dict]:
     """The snapshot ``checkpoint`` names, read and verified, or None when it names none. Raises
-    CorruptSnapshotError when it is damaged or does not match the directory's trainer_state.json,
-    NoSnapshotError when its step is not committed."""
+    PointerFileError when its pointer is damaged, CorruptSnapshotError when the snapshot is
+    damaged or does not match the directory's trainer_state.json, NoSnapshotError when its step
+    is not committed."""
     pointer = read_pointer(checkpoint)
     if pointer is None:
         return None
