@@ -33,20 +33,21 @@ from . import errors
 from .data import ResumableLoader, ResumableSampler, after_restore, inexact_loader_warnings
 from .checks import is_int, short_repr
 from .distributed import Coordinator
-from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError,
+from .errors import (CorruptSnapshotError, EngineClosedError, InvalidArgumentError, NoSnapshotError,
                      Preempted, RemoteConflictError, RemoteStorageError, SnapshotWriteError,
                      StagingRaceError, StateMismatchError, WorldSizeMismatchError,
                      WriterDiedError)
-from .format.manifest import committed_steps, read_manifest
+from .format.manifest import SnapshotRecord, committed_steps, read_manifest
 from .format.tree import RNG_KEY, NodeKind
 from .storage.names import check_step
 from .rng import GlobalRNG
 from .options import EngineOptions
 from .read.restore import apply, check_generator_states, mismatch_error
 from .read.memory import require_memory
-from .read.snapshot import Entry, hold_verify_threads, read_committed, read_held
+from .read.snapshot import Entry, ReadOptions, hold_verify_threads, read_committed, read_held
 from .stats import EngineCounts, SnapshotFigures
 from .tensors import registered_objects
+from .storage.base import Storage
 from .storage.local import LocalStorage
 from .storage.remote import ObjectStorage
 from .read.tiered import TieredStorage
@@ -139,7 +140,7 @@ class CheckpointEngine:
         self._old_handlers: dict = {}
         self._coordinator = Coordinator(self.rank, self.world_size)
         self._remote = None if o.remote is None else ObjectStorage(o.remote, o.remote_options)
-        self._remote_status: dict = {}  # the writer's latest RemoteStatus figures
+        self._remote_status = RemoteStatus()  # the writer's latest
         self._staging: Optional[Staged] = None  # the snapshot whose copy fence() waits for
         self._restored_from: Optional[str] = None  # the tier the last restore read: memory, disk
         self._restores: collections.Counter = collections.Counter()  # restores by tier
@@ -334,12 +335,12 @@ class CheckpointEngine:
     def _wait_remote(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         newest = self._history[-1].step if self._history else None
-        while newest is not None and self._remote_status.get("remote_step") != newest:
+        while newest is not None and self._remote_status.remote_step != newest:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise RemoteStorageError(
                     f"step {newest} is committed locally but not yet in {self._remote.url} after "
-                    f"{timeout:.0f} s (last error: {self._remote_status.get('last_error')}); "
+                    f"{timeout:.0f} s (last error: {self._remote_status.last_error}); "
                     "it stays in the local directory, and a later engine uploads it")
             event = self._writer_event(left if left is not None else 1.0)
             if event is not None:
@@ -385,10 +386,8 @@ class CheckpointEngine:
         if held is not None:
             return self._restored(self._load(*held, strict, False, frozenset(skip)), "memory")
         mapped, scratch = self._pipeline.read_memory(self.state)
-        record, loaded = read_committed(
-            self._committed_source(), step, self.rank, self.options.allow_pickle,
-            self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded,
-            mapped=mapped, scratch=scratch, targets=self.state)
+        record, loaded = self._read_committed(step, ReadOptions(
+            self.options.allow_pickle, mapped, scratch=scratch, targets=self.state))
         if loaded is None:
             return None
         return self._restored(self._load(record.step, record.world_size, loaded, strict,
@@ -493,21 +492,21 @@ class CheckpointEngine:
         log.info("restored step %d from %s", step, tier)
         return step
 
-    def load(self, step: Optional[int] = None) -> Optional[tuple[int, dict]]:
+    def load(self, step: Optional[int] = None) -> tuple[int, dict]:
         """The newest committed snapshot that verifies (or ``step``), read as plain CPU tensors
         and values without loading it into the registered objects: each object's entry as its
         ``state_dict()`` was, each mapping given to ``snapshot(state=...)`` as it was given. For
         code that applies what it saved itself (a framework's checkpoint dict). Falls back past
         damage as ``restore()`` does and sets the global RNG states saved with it (``rng``).
-        Returns (step, state), or None when nothing was ever committed."""
+        Returns (step, state); raises NoSnapshotError when nothing was ever committed, as
+        ``async_ckpt.load`` does (``restore()`` returns None then: a job's first start)."""
         self._check_usable()
         self.wait()
         self._next_snapshot_full()
-        record, loaded = read_committed(
-            self._committed_source(), step, self.rank, self.options.allow_pickle,
-            self._coordinator, lambda r: self.rank % r.world_size, self._check_loaded)
+        record, loaded = self._read_committed(step, ReadOptions(self.options.allow_pickle))
         if loaded is None:
-            return None
+            raise NoSnapshotError(f"{self.directory} holds no committed snapshot to load "
+                                  "(restore() returns None there: a job's first start)")
         self._load_rng(record.world_size, loaded.value.pop(RNG_KEY, None))
         return record.step, loaded.plain()
 
@@ -550,10 +549,19 @@ class CheckpointEngine:
                 return list(event.steps)
             self._handle(event)
 
-    def _committed_source(self):
+    def _committed_source(self) -> Storage:
         """Where committed snapshots are read: this rank's root, or it and the bucket."""
-        return (self.root if self._remote is None
-                else TieredStorage(LocalStorage(self.root), self._remote))
+        local = LocalStorage(self.root)
+        return local if self._remote is None else TieredStorage(local, self._remote)
+
+    def _read_committed(self, step: Optional[int], how: ReadOptions
+                        ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
+        """``read_committed`` as every rank of this job reads together: this rank's shard (or,
+        from a snapshot of fewer ranks, rank ``rank % world_size``'s), checked against what is
+        registered."""
+        return read_committed(self._committed_source(), step, how,
+                              shard_of=lambda record: self.rank % record.world_size,
+                              coordinator=self._coordinator, check=self._check_loaded)
 
     def _check_loaded(self, loaded: Entry) -> None:
         """Damage that shows only against what is registered: the RNG states this engine would
@@ -627,7 +635,7 @@ class CheckpointEngine:
         """Steps committed in the local directory, in commit order, oldest first (read from the
         manifest). When the ranks share no directory, this rank's own commits: what restores the
         job is what the object store's manifest names (``stats()["remote_step"]``)."""
-        return committed_steps(self.root)
+        return committed_steps(LocalStorage(self.root))
 
     def stats(self) -> dict:
         """Figures per committed snapshot (newest last) and of the engine as a whole.
@@ -685,17 +693,17 @@ class CheckpointEngine:
 
     def _remote_figures(self) -> dict:
         status = self._remote_status
-        remote_step, since = status.get("remote_step"), status.get("pending_since")
         newest = self._history[-1].step if self._history else None
-        return {"remote_step": remote_step,
-                "upload_lag_steps": None if remote_step is None or newest is None
-                else max(0, newest - remote_step),
-                "upload_lag_s": 0.0 if since is None else time.monotonic() - since,
-                "upload_pending_bytes": status.get("pending_bytes", 0),
-                "uploaded_bytes": status.get("uploaded_bytes", 0),
-                "upload_retries": status.get("upload_retries", 0),
-                "upload_skipped": status.get("upload_skipped", 0),
-                "upload_last_error": status.get("last_error")}
+        return {"remote_step": status.remote_step,
+                "upload_lag_steps": None if status.remote_step is None or newest is None
+                else max(0, newest - status.remote_step),
+                "upload_lag_s": 0.0 if status.pending_since is None
+                else time.monotonic() - status.pending_since,
+                "upload_pending_bytes": status.pending_bytes,
+                "uploaded_bytes": status.uploaded_bytes,
+                "upload_retries": status.upload_retries,
+                "upload_skipped": status.upload_skipped,
+                "upload_last_error": status.last_error}
 
     def close(self, final_step: Optional[int] = None, *,
               timeout: Optional[float] = _REMOTE_CLOSE_TIMEOUT_S) -> None:
@@ -849,23 +857,23 @@ class CheckpointEngine:
                 self._tracker.committed(event.job)
             self._history.append(record)
             log.info("committed step %d: blocked %.3f s, %.1f MB", record.step,
-                     record.blocking_s, figures["stored_bytes"] / 1e6)
-            if figures["disk_free_bytes"] < 2 * figures["stored_bytes"]:
+                     record.blocking_s, figures.stored_bytes / 1e6)
+            if figures.disk_free_bytes < 2 * figures.stored_bytes:
                 log.warning("the disk holding %s has %.0f MB free, less than two more snapshots "
-                            "of %.0f MB", self.directory, figures["disk_free_bytes"] / 1e6,
-                            figures["stored_bytes"] / 1e6)
+                            "of %.0f MB", self.directory, figures.disk_free_bytes / 1e6,
+                            figures.stored_bytes / 1e6)
         elif isinstance(event, Abandoned):  # another rank never wrote its part: not this rank's error
             self._pending.pop(event.job)
             self._counts.abandoned += 1
             log.warning("%s", event.message)
             self._next_snapshot_full()
         elif isinstance(event, RemoteStatus):
-            figures, before = event.figures, self._remote_status
-            if figures.get("conflict") is not None and before.get("conflict") is None:
-                self._failures.append(figures["conflict"])  # raised once, at the next call
-            if figures.get("rejections", 0) > before.get("rejections", 0):
-                self._failures.append(figures["rejected"])  # likewise, per snapshot refused
-            self._remote_status = figures
+            before = self._remote_status
+            if event.conflict is not None and before.conflict is None:
+                self._failures.append(event.conflict)  # raised once, at the next call
+            if event.rejections > before.rejections:
+                self._failures.append(event.rejected)  # likewise, per snapshot refused
+            self._remote_status = event
         elif isinstance(event, Dropped):  # the answer to a drop(wait=False)
             self._drops_queued -= 1
             if event.error is not None:

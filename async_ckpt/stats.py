@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
+
+from .write.protocol import CommitFigures
 
 
 @dataclasses.dataclass
 class SnapshotFigures:
     """One snapshot, from ``snapshot()`` called to committed: what ``snapshot()`` measured
-    (seconds, bytes), the writer's figures of the commit as it reported them (``writer``; see
-    ``write/commit.py``), and what follows from both. ``CheckpointEngine.stats()`` lists the keys
+    (seconds, bytes), the writer's figures of the commit (``writer``), and what follows from
+    both. ``CheckpointEngine.stats()`` lists the keys
     of ``as_dict``; ``blocking_s`` runs until the commit in sync mode.
     """
 
@@ -27,32 +29,32 @@ class SnapshotFigures:
     staging_s: float
     staged_bytes: int
     committed: bool = False
-    writer: dict = dataclasses.field(default_factory=dict)
+    writer: Optional[CommitFigures] = None
     to_commit_s: Optional[float] = None
     committed_at: Optional[float] = None
 
-    def record_commit(self, writer_figures: Mapping, *,
+    def record_commit(self, writer: CommitFigures, *,
                       monotonic: Callable[[], float] = time.monotonic,
                       unix_time: Callable[[], float] = time.time) -> None:
         """Take the writer's figures of the commit; its ``committed_at`` is a ``time.monotonic()``
         of this machine, turned into Unix time here by reading both clocks (tests pass their
         own)."""
-        self.writer = dict(writer_figures)
+        self.writer = writer
         self.committed = True
-        self.to_commit_s = writer_figures["committed_at"] - self.called_at
-        self.committed_at = unix_time() - (monotonic() - writer_figures["committed_at"])
+        self.to_commit_s = writer.committed_at - self.called_at
+        self.committed_at = unix_time() - (monotonic() - writer.committed_at)
 
     def as_dict(self) -> dict:
         """One entry of ``stats()["snapshots"]`` (only committed snapshots are reported)."""
-        writer = self.writer
+        shard = self.writer.shard
         return {
             "step": self.step, "blocking_s": self.blocking_s, "wait_slot_s": self.wait_slot_s,
             "capture_s": self.capture_s, "staging_s": self.staging_s,
-            "staged_bytes": self.staged_bytes, **writer, "committed_at": self.committed_at,
-            "committed": self.committed, "to_commit_s": self.to_commit_s,
+            "staged_bytes": self.staged_bytes, **self.writer.as_dict(),
+            "committed_at": self.committed_at, "committed": self.committed,
+            "to_commit_s": self.to_commit_s,
             "staging_gbps": self.staged_bytes / max(self.staging_s, 1e-9) / 1e9,
-            "durable_gbps": writer["shard_bytes"] / max(writer["write_s"] + writer["fsync_s"],
-                                                        1e-9) / 1e9,
+            "durable_gbps": shard.shard_bytes / max(shard.write_s + shard.fsync_s, 1e-9) / 1e9,
         }
 
 

@@ -96,7 +96,7 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
         start = time.perf_counter()
         system.engine.wait(remote=True)
         upload_s = time.perf_counter() - start
-    record = read_manifest(local).snapshots[-1]
+    record = read_manifest(LocalStorage(local)).snapshots[-1]
     shard = os.path.join(local, record.dir, record.shards[0].file)
     storage = ObjectStorage(url)
     client = boto3.client("s3")

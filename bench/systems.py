@@ -198,8 +198,10 @@ class Engine(System):
 
     def newest_path(self) -> str:
         from async_ckpt.format.manifest import read_manifest
+        from async_ckpt.storage.local import LocalStorage
 
-        return os.path.join(self.directory, read_manifest(self.directory).snapshots[-1].dir)
+        newest = read_manifest(LocalStorage(self.directory)).snapshots[-1]
+        return os.path.join(self.directory, newest.dir)
 
     def writer_pids(self) -> list[int]:
         return [] if self._writer_pid is None else [self._writer_pid]

@@ -61,7 +61,7 @@ ALLOWED = {
     "write": {"format", "storage"},
     "keeper": {"write", "format", "storage"},  # write: how the trainer starts a process
     "distributed": set(),
-    "stats": set(),
+    "stats": {"write"},  # the writer's figure records (write/protocol.py)
     "rng": set(),
     "determinism": set(),
     "tensors": {"rng"},
@@ -248,3 +248,68 @@ def test_only_the_format_reads_a_parsed_index_by_its_keys():
              for uses in [_index_key_uses(path)] if uses}
     assert not found, f"modules that read a parsed shard index by string key: {found}"
     assert all(_index_key_uses(MODULES[name]) for name in _OWN_FORMATS)  # each exemption is used
+
+
+def test_what_the_writer_tells_the_trainer_is_typed_all_the_way_down():
+    """The writer's answers (``write/protocol.py``'s ``WriterEvent``) carry records, never a dict
+    read by string keys in another module: a field typed ``dict`` (or holding one) is found
+    here."""
+    import dataclasses
+    import typing
+
+    from async_ckpt.write import protocol
+
+    def dict_fields(cls, seen=()):
+        for field in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[field.name]
+            for part in (hint, *typing.get_args(hint)):
+                if part is dict or typing.get_origin(part) is dict:
+                    yield f"{cls.__name__}.{field.name}"
+                elif dataclasses.is_dataclass(part) and part not in seen:
+                    yield from dict_fields(part, (*seen, cls))
+
+    events = typing.get_args(protocol.WriterEvent)
+    assert protocol.Committed in events and protocol.RemoteStatus in events
+    assert [name for event in events for name in dict_fields(event)] == []
+
+
+def test_the_command_line_decides_its_exit_codes_in_one_place():
+    """``tools/common.py`` declares every exit code (``EXIT_*``) with the help that explains
+    them; a command returning a number of its own (``return 2``, ``return 128 + signum``) is
+    found here."""
+    def is_int(node) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int
+
+    def is_code(value) -> bool:
+        """``N``, ``N + x``, ``f(..., N)``, ``N if c else x``."""
+        return (is_int(value) or isinstance(value, ast.BinOp) and (is_int(value.left)
+                                                                  or is_int(value.right))
+                or isinstance(value, ast.Call) and any(map(is_int, value.args))
+                or isinstance(value, ast.IfExp) and (is_code(value.body) or is_code(value.orelse)))
+
+    def literal_codes(path: pathlib.Path) -> list[str]:
+        return [f"{node.lineno}: {ast.unparse(node.value)}"
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Return) and is_code(node.value)]
+
+    found = {name: codes for name, path in MODULES.items()
+             if _part(name) == "tools" and name != "async_ckpt.tools.common"
+             for codes in [literal_codes(path)] if codes}
+    assert found == {}, f"exit codes decided outside tools/common.py: {found}"
+
+
+def test_paths_become_storages_only_at_the_public_entry_points():
+    """Below the edges every function takes a ``Storage``: a path or URL is turned into one by
+    ``storage/open.py``'s ``open_storage`` at a public entry point (``async_ckpt.load``, the
+    command line, the engine's constructor), so an ``s3://`` string can never reach a function
+    that would take it for a local path. A parameter typed ``str | Storage`` is found here."""
+    found = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                for annotation in (a.annotation for a in arguments if a.annotation is not None):
+                    text = ast.unparse(annotation)
+                    if "Storage" in text and ("str" in text or "PathLike" in text):
+                        found.add(f"{name}.{node.name}")
+    assert found == {"async_ckpt.storage.open.open_storage", "async_ckpt.read.snapshot.load"}

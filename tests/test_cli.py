@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import gc as gc_command
 from async_ckpt.tools.cli import main
@@ -57,7 +58,7 @@ def run(capsys, *argv):
 
 
 def shard_path(root, step):
-    record = read_manifest(root).find(step)
+    record = read_manifest(LocalStorage(root)).find(step)
     return os.path.join(root, record.dir, record.shards[0].file)
 
 
@@ -120,7 +121,7 @@ def test_ls_json_matches_the_manifest(capsys, ckpt):
     code, out, _ = run(capsys, "ls", ckpt, "--json")
     assert code == 0
     doc = json.loads(out)
-    manifest = read_manifest(ckpt)
+    manifest = read_manifest(LocalStorage(ckpt))
     assert doc["newest_step"] == 30 and doc["manifest"] is True
     assert [s["step"] for s in doc["snapshots"]] == STEPS
     for s, record in zip(doc["snapshots"], manifest.snapshots):
@@ -602,7 +603,7 @@ def test_gc_removes_only_leftovers_by_default(capsys, ckpt):
     assert code == 0 and "keeping 4 committed snapshots" in out
     assert all(name in out for name in names)
     assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
-    assert read_manifest(ckpt).steps() == STEPS
+    assert read_manifest(LocalStorage(ckpt)).steps() == STEPS
     assert run(capsys, "verify", ckpt, "--all")[0] == 0
     assert "nothing to remove" in run(capsys, "gc", ckpt)[1]
 
@@ -614,7 +615,7 @@ def test_gc_of_a_directory_that_lost_its_manifest_keeps_every_complete_snapshot(
     assert code == 0 and "keeping 4 committed snapshots" in out
     assert not os.path.exists(os.path.join(ckpt, "manifest.json"))  # a dry run writes nothing
     code, out, _ = run(capsys, "gc", ckpt)
-    assert code == 0 and read_manifest(ckpt).steps() == STEPS
+    assert code == 0 and read_manifest(LocalStorage(ckpt)).steps() == STEPS
     assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
     assert run(capsys, "verify", ckpt, "--all")[0] == 0
 
@@ -639,11 +640,11 @@ def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys,
         for step in (50, 60, 40):  # a rewind: 40 is the newest
             weights.add_(1)
             engine.snapshot(step)
-    dropped_dirs = [r.dir for r in read_manifest(root).snapshots[:1]]
+    dropped_dirs = [r.dir for r in read_manifest(LocalStorage(root)).snapshots[:1]]
     removed_after_commit = []
 
     def remove_after_commit(directory, names):
-        committed = {r.dir for r in read_manifest(directory).snapshots}
+        committed = {r.dir for r in read_manifest(LocalStorage(directory)).snapshots}
         assert not committed & set(names)  # the manifest without them is already durable
         removed_after_commit.extend(names)
         return cli_remove_entries(directory, names)
@@ -657,7 +658,7 @@ def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys,
     assert load(root)[0] == 40 and float(load(root)[1]["w"][0]) == 3.0
     code, out, _ = run(capsys, "gc", root, "--keep-last", "1")
     assert code == 0 and "keeping 1 committed snapshot (step 40)" in out
-    assert read_manifest(root).steps() == [40] and len(removed_after_commit) == 2
+    assert read_manifest(LocalStorage(root)).steps() == [40] and len(removed_after_commit) == 2
 
 
 def test_gc_refuses_while_an_engine_holds_the_directory(capsys, ckpt):
@@ -668,7 +669,7 @@ def test_gc_refuses_while_an_engine_holds_the_directory(capsys, ckpt):
             assert code == 1
             assert f"an engine is writing to {ckpt}; stop it first" in one_error_line(err)
         assert all(os.path.exists(os.path.join(ckpt, n)) for n in names)
-        assert read_manifest(ckpt).steps() == STEPS
+        assert read_manifest(LocalStorage(ckpt)).steps() == STEPS
     assert run(capsys, "gc", ckpt)[0] == 0
     assert not any(os.path.exists(os.path.join(ckpt, n)) for n in names)
 
@@ -680,9 +681,9 @@ def test_gc_drops_committed_snapshots_only_if_a_kept_one_verifies(capsys, ckpt):
         assert code == 1
         assert "refusing to drop committed snapshots" in one_error_line(err)
         assert "step 30: " in err and "fails its checksum" in err
-    assert read_manifest(ckpt).steps() == STEPS
+    assert read_manifest(LocalStorage(ckpt)).steps() == STEPS
     code, out, _ = run(capsys, "gc", ckpt, "--keep-last", "2")  # keeps 20, which restores
-    assert code == 0 and read_manifest(ckpt).steps() == [20, 30]
+    assert code == 0 and read_manifest(LocalStorage(ckpt)).steps() == [20, 30]
     assert load(ckpt)[0] == 20
 
 
@@ -863,14 +864,16 @@ def test_a_ranks_own_root_lists_and_verifies_but_points_to_the_store(capsys, tmp
     (its shards only, said so); DIR itself, and a restore from a root, point to the bucket."""
     from test_commit import write_shard
     from async_ckpt.write.commit import Attempt, Committer
+    from async_ckpt.write.protocol import ShardFigures
 
     root = tmp_path / "ckpt" / "rank-00001"
     root.mkdir(parents=True)
     (tmp_path / "ckpt" / ".lock-rank00001").touch()
-    committer = Committer(str(root), 2, keep_last=3, keep_every=None, commit_timeout=60,
+    committer = Committer(LocalStorage(str(root)), 2, keep_last=3, keep_every=None, commit_timeout=60,
                           send=lambda event: None, own_root=1)
     name = "step-00000000000000000007.0000abcd"
-    committer.add(Attempt(job=0, step=7, dir=name, replicas=[], raw_bytes=64, figures={},
+    committer.add(Attempt(job=0, step=7, dir=name, replicas=[], raw_bytes=64,
+                          figures=ShardFigures(),
                           shard=write_shard(str(root), name, 1, 7, world_size=2)))
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 0 and "rank 1's own root" in out and "object store" in out

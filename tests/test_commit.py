@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
-from async_ckpt.write.protocol import Abandoned, Committed, Failed, Marker
+from async_ckpt.write.protocol import (Abandoned, CommitFigures, Committed, Failed, Marker,
+                                       ShardFigures)
 from async_ckpt.write.writer import _write_markers
 from async_ckpt.errors import (CorruptSnapshotError, InternalError, ReplicaMismatchError,
                                SnapshotWriteError)
@@ -102,7 +104,7 @@ def attempt(root, job, step, replicas=()):
     shard = write_shard(root, name, 0, step, replicas)
     return Attempt(job=job, step=step, dir=name, shard=shard,
                    replicas=[Replica.of(r) for r in replicas],
-                   raw_bytes=64, figures={"write_s": 0.0})
+                   raw_bytes=64, figures=ShardFigures())
 
 
 def outcomes(events):
@@ -119,7 +121,7 @@ def clock():
 @pytest.fixture
 def committer(tmp_path, clock):
     events = []
-    c = Committer(str(tmp_path), WORLD, keep_last=5, keep_every=None, commit_timeout=60,
+    c = Committer(LocalStorage(str(tmp_path)), WORLD, keep_last=5, keep_every=None, commit_timeout=60,
                   send=events.append, clock=clock)
     c.events = events
     return c
@@ -131,13 +133,13 @@ def test_a_step_commits_only_once_every_rank_is_durable(tmp_path, committer):
     write_shard(str(tmp_path), a.dir, 1, 7)
     write_shard(str(tmp_path), a.dir, 2, 7, partial=True)  # written, not yet renamed: not durable
     committer.poll(trainer_gone=False)
-    assert committer.events == [] and read_manifest(str(tmp_path)).steps() == []
+    assert committer.events == [] and read_manifest(LocalStorage(str(tmp_path))).steps() == []
     os.rename(os.path.join(tmp_path, a.dir, shard_file_name(2) + PARTIAL_SUFFIX),
               os.path.join(tmp_path, a.dir, shard_file_name(2)))
     committer.poll(trainer_gone=False)
     (event,) = committer.events
     assert isinstance(event, Committed) and event.job == 0
-    record = read_manifest(str(tmp_path)).find(7)
+    record = read_manifest(LocalStorage(str(tmp_path))).find(7)
     assert [s.rank for s in record.shards] == [0, 1, 2] and record.world_size == WORLD
     assert record.stored_bytes == sum(s.bytes for s in record.shards) and record.raw_bytes == 3 * 64
     assert committer.pending == []
@@ -153,7 +155,7 @@ def test_a_later_complete_step_abandons_an_earlier_incomplete_one(tmp_path, comm
     committer.poll(trainer_gone=False)
     assert outcomes(committer.events) == [(Abandoned, 0), (Committed, 1)]
     assert "rank(s) [2]" in committer.events[0].message
-    assert read_manifest(str(tmp_path)).steps() == [2]
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == [2]
     assert not os.path.exists(os.path.join(tmp_path, first.dir))
 
 
@@ -176,7 +178,7 @@ def test_a_step_no_rank_makes_progress_on_is_abandoned_after_the_timeout(tmp_pat
     clock.advance(0.02)
     committer.poll(trainer_gone=False)
     assert outcomes(committer.events) == [(Abandoned, 0)]
-    assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
 def test_once_the_trainer_is_gone_the_wait_is_short(tmp_path, committer, monkeypatch, clock):
@@ -201,7 +203,7 @@ def test_differing_replicas_are_not_committed(tmp_path, committer):
     assert isinstance(event, Failed) and event.job == 0
     assert type(event.error) is ReplicaMismatchError
     assert "'model' differs between rank 0 and rank 2" in str(event.error)
-    assert read_manifest(str(tmp_path)).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == [] and not os.path.exists(os.path.join(tmp_path, a.dir))
 
 
 @pytest.mark.parametrize("raised, expected", [
@@ -230,15 +232,15 @@ def test_a_rank_with_a_root_of_its_own_commits_its_shard_alone(tmp_path, clock):
     """Ranks without a shared directory: rank 1 commits its shard into its own manifest as soon
     as it is durable; the other ranks' shards are never waited for."""
     events, root = [], str(tmp_path)
-    own = Committer(root, WORLD, keep_last=2, keep_every=None, commit_timeout=60,
+    own = Committer(LocalStorage(root), WORLD, keep_last=2, keep_every=None, commit_timeout=60,
                     send=events.append, clock=clock, own_root=1)
     for job, step in enumerate((3, 4, 5)):
         name = f"step-{step:020d}.{job:08x}"
         shard = write_shard(root, name, 1, step)
         own.add(Attempt(job=job, step=step, dir=name, shard=shard, replicas=[], raw_bytes=64,
-                        figures={"write_s": 0.0}))
+                        figures=ShardFigures()))
     assert outcomes(events) == [(Committed, 0), (Committed, 1), (Committed, 2)]
-    manifest = read_manifest(root)
+    manifest = read_manifest(LocalStorage(root))
     assert manifest.rank == 1 and manifest.steps() == [4, 5]  # keep_last applies per rank
     assert [s.rank for s in manifest.snapshots[-1].shards] == [1]
     assert manifest.snapshots[-1].world_size == WORLD
@@ -252,16 +254,16 @@ def test_a_root_of_the_whole_job_is_not_taken_for_a_ranks_own(tmp_path, committe
     for rank in (1, 2):
         write_shard(root, a.dir, rank, 1)
     committer.poll(trainer_gone=False)
-    assert read_manifest(root).steps() == [1]
+    assert read_manifest(LocalStorage(root)).steps() == [1]
     events = []
-    own = Committer(root, WORLD, keep_last=2, keep_every=None, commit_timeout=60,
+    own = Committer(LocalStorage(root), WORLD, keep_last=2, keep_every=None, commit_timeout=60,
                     send=events.append, clock=clock, own_root=2)
     name = "step-00000000000000000002.00000009"
     own.add(Attempt(job=9, step=2, dir=name, shard=write_shard(root, name, 2, 2), replicas=[],
-                    raw_bytes=64, figures={}))
+                    raw_bytes=64, figures=ShardFigures()))
     (event,) = events
     assert isinstance(event, Failed) and "holds the snapshots of all ranks" in str(event.error)
-    assert read_manifest(root).steps() == [1]
+    assert read_manifest(LocalStorage(root)).steps() == [1]
 
 
 def test_a_shard_of_another_job_is_refused(tmp_path, committer):
@@ -273,7 +275,7 @@ def test_a_shard_of_another_job_is_refused(tmp_path, committer):
     (event,) = committer.events
     assert isinstance(event, Failed) and event.job == 0
     assert type(event.error) is CorruptSnapshotError and "share" in str(event.error)
-    assert read_manifest(str(tmp_path)).steps() == []
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == []
 
 
 def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, committer):
@@ -285,8 +287,8 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
         for rank in (1, 2):
             write_shard(str(tmp_path), a.dir, rank, step)
         committer.add(a)
-    assert read_manifest(str(tmp_path)).steps() == [11]
-    assert committer.events[-1].figures["dropped_steps"] == [10]
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == [11]
+    assert committer.events[-1].figures.dropped_steps == (10,)
     assert not os.path.exists(os.path.join(tmp_path, dirs[0]))
 
 
@@ -296,7 +298,7 @@ def test_retention_removes_every_rank_s_files_of_a_dropped_step(tmp_path, commit
 @pytest.fixture
 def watcher(tmp_path, clock):
     events = []
-    w = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append, clock=clock)
+    w = CommitWatcher(LocalStorage(str(tmp_path)), commit_timeout=60, send=events.append, clock=clock)
     w.events = events
     return w
 
@@ -305,7 +307,7 @@ def rank1_attempt(root, job, step):
     name = f"step-{step:020d}.{job:08x}"
     shard = write_shard(root, name, 1, step)
     return Attempt(job=job, step=step, dir=name, shard=shard, replicas=[], raw_bytes=64,
-                   figures={"write_s": 0.0, "shard_bytes": shard.bytes})
+                   figures=ShardFigures(shard_bytes=shard.bytes))
 
 
 def test_a_rank_learns_of_the_commit_from_the_manifest(tmp_path, watcher, committer):
@@ -313,14 +315,13 @@ def test_a_rank_learns_of_the_commit_from_the_manifest(tmp_path, watcher, commit
     watcher.add(mine)
     assert watcher.events == [] and watcher.pending == [mine]  # durable, not yet committed
     ours = Attempt(job=9, step=6, dir=mine.dir, shard=write_shard(str(tmp_path), mine.dir, 0, 6),
-                   replicas=[], raw_bytes=64, figures={})
+                   replicas=[], raw_bytes=64, figures=ShardFigures())
     write_shard(str(tmp_path), mine.dir, 2, 6)
     committer.add(ours)  # rank 0's writer commits
     watcher.poll(trainer_gone=False)
     (event,) = watcher.events
     assert isinstance(event, Committed) and event.job == 0
-    assert event.figures["stored_bytes"] == read_manifest(
-        str(tmp_path)).find(6).stored_bytes
+    assert event.figures.stored_bytes == read_manifest(LocalStorage(str(tmp_path))).find(6).stored_bytes
     assert watcher.pending == []
 
 
@@ -328,7 +329,8 @@ def test_a_rank_learns_that_rank_0_gave_its_shard_up(tmp_path, watcher, committe
     mine = rank1_attempt(str(tmp_path), 0, step=6)
     watcher.add(mine)
     committer.commit_timeout = 0
-    committer.add(Attempt(job=9, step=6, dir=mine.dir, replicas=[], raw_bytes=64, figures={},
+    committer.add(Attempt(job=9, step=6, dir=mine.dir, replicas=[], raw_bytes=64,
+                          figures=ShardFigures(),
                           shard=write_shard(str(tmp_path), mine.dir, 0, 6)))
     clock.advance(0.01)
     committer.poll(trainer_gone=False)  # rank 2 never wrote: rank 0 gives the step up
@@ -350,7 +352,7 @@ def test_a_rank_whose_trainer_is_gone_still_learns_of_a_commit_that_has_markers(
     """Its markers (a framework's files of that rank) are written once the commit is known, so
     the job it belongs to is watched on; the others are dropped as before."""
     events = []
-    watcher = CommitWatcher(str(tmp_path), commit_timeout=60, send=events.append,
+    watcher = CommitWatcher(LocalStorage(str(tmp_path)), commit_timeout=60, send=events.append,
                             outlives_trainer=lambda job: job == 1)
     marked, plain = rank1_attempt(str(tmp_path), 1, step=6), rank1_attempt(str(tmp_path), 2, 7)
     watcher.add(marked)
@@ -358,7 +360,8 @@ def test_a_rank_whose_trainer_is_gone_still_learns_of_a_commit_that_has_markers(
     watcher.poll(trainer_gone=True)
     assert watcher.pending == [marked]
     write_shard(str(tmp_path), marked.dir, 2, 6)
-    committer.add(Attempt(job=9, step=6, dir=marked.dir, replicas=[], raw_bytes=64, figures={},
+    committer.add(Attempt(job=9, step=6, dir=marked.dir, replicas=[], raw_bytes=64,
+                          figures=ShardFigures(),
                           shard=write_shard(str(tmp_path), marked.dir, 0, 6)))
     watcher.poll(trainer_gone=True)
     assert outcomes(events) == [(Committed, 1)] and watcher.pending == []
@@ -375,7 +378,7 @@ def test_a_marker_waits_for_the_files_it_comes_after(tmp_path):
     torch_file(others[0][0], others[0][1])
     torch_file(others[1][0], b"step 2 rank 2")  # an earlier save's file, not yet replaced
     latest = Marker(str(tmp_path / "latest"), b"tag3", after=tuple(others))
-    committed = Committed(4, {})
+    committed = Committed(4, CommitFigures(ShardFigures(), 0.0, 0.0, 0, 0, 0))
     event = _write_markers(committed, (latest,), None, {}, timeout=0)
     assert isinstance(event, Failed) and "part2.pt" in str(event.error)
     assert not os.path.exists(latest.path)
@@ -408,15 +411,16 @@ def test_without_torch_distributed_one_rank_agrees_with_itself():
 def test_a_step_committed_and_dropped_between_two_polls_is_reported_committed(tmp_path, watcher):
     """Retention (keep_last=1) removes a commit before this rank's watcher looked: it must not
     report that committed step as given up."""
-    rank0 = Committer(str(tmp_path), WORLD, keep_last=1, keep_every=None, commit_timeout=60,
+    rank0 = Committer(LocalStorage(str(tmp_path)), WORLD, keep_last=1, keep_every=None, commit_timeout=60,
                       send=lambda event: None)
     mine = [rank1_attempt(str(tmp_path), job, step) for job, step in ((0, 6), (1, 7))]
     for attempt in mine:
         watcher.pending.append(attempt)  # durable here; the watcher has not polled yet
         write_shard(str(tmp_path), attempt.dir, 2, attempt.step)
         rank0.add(Attempt(job=9, step=attempt.step, dir=attempt.dir, replicas=[], raw_bytes=64,
-                          figures={}, shard=write_shard(str(tmp_path), attempt.dir, 0, attempt.step)))
-    assert read_manifest(str(tmp_path)).steps() == [7]
+                          figures=ShardFigures(),
+                          shard=write_shard(str(tmp_path), attempt.dir, 0, attempt.step)))
+    assert read_manifest(LocalStorage(str(tmp_path))).steps() == [7]
     assert not os.path.exists(os.path.join(tmp_path, mine[0].dir))  # dropped by retention
     watcher.poll(trainer_gone=False)
     assert outcomes(watcher.events) == [(Committed, 0), (Committed, 1)]

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import DiskFullError, SnapshotWriteError
 from async_ckpt.format.manifest import read_manifest
@@ -50,7 +51,7 @@ def kill_group(process):
 
 
 def assert_every_committed_snapshot_exact(directory):
-    steps = read_manifest(directory).steps()
+    steps = read_manifest(LocalStorage(directory)).steps()
     for step in steps:
         got_step, state = load(directory, step)
         expected = state_at(step, MB)
@@ -213,7 +214,7 @@ def test_disk_full_mid_write_discards_the_snapshot_and_keeps_committed_ones(smal
         with pytest.raises(DiskFullError, match="disk full"):
             engine.wait()
         assert engine.committed_steps() == [0]
-        assert [d for d in os.listdir(directory) if d.startswith("step-")] == [read_manifest(directory).snapshots[0].dir]
+        assert [d for d in os.listdir(directory) if d.startswith("step-")] == [read_manifest(LocalStorage(directory)).snapshots[0].dir]
         os.unlink(os.path.join(small_tmpfs, "other-data"))
         state["w"].zero_()
         engine.snapshot(2)  # space is back: the engine goes on

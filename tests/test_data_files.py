@@ -27,7 +27,8 @@ from async_ckpt.storage.names import DATA_FILE, data_file_name, snapshot_dir_nam
 from async_ckpt.tools import cli
 from async_ckpt.write.commit import with_shards
 from async_ckpt.write import writer as writer_module
-from async_ckpt.write.protocol import Attach, Committed, Failed, Released, SnapshotJob
+from async_ckpt.write.protocol import (Attach, CommitFigures, Committed, Failed, Released,
+                                       ShardFigures, SnapshotJob)
 from conftest import assert_same, connected_writer
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -99,7 +100,8 @@ def test_framework_files_are_the_snapshot_s_bytes_written_once(tmp_path):
     on_disk = bytes_in_files(snapshot_dir(tmp_path / "ckpt"),
                              *([] if clones else [tmp_path / "checkpoint-0"]))
     assert counted == on_disk
-    (record,) = async_ckpt.format.manifest.read_manifest(str(tmp_path / "ckpt")).snapshots
+    (record,) = async_ckpt.format.manifest.read_manifest(
+        local.LocalStorage(str(tmp_path / "ckpt"))).snapshots
     assert record.stored_bytes == on_disk  # what `ls` and retention's accounting show
     assert on_disk <= 1.05 * state_bytes(state)  # not the shard and the files: each byte once
     directory = snapshot_dir(tmp_path / "ckpt")
@@ -481,7 +483,7 @@ def test_a_bug_writing_a_framework_file_is_reported_not_raised(tmp_path):
             raise RuntimeError("a bug in the format")
         return write
 
-    committed = Committed(4, {})
+    committed = Committed(4, CommitFigures(ShardFigures(), 0.0, 0.0, 0, 0, 0))
     failed = writer_module._write_markers(committed, (Marker(str(tmp_path / "m.pt"),
                                                              Derived("torch")),), derive, {},
                                             timeout=1.0)
@@ -523,7 +525,7 @@ def test_ls_repair_and_commit_find_a_missing_or_cut_data_file(tmp_path, capsys):
                             markers=[Marker(str(tmp_path / f"{step}.pt"),
                                             Derived("torch", "model"))])
             engine.wait()
-    manifest = async_ckpt.format.manifest.read_manifest(str(root))
+    manifest = async_ckpt.format.manifest.read_manifest(local.LocalStorage(str(root)))
     first, second = (os.path.join(root, s.dir) for s in manifest.snapshots)
     data = data_file_name(0, 0, "torch")
     os.unlink(os.path.join(first, data))
@@ -535,7 +537,8 @@ def test_ls_repair_and_commit_find_a_missing_or_cut_data_file(tmp_path, capsys):
     assert out.count("DAMAGED") == 2
 
     os.unlink(os.path.join(root, "manifest.json"))
-    assert async_ckpt.format.manifest.recover_manifest(str(root), write=False).snapshots == ()
+    assert async_ckpt.format.manifest.recover_manifest(local.LocalStorage(str(root)),
+                                                       write=False).snapshots == ()
 
     record = manifest.snapshots[0]
     with pytest.raises(CorruptSnapshotError, match=f"{data} is missing"):

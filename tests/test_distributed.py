@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools.cli import main as cli_main
 from async_ckpt.data import DistributedResumableSampler
@@ -126,7 +127,7 @@ def assert_same_run(run_dir, ref_dir, nproc, context=""):
 
 
 def shard_indexes(ckpt):
-    record = read_manifest(ckpt).snapshots[-1]
+    record = read_manifest(LocalStorage(ckpt)).snapshots[-1]
     indexes = []
     for shard in record.shards:
         with ShardReader(os.path.join(ckpt, record.dir, shard.file)) as reader:
@@ -140,7 +141,7 @@ def test_every_step_is_committed_and_replicated_state_is_stored_once(tmp_path_fa
     ckpt = os.path.join(run_dir, "ckpt")
     for rank in range(nproc):
         assert [r["step"] for r in read_log(run_dir, rank)] == list(range(STEPS))
-    manifest = read_manifest(ckpt)
+    manifest = read_manifest(LocalStorage(ckpt))
     assert manifest.steps() == [STEPS - 3, STEPS - 2, STEPS - 1]  # keep_last=3 of a snapshot per step
     assert manifest.next_seq == STEPS  # every step was committed
     record, indexes = shard_indexes(ckpt)
@@ -246,7 +247,7 @@ def test_a_rank_killed_while_writing_never_commits_that_step(tmp_path, tmp_path_
     killed_step = int(killed_dir.split("-")[1].split(".")[0])
     assert killed_dir not in committed_dirs
     assert not os.path.exists(os.path.join(ckpt, killed_dir)), "the half snapshot was not cleaned up"
-    assert killed_dir not in {s.dir for s in read_manifest(ckpt).snapshots}
+    assert killed_dir not in {s.dir for s in read_manifest(LocalStorage(ckpt)).snapshots}
     # Rank 1 logged the killed step before snapshotting it, so its log always shows the replay;
     # rank 0, stopped by torchrun, may not have logged it yet and then replays nothing.
     steps = [r["step"] for r in read_log(run_dir, 1)]
@@ -264,7 +265,7 @@ def kill_rank_1_mid_write(process, ckpt, run_dir, seconds) -> tuple:
     deadline = time.monotonic() + seconds
     while process.poll() is None and time.monotonic() < deadline:
         if os.path.exists(os.path.join(ckpt, "manifest.json")):
-            committed |= {s.dir for s in read_manifest(ckpt).snapshots}
+            committed |= {s.dir for s in read_manifest(LocalStorage(ckpt)).snapshots}
         if killed_dir is None and len(read_log(run_dir, 1)) >= 5:
             killed_dir = stop_rank_mid_write(process, ckpt, rank=1)
         time.sleep(0.002)

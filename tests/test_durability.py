@@ -25,7 +25,8 @@ from async_ckpt.format.manifest import ShardRecord
 from async_ckpt.storage.names import shard_file_name, snapshot_dir_name
 from async_ckpt.write import commit
 from async_ckpt.write.commit import Attempt
-from async_ckpt.write.protocol import Attach, Drop, Dropped, Failed, Released, SnapshotJob
+from async_ckpt.write.protocol import (Attach, Drop, Dropped, Failed, Released, ShardFigures,
+                                       SnapshotJob)
 from async_ckpt.write.writer import GONE
 from conftest import connected_writer
 
@@ -233,7 +234,7 @@ def pending_attempt(tmp_path, rank):
     name = snapshot_dir_name(1, "session", 0)
     os.makedirs(tmp_path / name, exist_ok=True)
     return Attempt(job=0, step=1, dir=name, shard=ShardRecord(rank, shard_file_name(rank), 0, ""),
-                   replicas=[], raw_bytes=0, figures={})
+                   replicas=[], raw_bytes=0, figures=ShardFigures())
 
 
 def test_once_the_trainer_is_gone_rank_0_s_writer_settles_what_is_pending(tmp_path, monkeypatch):

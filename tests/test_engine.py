@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import (CheckpointDirError, CorruptSnapshotError, DirectoryInUseError,
                                DistributedSetupError, EncodingError, InvalidArgumentError,
@@ -463,7 +464,7 @@ def test_staging_memory_failure_is_typed_and_recoverable(ckpt_dir):
 
 
 def _newest_shard(directory):
-    record = read_manifest(directory).snapshots[-1]
+    record = read_manifest(LocalStorage(directory)).snapshots[-1]
     return os.path.join(directory, record.dir, record.shards[0].file)
 
 
@@ -503,7 +504,7 @@ def test_damaged_newest_snapshot_falls_back_to_the_previous_one(ckpt_dir, damage
 
 def test_every_snapshot_damaged_raises_and_loads_nothing(ckpt_dir):
     _three_snapshots(ckpt_dir)
-    for record in read_manifest(ckpt_dir).snapshots:
+    for record in read_manifest(LocalStorage(ckpt_dir)).snapshots:
         path = os.path.join(ckpt_dir, record.dir, record.shards[0].file)
         os.truncate(path, 100)
     target = {"t": torch.full((1 << 16,), 7.0)}
@@ -533,11 +534,11 @@ def test_the_fallback_is_decided_by_the_error_s_class_even_for_a_new_one(ckpt_di
                 raise error_type("the newest snapshot fails the check")
         return check
 
-    record, _ = read_committed(ckpt_dir, check=newest_is(NewKindOfDamage))
+    record, _ = read_committed(LocalStorage(ckpt_dir), check=newest_is(NewKindOfDamage))
     assert record.step == 1 and len(seen) == 2
     seen.clear()
     with pytest.raises(NotDamage):
-        read_committed(ckpt_dir, check=newest_is(NotDamage))  # raised, not skipped
+        read_committed(LocalStorage(ckpt_dir), check=newest_is(NotDamage))  # raised, not skipped
     assert len(seen) == 1
 
 
@@ -675,7 +676,7 @@ def test_stats_committed_at_is_unix_time_like_the_manifest(ckpt_dir):
         engine.snapshot(2)
         engine.wait()
         ours = engine.stats()["snapshots"][-1]["committed_at"]
-    manifest = read_manifest(ckpt_dir).find(2).committed_at
+    manifest = read_manifest(LocalStorage(ckpt_dir)).find(2).committed_at
     assert abs(ours - manifest) < 60  # same clock (a monotonic time would be decades off)
 
 
@@ -688,7 +689,7 @@ def test_damage_names_the_tensors_of_the_damaged_storage(ckpt_dir, mmap):
         engine.snapshot(0)
     from async_ckpt.format.shard import ShardReader
 
-    record = read_manifest(ckpt_dir).snapshots[-1]
+    record = read_manifest(LocalStorage(ckpt_dir)).snapshots[-1]
     shard = os.path.join(ckpt_dir, record.dir, record.shards[0].file)
     with ShardReader(shard) as reader:
         offset = reader.index["storages"][0]["chunks"][0]["offset"] + 100

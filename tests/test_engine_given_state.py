@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
+import async_ckpt
 from async_ckpt import CheckpointEngine
-from async_ckpt.errors import EngineClosedError
+from async_ckpt.errors import EngineClosedError, NoSnapshotError
 from conftest import assert_same, make_training_state, train_step
 
 
@@ -55,7 +56,11 @@ def test_load_sets_the_global_rng_as_it_was_at_the_snapshot(ckpt_dir):
 
 def test_load_of_a_step_and_of_nothing(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {}, keep_last=5) as engine:
-        assert engine.load() is None
+        with pytest.raises(NoSnapshotError, match="no committed snapshot"):
+            engine.load()
+        with pytest.raises(NoSnapshotError, match="no committed snapshot"):
+            async_ckpt.load(ckpt_dir)  # the same answer from the reader without an engine
+        assert engine.restore() is None  # a job's first start
         for step in (1, 2):
             engine.snapshot(step, state={"v": torch.full((3,), float(step))})
         assert torch.equal(engine.load(1)[1]["v"], torch.full((3,), 1.0))

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import cli
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
@@ -115,7 +116,7 @@ def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(root
     doc["snapshots"][0]["dir"] = os.path.join(os.path.dirname(root), "outside") if name == "ABS" else name
     write_manifest_doc(root, doc)
     with pytest.raises(ManifestError):
-        read_manifest(root)
+        read_manifest(LocalStorage(root))
     code, _, err = run_cli(capsys, "gc", root, "--keep-last", "1")
     assert code != 0 and "ManifestError" not in err  # a one-line message, not a class dump
     with pytest.raises(ManifestError):
@@ -131,7 +132,7 @@ def test_a_commit_time_no_date_can_show_is_refused(root, capsys, when):
     doc["snapshots"][0]["committed_at"] = when
     write_manifest_doc(root, doc)
     with pytest.raises(ManifestError):
-        read_manifest(root)
+        read_manifest(LocalStorage(root))
     for command in ("ls", "inspect", "verify"):
         assert run_cli(capsys, command, root)[0] == 1
 
@@ -450,7 +451,7 @@ def test_a_directory_where_the_heartbeat_belongs_is_warned_about_not_fatal(tmp_p
         for step in range(3):
             engine.snapshot(step, force=True)
         engine.wait()
-    assert read_manifest(str(root)).steps() == [0, 1, 2]
+    assert read_manifest(LocalStorage(str(root))).steps() == [0, 1, 2]
     warned = [r for r in caplog.records if "cannot write the heartbeat" in r.getMessage()]
     assert len(warned) == 1
 
@@ -509,7 +510,7 @@ def test_a_manifest_the_reader_would_refuse_is_never_written(root):
         with CheckpointEngine(root, state, heartbeat_interval=None) as engine:
             engine.snapshot(3, force=True)
             engine.wait()
-    assert read_manifest(root).steps() == [1, 2]
+    assert read_manifest(LocalStorage(root)).steps() == [1, 2]
     with CheckpointEngine(root, make_state(7), heartbeat_interval=None) as engine:
         assert engine.restore() == 2
 
@@ -527,7 +528,7 @@ def test_a_rebuilt_manifest_never_names_a_snapshot_that_refers_to_itself(tmp_pat
     os.unlink(os.path.join(root, "manifest.json"))
     with CheckpointEngine(root, make_state(7), heartbeat_interval=None) as engine:
         assert engine.restore() == 1
-    assert read_manifest(root).steps() == [1]
+    assert read_manifest(LocalStorage(root)).steps() == [1]
 
 
 # --- 5. all or nothing ------------------------------------------------------------------------
@@ -649,7 +650,7 @@ def _relaid_misaligned(root: str, misalignment: int) -> None:
     every storage starts ``misalignment`` bytes past a multiple of 16 (a filler storage before
     each), manifest fixed up: what an old file, or a crafted one, may hold."""
     from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
-    record = read_manifest(root).find(1)
+    record = read_manifest(LocalStorage(root)).find(1)
     path = os.path.join(root, record.dir, record.shards[0].file)
     with ShardReader(path) as reader:
         index = reader.index
@@ -729,7 +730,7 @@ def test_a_tensor_record_over_misaligned_memory_is_built_over_an_aligned_copy():
 def _edit_step(root, step, edit):
     """Rewrite the shard of ``step`` (one rank) with ``edit(index)`` applied, trailer and
     manifest fixed up."""
-    record = read_manifest(root).find(step)
+    record = read_manifest(LocalStorage(root)).find(step)
     path = os.path.join(root, record.dir, record.shards[0].file)
     data = open(path, "rb").read()
     offset, length = struct.unpack("<QQ", data[-32:-16])

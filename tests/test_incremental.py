@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import CorruptSnapshotError, DistributedSetupError, NoSnapshotError
 from async_ckpt.format.manifest import read_manifest
@@ -62,7 +63,7 @@ def loaded(directory, step=None):
 
 
 def shard_path(directory, step):
-    record = read_manifest(directory).find(step)
+    record = read_manifest(LocalStorage(directory)).find(step)
     return os.path.join(directory, record.dir, record.shards[0].file)
 
 
@@ -85,7 +86,7 @@ def test_only_what_changed_is_staged_and_written(ckpt_dir):
         assert figures["stored_bytes"] < base_bytes / 4
         assert figures["referred_bytes"] == base_bytes
     assert os.path.getsize(shard_path(ckpt_dir, 2)) < base_bytes / 4
-    first = read_manifest(ckpt_dir).find(0).dir
+    first = read_manifest(LocalStorage(ckpt_dir)).find(0).dir
     assert references(ckpt_dir, 1) == references(ckpt_dir, 2) == [first, first]  # weight, bias
     assert_same(plain(state), {k: v for k, v in loaded(ckpt_dir).items()})
 
@@ -96,7 +97,7 @@ def test_bit_exact_after_many_incremental_snapshots_and_retention(ckpt_dir):
         for step in range(6):
             train(state)
             e.snapshot(step)
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(LocalStorage(ckpt_dir))
     # Step 4 was the full one; step 5 refers to it, so retention keeps it, and nothing older.
     assert manifest.steps() == [4, 5] and manifest.snapshots[1].refers == (manifest.snapshots[0].dir,)
     assert sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-")) == [
@@ -284,13 +285,13 @@ def _flip_base_chunk(ckpt_dir, step):
 
 
 def _remove_dir(ckpt_dir, step):
-    shutil.rmtree(os.path.join(ckpt_dir, read_manifest(ckpt_dir).find(step).dir))
+    shutil.rmtree(os.path.join(ckpt_dir, read_manifest(LocalStorage(ckpt_dir)).find(step).dir))
 
 
 def _fixed_manifest(ckpt_dir, step):
     """The manifest document with step's shard size and index checksum as they are on disk now
     (taken from the trailer: the index itself may be hostile)."""
-    manifest, path = read_manifest(ckpt_dir), shard_path(ckpt_dir, step)
+    manifest, path = read_manifest(LocalStorage(ckpt_dir)), shard_path(ckpt_dir, step)
     with open(path, "rb") as f:
         data = f.read()
     digest = split_file(data)[3][2]
@@ -341,11 +342,11 @@ def _edit_reference(ckpt_dir, step, edit, refers=None):
 
 
 def _dir(ckpt_dir, step):
-    return read_manifest(ckpt_dir).find(step).dir
+    return read_manifest(LocalStorage(ckpt_dir)).find(step).dir
 
 
 def _index_xxh3(ckpt_dir, step):
-    return read_manifest(ckpt_dir).find(step).shards[0].index_xxh3
+    return read_manifest(LocalStorage(ckpt_dir)).find(step).shards[0].index_xxh3
 
 
 # name -> (the step whose shard is edited, the edit)
@@ -395,7 +396,7 @@ def test_every_snapshot_referring_to_a_damaged_one_says_so(chain, ckpt_dir):
 
 def test_gc_keeps_what_kept_snapshots_refer_to(chain, ckpt_dir, capsys):
     assert cli(["gc", ckpt_dir, "--keep-last", "1"]) == 0
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(LocalStorage(ckpt_dir))
     assert manifest.steps() == [2, 3]
     assert sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-")) == [
         s.dir for s in manifest.snapshots]

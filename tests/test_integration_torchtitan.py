@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+from async_ckpt.storage.local import LocalStorage  # noqa: E402
 from async_ckpt import load  # noqa: E402
 from async_ckpt.errors import (CheckpointDirError, InvalidArgumentError, NoSnapshotError,  # noqa: E402
                                StateMismatchError, UnsupportedOptionError,
@@ -64,7 +65,7 @@ def test_saves_follow_torchtitans_policy_and_a_model_only_last_save_refuses_a_re
     assert checkpointer.save_future is None  # the last save is committed when it returns
     checkpointer.close()
     folder = str(tmp_path / "ckpt")
-    assert read_manifest(folder).steps() == [10, 12]  # keep_latest_k=2 of 2, 4, ..., 12
+    assert read_manifest(LocalStorage(folder)).steps() == [10, 12]  # keep_latest_k=2 of 2, 4, ..., 12
     step, last = load(folder)
     assert step == STEPS and set(last) == {"model"}
     assert {t.dtype for t in last["model"].values()} == {torch.bfloat16}
@@ -187,10 +188,10 @@ def test_two_ranks_killed_mid_run_resume_bit_exact_and_dcp_moves_both_ways(train
         assert {int(s): v for s, v in r["losses_after_import"].items()} == {
             s: v for s, v in reference.items() if s > IMPORT_AT}
         assert r["export_loads_exactly"] and r["export_keeps_loader"], rank
-    assert read_manifest(os.path.join(root, "run", "ckpt")).steps() == [10, 12]  # keep_latest_k
+    assert read_manifest(LocalStorage(os.path.join(root, "run", "ckpt"))).steps() == [10, 12]  # keep_latest_k
     # the folder with torchtitan's checkpoints: ours kept 2, its DCP directories all stay
     reference_folder = os.path.join(root, "reference", "ckpt")
-    assert read_manifest(reference_folder).steps() == [10, 12]
+    assert read_manifest(LocalStorage(reference_folder)).steps() == [10, 12]
     assert {f"step-{s}" for s in range(2, STEPS + 1, 2)} <= set(os.listdir(reference_folder))
 
 

@@ -13,6 +13,7 @@ import stat
 
 import pytest
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage import local as fsutil
 from async_ckpt.errors import (CheckpointDirError, DiskFullError, ManifestError, SnapshotWriteError,
                                UnsupportedFormatError)
@@ -51,7 +52,7 @@ def commit_all(steps, keep_last, keep_every=None, manifest=None):
 # --- reading and writing -------------------------------------------------------------------------
 
 def test_empty_directory_has_an_empty_manifest(tmp_path):
-    manifest = read_manifest(str(tmp_path))
+    manifest = read_manifest(LocalStorage(str(tmp_path)))
     assert manifest == Manifest()
     assert manifest.snapshots == () and manifest.next_seq == 0 and manifest.steps() == []
     assert os.listdir(tmp_path) == []  # reading never creates anything
@@ -61,8 +62,8 @@ def test_empty_directory_has_an_empty_manifest(tmp_path):
 def test_write_then_read_round_trip(tmp_path, extra):
     snapshots = (record(10, seq=3, world_size=2), record(5, seq=4), record(20, seq=7, world_size=3))
     manifest = Manifest(snapshots, next_seq=8, extra=extra)
-    write_manifest(str(tmp_path), manifest)
-    back = read_manifest(str(tmp_path))
+    write_manifest(LocalStorage(str(tmp_path)), manifest)
+    back = read_manifest(LocalStorage(str(tmp_path)))
     assert back == manifest
     assert back.snapshots[0] == snapshots[0]
     assert back.snapshots[0].shards[1] == ShardRecord(1, "rank-00001.ackpt", 1001, f"{161:016x}")
@@ -72,7 +73,7 @@ def test_write_then_read_round_trip(tmp_path, extra):
 
 
 def test_manifest_file_is_plain_json(tmp_path):
-    write_manifest(str(tmp_path), Manifest((record(1, seq=0),), next_seq=1))
+    write_manifest(LocalStorage(str(tmp_path)), Manifest((record(1, seq=0),), next_seq=1))
     doc = json.loads((tmp_path / MANIFEST_NAME).read_bytes())
     assert doc["format"] == "async_ckpt.manifest" and doc["version"] == 1
     assert doc["next_seq"] == 1 and "extra" not in doc
@@ -82,10 +83,10 @@ def test_manifest_file_is_plain_json(tmp_path):
 
 
 def test_write_replaces_the_previous_manifest(tmp_path):
-    write_manifest(str(tmp_path), Manifest((record(1),), next_seq=1))
+    write_manifest(LocalStorage(str(tmp_path)), Manifest((record(1),), next_seq=1))
     newer = Manifest((record(2, seq=1),), next_seq=2)
-    write_manifest(str(tmp_path), newer)
-    assert read_manifest(str(tmp_path)) == newer
+    write_manifest(LocalStorage(str(tmp_path)), newer)
+    assert read_manifest(LocalStorage(str(tmp_path))) == newer
     assert os.listdir(tmp_path) == [MANIFEST_NAME]
 
 
@@ -185,9 +186,9 @@ def test_retention_survives_a_round_trip_through_disk(tmp_path):
     """The writer re-reads the manifest before each commit: order and seq come back from disk."""
     root = str(tmp_path)
     for step in [10, 11, 12, 5, 6]:
-        manifest, _ = read_manifest(root).commit(record(step), keep_last=3)
-        write_manifest(root, manifest)
-    manifest = read_manifest(root)
+        manifest, _ = read_manifest(LocalStorage(root)).commit(record(step), keep_last=3)
+        write_manifest(LocalStorage(root), manifest)
+    manifest = read_manifest(LocalStorage(root))
     assert manifest.steps() == [12, 5, 6]
     assert [s.seq for s in manifest.snapshots] == [2, 3, 4] and manifest.next_seq == 5
 
@@ -205,15 +206,15 @@ def test_a_manifest_of_20000_ranks_and_3_snapshots_is_committed_and_read_back(tm
         for shard in rec.shards[1:]:
             os.link(first, os.path.join(root, rec.dir, shard.file))
     manifest, _ = Manifest(tuple(records[:2]), next_seq=2).commit(records[2], keep_last=3)
-    write_manifest(root, manifest)
+    write_manifest(LocalStorage(root), manifest)
     assert values.json_cost((tmp_path / MANIFEST_NAME).read_bytes()) > values.READ_ALLOWANCE
-    back = read_manifest(root)
+    back = read_manifest(LocalStorage(root))
     assert back == manifest and back.steps() == [0, 1, 2]
     assert back.snapshots[2].shard_of(world_size - 1) == manifest.snapshots[2].shards[-1]
 
     remove_entries(root, [s.dir for s in manifest.snapshots])
     with pytest.raises(ManifestError, match="more than the 64 MiB a read allows"):
-        read_manifest(root)
+        read_manifest(LocalStorage(root))
 
 
 def test_without_drops_steps():
@@ -241,7 +242,7 @@ def valid_doc() -> dict:
 def test_garbage_manifest_is_a_manifest_error(tmp_path, data):
     write_raw_manifest(tmp_path, data)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
@@ -252,7 +253,7 @@ def test_a_non_finite_literal_is_not_json(tmp_path, literal):
     doc["extra"] = {"a": 1.5}
     write_raw_manifest(tmp_path, json.dumps(doc).replace("1.5", literal).encode())
     with pytest.raises(ManifestError, match="not valid JSON"):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 @pytest.mark.parametrize("name", ["step-" + "\u0660" * 19 + "\u0665.20ce24e5",
@@ -273,7 +274,7 @@ def test_a_directory_name_with_other_digits_is_not_a_snapshot(name):
 def test_json_of_another_format_is_a_manifest_error(tmp_path, doc):
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 @pytest.mark.parametrize("version", [99, 4, 0])
@@ -282,7 +283,7 @@ def test_other_manifest_version_is_unsupported(tmp_path, version):
     doc["version"] = version
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(UnsupportedFormatError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 def _del(*path):
@@ -327,7 +328,7 @@ def test_missing_fields_are_a_manifest_error(tmp_path, field):
     MISSING_FIELDS[field](doc)
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 MALFORMED_STRUCTURE = {
@@ -350,7 +351,7 @@ def test_malformed_structure_is_a_manifest_error(tmp_path, case):
     MALFORMED_STRUCTURE[case](doc)
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 WRONG_TYPES = {
@@ -371,13 +372,13 @@ def test_wrong_field_types_are_a_manifest_error(tmp_path, case):
     WRONG_TYPES[case](doc)
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 def test_unreadable_manifest_is_a_manifest_error(tmp_path):
     (tmp_path / MANIFEST_NAME).mkdir()  # a directory where the file should be: EISDIR
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 # --- atomic replacement --------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def _fail_after_half(real_write_all):
 def test_failed_write_leaves_the_old_manifest_and_no_tmp_file(tmp_path, monkeypatch, where):
     root = str(tmp_path)
     old = Manifest((record(1), record(2, seq=1)), next_seq=2)
-    write_manifest(root, old)
+    write_manifest(LocalStorage(root), old)
     old_bytes = (tmp_path / MANIFEST_NAME).read_bytes()
     if where == "write_all":
         monkeypatch.setattr(fsutil, "write_all", _fail_after_half(fsutil.write_all))
@@ -406,22 +407,22 @@ def test_failed_write_leaves_the_old_manifest_and_no_tmp_file(tmp_path, monkeypa
         monkeypatch.setattr(fsutil.os, "fsync", _disk_full)
     new, _ = old.commit(record(3), keep_last=1)
     with pytest.raises(OSError) as excinfo:
-        write_manifest(root, new)
+        write_manifest(LocalStorage(root), new)
     assert excinfo.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert os.listdir(root) == [MANIFEST_NAME]
     assert (tmp_path / MANIFEST_NAME).read_bytes() == old_bytes
-    assert read_manifest(root) == old
-    assert leftovers(root, read_manifest(root)) == []
+    assert read_manifest(LocalStorage(root)) == old
+    assert leftovers(LocalStorage(root), read_manifest(LocalStorage(root))) == []
 
 
 def test_failed_first_write_leaves_no_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(fsutil.os, "fsync", _disk_full)
     with pytest.raises(OSError):
-        write_manifest(str(tmp_path), Manifest((record(1),), next_seq=1))
+        write_manifest(LocalStorage(str(tmp_path)), Manifest((record(1),), next_seq=1))
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []
-    assert read_manifest(str(tmp_path)) == Manifest()
+    assert read_manifest(LocalStorage(str(tmp_path))) == Manifest()
 
 
 def test_atomic_write_fsyncs_the_file_before_the_rename(tmp_path, monkeypatch):
@@ -477,32 +478,32 @@ def test_leftovers_lists_only_unreferenced_snapshot_dirs_and_tmp_manifests(tmp_p
     stale = new_dir(11)
     stale_same_step = new_dir(10)
     manifest = Manifest((record(10, dir=kept),), next_seq=1)
-    write_manifest(root, manifest)
+    write_manifest(LocalStorage(root), manifest)
     for name in (kept, stale, stale_same_step, "step-5", "step-00000000000000000005.XYZW0123",
                  "step-00000000000000000005", "other-dir"):
         (tmp_path / name).mkdir()
     for name in ("manifest.json.tmp-123", "manifest.json.tmp-abc", "manifest.json.bak",
                  "xmanifest.json.tmp-1", "notes.txt", ".lock"):
         (tmp_path / name).write_bytes(b"")
-    assert leftovers(root, manifest) == sorted(["manifest.json.tmp-123", stale, stale_same_step])
+    assert leftovers(LocalStorage(root), manifest) == sorted(["manifest.json.tmp-123", stale, stale_same_step])
 
 
 def test_leftovers_of_an_empty_manifest_include_every_snapshot_dir(tmp_path):
     names = [new_dir(s) for s in (1, 2)]
     for name in names:
         (tmp_path / name).mkdir()
-    assert leftovers(str(tmp_path), Manifest()) == sorted(names)
+    assert leftovers(LocalStorage(str(tmp_path)), Manifest()) == sorted(names)
 
 
 def test_snapshot_dirs_lists_every_snapshot_dir_committed_or_not(tmp_path):
     from async_ckpt.format.manifest import snapshot_dirs
 
     committed, uncommitted = new_dir(2), new_dir(1)
-    write_manifest(str(tmp_path), Manifest((record(2, dir=committed),), next_seq=1))
+    write_manifest(LocalStorage(str(tmp_path)), Manifest((record(2, dir=committed),), next_seq=1))
     for name in (committed, uncommitted, "step-5", "step-00000000000000000005.XYZW0123"):
         (tmp_path / name).mkdir()
     (tmp_path / "manifest.json.tmp-1").write_bytes(b"")
-    assert snapshot_dirs(str(tmp_path)) == sorted([committed, uncommitted])
+    assert snapshot_dirs(LocalStorage(str(tmp_path))) == sorted([committed, uncommitted])
 
 
 def test_lock_files_are_recognised_by_their_exact_name():
@@ -536,7 +537,7 @@ def test_snapshot_dir_names_are_distinct_and_recognised_as_leftovers(tmp_path):
         assert len(suffix) == 8 and all(c in "0123456789abcdef" for c in suffix)
     for name in names[:5]:
         (tmp_path / name).mkdir()
-    assert leftovers(str(tmp_path), Manifest()) == sorted(names[:5])
+    assert leftovers(LocalStorage(str(tmp_path)), Manifest()) == sorted(names[:5])
 
 
 def test_snapshot_dir_names_are_the_same_on_every_rank_of_a_session():
@@ -550,7 +551,7 @@ def test_snapshot_dir_names_sort_by_step_and_match_the_leftover_pattern(tmp_path
     name = new_dir(step)
     assert name.startswith(f"step-{step:020d}.") and len(name) == 5 + 20 + 1 + 8
     (tmp_path / name).mkdir()
-    assert leftovers(str(tmp_path), Manifest()) == [name]
+    assert leftovers(LocalStorage(str(tmp_path)), Manifest()) == [name]
 
 
 def test_snapshot_dir_names_sort_in_step_order():
@@ -637,10 +638,10 @@ def own_record(step: int, rank: int, world_size: int = 4) -> SnapshotRecord:
 
 def test_a_ranks_own_manifest_round_trips_as_version_3(tmp_path):
     manifest, _ = Manifest(rank=2).commit(own_record(5, 2), keep_last=3)
-    write_manifest(str(tmp_path), manifest)
+    write_manifest(LocalStorage(str(tmp_path)), manifest)
     doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
     assert (doc["version"], doc["rank"]) == (3, 2)
-    again = read_manifest(str(tmp_path))
+    again = read_manifest(LocalStorage(str(tmp_path)))
     assert again == manifest and again.rank == 2
     assert again.snapshots[0].shard_of(2).file == "rank-00002.ackpt"
     assert again.snapshots[0].shard_of(0) is None
@@ -668,7 +669,7 @@ def test_a_damaged_own_manifest_is_a_manifest_error(tmp_path, case):
     OWN_MANIFEST_DAMAGE[case](doc)
     write_raw_manifest(tmp_path, doc)
     with pytest.raises(ManifestError):
-        read_manifest(str(tmp_path))
+        read_manifest(LocalStorage(str(tmp_path)))
 
 
 def test_a_ranks_own_manifest_keeps_its_rank_through_retention():

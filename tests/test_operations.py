@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.errors import PREEMPTED_EXIT_CODE, Preempted
 from async_ckpt.tools.supervisor import read_heartbeats
@@ -43,7 +44,7 @@ def test_preemption_commits_the_step_at_which_the_signal_was_handled(tmp_path, s
     directory = str(tmp_path / "ckpt")
     code, last_step = run_until(directory, 1, 5, "step", 7, signum)
     assert code == PREEMPTED_EXIT_CODE
-    newest = read_manifest(directory).snapshots[-1].step
+    newest = read_manifest(LocalStorage(directory)).snapshots[-1].step
     assert newest == last_step and newest % 5 != 0 or newest == last_step
     step, state = load(directory)
     assert step == last_step and torch.all(state["t"] == last_step)
@@ -54,7 +55,7 @@ def test_preemption_during_a_snapshot_write_still_ends_committed(tmp_path):
     # 64 MB per snapshot: the writer is still writing when "returned N" is printed.
     code, last_step = run_until(directory, 64, 1, "returned", 2)
     assert code == PREEMPTED_EXIT_CODE
-    manifest = read_manifest(directory)
+    manifest = read_manifest(LocalStorage(directory))
     assert manifest.snapshots[-1].step == last_step
     assert torch.all(load(directory)[1]["t"] == last_step)
 

@@ -8,8 +8,9 @@ import pytest
 
 from async_ckpt import errors
 from async_ckpt.format.layout import Plan, Region, TensorRecord
-from async_ckpt.write.protocol import (Abandoned, Attach, Close, Committed, Detach, Failed, Ready,
-                                       Released, SnapshotJob, WriterConfig)
+from async_ckpt.write.protocol import (Abandoned, Attach, Close, CommitFigures, Committed, Detach,
+                                       Failed, Ready, Released, ShardFigures, SnapshotJob,
+                                       WriterConfig)
 
 ERROR_CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass)
                  if issubclass(c, errors.CheckpointError)]
@@ -65,7 +66,10 @@ def test_every_message_pickles():
                 SnapshotJob(job=5, step=7, buffer_id=3, dir="step-00000000000000000007.ab12cd34",
                             tree={"kind": "dict", "entries": {}}, plan=plan, submitted=1.5),
                 SnapshotJob(job=6, step=8, buffer_id=3, dir="d", tree={}, plan=None, submitted=2.0),
-                Committed(5, {"commit_s": 0.25, "dropped_steps": [4]}), Abandoned(5, "why")]
+                Committed(5, CommitFigures(ShardFigures(write_s=0.5), committed_at=2.0,
+                                           commit_s=0.25, raw_bytes=64, stored_bytes=80,
+                                           disk_free_bytes=10**9, dropped_steps=(4,))),
+                Abandoned(5, "why")]
     for message in messages:
         assert round_trip(message) == message
     failed = round_trip(Failed(5, errors.DiskFullError("disk full; free space")))

@@ -150,7 +150,7 @@ def test_a_store_that_goes_down_delays_uploads_not_training(tmp_path, remote, se
         assert stats["remote_step"] == 0 and stats["upload_lag_steps"] == 4
         assert stats["upload_lag_s"] > 0 and stats["upload_pending_bytes"] > 0
         assert stats["upload_retries"] >= 1 and "RemoteStorageError" in stats["upload_last_error"]
-        assert read_manifest(engine.directory).steps()[-1] == 4
+        assert read_manifest(LocalStorage(engine.directory)).steps()[-1] == 4
         server.restart()  # an empty store: whatever was half uploaded is gone with it
         engine.wait(remote=True)
         assert engine.stats()["remote_step"] == 4
@@ -204,7 +204,7 @@ def test_remote_retention_deletes_only_after_the_manifest_drops_them(tmp_path, r
     assert manifest.steps() == [2, 3]
     assert [n for n in storage.list_root() if n.startswith("step-")] == sorted(
         s.dir for s in manifest.snapshots)
-    assert len(read_manifest(tmp_path / "node1").steps()) == 1
+    assert len(read_manifest(LocalStorage(tmp_path / "node1")).steps()) == 1
 
 
 def test_a_second_engine_on_one_prefix_is_refused(tmp_path, remote):
@@ -356,7 +356,7 @@ def test_rank0_publishes_only_once_every_rank_shard_is_in_the_bucket(tmp_path):
     settle(clock, rank0, rank1)
     assert store.published == [[5]] and not rank0.busy
     assert not rank1.busy and rank1.remote_step == 5
-    assert [e.figures["remote_step"] for e in sent if isinstance(e, RemoteStatus)][-1] == 5
+    assert [e.remote_step for e in sent if isinstance(e, RemoteStatus)][-1] == 5
 
 
 def test_a_shard_is_uploaded_with_the_data_files_its_index_names(tmp_path):
@@ -378,8 +378,8 @@ def test_a_shard_is_uploaded_with_the_data_files_its_index_names(tmp_path):
     rank0.committed(second)
     settle(clock, rank0)
     assert store.published == [[0]] and not rank0.busy
-    status = [e.figures for e in sent if isinstance(e, RemoteStatus)][-1]
-    assert status["rejections"] == 1 and "rank-00000.0.pt" in str(status["rejected"])
+    status = [e for e in sent if isinstance(e, RemoteStatus)][-1]
+    assert status.rejections == 1 and "rank-00000.0.pt" in str(status.rejected)
 
 
 def test_rank0_moves_on_at_once_when_another_rank_uploaded_a_newer_snapshot(tmp_path):
@@ -483,9 +483,9 @@ def test_without_a_shared_directory_replicas_that_differ_are_never_published(tmp
         uploader.committed(record)
     settle(clock, *made)
     assert store.published == [] and not made[0].busy
-    status = [e.figures for e in sent if isinstance(e, RemoteStatus) and e.figures["rejections"]]
-    assert type(status[-1]["rejected"]) is ReplicaMismatchError
-    assert "'model' differs between rank 0 and rank 1" in str(status[-1]["rejected"])
+    status = [e for e in sent if isinstance(e, RemoteStatus) and e.rejections]
+    assert type(status[-1].rejected) is ReplicaMismatchError
+    assert "'model' differs between rank 0 and rank 1" in str(status[-1].rejected)
 
 
 @pytest.mark.slow

@@ -182,7 +182,8 @@ def slot_ranges(engine) -> list[range]:
 
 def test_compressed_storages_are_decoded_into_a_free_staging_slot_and_never_kept_there(ckpt_dir):
     from async_ckpt.format.manifest import read_manifest
-    from async_ckpt.read.snapshot import read_snapshot
+    from async_ckpt.read.snapshot import ReadOptions, read_snapshot
+    from async_ckpt.storage.local import LocalStorage
 
     holder = Holder()
     holder.table.copy_(torch.randn(64, 64))
@@ -190,13 +191,14 @@ def test_compressed_storages_are_decoded_into_a_free_staging_slot_and_never_kept
     with CheckpointEngine(ckpt_dir, {"holder": holder}, compression="zstd") as engine:
         engine.snapshot(0, force=True)
         engine.wait()
-        record = read_manifest(ckpt_dir).snapshots[-1]
+        record = read_manifest(LocalStorage(ckpt_dir)).snapshots[-1]
         scratch = engine._pool.scratch()
-        entry = read_snapshot(ckpt_dir, record, scratch=scratch)
+        entry = read_snapshot(LocalStorage(ckpt_dir), record, how=ReadOptions(scratch=scratch))
         table = entry.value["holder"].value["table"]
         assert entry.borrowed and any(table.data_ptr() in r for r in slot_ranges(engine))
         assert bit_equal(table, saved)
-        too_small = read_snapshot(ckpt_dir, record, scratch=scratch[:100])
+        too_small = read_snapshot(LocalStorage(ckpt_dir), record,
+                                  how=ReadOptions(scratch=scratch[:100]))
         assert not too_small.borrowed and bit_equal(too_small.value["holder"].value["table"], saved)
         del entry, table, too_small, scratch
 
@@ -329,7 +331,8 @@ def test_a_state_on_cuda_is_read_into_a_pinned_staging_slot_not_mapped(ckpt_dir,
     real_read = engine_module.read_committed
 
     def read_committed(*args, **kwargs):
-        reads.append((kwargs["mapped"], kwargs["scratch"]))
+        how = args[2]
+        reads.append((how.mapped, how.scratch))
         return real_read(*args, **kwargs)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import load
 from async_ckpt.errors import CorruptSnapshotError
 from async_ckpt.format.manifest import read_manifest
@@ -99,7 +100,7 @@ def test_saved_at_4_ranks_restores_bit_exact_on_any_world_size_and_layout(saved,
     if nproc == 2:
         damaged = os.path.join(saved, "damaged")
         shutil.copytree(os.path.join(saved, "fsdp", "ckpt"), damaged)
-        damage_first_chunk(damaged, read_manifest(damaged).snapshots[-1].dir, rank=3)
+        damage_first_chunk(damaged, read_manifest(LocalStorage(damaged)).snapshots[-1].dir, rank=3)
         extra = ("--memory", "big", "--damaged", damaged)
     found = run_program(saved, nproc, "--phase", "restore", "--pairs", *PAIRS, *extra,
                         output=f"restore-{nproc}")
@@ -157,7 +158,7 @@ def test_a_replicated_piece_is_stored_once(saved):
     0 stores it, the others record that they hold it."""
     from async_ckpt.format.shard import ShardReader
 
-    record = read_manifest(os.path.join(saved, "tp", "ckpt")).snapshots[-1]
+    record = read_manifest(LocalStorage(os.path.join(saved, "tp", "ckpt"))).snapshots[-1]
     stored = []
     for shard in record.shards:
         with ShardReader(os.path.join(saved, "tp", "ckpt", record.dir, shard.file)) as reader:
@@ -195,7 +196,7 @@ def test_a_crafted_piece_table_is_damage(saved, tmp_path, edit):
     change, message, rank = HOSTILE_PIECES[edit]
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(saved, "fsdp", "ckpt"), ckpt)
-    record = read_manifest(ckpt).snapshots[-1]
+    record = read_manifest(LocalStorage(ckpt)).snapshots[-1]
     rewrite_index(ckpt, record.dir, rank, change)
     with pytest.raises(CorruptSnapshotError, match=message):
         load(ckpt, record.step)
@@ -222,7 +223,7 @@ def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_e
         if process.poll() is None:
             kill_everything(process)
     assert killed_dir is not None, "never caught rank 1 writing"
-    assert killed_dir not in committed | {s.dir for s in read_manifest(ckpt).snapshots}
+    assert killed_dir not in committed | {s.dir for s in read_manifest(LocalStorage(ckpt)).snapshots}
     for rank in range(2):
         expected = {r["step"]: r["loss"] for r in read_log(reference, rank)}
         records = read_log(run_dir, rank)

@@ -21,11 +21,11 @@ from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.read.snapshot import read_snapshot
 from async_ckpt.storage.base import ShardSink, ShardSource, Storage
 from async_ckpt.storage import local
-from async_ckpt.storage.local import LocalStorage, as_storage
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt.tools import gc, inspect, ls, verify
 from async_ckpt.tools.common import EXIT_OK, UsageError
 from async_ckpt.write.commit import Attempt, Committer, CommitWatcher
-from async_ckpt.write.protocol import Committed
+from async_ckpt.write.protocol import Committed, ShardFigures
 
 SNAP = "step-00000000000000000007.0000abcd"
 SHARD = shard_file_name(0)
@@ -49,11 +49,6 @@ def made(storage, data=b"shard bytes", snapshot=SNAP, file=SHARD) -> None:
 def test_location_joins_names_under_the_root(storage):
     assert storage.location() == storage.root
     assert storage.location(SNAP, SHARD) == os.path.join(storage.root, SNAP, SHARD)
-
-
-def test_as_storage_wraps_a_path_and_keeps_a_storage(tmp_path, storage):
-    assert as_storage(storage) is storage
-    assert isinstance(as_storage(tmp_path), LocalStorage) and as_storage(tmp_path).root == str(tmp_path)
 
 
 def test_a_snapshot_directory_is_made_durably_and_the_root_synced_when_it_was_there(storage, fsynced):
@@ -402,11 +397,11 @@ def test_the_commit_stage_and_the_reader_run_on_any_storage():
     for job, (step, snapshot) in enumerate(steps.items()):
         ours = write_memory_shard(storage, snapshot, 0, step)
         committer.add(Attempt(job=job, step=step, dir=snapshot, shard=ours, replicas=[],
-                              raw_bytes=4096, figures={}))
+                              raw_bytes=4096, figures=ShardFigures()))
         assert rank0_events[job:] == [] and read_manifest(storage).find(step) is None
         theirs = write_memory_shard(storage, snapshot, 1, step)
         watcher.add(Attempt(job=job, step=step, dir=snapshot, shard=theirs, replicas=[],
-                            raw_bytes=4096, figures={}))
+                            raw_bytes=4096, figures=ShardFigures()))
         committer.poll(trainer_gone=False)
         watcher.poll(trainer_gone=False)
         assert [type(e) for e in rank0_events[job:]] == [Committed]
@@ -447,7 +442,7 @@ def test_the_commands_run_on_any_storage(capsys):
     for job, step in enumerate((7, 8)):
         ours, _ = [write_memory_shard(storage, snapshots[step], rank, step) for rank in (0, 1)]
         committer.add(Attempt(job=job, step=step, dir=snapshots[step], shard=ours, replicas=[],
-                              raw_bytes=4096, figures={}))
+                              raw_bytes=4096, figures=ShardFigures()))
         committer.poll(trainer_gone=False)
     storage.make_snapshot_dir(snapshots[9])  # an interrupted snapshot: a leftover
     assert ls.cmd_ls(argparse.Namespace(dir=storage, json=True)) == EXIT_OK

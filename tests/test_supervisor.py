@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.errors import PREEMPTED_EXIT_CODE
@@ -209,7 +210,8 @@ def test_job_that_always_crashes_is_given_up_after_n_restarts(tmp_path):
 COMMIT_AND_CRASH = """
 import sys
 from async_ckpt.format.manifest import Manifest, ShardRecord, SnapshotRecord, read_manifest, write_manifest
-root = sys.argv[1]
+from async_ckpt.storage.local import LocalStorage
+root = LocalStorage(sys.argv[1])
 m = read_manifest(root)
 step = len(m.snapshots)
 shard = ShardRecord(0, "rank-00000.ackpt", 0, "0" * 16)
@@ -231,7 +233,7 @@ def test_backoff_is_reset_by_progress_and_giving_up_names_the_committed_step(tmp
     assert re.findall(r"exit code 5; restarting in ([\d.]+) s, resuming from step (\d+)", err) == [
         ("0.1", "0"), ("0.1", "1")]  # every run committed a newer step: no doubling
     assert "giving up after 2 restarts; last failure: exit code 5 (step 2 committed)" in err
-    assert read_manifest(str(ckpt)).steps() == [0, 1, 2]
+    assert read_manifest(LocalStorage(str(ckpt))).steps() == [0, 1, 2]
 
 
 # --- stopping without a restart ------------------------------------------------------------------
@@ -268,7 +270,7 @@ def test_sigterm_preempts_a_real_job_which_commits_and_exits_75(tmp_path):
             supervisor.kill()
     assert supervisor.returncode == PREEMPTED_EXIT_CODE, err
     last_logged = read_log(log)[-1]["step"]
-    assert read_manifest(str(tmp_path / "ckpt")).snapshots[-1].step == last_logged
+    assert read_manifest(LocalStorage(str(tmp_path / "ckpt"))).snapshots[-1].step == last_logged
     assert (f"received SIGTERM, forwarded it to the job; the job was preempted (exit code 75); "
             f"not restarting (step {last_logged} committed)") in err
     assert err.count("started: pid") == 1

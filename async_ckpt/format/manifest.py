@@ -20,7 +20,6 @@ from typing import Callable, Iterable, Optional
 
 from ..errors import CheckpointError, ManifestError, SnapshotWriteError, UnsupportedFormatError
 from ..storage.base import Storage
-from ..storage.local import as_storage
 from . import values
 from .shard import is_checksum
 from ..checks import is_int, short_repr
@@ -209,19 +208,17 @@ def _restorable(kept: list) -> list:
     return [s for s in kept if s.dir in restorable]
 
 
-def committed_steps(root: str | Storage) -> list[int]:
-    """The steps committed under ``root``, in commit order (oldest first); empty when none is."""
-    return read_manifest(root).steps()
+def committed_steps(storage: Storage) -> list[int]:
+    """The steps committed in ``storage``, in commit order (oldest first); empty when none is."""
+    return read_manifest(storage).steps()
 
 
-def read_manifest(root: str | Storage) -> Manifest:
-    """The committed snapshots under ``root`` (a directory or a Storage); an empty manifest when
-    none was ever committed.
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed snapshots in ``storage``; an empty manifest when none was ever committed.
 
     The file is untrusted: every field is checked (types, ranges, names against docs/FORMAT.md
     section 1) before a record is built, so nothing later turns a damaged manifest into a path
-    outside ``root`` or an untyped exception."""
-    storage = as_storage(root)
+    outside ``storage`` or an untyped exception."""
     try:
         raw = _read_bounded(storage)
     except FileNotFoundError:
@@ -391,14 +388,13 @@ def _check_order(snapshots: tuple, next_seq: int) -> None:
         raise ManifestError("commit sequence numbers do not increase")
 
 
-def write_manifest(root: str | Storage, manifest: Manifest) -> None:
+def write_manifest(storage: Storage, manifest: Manifest) -> None:
     """Durably replace the manifest: after this returns, the new list survives a power cut.
 
     What is written is first read back by ``parse_manifest``: a manifest the reader would refuse
     (a ``next_seq`` past its range, a snapshot referring to itself, both reachable from a crafted
     directory) would make every committed snapshot unreachable, so it is never written
     (SnapshotWriteError; the manifest on disk stays as it was)."""
-    storage = as_storage(root)
     data = manifest.to_bytes()
     try:
         parse_manifest(data, storage.location(MANIFEST_NAME), lambda: manifest_budget(storage))
@@ -408,7 +404,7 @@ def write_manifest(root: str | Storage, manifest: Manifest) -> None:
     storage.publish(MANIFEST_NAME, data)
 
 
-def recover_manifest(root: str | Storage, write: bool = True,
+def recover_manifest(storage: Storage, write: bool = True,
                      rank: Optional[int] = None) -> Manifest:
     """The manifest, or, when ``manifest.json`` is missing although complete snapshots exist (it
     was deleted or lost), one rebuilt from them (and written durably if ``write``).
@@ -419,7 +415,6 @@ def recover_manifest(root: str | Storage, write: bool = True,
     (``Manifest.rank``), when that rank's shard has. Call only while holding the directory's
     writer locks.
     """
-    storage = as_storage(root)
     if storage.exists(MANIFEST_NAME):
         try:
             version = storage.version(MANIFEST_NAME)
@@ -495,15 +490,15 @@ def _complete_snapshot(storage: Storage, name: str,
                           refers=refers)
 
 
-def snapshot_dirs(root: str | Storage) -> list[str]:
-    """Every snapshot directory name under ``root``, committed or not, sorted."""
-    return [name for name in as_storage(root).list_root() if SNAPSHOT_DIR.fullmatch(name)]
+def snapshot_dirs(storage: Storage) -> list[str]:
+    """Every snapshot directory name in ``storage``, committed or not, sorted."""
+    return [name for name in storage.list_root() if SNAPSHOT_DIR.fullmatch(name)]
 
 
-def leftovers(root: str | Storage, manifest: Manifest) -> list[str]:
-    """Names under ``root`` written by interrupted snapshots or commits: never restorable, safe to
-    delete (``Storage.remove``, ``storage.local.remove_entries``) while no writer is active on
-    ``root``."""
+def leftovers(storage: Storage, manifest: Manifest) -> list[str]:
+    """Names in ``storage`` written by interrupted snapshots or commits: never restorable, safe
+    to delete (``Storage.remove``, ``storage.local.remove_entries``) while no writer is active
+    there."""
     referenced = {s.dir for s in manifest.snapshots}
-    return [name for name in as_storage(root).list_root()
+    return [name for name in storage.list_root()
             if (SNAPSHOT_DIR.fullmatch(name) and name not in referenced) or MANIFEST_TMP.fullmatch(name)]

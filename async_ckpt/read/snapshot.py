@@ -16,6 +16,7 @@ import warnings
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -35,33 +36,44 @@ from .memory import allocating, require_memory
 from .records import alignments, tensor_layout
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
-from ..storage.local import as_storage
 from ..storage.open import open_storage
 from ..tensors import ALL_DTYPES, span_bytes
 
 log = logging.getLogger(__name__)
 
 
-def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
-                  allow_pickle: AllowPickle = False, manifest: Optional[Manifest] = None,
-                  mapped: bool = False, verify: bool = True,
-                  scratch: Optional[memoryview] = None, targets: Optional[Mapping] = None,
-                  compare_ranks: bool = False) -> Entry:
-    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, with the
-    replicated storages it refers to in other ranks' shards and, for an incremental snapshot,
-    the storages it refers to in earlier snapshots of ``manifest`` (read when not given).
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a snapshot is read into memory.
 
-    ``mapped``: tensors of uncompressed storages view the files' private mappings (checksums
-    checked over them, unless not ``verify``) instead of memory of their own; see
-    ``Entry.borrowed``. Other storages (encoded ones) are decoded into ``scratch`` while it has
-    room (memory already faulted in, such as a free staging slot: a restore then allocates no
-    memory for the state), else into new memory.
+    ``allow_pickle``: as the engine's (``format/values.py``). ``mapped``: tensors of
+    uncompressed storages view the files' private mappings (checksums checked over them, unless
+    not ``verify``) instead of memory of their own; see ``Entry.borrowed``. Other storages
+    (encoded ones) are decoded into ``scratch`` while it has room (memory already faulted in,
+    such as a free staging slot: a restore then allocates no memory for the state), else into
+    new memory. ``targets``: the registered state, for a restore: a sharded tensor is read for
+    the local shard of the DTensor it holds at the same place (else whole)."""
+
+    allow_pickle: AllowPickle = False
+    mapped: bool = False
+    verify: bool = True
+    scratch: Optional[memoryview] = None
+    targets: Optional[Mapping] = None
+
+
+def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
+                  how: ReadOptions = ReadOptions(), manifest: Optional[Manifest] = None,
+                  compare_ranks: bool = False) -> Entry:
+    """Read and verify ``rank``'s shard of a committed snapshot into CPU tensors, as ``how``
+    says, with the replicated storages it refers to in other ranks' shards and, for an
+    incremental snapshot, the storages it refers to in earlier snapshots of ``manifest`` (read
+    when not given).
 
     Sharded tensors (``$dtensor``, docs/FORMAT.md 3.6) are read from every rank's pieces that
-    overlap what is needed: the local shard of the DTensor that ``targets`` (the registered
-    state) holds at the same place, else the whole tensor (``reshard.py``). ``compare_ranks``
-    sets the root entry's ``differing``: the top-level entries the saved ranks held unalike."""
-    with References(as_storage(root), [record]) as refs:
+    overlap what is needed: the local shard of the DTensor that ``how.targets`` holds at the
+    same place, else the whole tensor (``reshard.py``). ``compare_ranks`` sets the root entry's
+    ``differing``: the top-level entries the saved ranks held unalike."""
+    with References(storage, [record]) as refs:
         own = refs.open(record.dir, rank)
         index, path = own.index, own.path
         records = index.get("tensors")
@@ -83,23 +95,24 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         aligned = alignments(records, rank)
         views = {key: reader.mapped_storage(i, aligned.get(key, 1))
                  for key, (reader, i) in sources.items()
-                 if mapped and reader.storages[i].nbytes}
+                 if how.mapped and reader.storages[i].nbytes}
         views = {key: view for key, view in views.items() if view is not None}
         held = _held_by(index.get("tree"), records, rank)
-        if verify:
+        if how.verify:
             _in_parallel([_naming(check, held.get(key)) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
         _check_fits_in_memory([reader.storages[i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
-                              len(scratch) if scratch is not None else 0)
+                              len(how.scratch) if how.scratch is not None else 0)
         buffers, lent, used, reads = {}, set(views), 0, []
         for key, (reader, i) in sources.items():
             nbytes = reader.storages[i].nbytes
             if key in views:
                 buffers[key] = torch.frombuffer(views[key], dtype=torch.uint8)
                 continue
-            if scratch is not None and nbytes and used + nbytes <= len(scratch):
-                buffers[key] = torch.frombuffer(scratch[used:used + nbytes], dtype=torch.uint8)
+            if how.scratch is not None and nbytes and used + nbytes <= len(how.scratch):
+                buffers[key] = torch.frombuffer(how.scratch[used:used + nbytes],
+                                                dtype=torch.uint8)
                 used, lent = align_up(used + nbytes, _SCRATCH_ALIGNMENT), lent | {key}
             else:
                 buffers[key] = allocating(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes,
@@ -109,9 +122,9 @@ def read_snapshot(root: str | Storage, record: SnapshotRecord, rank: int = 0,
         _in_parallel(reads)
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
                    for n, t in enumerate(records)]
-        root_entry = _rebuild(index.get("tree"), tensors, dtensors, allow_pickle, path)
-        if dtensors or targets is not None:
-            _read_sharded(root_entry, targets, Resolver(lambda: PieceIndex(
+        root_entry = _rebuild(index.get("tree"), tensors, dtensors, how.allow_pickle, path)
+        if dtensors or how.targets is not None:
+            _read_sharded(root_entry, how.targets, Resolver(lambda: PieceIndex(
                 refs, record, lambda refs, record, r, i: _storage_source(refs, record, r, i, False)),
                 path))
         if compare_ranks:
@@ -384,27 +397,23 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[D
     return tree_model.rebuild(tree, leaf, allow_pickle, path)
 
 
-def read_committed(directory: str | Storage, step: Optional[int] = None, rank: int = 0,
-                   allow_pickle: AllowPickle = False, coordinator: Optional[Coordinator] = None,
-                   shard_of: Optional[Callable[[SnapshotRecord], int]] = None,
-                   check: Optional[Callable[[Entry], None]] = None, mapped: bool = False,
-                   verify: bool = True, scratch: Optional[memoryview] = None,
-                   targets: Optional[Mapping] = None,
+def read_committed(storage: Storage, step: Optional[int] = None,
+                   how: ReadOptions = ReadOptions(), *,
+                   shard_of: Callable[[SnapshotRecord], int] = lambda record: 0,
+                   coordinator: Optional[Coordinator] = None,
+                   check: Optional[Callable[[Entry], None]] = None,
                    ) -> tuple[Optional[SnapshotRecord], Optional[Entry]]:
-    """Read the newest committed snapshot that verifies (or exactly ``step``).
+    """Read the newest committed snapshot that verifies (or exactly ``step``), as ``how`` says.
 
-    ``shard_of(record)`` picks the rank whose shard to read (default ``rank``); ``check(entry)``
-    validates what was read further, raising CorruptSnapshotError for damage; ``mapped``,
-    ``verify`` and ``scratch`` are ``read_snapshot``'s; so is ``targets`` (the registered state,
-    for a restore), and then a snapshot of another world size is read with ``compare_ranks``.
-    Damage (an error
-    whose class says ``is_damage``) moves on to the previous snapshot; any other error is
-    raised. With a ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank
-    reads its part, and they fall back together when any rank cannot read its part of a snapshot.
+    ``shard_of(record)`` picks the rank whose shard to read; ``check(entry)`` validates what was
+    read further, raising CorruptSnapshotError for damage. With ``how.targets`` (a restore), a
+    snapshot of another world size is read with ``compare_ranks``. Damage (an error whose class
+    says ``is_damage``) moves on to the previous snapshot; any other error is raised. With a
+    ``coordinator`` of several ranks, rank 0's manifest is used by all, every rank reads its
+    part, and they fall back together when any rank cannot read its part of a snapshot.
     Returns (record, entry), or (None, None) when nothing was ever committed.
     """
     coordinator = coordinator or Coordinator(0, 1)
-    storage = as_storage(directory)
     where_from = storage.location()
     manifest = coordinator.from_rank0(lambda: read_manifest(storage))
     if manifest.rank is not None:
@@ -423,9 +432,8 @@ def read_committed(directory: str | Storage, step: Optional[int] = None, rank: i
     for record in candidates:
         loaded, error = None, None
         try:
-            loaded = read_snapshot(storage, record, rank if shard_of is None else shard_of(record),
-                                   allow_pickle, manifest, mapped, verify, scratch, targets,
-                                   targets is not None
+            loaded = read_snapshot(storage, record, shard_of(record), how, manifest,
+                                   compare_ranks=how.targets is not None
                                    and record.world_size != coordinator.world_size)
             if check is not None:
                 check(loaded)
@@ -478,8 +486,9 @@ def load(directory: str | os.PathLike | Storage, step: Optional[int] = None, *, 
     open (``storage.open.open_storage``, as the command line does).
     """
     storage = open_storage(directory, remote_options)
-    record, loaded = read_committed(storage, step, rank, allow_pickle, mapped=mmap,
-                                    verify=not mmap if verify is None else verify)
+    record, loaded = read_committed(storage, step, ReadOptions(
+        allow_pickle, mapped=mmap, verify=not mmap if verify is None else verify),
+        shard_of=lambda record: rank)
     if loaded is None:
         raise NoSnapshotError(f"{storage.location()} holds no committed snapshot")
     loaded.value.pop(RNG_KEY, None)

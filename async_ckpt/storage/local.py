@@ -894,9 +894,3 @@ def _size_of(entry: os.DirEntry) -> Optional[int]:
         return entry.stat(follow_symlinks=False).st_size
     except FileNotFoundError:
         return None
-
-
-def as_storage(root: Union[str, os.PathLike, Storage]) -> Storage:
-    """``root`` itself when it is a Storage, else the local directory it names: lets the
-    functions that callers give a path also run against any storage."""
-    return root if isinstance(root, Storage) else LocalStorage(root)

@@ -35,8 +35,9 @@ from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.records import Replica
 from ..format.shard import ShardReader, data_file_bytes, data_file_problems, referenced_dirs
 from ..storage.base import Storage
-from ..storage.local import as_storage, write_error
-from .protocol import Abandoned, Committed, Dropped, Failed, WriterEvent
+from ..storage.local import write_error
+from .protocol import (Abandoned, CommitFigures, Committed, Dropped, Failed, ShardFigures,
+                       WriterEvent)
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.02
@@ -53,7 +54,7 @@ class Attempt:
     shard: ShardRecord  # rank 0's own shard
     replicas: list[Replica]  # rank 0's replica digests, which every rank's must equal
     raw_bytes: int
-    figures: dict
+    figures: ShardFigures
     refers: tuple[str, ...] = ()  # earlier snapshots rank 0's shard refers to (incremental)
     data_bytes: int = 0  # of rank 0's data files (format version 6), besides its shard
     durable_at: float = field(default_factory=time.monotonic)
@@ -85,14 +86,14 @@ class Committer:
     and it commits each into its own manifest (``Manifest.rank``) as soon as it is durable (the
     object store's manifest, published by rank 0's uploader, commits the job's snapshot)."""
 
-    def __init__(self, root: str | Storage, world_size: int, keep_last: int,
+    def __init__(self, storage: Storage, world_size: int, keep_last: int,
                  keep_every: Optional[int], commit_timeout: float,
                  send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic,
                  on_commit: Optional[Callable[[SnapshotRecord], None]] = None,
                  keep: Optional[Callable[[], set[str]]] = None,
                  own_root: Optional[int] = None):
-        self.storage, self.world_size = as_storage(root), world_size
+        self.storage, self.world_size = storage, world_size
         self.own_root = own_root
         self.ranks = set(range(world_size)) if own_root is None else {own_root}
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -157,11 +158,12 @@ class Committer:
             return
         committed_at = self.clock()
         self.storage.remove([d.dir for d in dropped])
-        self.send(Committed(attempt.job, {
-            **attempt.figures, "wait_ranks_s": complete_at - attempt.durable_at,
-            "commit_s": committed_at - attempt.durable_at, "committed_at": committed_at, "raw_bytes": record.raw_bytes,
-            "stored_bytes": record.stored_bytes, "disk_free_bytes": self.storage.free_bytes(),
-            "dropped_steps": [d.step for d in dropped if d.step != attempt.step]}))
+        self.send(Committed(attempt.job, CommitFigures(
+            attempt.figures, committed_at=committed_at, commit_s=committed_at - attempt.durable_at,
+            raw_bytes=record.raw_bytes, stored_bytes=record.stored_bytes,
+            disk_free_bytes=self.storage.free_bytes(),
+            wait_ranks_s=complete_at - attempt.durable_at,
+            dropped_steps=tuple(d.step for d in dropped if d.step != attempt.step))))
         if self.on_commit is not None:
             self.on_commit(manifest.find(attempt.step))
 
@@ -212,12 +214,12 @@ class CommitWatcher:
     ``outlives_trainer(job)``: whether the outcome of a job still matters once the trainer is
     gone (the writer writes its markers then)."""
 
-    def __init__(self, root: str | Storage, commit_timeout: float,
+    def __init__(self, storage: Storage, commit_timeout: float,
                  send: Callable[[WriterEvent], None],
                  clock: Callable[[], float] = time.monotonic,
                  on_commit: Optional[Callable[[SnapshotRecord], None]] = None,
                  outlives_trainer: Callable[[int], bool] = lambda job: False):
-        self.storage, self.send, self.clock = as_storage(root), send, clock
+        self.storage, self.send, self.clock = storage, send, clock
         self.on_commit, self.outlives_trainer = on_commit, outlives_trainer
         self.give_up_s = 2 * commit_timeout
         self.pending: list[Attempt] = []
@@ -251,10 +253,10 @@ class CommitWatcher:
                 continue               # says why is durable: read that one before concluding
             record = self._committed.get(attempt.dir)
             if record is not None:
-                self.send(Committed(attempt.job, {
-                    **attempt.figures, "committed_at": now, "commit_s": now - attempt.durable_at,
-                    "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
-                    "disk_free_bytes": self.storage.free_bytes()}))
+                self.send(Committed(attempt.job, CommitFigures(
+                    attempt.figures, committed_at=now, commit_s=now - attempt.durable_at,
+                    raw_bytes=record.raw_bytes, stored_bytes=record.stored_bytes,
+                    disk_free_bytes=self.storage.free_bytes())))
                 if self.on_commit is not None and isinstance(record, SnapshotRecord):
                     self.on_commit(record)
             elif gone:

@@ -16,7 +16,7 @@ line, which every user of the machine can read, since they may hold the object s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import BinaryIO, Optional, Union
 
 from ..errors import CheckpointError
@@ -172,10 +172,52 @@ class JobOutcome:
 
 
 @dataclass(frozen=True)
-class Committed(JobOutcome):
-    """In the manifest; ``figures`` are its timings and sizes (see ``stats()``)."""
+class ShardFigures:
+    """What writing this rank's shard of one snapshot cost, measured by the writer
+    (``write/writer.py``): seconds queued, writing and making it durable; bytes written, and
+    bytes not written because an earlier snapshot holds them (incremental)."""
 
-    figures: dict
+    queue_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+    shard_bytes: int = 0
+    referred_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CommitFigures:
+    """A committed snapshot as its writer saw it: ``shard``'s figures, then the commit's
+    (``write/commit.py``). ``committed_at`` is the writer's ``time.monotonic()`` at the commit;
+    ``wait_ranks_s`` (waiting for the other ranks' shards) and ``dropped_steps`` (retention)
+    only where this rank committed it: rank 0, else None. ``CheckpointEngine.stats()`` reports
+    them under these names (``as_dict``)."""
+
+    shard: ShardFigures
+    committed_at: float
+    commit_s: float
+    raw_bytes: int
+    stored_bytes: int
+    disk_free_bytes: int
+    wait_ranks_s: Optional[float] = None
+    dropped_steps: Optional[tuple[int, ...]] = None
+
+    def as_dict(self) -> dict:
+        """The figures by name, flat, those this rank has none of left out."""
+        figures = {**asdict(self.shard), "committed_at": self.committed_at,
+                   "commit_s": self.commit_s, "raw_bytes": self.raw_bytes,
+                   "stored_bytes": self.stored_bytes, "disk_free_bytes": self.disk_free_bytes}
+        if self.wait_ranks_s is not None:
+            figures["wait_ranks_s"] = self.wait_ranks_s
+        if self.dropped_steps is not None:
+            figures["dropped_steps"] = list(self.dropped_steps)
+        return figures
+
+
+@dataclass(frozen=True)
+class Committed(JobOutcome):
+    """In the manifest; ``figures``: its timings and sizes (see ``stats()``)."""
+
+    figures: CommitFigures
 
 
 @dataclass(frozen=True)
@@ -207,16 +249,26 @@ class Dropped:
 
 @dataclass(frozen=True)
 class RemoteStatus:
-    """Where this rank's uploads stand (``write/upload.py``), sent whenever that changes:
-    ``figures`` holds ``remote_step`` (newest step the bucket's manifest names, as this rank
-    knows), ``pending_since`` (the writer's ``time.monotonic()`` at the local commit of the
-    oldest snapshot not uploaded, or None), ``pending_bytes``, ``uploaded_bytes``,
-    ``upload_retries`` (failures in a row), ``upload_skipped``, ``last_error`` (text or None),
-    ``conflict`` (a RemoteConflictError once uploading stopped, else None), and ``rejected``
-    with ``rejections`` (the error of the last snapshot whose shards failed the checks before
-    publication, and how many have)."""
+    """Where this rank's uploads stand (``write/upload.py``), sent whenever that changes.
 
-    figures: dict
+    ``remote_step``: the newest step the bucket's manifest names, as this rank knows;
+    ``pending_since``: the writer's ``time.monotonic()`` at the local commit of the oldest
+    snapshot not uploaded (None: none); ``pending_bytes`` of this rank's shards still to upload;
+    ``upload_retries``: failures in a row; ``last_error``: text, kept after a success;
+    ``conflict``: the error that stopped uploading for good (another engine publishes to the
+    bucket); ``rejected`` and ``rejections``: the error of the last snapshot whose shards failed
+    the checks before publication, and how many have."""
+
+    remote_step: Optional[int] = None
+    pending_since: Optional[float] = None
+    pending_bytes: int = 0
+    uploaded_bytes: int = 0
+    upload_retries: int = 0
+    upload_skipped: int = 0
+    last_error: Optional[str] = None
+    conflict: Optional[CheckpointError] = None
+    rejected: Optional[CheckpointError] = None
+    rejections: int = 0
 
 
 TrainerMessage = Union[Attach, Detach, SnapshotJob, Drop, Close]

@@ -33,6 +33,7 @@ an executor, so tests drive it without sleeping.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
@@ -65,13 +66,27 @@ ORPHAN_UPLOAD_S = 60.0
 on uploading until the uploads are done or have failed for this long."""
 
 
+class Phase(enum.Enum):
+    """How far the upload of one snapshot got. Every rank uploads its files (``UPLOAD``); rank 0
+    then waits for the other ranks' (``PEERS``) and publishes the bucket's manifest
+    (``PUBLISH``), while the others wait to see it published (``WATCH``). It ends ``DONE`` (in
+    the bucket) or ``SKIPPED`` (superseded, dropped, or refused)."""
+
+    UPLOAD = "upload"
+    PEERS = "peers"
+    PUBLISH = "publish"
+    WATCH = "watch"
+    DONE = "done"
+    SKIPPED = "skipped"
+
+
 @dataclass
 class _Upload:
     """The snapshot being uploaded, and how far it got."""
 
     record: SnapshotRecord
     closure: tuple[SnapshotRecord, ...]  # committed earlier, referred to, not yet in the bucket
-    phase: str = "upload"  # upload -> peers (rank 0) / watch (others) -> publish (rank 0) -> done
+    phase: Phase = Phase.UPLOAD
     started: float = 0.0
     waited_since: float = 0.0
 
@@ -149,16 +164,12 @@ class Uploader:
                 return
             self._start(now)
         upload = self.current
-        if upload.phase == "upload":
+        if upload.phase is Phase.UPLOAD:
             self._run(self._upload_files, upload)
-        elif now >= self._next_check:
+        elif now >= self._next_check:  # the other phases list or read the bucket: not too often
             self._next_check = now + LISTING_INTERVAL_S
-            if upload.phase == "peers":
-                self._run(self._check_peers, upload)
-            elif upload.phase == "publish":
-                self._run(self._publish, upload)
-            elif upload.phase == "watch":
-                self._run(self._check_published, upload)
+            self._run({Phase.PEERS: self._check_peers, Phase.PUBLISH: self._publish,
+                       Phase.WATCH: self._check_published}[upload.phase], upload)
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -171,7 +182,7 @@ class Uploader:
         self.queue.clear()
         self.current = _Upload(record, (), started=now, waited_since=now)
 
-    def _upload_files(self, upload: _Upload) -> str:
+    def _upload_files(self, upload: _Upload) -> Phase:
         if self.rank == 0:
             upload.closure = self._closure(upload.record)
         for record in (*upload.closure, upload.record):
@@ -192,27 +203,28 @@ class Uploader:
                 if any(s.dir == record.dir for s in read_manifest(self.local).snapshots):
                     return self._rejected(upload.record, e)  # damaged here: never uploaded
                 log.info("remote: step %d was dropped before it was uploaded", record.step)
-                return "skip"  # dropped locally since (engine.drop, retention): its files are
-                # deleted only once the manifest no longer names it
-        return "peers" if self.rank == 0 else "watch"
+                # dropped locally since (engine.drop, retention): its files are deleted only
+                # once the manifest no longer names it
+                return Phase.SKIPPED
+        return Phase.PEERS if self.rank == 0 else Phase.WATCH
 
-    def _check_peers(self, upload: _Upload) -> str:
+    def _check_peers(self, upload: _Upload) -> Phase:
         present = dict(self.remote.list_snapshot(upload.record.dir))
         missing = [rank for rank in range(upload.record.world_size)
                    if not _uploaded(upload.record, rank, present)]
         if not missing:
-            return "publish"
+            return Phase.PUBLISH
         if self._moved_on(missing):
             log.info("remote: rank(s) %s moved on past step %d (each uploads the newest it has "
                      "committed); moving on to step %d", missing, upload.record.step,
                      self.queue[-1][0].step)
-            return "skip"
+            return Phase.SKIPPED
         now = self.clock()
         if self.queue and now - upload.waited_since > PEER_WAIT_S:
             log.warning("remote: rank(s) %s never uploaded step %d; moving on to step %d",
                         missing, upload.record.step, self.queue[-1][0].step)
-            return "skip"
-        return "peers"
+            return Phase.SKIPPED
+        return Phase.PEERS
 
     def _moved_on(self, missing: list[int]) -> bool:
         """Whether one of the ``missing`` ranks has uploaded its shard of a snapshot committed
@@ -239,15 +251,15 @@ class Uploader:
             replicas = reader.replicas
         return with_shards(self.remote, record, replicas, others)
 
-    def _rejected(self, record: SnapshotRecord, error: Exception) -> str:
+    def _rejected(self, record: SnapshotRecord, error: Exception) -> Phase:
         """Give up publishing ``record``, whose shards failed the checks (not the store): told
         to the trainer; the next phase."""
         self.rejected, self.last_error = error, f"{type(error).__name__}: {error}"
         self.rejections += 1
         log.error("remote: step %d is not published: %s", record.step, error)
-        return "skip"
+        return Phase.SKIPPED
 
-    def _publish(self, upload: _Upload) -> str:
+    def _publish(self, upload: _Upload) -> Phase:
         try:
             upload.record = self._complete(upload.record)
         except (CorruptSnapshotError, SnapshotWriteError) as e:  # the shards, not the store
@@ -265,17 +277,17 @@ class Uploader:
                         "checking the objects of step %d again before publishing anew",
                         self.remote.url, upload.record.step)
             self._read_remote_manifest()  # an empty one, which the next publish creates
-            return "upload"
+            return Phase.UPLOAD
         self.remote_manifest = manifest
         kept = {s.dir for s in manifest.snapshots}
         self.remote.remove(sorted({d.dir for d in dropped} - kept))
-        return "done"
+        return Phase.DONE
 
-    def _check_published(self, upload: _Upload) -> str:
+    def _check_published(self, upload: _Upload) -> Phase:
         manifest = read_manifest(self.remote)
         if any(s.dir == upload.record.dir for s in manifest.snapshots):
-            return "done"
-        return "skip" if self.queue else "watch"
+            return Phase.DONE
+        return Phase.SKIPPED if self.queue else Phase.WATCH
 
     def _read_remote_manifest(self) -> Manifest:
         manifest = read_manifest(self.remote)
@@ -285,7 +297,7 @@ class Uploader:
             self.remote_step = manifest.snapshots[-1].step
         return manifest
 
-    def _catch_up(self) -> str:
+    def _catch_up(self) -> None:
         """At start: read the bucket's manifest (rank 0 before anyone else could change it), and
         queue the local directory's newest snapshot if the bucket lacks it (an earlier engine
         closed, or died, before uploading it)."""
@@ -295,7 +307,6 @@ class Uploader:
             self.queue.appendleft((local[-1], self.clock()))
             self.pending_since = self.clock()
         self._caught_up = True
-        return ""
 
     def _closure(self, record: SnapshotRecord) -> tuple[SnapshotRecord, ...]:
         """The committed snapshots ``record`` refers to (transitively) that the bucket's manifest
@@ -338,15 +349,15 @@ class Uploader:
             return True
         self.failures, self.failing_since, self.retry_at = 0, None, 0.0
         upload = self.current
-        if upload is not None and phase:
+        if upload is not None and phase is not None:
             self._advance(upload, phase, now)
         self._report()
         return True
 
-    def _advance(self, upload: _Upload, phase: str, now: float) -> None:
-        if phase in ("done", "skip"):
+    def _advance(self, upload: _Upload, phase: Phase, now: float) -> None:
+        if phase in (Phase.DONE, Phase.SKIPPED):
             self.current = None
-            if phase == "done":
+            if phase is Phase.DONE:
                 self.remote_step = upload.record.step
                 self.pending_since = self.queue[0][1] if self.queue else None
                 log.info("remote: step %d is in %s (%.1f s after its local commit)",
@@ -371,13 +382,12 @@ class Uploader:
 
     def _report(self) -> None:
         pending = [r for r, _ in self.queue] + ([self.current.record] if self.current else [])
-        self.send(RemoteStatus({
-            "remote_step": self.remote_step, "pending_since": self.pending_since,
-            "pending_bytes": sum(r.shard_of(self.rank).bytes for r in pending),
-            "uploaded_bytes": self.uploaded_bytes, "upload_retries": self.failures,
-            "upload_skipped": self.skipped, "last_error": self.last_error,
-            "conflict": self.stopped, "rejected": self.rejected,
-            "rejections": self.rejections}))
+        self.send(RemoteStatus(
+            remote_step=self.remote_step, pending_since=self.pending_since,
+            pending_bytes=sum(r.shard_of(self.rank).bytes for r in pending),
+            uploaded_bytes=self.uploaded_bytes, upload_retries=self.failures,
+            upload_skipped=self.skipped, last_error=self.last_error, conflict=self.stopped,
+            rejected=self.rejected, rejections=self.rejections))
 
 
 def _uploaded(record: SnapshotRecord, rank: int, present: dict[str, int]) -> bool:

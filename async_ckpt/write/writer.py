@@ -35,7 +35,8 @@ import psutil
 
 from .commit import POLL_INTERVAL_S, Attempt, Committer, CommitStage, CommitWatcher, failure
 from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, JobOutcome, Marker,
-                       Ready, Released, SnapshotJob, WriterConfig, WriterEvent)
+                       Ready, Released, ShardFigures, SnapshotJob, WriterConfig,
+                       WriterEvent)
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
 from ..format.records import Replica
@@ -270,10 +271,10 @@ class SnapshotWriter:
             self.stored_ratio = (size + data_bytes) / max(raw_bytes, 1)
         return Attempt(job=job.job, step=step, dir=job.dir,
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
-                       replicas=replicas, raw_bytes=raw_bytes, figures={
-                           "queue_s": t_start - job.submitted, "write_s": t_written - t_start,
-                           "fsync_s": t_durable - t_written, "shard_bytes": size + data_bytes,
-                           "referred_bytes": referred_bytes},
+                       replicas=replicas, raw_bytes=raw_bytes, figures=ShardFigures(
+                           queue_s=t_start - job.submitted, write_s=t_written - t_start,
+                           fsync_s=t_durable - t_written, shard_bytes=size + data_bytes,
+                           referred_bytes=referred_bytes),
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
                        data_bytes=data_bytes)
 

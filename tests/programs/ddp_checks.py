@@ -18,6 +18,7 @@ from async_ckpt import CheckpointEngine, errors
 from async_ckpt.distributed import newest_common_step
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.format.shard import ShardReader
+from async_ckpt.storage.local import LocalStorage
 
 
 def replicated_state(rank: int) -> dict:
@@ -84,7 +85,7 @@ def check_restore_agrees_on_a_step_every_rank_can_read(base: str, rank: int) -> 
         after_wait = engine.committed_steps()
     dist.barrier()
     if rank == 0:
-        record = read_manifest(base).snapshots[-1]
+        record = read_manifest(LocalStorage(base)).snapshots[-1]
         path = os.path.join(base, record.dir, record.shards[1].file)
         with ShardReader(path) as reader:  # a byte of its first chunk (not the padding before it)
             at = next(s["chunks"][0]["offset"] for s in reader.index["storages"] if s.get("chunks"))
