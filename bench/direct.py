@@ -101,7 +101,7 @@ def run(root: str, quick: bool) -> dict:
                                     name=str, settle_bytes=nbytes)
             floors.close()
             cells.append(_cell(size_gb, load, nbytes, record))
-        del state
+        state = None  # freed before the next size is built
     return {"config": {**config, "sizes_gb": list(config["sizes_gb"]),
                        "loads": list(config["loads"])}, "cells": cells}
 

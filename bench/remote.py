@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from async_ckpt.format.manifest import read_manifest
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
 from .markdown import hundredths, milliseconds, spread_text
