@@ -156,7 +156,7 @@ class EngineOptions:
             system allows it: from the staging slot's memory straight to the disk, several writes
             in flight, with almost no CPU and nothing left in the page cache; where the file
             system refuses it (logged once), through the page cache. Off by default for now: a
-            restore right after a direct snapshot reads the disk, 3-7x slower than from the page
+            restore right after a direct snapshot reads the disk, 4-9x slower than from the page
             cache, until the newest snapshot is restored from the staging slot that holds it
             (docs/performance.md).
     Retention:

@@ -1,7 +1,7 @@
 """Direct writes against the buffered writer (issue 39), quiet and with every core kept busy.
 
-The engine's writer writes shards with ``O_DIRECT`` (``direct_io=True``, the default) or through
-the page cache (``direct_io=False``). For each fp32 state size and each load (quiet, and with
+The engine's writer writes shards with ``O_DIRECT`` (``direct_io=True``, opt-in for now) or
+through the page cache (``direct_io=False``, the default). For each fp32 state size and each load (quiet, and with
 one CPU burner per core, ``python -c "while 1: pass"``, started before the load's rounds and
 stopped after them, so that the floors run under the same load), both writers run in
 interleaved rounds (``rounds.run_rounds``) next to one floor sample per round
