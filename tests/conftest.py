@@ -25,6 +25,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 
 
+@pytest.fixture(scope="module", autouse=True)
+def the_worker_left_as_found(request):
+    """Each test file leaves its worker process as it found it: the same environment, and no
+    process group. A file that changed them (frameworks write RANK, WORLD_SIZE, LOCAL_RANK or
+    MASTER_PORT into os.environ when they set up ranks; Lightning keeps its one-rank group after
+    a fit) would change what a later file in the same xdist worker sees: its subprocesses
+    inherit the environment and take themselves for ranks of a distributed job. Put back, and
+    reported as a warning naming the file, so that the leak is fixed where it happens."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in set(before) | set(os.environ)
+                     if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if group:
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(before)
+    if changed or group:
+        import warnings
+        warnings.warn(f"{request.module.__name__} left {'a process group and ' if group else ''}"
+                      f"the environment changed: {changed}", pytest.PytestWarning)
+
+
 def make_training_state(seed: int = 0, width: int = 32):
     """A model, an AdamW optimizer with state, and a scheduler, after one real step."""
     torch.manual_seed(seed)

@@ -643,11 +643,11 @@ def test_gc_keeps_the_newest_in_commit_order_and_commits_before_deleting(capsys,
     dropped_dirs = [r.dir for r in read_manifest(LocalStorage(root)).snapshots[:1]]
     removed_after_commit = []
 
-    def remove_after_commit(directory, names):
-        committed = {r.dir for r in read_manifest(LocalStorage(directory)).snapshots}
+    def remove_after_commit(storage, names):
+        committed = {r.dir for r in read_manifest(storage).snapshots}
         assert not committed & set(names)  # the manifest without them is already durable
         removed_after_commit.extend(names)
-        return cli_remove_entries(directory, names)
+        return cli_remove_entries(storage, names)
 
     cli_remove_entries = gc_command.remove_entries
     monkeypatch.setattr(gc_command, "remove_entries", remove_after_commit)

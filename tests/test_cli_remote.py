@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from async_ckpt import CheckpointEngine
 from async_ckpt.format.manifest import read_manifest
+from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.names import MANIFEST_NAME
 from async_ckpt.format.shard import ShardReader
 from async_ckpt.storage.remote import ObjectStorage
@@ -166,7 +167,7 @@ def test_export_gives_the_same_tensors_as_from_the_local_directory(capsys, ckpt,
                                  "--to", files[-1])
             assert code == 0 and err == "" and "exported step 20 (all entries)" in out
         assert_same(read(files[0]), read(files[1]))
-    assert read_manifest(local).steps() == STEPS  # nothing written into either
+    assert read_manifest(LocalStorage(local)).steps() == STEPS  # nothing written into either
 
 
 def test_gc_removes_leftovers_of_the_prefix_only_and_keeps_committed_snapshots(capsys, ckpt):
