@@ -49,6 +49,7 @@ from ..engine import CheckpointEngine
 from ..errors import (CorruptSnapshotError, EncodingError, IntegrationError, InvalidArgumentError,
                       PointerFileError)
 from ..rng import GlobalRNG
+from .pointer import checked_fields
 
 __all__ = ["AsyncCheckpointEngine", "DEEPSPEED_PICKLED", "Record", "SUPPORTED", "install",
            "read_record"]
@@ -198,16 +199,7 @@ def read_record(path: str) -> Optional[Record]:
         data = Marker.record_in(f)
     if data is None or not data.startswith(b'{"format": "' + RECORD_FORMAT.encode()):
         return None
-    try:
-        fields = json.loads(data.decode("utf-8"))
-        if type(fields) is not dict or fields.keys() != _RECORD_FIELDS.keys():
-            raise ValueError(f"not the fields {sorted(_RECORD_FIELDS)}")
-        wrong = [name for name, valid in _RECORD_FIELDS.items() if not valid(fields[name])]
-        if wrong:
-            raise ValueError(f"{wrong[0]} is {str(fields[wrong[0]])[:40]!r}")
-    except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
-        raise PointerFileError(f"{path} keeps a damaged async_ckpt record ({e}); it names no "
-                               "snapshot that can be loaded") from e
+    fields = checked_fields(data, _RECORD_FIELDS, path)
     return Record(fields["step"], fields["rank"], fields["entry"], fields["directory"])
 
 

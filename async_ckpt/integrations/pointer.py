@@ -21,12 +21,13 @@ import json
 import os
 import stat
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from .. import MAX_STEP, Marker
 from ..errors import PointerFileError
 
-__all__ = ["POINTER_NAME", "Pointer", "read_pointer_file", "read_pointer", "pointer_file"]
+__all__ = ["POINTER_NAME", "Pointer", "checked_fields", "read_pointer_file", "read_pointer",
+           "pointer_file"]
 
 POINTER_NAME = "async_ckpt.json"  # in a checkpoint directory: the snapshot it was made from
 POINTER_FORMAT = "async_ckpt.pointer"
@@ -75,22 +76,32 @@ class Pointer:
     def parse(cls, data: bytes, where: str) -> "Pointer":
         """The pointer ``data`` holds (read from ``where``); PointerFileError if it is not a
         valid one."""
-        try:
-            if len(data) > MAX_POINTER_BYTES:
-                raise ValueError(f"longer than {MAX_POINTER_BYTES} bytes")
-            fields = json.loads(data.decode("utf-8"))
-            if type(fields) is dict:
-                fields = _as_written_now(fields)
-            if type(fields) is not dict or fields.keys() != _FIELDS.keys():
-                raise ValueError(f"not the fields {sorted(_FIELDS)}")
-            wrong = [name for name, valid in _FIELDS.items() if not valid(fields[name])]
-            if wrong:
-                raise ValueError(f"{wrong[0]} is {str(fields[wrong[0]])[:40]!r}")
-        except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
-            raise PointerFileError(f"{where} is a damaged async_ckpt pointer ({e}); it names no "
-                                   "snapshot that can be loaded: delete it, or load the "
-                                   "checkpoint with the framework's own code") from e
+        fields = checked_fields(data, _FIELDS, where, _as_written_now)
         return cls(fields["step"], fields["directory"], fields["global_step"], fields["epoch"])
+
+
+def checked_fields(data: bytes, fields: Mapping[str, Callable[[Any], bool]], where: str,
+                   upgrade: Callable[[dict], dict] = lambda fields: fields) -> dict:
+    """The JSON object ``data`` holds (at most ``MAX_POINTER_BYTES``), with exactly the keys of
+    ``fields``, each value passing its check (after ``upgrade``, which turns an older version's
+    object into today's): how every record a framework's file keeps is read (the pointer, the
+    DeepSpeed adapter's). PointerFileError naming ``where`` otherwise."""
+    try:
+        if len(data) > MAX_POINTER_BYTES:
+            raise ValueError(f"longer than {MAX_POINTER_BYTES} bytes")
+        found = json.loads(data.decode("utf-8"))
+        if type(found) is dict:
+            found = upgrade(found)
+        if type(found) is not dict or found.keys() != fields.keys():
+            raise ValueError(f"not the fields {sorted(fields)}")
+        wrong = [name for name, valid in fields.items() if not valid(found[name])]
+        if wrong:
+            raise ValueError(f"{wrong[0]} is {str(found[wrong[0]])[:40]!r}")
+    except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise PointerFileError(f"{where} holds a damaged async_ckpt pointer ({e}); it names no "
+                               "snapshot that can be loaded: delete it, or load the checkpoint "
+                               "with the framework's own code") from e
+    return found
 
 
 def _as_written_now(fields: dict) -> dict:
