@@ -1,15 +1,14 @@
 """The torch side of the training state, known alike to the side that saves it (``train/``) and
 the sides that read it back or put it back (``read/``, ``data.py``, ``tools/``): which dtypes a
-tensor may have, the bytes a strided tensor spans, the piece of a sharded tensor (``DTensor``)
+tensor may have, the piece of a sharded tensor (``DTensor``)
 a rank holds, and which registered values are stateful objects. It sits below all of them, so
 that what capture writes and what restore checks is defined once.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -23,14 +22,6 @@ DTYPES = {name: d for name, d in ALL_DTYPES.items() if not re.fullmatch(r"q\w+|u
 """The dtypes a saved tensor may have: all but the quantized ones and the sub-byte integers
 (uint1-7, int1-7), which torch can create but not copy or clone: a tensor of them could be
 neither staged nor used once loaded."""
-
-
-def span_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
-    """Bytes from the first element of a strided tensor to past its last (no elements: 0): what
-    it occupies of its storage, from its offset on."""
-    if not math.prod(shape):
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
 
 
 def as_stateful(obj: Any) -> Any:

@@ -212,12 +212,15 @@ def test_no_module_outside_format_spells_out_a_tag_of_the_state_tree():
             if found and _part(name) != "format"} == {}
 
 
-# Keys of a shard index's storage table, replica digests and sharded-tensor table (docs/FORMAT.md): format/ parses
-# them into records (format/records.py), and no other module reads the parsed JSON by them.
+# Keys of a shard index's storage table, replica digests, tensor table and sharded-tensor table
+# (docs/FORMAT.md 3.4 to 3.7): format/ parses them into records (format/records.py), and no other
+# module reads the parsed JSON by them.
 _INDEX_KEYS = {"storages", "chunks", "ref", "chunks_xxh3", "index_xxh3", "replicas", "dtensors",
-               "global_shape"}
+               "global_shape", "tensors", "storage", "offset", "dtype", "shape", "stride"}
 # Modules outside format/ with a message of their own that shares one of those keys.
-_OWN_FORMATS = {"async_ckpt.keeper.protocol": "a hold's layout message names its 'storages'",
+_OWN_FORMATS = {"async_ckpt.keeper.protocol": "a hold's layout and the keeper's answer carry its "
+                "'storages' (with their 'offset') and pass the tensor table on as 'tensors', "
+                "which read_held checks with the format's validator",
                 "async_ckpt.train.capture": "a group of tensors being planned has 'replicas'"}
 
 
@@ -241,8 +244,9 @@ def _index_key_uses(path: pathlib.Path) -> list[str]:
 
 
 def test_only_the_format_reads_a_parsed_index_by_its_keys():
-    """The storage table of a shard's index is read through format/'s records, built by its
-    validator: a module outside format/ that indexes the parsed JSON is found here."""
+    """The storage, tensor and sharded-tensor tables of a shard's index are read through
+    format/'s records, built by its validators: a module outside format/ that indexes the parsed
+    JSON is found here."""
     found = {name: uses for name, path in MODULES.items()
              if _part(name) != "format" and name not in _OWN_FORMATS
              for uses in [_index_key_uses(path)] if uses}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import sys
 
@@ -19,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, UnsupportedFormatError
-from async_ckpt.format.records import Chunk, Replica, StorageEntry
+from async_ckpt.format.records import Chunk, Replica, StorageEntry, StoredTensor
 from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, STORAGE_ALIGNMENT, TRAILER_MAGIC,
                                     TRAILER_SIZE, ChunkCache, ChunkEncoder, ShardReader,
-                                    ShardWriter, version_needed)
+                                    ShardWriter, tensor_table, version_needed)
 
 META = {"step": 7, "rank": 0}
 SMALL_CHUNK = 4096
@@ -286,6 +287,46 @@ def test_the_reader_s_records_are_what_the_index_says(tmp_path):
                                              "xxh3": replica.xxh3}]
         assert list(reader.index["replicas"][0]) == ["entry", "owner", "nbytes", "xxh3"]
     assert b'"replicas":[{"entry":"model","owner":0,"nbytes":70,"xxh3":"' in path.read_bytes()
+
+
+TENSOR = {"storage": 1, "offset": 8, "dtype": "float32", "shape": [2, 3], "stride": [3, 1]}
+
+
+def test_the_tensor_table_becomes_records(tmp_path):
+    """``ShardReader.tensors``: the index's tensor table as records, every field kept; a
+    replica's names the rank whose storage it views, a tensor with no elements no storage."""
+    path = tmp_path / "tensors.ackpt"
+    table = [TENSOR, {"storage": 0, "offset": 0, "dtype": "int64", "shape": [], "stride": [],
+                      "rank": 1},
+             {"storage": None, "offset": 0, "dtype": "bfloat16", "shape": [0, 4], "stride": [4, 1]}]
+    write_shard(path, [(b"", 1, False), (bytes(32), 4, False)], compression=None,
+                meta=META | {"tensors": table})
+    with ShardReader(str(path)) as reader:
+        assert reader.tensors == (StoredTensor(1, 8, "float32", (2, 3), (3, 1)),
+                                  StoredTensor(0, 0, "int64", (), (), 1),
+                                  StoredTensor(None, 0, "bfloat16", (0, 4), (4, 1)))
+        assert [(t.end, t.nbytes) for t in reader.tensors] == [(32, 24), (8, 8), (0, 0)]
+        assert reader.tensors[1].held_in(0) == (1, 0) and reader.tensors[0].held_in(0) == (0, 1)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"dtype": "qint8"}, "unknown dtype 'qint8'"), ({"dtype": 5}, "unknown dtype '5'"),
+    ({"shape": [2]}, "malformed shape or stride"), ({"stride": [3, -1]}, "malformed shape"),
+    ({"shape": [2**40, 2**40], "stride": [0, 0]}, "more elements than any storage can hold"),
+    ({"storage": "1"}, "bad storage reference"), ({"storage": None}, "bad storage reference"),
+    ({"rank": None}, "bad storage reference"), ({"offset": -4}, "bad storage reference"),
+    ({"offset": 2}, "its offset 2 is not a multiple of its element size"),
+    ({"storage": 2}, "refers to storage 2, which does not exist"),
+    ({"offset": 12}, "view lies outside its storage"), (None, "not an object"),
+])
+def test_a_damaged_tensor_record_is_refused_naming_its_file_and_number(edit, why):
+    """The one check of a tensor record (a shard's table, a memory tier's hold): what it finds
+    wrong, in the file and record it names."""
+    record = None if edit is None else TENSOR | edit
+    with pytest.raises(CorruptSnapshotError, match="^" + re.escape(f"shard: tensor 1: {why}")):
+        tensor_table([TENSOR, record], "shard", [0, 32])
+    with pytest.raises(CorruptSnapshotError, match="shard: the index has no tensor table"):
+        tensor_table({"0": TENSOR}, "shard", [0, 32])
 
 
 @pytest.mark.parametrize("workers", [0, 3])

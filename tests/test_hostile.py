@@ -716,10 +716,11 @@ def test_the_misaligned_view_of_the_issue_exports_to_safetensors(tmp_path, capsy
 def test_a_tensor_record_over_misaligned_memory_is_built_over_an_aligned_copy():
     """The last line of defence: whatever buffer a record views, the tensor built on it is
     aligned for its dtype (a copy of the bytes it views where the buffer is not)."""
+    from async_ckpt.format.records import StoredTensor
     from async_ckpt.read.snapshot import _tensor_from_record
     backing = torch.arange(64, dtype=torch.uint8)
     buffer = backing[8:]  # 8 bytes off the allocation's 64-byte alignment
-    record = {"storage": 0, "offset": 16, "dtype": "complex128", "shape": [3, 2], "stride": [0, 1]}
+    record = StoredTensor(0, 16, "complex128", (3, 2), (0, 1))
     t = _tensor_from_record(record, {(0, 0): buffer}, 0, "shard", 0)
     assert t.data_ptr() % 16 == 0 and t.stride() == (0, 1)
     assert t.clone().view(torch.uint8).reshape(-1).equal(backing[24:56].repeat(3))

@@ -14,7 +14,8 @@ from async_ckpt import CheckpointEngine, Derived, Marker
 from async_ckpt.errors import InvalidArgumentError, SnapshotWriteError
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.format.references import References
-from async_ckpt.format.native import ALIGNMENT, ITEMSIZES, MAX_RECORD_BYTES, write_committed
+from async_ckpt.format.native import ALIGNMENT, MAX_RECORD_BYTES, write_committed
+from async_ckpt.format.records import ITEMSIZES
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.tensors import DTYPES
 from conftest import assert_same

@@ -8,8 +8,9 @@ plan is compared by value to decide whether the staging pool must be re-planned.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..storage.base import DIRECT_ALIGNMENT
 
@@ -68,6 +69,14 @@ class Plan:
     @property
     def raw_bytes(self) -> int:
         return sum(r.nbytes for r in self.regions)
+
+
+def span_bytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    """Bytes from the first element of a strided tensor to past its last (no elements: 0): what
+    it occupies of its storage, from its offset on."""
+    if not math.prod(shape):
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

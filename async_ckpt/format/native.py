@@ -40,6 +40,7 @@ from ..storage.names import DATA_FILE_SUFFIXES
 from . import tree as tree_model
 from .tree import RNG_KEY, Leaf
 from .manifest import SnapshotRecord
+from .records import ITEMSIZES
 from .references import References
 
 ARCHIVE = "archive"
@@ -49,17 +50,6 @@ ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's
 _PADDING_FIELD = 0x4246  # the zip extra field torch pads its entries with ("FB")
 _DATE = (1980, 1, 1, 0, 0, 0)  # the same bytes for the same snapshot
-ITEMSIZES = {name: size for size, names in {
-    1: "bool int8 uint8 bits8 bits1x8 bits2x4 bits4x2 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
-       "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2",
-    2: "bfloat16 float16 int16 uint16 bits16",
-    4: "float32 int32 uint32 complex32",
-    8: "float64 int64 uint64 complex64",
-    16: "complex128"}.items() for name in names.split()}
-"""Element sizes of the dtypes a saved tensor may have (``tensors.DTYPES``, checked by a test):
-torch's offsets count elements, the index's bytes."""
-
-
 class _Global:
     """A name in a module of torch (or any module), pickled as a reference to it without
     importing the module."""

@@ -1,7 +1,8 @@
-"""Typed, immutable records of a shard index's storage table (docs/FORMAT.md 3.4).
+"""Typed, immutable records of a shard index's tables (docs/FORMAT.md 3.4 to 3.7).
 
-The index is JSON; ``shard._validate_index`` checks it and builds these records as it goes, so
-a record that exists describes a valid storage of a file that was checked. Readers outside
+The index is JSON; ``shard._validate_index`` checks it and builds these records as it goes (the
+tensor table: ``shard.tensor_table``, when first asked for), so a record that exists describes
+a valid part of a file that was checked. Readers outside
 format/ use the records, never the parsed dicts: the keys of the file are known here and in the
 validator only. The writer still writes the dicts (``ShardWriter``), so the bytes on disk are
 exactly what they were.
@@ -9,8 +10,22 @@ exactly what they were.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from .layout import span_bytes
+
+ITEMSIZES = {name: size for size, names in {
+    1: "bool int8 uint8 bits8 bits1x8 bits2x4 bits4x2 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+       "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2",
+    2: "bfloat16 float16 int16 uint16 bits16",
+    4: "float32 int32 uint32 complex32",
+    8: "float64 int64 uint64 complex64",
+    16: "complex128"}.items() for name in names.split()}
+"""The dtypes a saved tensor may have (``tensors.DTYPES``, checked by a test) and their element
+sizes, known here without torch (the writer and the keeper do not import it): a tensor record of
+another dtype is damage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,37 @@ class Replica:
         """The index's form of it, as ``of`` reads it."""
         return {"entry": self.entry, "owner": self.owner, "nbytes": self.nbytes,
                 "xxh3": self.xxh3}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A record of the tensor table (``tensors``, docs/FORMAT.md 3.5): a view of ``dtype``,
+    ``shape`` and ``stride`` (in elements) at byte ``offset`` of storage ``storage`` (None: no
+    elements) of this shard, or of rank ``rank``'s shard where given (a replica stored there)."""
+    storage: Optional[int]
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    rank: Optional[int] = None
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its elements."""
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def end(self) -> int:
+        """The byte of its storage past its last element (its offset when it has none)."""
+        return self.offset + span_bytes(self.shape, self.stride, self.itemsize)
+
+    def held_in(self, rank: int) -> tuple[int, Optional[int]]:
+        """(rank, storage) of the storage it views, for a record of ``rank``'s shard."""
+        return (rank if self.rank is None else self.rank), self.storage
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import collections
 import functools
 import json
 import logging
+import math
 import mmap
 import os
 import posixpath
@@ -26,14 +27,15 @@ import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import xxhash
 import zstandard
 
 from . import filters, values
-from .layout import DIRECT_BYTES
-from .records import Chunk, DTensorPiece, Replica, StorageEntry, raw_bytes
+from .layout import DIRECT_BYTES, span_bytes
+from .records import (ITEMSIZES, Chunk, DTensorPiece, Replica, StorageEntry, StoredTensor,
+                      raw_bytes)
 from ..checks import is_int, short_repr
 from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
                              data_files_of)
@@ -388,6 +390,13 @@ class ShardReader:
         except BaseException:
             self.close()
             raise
+
+    @functools.cached_property
+    def tensors(self) -> tuple[StoredTensor, ...]:
+        """Its tensor table as records (``tensor_table``), checked when first asked for: a
+        reader that only copies storages (the committer's, the uploader's) never pays for it."""
+        return tensor_table(self.index.get("tensors"), self.path,
+                            [s.nbytes for s in self.storages])
 
     @property
     def raw_bytes(self) -> int:
@@ -1022,6 +1031,48 @@ def _validate_dtensors(dtensors, bad) -> None:
         keys.add(d["key"])
         if d["tensor"] is not None:
             tensors.add(d["tensor"])
+
+
+def tensor_table(records: Any, where: str, sizes: Sequence[int]) -> tuple[StoredTensor, ...]:
+    """The tensor table ``records`` (docs/FORMAT.md 3.5) as records, each checked: a dtype a
+    saved tensor may have, at most 64 dimensions, sizes and strides in [0, 2^62], at most 2^62
+    elements, an offset at a multiple of the element size, a storage where it has elements, and
+    the view inside that storage when it is one of this table's (``sizes``: their bytes; another
+    rank's is checked where it is read). The one check of a tensor record, for a shard's table
+    (``ShardReader.tensors``) and a keeper's hold (``read_held``) alike."""
+    if not isinstance(records, list):
+        raise CorruptSnapshotError(f"{where}: the index has no tensor table")
+    return tuple(_stored_tensor(r, where, i, sizes) for i, r in enumerate(records))
+
+
+def _stored_tensor(r: Any, where: str, i: int, sizes: Sequence[int]) -> StoredTensor:
+    def bad(why: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(f"{where}: tensor {i}: {why}")
+
+    if not isinstance(r, dict):
+        raise bad("not an object")
+    dtype, shape, stride = r.get("dtype"), r.get("shape"), r.get("stride")
+    itemsize = ITEMSIZES.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        raise bad(f"unknown dtype {str(dtype)[:40]!r}")
+    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride) <= MAX_DIMS
+            and all(type(n) is int and 0 <= n <= MAX_EXTENT for n in shape + stride)):
+        raise bad("malformed shape or stride")
+    elements = math.prod(shape)
+    if elements > MAX_EXTENT:
+        raise bad("more elements than any storage can hold")
+    storage, offset, rank = r.get("storage"), r.get("offset"), r.get("rank")
+    if not ((storage is None or is_int(storage)) and is_int(offset)
+            and ("rank" not in r or is_int(rank)) and (storage is not None or not elements)):
+        raise bad("bad storage reference")
+    if offset % itemsize:
+        raise bad(f"its offset {offset} is not a multiple of its element size")
+    if rank is None and storage is not None:
+        if storage >= len(sizes):
+            raise bad(f"refers to storage {storage}, which does not exist")
+        if offset + span_bytes(shape, stride, itemsize) > sizes[storage]:
+            raise bad("view lies outside its storage")
+    return StoredTensor(storage, offset, dtype, tuple(shape), tuple(stride), rank)
 
 
 _REF_FIELDS = {"dir", "file", "storage", "index_xxh3", "chunks_xxh3"}

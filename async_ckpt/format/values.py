@@ -696,6 +696,15 @@ def payload_nbytes(node: Any) -> Optional[int]:
     return len(p) * 3 // 4 - p.count("=")
 
 
+def numpy_spec(node: Any) -> tuple[Any, Any]:
+    """The dtype and shape (None for a scalar) that a ``$ndarray`` or ``$npscalar`` node's
+    payload states, as written (nothing is checked or decoded): what a listing shows of it."""
+    tag = tag_of(node)
+    if tag not in (Kind.NDARRAY, Kind.NPSCALAR) or type(node[tag]) is not dict:
+        raise _corrupt("", f"not a numpy node with an object payload: {_show(node)}")
+    return node[tag].get("dtype"), node[tag].get("shape")
+
+
 def _escape_key(key: str) -> str:
     """How a key of a str-keyed dict is written: a key starting with ``$`` gets one more, so that
     no user key looks like a tag."""

@@ -24,14 +24,14 @@ import torch
 
 from ..errors import CorruptSnapshotError
 from ..format.manifest import SnapshotRecord
-from ..format.records import DTensorPiece
+from ..format.records import DTensorPiece, StoredTensor
 from ..format.references import References
 from ..format import tree as tree_model
 from ..format.shard import ChunkCache, ShardReader, checksum
 from ..format.tree import Leaf
-from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
+from ..format.layout import span_bytes
+from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor
 from .memory import allocating, require_memory
-from .records import tensor_layout
 
 SLAB_BYTES = 16 << 20
 """The most bytes of a saved piece read into memory of our own at once, besides one chunk in the
@@ -50,13 +50,15 @@ class ShardedRef:
 @dataclass(frozen=True)
 class _Piece:
     """A stored box of a sharded tensor: in ``rank``'s shard, the tensor record ``record``
-    (offset, stride) over storage ``storage``, at ``offset`` of the global tensor."""
+    (its storage, offset and stride there), at ``offset`` of the global tensor."""
 
     rank: int
-    storage: int
-    record: dict
+    record: StoredTensor
     offset: tuple[int, ...]
-    shape: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.record.shape
 
 
 def sharded_ref(record: DTensorPiece, path: str) -> ShardedRef:
@@ -83,10 +85,7 @@ class PieceIndex:
         for shard in record.shards:
             reader = refs.open(record.dir, shard.rank)
             where = reader.path
-            table = reader.dtensors
-            records = reader.index.get("tensors")
-            if not isinstance(records, list):
-                raise CorruptSnapshotError(f"{where}: the index has no tensor table")
+            table, records = reader.dtensors, reader.tensors
             keys = keys_of[shard.rank] = set()
             for d in table:
                 spec = (d.dtype, d.global_shape)
@@ -109,29 +108,27 @@ class PieceIndex:
     def largest_chunk(self, piece: _Piece) -> int:
         """The raw bytes of the largest chunk of the storage holding ``piece`` (0 for an empty
         piece): what reading part of it decodes at once."""
-        if piece.storage is None:
+        if piece.record.storage is None:
             return 0
-        reader, storage = self._open_storage(self._refs, self._record, piece.rank, piece.storage)
+        reader, storage = self._open_storage(self._refs, self._record, piece.rank,
+                                             piece.record.storage)
         return reader.storages[storage].largest_chunk
 
     @staticmethod
-    def _piece(d: DTensorPiece, records: list, rank: int, where: str) -> _Piece:
+    def _piece(d: DTensorPiece, records: tuple[StoredTensor, ...], rank: int,
+               where: str) -> _Piece:
         n = d.tensor
         if n >= len(records):
             raise CorruptSnapshotError(f"{where}: sharded tensor {d.key[:80]!r} names tensor "
                                        f"{n}, which does not exist")
-        r = records[n]
-        dtype, shape, stride = tensor_layout(r, where, n)
+        t = records[n]
         offset, global_shape = d.offset, d.global_shape
-        if (str(dtype).removeprefix("torch.") != d.dtype or len(shape) != len(global_shape)
-                or any(o + s > g for o, s, g in zip(offset, shape, global_shape))
-                or stride != _contiguous_strides(shape) or "rank" in r
-                or (math.prod(shape) and type(r.get("storage")) is not int)
-                or not (type(r.get("offset")) is int and r["offset"] >= 0
-                        and r["offset"] % dtype.itemsize == 0)):
+        if (t.dtype != d.dtype or len(t.shape) != len(global_shape)
+                or any(o + s > g for o, s, g in zip(offset, t.shape, global_shape))
+                or list(t.stride) != _contiguous_strides(list(t.shape)) or t.rank is not None):
             raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d.key[:80]!r} "
                                        "does not fit its global tensor")
-        return _Piece(rank, r.get("storage"), r, tuple(offset), tuple(shape))
+        return _Piece(rank, t, tuple(offset))
 
     def check_covered(self, ref: ShardedRef, offset: tuple, shape: tuple, where: str) -> list:
         """The pieces overlapping the box ``(offset, shape)`` of ``ref``, checked to be disjoint
@@ -151,8 +148,8 @@ class PieceIndex:
             if math.prod(h - lo_ for lo_, h in zip(lo, hi)) == 0:
                 continue
             reader, storage = self._open_storage(self._refs, self._record, piece.rank,
-                                                 piece.storage)
-            strides = piece.record["stride"]
+                                                 piece.record.storage)
+            strides = piece.record.stride
             local_lo = [a - o for a, o in zip(lo, piece.offset)]
             local_hi = [h - o for h, o in zip(hi, piece.offset)]
             # an overlap that is one run of bytes in both layouts (an FSDP row split) is read in
@@ -161,7 +158,7 @@ class PieceIndex:
             slabs = [(local_lo, local_hi)] if whole else _slabs(local_lo, local_hi, strides,
                                                                   itemsize, SLAB_BYTES)
             for sub_lo, sub_hi in slabs:
-                start = piece.record["offset"] + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
+                start = piece.record.offset + sum(a * s for a, s in zip(sub_lo, strides)) * itemsize
                 shape = [h - a for a, h in zip(sub_lo, sub_hi)]
                 nbytes, span = math.prod(shape) * itemsize, span_bytes(shape, strides, itemsize)
                 at = [a + o - t for a, o, t in zip(sub_lo, piece.offset, offset)]
@@ -391,8 +388,7 @@ def differing_entries(refs: References, record: SnapshotRecord) -> set[str]:
 def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> dict[str, str]:
     """Top-level entry -> a digest of what a shard holds in it; none where the shard's tree is
     malformed (its entries then count as differing)."""
-    tensors, storages = reader.index["tensors"], reader.storages
-    dtensors = reader.dtensors
+    tensors, storages, dtensors = reader.tensors, reader.storages, reader.dtensors
 
     def canonical(v: Any) -> Any:
         leaf, payload = tree_model.leaf_of(v) or (None, None)
@@ -408,18 +404,16 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
         return v
 
     def _tensor_digest(i: Any) -> Any:
-        if not (type(i) is int and 0 <= i < len(tensors) and isinstance(tensors[i], dict)):
+        if not (type(i) is int and 0 <= i < len(tensors)):
             return None
-        r = dict(tensors[i])
-        holder, n = storages, r.pop("storage", None)
-        if "rank" in r:  # a replica stored in its owner's shard
-            owner = r.pop("rank")
-            if type(owner) is int and any(s.rank == owner for s in record.shards):
-                holder = refs.open(record.dir, owner).storages
-        s = holder[n] if type(n) is int and 0 <= n < len(holder) else None
-        if s is not None:
-            r["bytes"] = list(s.chunk_digests)
-        return r
+        t = tensors[i]
+        holder, n = storages, t.storage
+        if t.rank is not None:  # a replica stored in its owner's shard
+            if any(s.rank == t.rank for s in record.shards):
+                holder = refs.open(record.dir, t.rank).storages
+        s = holder[n] if n is not None and n < len(holder) else None
+        return [t.offset, t.dtype, list(t.shape), list(t.stride),
+                None if s is None else list(s.chunk_digests)]
 
     nodes: dict[str, list] = {}
     try:

@@ -29,15 +29,16 @@ from ..format import tree as tree_model
 from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import align_up
-from ..format.records import DTensorPiece, raw_bytes
+from ..format.records import DTensorPiece, StoredTensor, raw_bytes
 from ..format.references import References
-from ..format.shard import CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum
+from ..format.shard import (CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum,
+                            tensor_table)
 from .memory import allocating, require_memory
-from .records import alignments, tensor_layout
+from .records import alignments, torch_dtype
 from .reshard import PieceIndex, Resolver, differing_entries, sharded_ref
 from ..storage.base import Storage
 from ..storage.open import open_storage
-from ..tensors import ALL_DTYPES, span_bytes
+from ..tensors import ALL_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +76,20 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
     ``differing``: the top-level entries the saved ranks held unalike."""
     with References(storage, [record]) as refs:
         own = refs.open(record.dir, rank)
-        index, path = own.index, own.path
-        records = index.get("tensors")
-        if not isinstance(records, list):
-            raise CorruptSnapshotError(f"{path}: the index has no tensor table")
+        index, path, records = own.index, own.path, own.tensors
         if manifest is None and any(s.ref is not None for s in own.storages):
             manifest = read_manifest(refs.storage)
         if manifest is not None:
             refs.add(manifest.snapshots)
         dtensors = own.dtensors
         pieces = {d.tensor for d in dtensors if d.tensor is not None}
-        plain = [r for n, r in enumerate(records) if n not in pieces]
-        only_pieces = (_storages_viewed([r for n, r in enumerate(records) if n in pieces])
+        plain = [t for n, t in enumerate(records) if n not in pieces]
+        only_pieces = (_storages_viewed([t for n, t in enumerate(records) if n in pieces])
                        - _storages_viewed(plain)) if pieces else set()
         wanted = [(rank, i) for i in range(len(own.storages)) if i not in only_pieces]
-        wanted += sorted({(r["rank"], r["storage"]) for r in plain if isinstance(r, dict)
-                          and r.get("rank", rank) != rank and _is_reference(r, record)})
+        wanted += sorted({t.held_in(rank) for t in plain if t.rank not in (None, rank)
+                          and t.storage is not None and any(s.rank == t.rank
+                                                            for s in record.shards)})
         sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
         aligned = alignments(records, rank)
         views = {key: reader.mapped_storage(i, aligned.get(key, 1))
@@ -135,14 +134,16 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
         return root_entry
 
 
-def read_held(tree: Any, records: Any, storages: list[tuple[int, int, tuple[str, ...]]],
+def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, ...]]],
               memory: Optional[memoryview], allow_pickle: bool, where: str) -> Entry:
     """A snapshot the memory tier's keeper held, as ``read_snapshot`` reads a shard: ``storages``
     are (offset, bytes, the xxh3-64 of each ``CHUNK_BYTES`` piece) in ``memory`` (the keeper's
-    memfd, mapped privately, inside which they lie), ``records`` the tensor records over them
-    (storage ``i`` of rank 0), ``tree`` the state tree. Every chunk is checked before anything is
-    built (ChecksumMismatchError, naming the tensors it holds); the tensors view ``memory``, lent
-    (``Entry.borrowed``): the restore copies them once, into place."""
+    memfd, mapped privately, inside which they lie), ``table`` the tensor table over them
+    (storage ``i`` of rank 0; checked as a shard's is), ``tree`` the state tree. Every chunk is
+    checked before anything is built (ChecksumMismatchError, naming the tensors it holds); the
+    tensors view ``memory``, lent (``Entry.borrowed``): the restore copies them once, into
+    place."""
+    records = tensor_table(table, where, [nbytes for _, nbytes, _ in storages])
     held = _held_by(tree, records, 0)
 
     def check(i: int, at: int, end: int, expected: str) -> None:
@@ -159,8 +160,6 @@ def read_held(tree: Any, records: Any, storages: list[tuple[int, int, tuple[str,
     buffers = {(0, i): torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
                if nbytes else torch.empty(0, dtype=torch.uint8)
                for i, (offset, nbytes, _) in enumerate(storages)}
-    if not isinstance(records, list):
-        raise CorruptSnapshotError(f"{where}: the tensor table is not a list")
     tensors = [_tensor_from_record(t, buffers, 0, where, n) for n, t in enumerate(records)]
     root_entry = _rebuild(tree, tensors, [], allow_pickle, where)
     tensors.clear()  # as in read_snapshot: the tensors live as long as the entries, no longer
@@ -169,18 +168,18 @@ def read_held(tree: Any, records: Any, storages: list[tuple[int, int, tuple[str,
     return root_entry
 
 
-def _held_by(tree: Any, records: list, rank: int) -> dict[tuple[int, int], str]:
+def _held_by(tree: Any, records: tuple[StoredTensor, ...],
+             rank: int) -> dict[tuple[int, Optional[int]], str]:
     """For messages: (rank, storage) -> the key paths of the tensors of this shard's state tree
-    that view it (``model["0.weight"]``). Empty where the tree or the records are malformed: the
-    reads that follow say what is wrong with them."""
-    held: dict[tuple[int, int], list[str]] = {}
+    that view it (``model["0.weight"]``). Empty where the tree is malformed: the reads that
+    follow say what is wrong with it."""
+    held: dict[tuple[int, Optional[int]], list[str]] = {}
     try:
         for node in tree_model.walk(tree, ""):
             for path, leaf, tensor in tree_model.leaves(node):
                 if leaf is Leaf.TENSOR:
-                    r = records[tensor]
-                    held.setdefault((r.get("rank", rank), r["storage"]), []).append(path)
-    except (CorruptSnapshotError, KeyError, TypeError, IndexError, AttributeError):
+                    held.setdefault(records[tensor].held_in(rank), []).append(path)
+    except (CorruptSnapshotError, TypeError, IndexError):
         return {}
     return {key: ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             for key, paths in held.items()}
@@ -198,10 +197,9 @@ def _naming(read: Callable[[], None], held: Optional[str]) -> Callable[[], None]
     return named
 
 
-def _storages_viewed(records: list) -> set[int]:
-    """The storage numbers that (not yet validated) tensor records of this shard view."""
-    return {r["storage"] for r in records if isinstance(r, dict) and type(r.get("storage")) is int
-            and "rank" not in r}
+def _storages_viewed(records: list[StoredTensor]) -> set[int]:
+    """The numbers of this shard's storages that ``records`` view."""
+    return {t.storage for t in records if t.storage is not None and t.rank is None}
 
 
 _SCRATCH_ALIGNMENT = 64  # storages decoded into scratch start on cache lines, as allocations do
@@ -280,13 +278,6 @@ def _in_parallel(checks: list[Callable[[], None]]) -> None:
     _verify_threads.map(run, groups)
 
 
-def _is_reference(r: dict, record: SnapshotRecord) -> bool:
-    """Whether a tensor record's reference to another rank's storage is well-formed (a malformed
-    one is reported with the tensor's other problems)."""
-    return (type(r.get("rank")) is int and type(r.get("storage")) is int
-            and any(s.rank == r["rank"] for s in record.shards))
-
-
 def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
                     must_be_replica: bool) -> tuple[ShardReader, int]:
     """The shard and storage number holding storage ``i`` of ``rank``'s shard of ``record``:
@@ -313,24 +304,23 @@ def _check_fits_in_memory(storages, step: int, lent: int = 0) -> None:
                    "machine). The snapshot was not checked for damage, and nothing was loaded")
 
 
-def _tensor_from_record(r: Any, buffers: dict[tuple[int, int], torch.Tensor], rank: int, path: str,
-                        i: int) -> torch.Tensor:
+def _tensor_from_record(t: StoredTensor, buffers: dict[tuple[int, int], torch.Tensor], rank: int,
+                        path: str, i: int) -> torch.Tensor:
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(f"{path}: tensor {i}: {why}")
 
-    dtype, shape, stride = tensor_layout(r, path, i)
+    dtype, shape, stride = torch_dtype(t, path, i), t.shape, t.stride
     if math.prod(shape) == 0:
         try:
             return torch.empty_strided(shape, stride, dtype=dtype)
         except RuntimeError as e:
-            raise bad(f"shape {shape[:8]} and stride {stride[:8]} are not a valid layout") from e
-    offset = r.get("offset")
-    buffer = buffers.get((r.get("rank", rank), r.get("storage")))
-    if buffer is None or not (type(offset) is int and offset >= 0):
+            raise bad(f"shape {list(shape[:8])} and stride {list(stride[:8])} are not a valid "
+                      "layout") from e
+    buffer = buffers.get(t.held_in(rank))
+    if buffer is None:
         raise bad("bad storage reference")
-    itemsize = dtype.itemsize
-    end = offset + span_bytes(shape, stride, itemsize)
-    if offset % itemsize or end > buffer.numel():
+    offset, end, itemsize = t.offset, t.end, t.itemsize
+    if end > buffer.numel():  # another rank's storage is checked here, this shard's already
         raise bad("view lies outside its storage")
     if (buffer.data_ptr() + offset) % itemsize:  # never reached by read_snapshot's buffers
         # (mapped ones start aligned for every dtype viewing them), kept so that no path hands

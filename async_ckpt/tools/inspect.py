@@ -7,10 +7,9 @@ values are summarised)."""
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, checkpoint_dir,
@@ -54,8 +53,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                      shard.index_xxh3) as reader:
         reader.check_step(record.step)
-    index, storages = reader.index, reader.storages  # parsed and checked: no more reads
-    _check_tensor_table(index, len(storages), path)
+    storages = reader.storages  # parsed and checked (the tensor table too, as the walk asks for
+    # it): no more reads
     walk = _TreeWalk(reader, path)
     walk.run()
     newest = " (newest)" if record is manifest.snapshots[-1] else ""
@@ -79,28 +78,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {key:<{width}}  {dtype:<10} {shape:<16} {nbytes:>9}  {codec}")
     print("\ntotals per entry (bytes: tensor sizes; stored: their storages in the file)")
     print(f"  {'entry':<24} {'kind':<7} {'tensors':>7}  {'bytes':>9}  {'stored':>9}  {'values':>6}")
-    all_totals = collections.Counter()
-    for name, t in walk.totals.items():
-        print(f"  {name:<24} {t['kind']:<7} {t['tensors']:>7}  {size_text(t['bytes']):>9}  "
-              f"{size_text(t['stored']):>9}  {t['values']:>6}")
-        all_totals.update({k: v for k, v in t.items() if k != "kind"})
-    print(f"  {'all':<24} {'':<7} {all_totals['tensors']:>7}  {size_text(all_totals['bytes']):>9}  "
-          f"{size_text(all_totals['stored']):>9}  {all_totals['values']:>6}")
+    for name, t in [*walk.totals.items(), ("all", _Totals.sum(list(walk.totals.values())))]:
+        print(f"  {name:<24} {t.kind:<7} {t.tensors:>7}  {size_text(t.bytes):>9}  "
+              f"{size_text(t.stored):>9}  {t.values:>6}")
     return EXIT_OK
 
 
-def _check_tensor_table(index: dict, storages: int, path: str) -> None:
-    """Every tensor record is well-formed (as restore checks it), so the display can trust it."""
-    from ..read.records import tensor_layout
+@dataclass
+class _Totals:
+    """What a top-level entry (of ``kind``) holds: tensors, their bytes, the bytes their storages
+    take in the file, other values."""
+    kind: str
+    tensors: int = 0
+    bytes: int = 0
+    stored: int = 0
+    values: int = 0
 
-    tensors = index.get("tensors")
-    if not isinstance(tensors, list):
-        raise CorruptSnapshotError(f"{path}: the index has no tensor table")
-    for i, t in enumerate(tensors):
-        tensor_layout(t, path, i)
-        if t.get("rank") is None and t.get("storage") is not None and not 0 <= t["storage"] < storages:
-            raise CorruptSnapshotError(f"{path}: tensor {i} refers to storage {t['storage']}, which "
-                                       "does not exist")
+    @classmethod
+    def sum(cls, totals: list["_Totals"]) -> "_Totals":
+        """Every entry's together."""
+        return cls("", sum(t.tensors for t in totals), sum(t.bytes for t in totals),
+                   sum(t.stored for t in totals), sum(t.values for t in totals))
 
 
 class _TreeWalk:
@@ -110,10 +108,10 @@ class _TreeWalk:
     def __init__(self, shard: ShardReader, path: str):
         self.path = path
         self.tree = shard.index.get("tree")
-        self.tensors = shard.index.get("tensors")
+        self.tensors = shard.tensors
         self.dtensors, self.storages = shard.dtensors, shard.storages
         self.lines: list[tuple] = []
-        self.totals: dict[str, dict] = {}
+        self.totals: dict[str, _Totals] = {}
         self._storage_owner: dict[int, str] = {}
         self._top = ""
 
@@ -122,8 +120,7 @@ class _TreeWalk:
             for node in tree_model.walk(self.tree, "the state tree"):
                 if len(node.keys) == 1:
                     self._top = node.top
-                    self.totals[node.top] = {"kind": node.kind, "tensors": 0, "bytes": 0,
-                                             "stored": 0, "values": 0}
+                    self.totals[node.top] = _Totals(node.kind)
                     self.lines.append(("head", node.top, node.kind))
                 if node.kind != NodeKind.DICT:  # a module's metadata (versions) is not shown
                     self._value(node.state, functools.reduce(_child_path, node.keys[1:], node.top))
@@ -153,7 +150,7 @@ class _TreeWalk:
             self._leaf(path, _render(v) or _summary(v))
 
     def _leaf(self, path: str, text: str) -> None:
-        self.totals[self._top]["values"] += 1
+        self.totals[self._top].values += 1
         self.lines.append(("row", path, text))
 
     def _dtensor(self, k: int, path: str) -> None:
@@ -163,27 +160,25 @@ class _TreeWalk:
         d = self.dtensors[k]
         if d.tensor is not None:
             return self._tensor(d.tensor, path, d)
-        self._top_totals()["tensors"] += 1
+        self._top_totals().tensors += 1
         self.lines.append(("row", path, d.dtype, _shape_text(d.global_shape), "-",
                            "sharded; this rank's piece is stored by another rank"))
 
-    def _top_totals(self) -> dict:
+    def _top_totals(self) -> "_Totals":
         return self.totals[self._top]
 
     def _tensor(self, i: int, path: str, sharded: Optional[DTensorPiece] = None) -> None:
         if type(i) is not int or not 0 <= i < len(self.tensors):
             raise IndexError(f"tensor {i!r} is not in the tensor table")
         t = self.tensors[i]
-        dtype, shape, storage = t["dtype"], t["shape"], t["storage"]
-        itemsize = _itemsize(dtype)
-        nbytes = None if itemsize is None else math.prod(shape) * itemsize
+        shape, storage = t.shape, t.storage
         total = self._top_totals()
-        total["tensors"] += 1
-        total["bytes"] += nbytes or 0
+        total.tensors += 1
+        total.bytes += t.nbytes
         if storage is None:
             codec = "-"
-        elif t.get("rank") is not None:  # replicated: stored once, in the owner rank's shard
-            codec = f"in rank {t['rank']}'s shard"
+        elif t.rank is not None:  # replicated: stored once, in the owner rank's shard
+            codec = f"in rank {t.rank}'s shard"
         elif self.storages[storage].ref is not None:  # incremental: in an earlier snapshot
             codec = f"in {self.storages[storage].ref.dir}"
         else:
@@ -192,7 +187,7 @@ class _TreeWalk:
             owner = self._storage_owner.get(storage)
             if owner is None:
                 self._storage_owner[storage] = path
-                total["stored"] += self.storages[storage].stored_bytes
+                total.stored += self.storages[storage].stored_bytes
             else:
                 codec += f"  (shares storage with {owner})"
         if sharded is None:
@@ -201,7 +196,7 @@ class _TreeWalk:
             shape_text = _shape_text(sharded.global_shape)
             codec += "  (sharded; piece [" + ", ".join(
                 f"{o}:{o + n}" for o, n in zip(sharded.offset, shape)) + "])"
-        self.lines.append(("row", path, dtype, shape_text, size_text(nbytes), codec))
+        self.lines.append(("row", path, t.dtype, shape_text, size_text(t.nbytes), codec))
 
 MAX_SHOWN_PATH = 240
 """Characters of a key path shown: a deep tree of long keys would otherwise build a path of
@@ -307,17 +302,11 @@ def _summary(v: Any) -> str:
     if kind == Kind.STR:
         return f"str (not valid UTF-8, {values.payload_nbytes(v)} bytes)"
     if kind == Kind.NDARRAY:
-        return f"ndarray {p.get('dtype')} {p.get('shape')}"
+        return "ndarray {} {}".format(*values.numpy_spec(v))
     if kind == Kind.NPSCALAR:
-        return f"numpy scalar {p.get('dtype')}"
+        return f"numpy scalar {values.numpy_spec(v)[0]}"
     if kind == Kind.PICKLE:
         return f"pickled object ({size_text(values.payload_nbytes(v))}, not decoded)"
     if kind == Kind.INT:
         return f"int ({len(p)} hex digits)"
     return f"{kind} node"
-
-
-def _itemsize(dtype: str) -> Optional[int]:
-    import torch
-    value = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-    return value.itemsize if isinstance(value, torch.dtype) else None

@@ -17,8 +17,9 @@ import torch
 from ..format import tree as tree_model, values
 from ..format.tree import Leaf, leaf_node, tensor_leaf
 from ..errors import EncodingError, LayoutError
-from ..format.layout import ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment
-from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor, span_bytes
+from ..format.layout import (ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment,
+                             span_bytes)
+from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor
 
 _SAVEABLE_DTYPES = frozenset(DTYPES.values())
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
