@@ -25,23 +25,40 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 
 
+def _put_back(environment: dict) -> list:
+    """Make os.environ ``environment`` again; the names that had changed."""
+    changed = sorted(k for k in set(environment) | set(os.environ)
+                     if environment.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")
+    os.environ.clear()
+    os.environ.update(environment)
+    return changed
+
+
+@pytest.fixture
+def restored_environment():
+    """For a test whose code under test writes os.environ by design (Lightning's fit: MASTER_PORT,
+    LOCAL_RANK, NODE_RANK, its seed; ``deterministic()``: OMP_NUM_THREADS): put back after it."""
+    before = dict(os.environ)
+    yield
+    _put_back(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def the_worker_left_as_found(request):
     """Each test file leaves its worker process as it found it: the same environment, and no
     process group. A file that changed them (frameworks write RANK, WORLD_SIZE, LOCAL_RANK or
     MASTER_PORT into os.environ when they set up ranks; Lightning keeps its one-rank group after
     a fit) would change what a later file in the same xdist worker sees: its subprocesses
-    inherit the environment and take themselves for ranks of a distributed job. Put back, and
-    reported as a warning naming the file, so that the leak is fixed where it happens."""
+    inherit the environment and take themselves for ranks of a distributed job (Lightning's
+    ModelParallelStrategy leaves LOCAL_RANK=0: a later Accelerator wrapped its model in DDP). Put
+    back, and reported as a warning naming the file, so that the leak is fixed where it happens
+    (``restored_environment``)."""
     before = dict(os.environ)
     yield
-    changed = sorted(k for k in set(before) | set(os.environ)
-                     if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")
     group = torch.distributed.is_available() and torch.distributed.is_initialized()
     if group:
         torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(before)
+    changed = _put_back(before)
     if changed or group:
         import warnings
         warnings.warn(f"{request.module.__name__} left {'a process group and ' if group else ''}"

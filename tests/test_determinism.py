@@ -9,12 +9,13 @@ from async_ckpt.errors import InvalidArgumentError
 
 
 @pytest.fixture
-def torch_settings(monkeypatch):
-    """The process-wide settings deterministic() changes, put back after the test."""
+def torch_settings(monkeypatch, restored_environment):
+    """The process-wide settings deterministic() changes, put back after the test (the
+    environment by ``restored_environment``: monkeypatch puts back only what it changed)."""
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # monkeypatch restores the environment
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     yield monkeypatch
     torch.set_num_threads(saved[0])
@@ -60,6 +61,7 @@ def test_a_thread_count_that_is_not_a_whole_number_is_refused(threads):
 
 _CUDA_RUN = """
 import os, torch, async_ckpt
+
 assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
 done = async_ckpt.deterministic()
 assert done["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8 (read when cuBLAS starts)", done

@@ -49,6 +49,8 @@ from async_ckpt.integrations.lightning import AsyncCkptIO, read_pointer  # noqa:
 from conftest import assert_same  # noqa: E402
 from test_resume import read_log, run_killed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("restored_environment")  # Lightning's fit writes os.environ
+
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_fit.py")
 STEPS, EVERY = 30, 4  # as programs/lightning_fit.py trains, 12 batches per epoch
 KILLED = 20  # the global step in whose saves the run of the first test is killed: mid-epoch 1

@@ -42,6 +42,8 @@ from test_distributed import kill_everything, torchrun  # noqa: E402
 from test_integration_lightning import damage  # noqa: E402
 from test_sharded import wait_torchrun  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("restored_environment")  # Lightning's fit writes os.environ
+
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "lightning_sharded.py")
 
 
