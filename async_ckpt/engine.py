@@ -54,7 +54,7 @@ from .read.tiered import TieredStorage
 from .train.capture import check_registrable
 from .train.heartbeat import Heartbeat
 from .train.incremental import ChangeTracker
-from .train.memory_tier import MemoryTier, open_memory_tier, refuse_sharded
+from .train.memory_tier import HeldMemory, MemoryTier, open_memory_tier, refuse_sharded
 from .train.pipeline import SnapshotPipeline, Staged
 from .train.session import Session, start_session
 from .train.staging import Slot, StagingPool
@@ -401,7 +401,8 @@ class CheckpointEngine:
         common). Every rank learns what every other found (from the training thread), so all
         read the same tier, and an error on one rank (a state that does not fit) is raised on
         all."""
-        everyone = self._coordinator.gather(self._held_steps())
+        steps, newest = self._held_steps()
+        everyone = self._coordinator.gather(steps)
         common = set(everyone[0]).intersection(*everyone[1:])
         if not common:
             if any(everyone):
@@ -411,9 +412,10 @@ class CheckpointEngine:
         step = max(common)
         held = problem = None
         try:
-            held = self._verified_held(step)
+            held = self._verified_held(step, newest)
         except errors.CheckpointError as e:
             problem = e
+        del newest  # its mapping lives as long as the tensors viewing it, no longer
         answers = self._coordinator.gather(
             (False, type(problem).__name__, str(problem)) if problem is not None
             else (held is not None, None, None))
@@ -433,31 +435,34 @@ class CheckpointEngine:
             return None
         return step, self.world_size, held
 
-    def _held_steps(self) -> list[int]:
-        """The steps this rank's keeper holds that are newer than the newest committed one."""
+    def _held_steps(self) -> tuple[list[int], Optional[HeldMemory]]:
+        """The steps this rank's keeper holds that are newer than the newest committed one, and
+        its newest snapshot (what a single rank restores: asked for once)."""
         memory = self._memory
         if not memory.active:
             self._fall_back(f"the memory tier's keeper is gone ({memory.lost})", 5, log_it=False)
-            return []
+            return [], None
         received = memory.query()
         if received is None:
             if memory.lost_before:
                 memory.lost_before = False  # said once
                 self._fall_back("the memory tier's keeper of the previous run is gone (killed, "
                                 "out of memory, or past memory_idle_timeout)", 5)
-            return []
+            return [], None
         manifest = read_manifest(self._committed_source())
-        newest = manifest.snapshots[-1].step if manifest.snapshots else -1
-        steps = [s for s in received.held.steps if s > newest]
+        committed = manifest.snapshots[-1].step if manifest.snapshots else -1
+        steps = [s for s in received.held.steps if s > committed]
         if not steps:
             log.info("the memory tier holds steps %s, none newer than committed step %d: "
-                     "restoring from disk", list(received.held.steps), newest)
-        return steps
+                     "restoring from disk", list(received.held.steps), committed)
+        return steps, received
 
-    def _verified_held(self, step: int) -> Optional[Entry]:
-        """This rank's keeper's snapshot of ``step``, verified; None when it is damaged or
-        gone (said with a warning)."""
-        received = self._memory.query(step)
+    def _verified_held(self, step: int, newest: Optional[HeldMemory]) -> Optional[Entry]:
+        """This rank's keeper's snapshot of ``step`` (``newest``, where that is the step, else
+        asked for), verified; None when it is damaged or gone (said with a warning)."""
+        received = newest if newest is not None and newest.held.step == step \
+            else self._memory.query(step)
+        del newest
         if received is None:
             self._fall_back(f"the memory tier's keeper no longer holds step {step}", 5)
             return None

@@ -96,9 +96,9 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
                  for key, (reader, i) in sources.items()
                  if how.mapped and reader.storages[i].nbytes}
         views = {key: view for key, view in views.items() if view is not None}
-        held = _held_by(index.get("tree"), records, rank)
+        held = _HeldBy(index.get("tree"), records, rank)
         if how.verify:
-            _in_parallel([_naming(check, held.get(key)) for key in views for check in
+            _in_parallel([_naming(check, held, key) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
         _check_fits_in_memory([reader.storages[i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
@@ -116,7 +116,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
             else:
                 buffers[key] = allocating(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes,
                                           f"step {record.step}'s storages")
-            reads += [_naming(read, held.get(key))
+            reads += [_naming(read, held, key)
                       for read in reader.storage_reads(i, buffers[key].numpy())]
         _in_parallel(reads)
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
@@ -144,7 +144,7 @@ def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, .
     tensors view ``memory``, lent (``Entry.borrowed``): the restore copies them once, into
     place."""
     records = tensor_table(table, where, [nbytes for _, nbytes, _ in storages])
-    held = _held_by(tree, records, 0)
+    held = _HeldBy(tree, records, 0)
 
     def check(i: int, at: int, end: int, expected: str) -> None:
         if checksum(memory[at:end]) != expected:
@@ -154,7 +154,7 @@ def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, .
                                         "keeper sealed it)")
 
     _in_parallel([_naming(functools.partial(check, i, at, min(at + CHUNK_BYTES, offset + nbytes),
-                                            expected), held.get((0, i)))
+                                            expected), held, (0, i))
                   for i, (offset, nbytes, checksums) in enumerate(storages)
                   for at, expected in zip(range(offset, offset + nbytes, CHUNK_BYTES), checksums)])
     buffers = {(0, i): torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
@@ -168,32 +168,48 @@ def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, .
     return root_entry
 
 
-def _held_by(tree: Any, records: tuple[StoredTensor, ...],
-             rank: int) -> dict[tuple[int, Optional[int]], str]:
-    """For messages: (rank, storage) -> the key paths of the tensors of this shard's state tree
-    that view it (``model["0.weight"]``). Empty where the tree is malformed: the reads that
-    follow say what is wrong with it."""
-    held: dict[tuple[int, Optional[int]], list[str]] = {}
-    try:
-        for node in tree_model.walk(tree, ""):
-            for path, leaf, tensor in tree_model.leaves(node):
-                if leaf is Leaf.TENSOR:
-                    held.setdefault(records[tensor].held_in(rank), []).append(path)
-    except (CorruptSnapshotError, TypeError, IndexError):
-        return {}
-    return {key: ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-            for key, paths in held.items()}
+class _HeldBy:
+    """For messages: (rank, storage) -> the key paths of the tensors of a shard's state tree that
+    view it (``model["0.weight"]``). Walked only once a check or read fails: on every good read
+    it would cost as much as a tenth of the read itself."""
+
+    def __init__(self, tree: Any, records: tuple[StoredTensor, ...], rank: int):
+        self._tree, self._records, self._rank = tree, records, rank
+        self._names: Optional[dict[tuple[int, Optional[int]], str]] = None
+
+    def get(self, key: tuple[int, Optional[int]]) -> Optional[str]:
+        if self._names is None:
+            self._names = self._walk()
+        return self._names.get(key)
+
+    def _walk(self) -> dict[tuple[int, Optional[int]], str]:
+        """Empty where the tree is malformed: the reads that follow say what is wrong with it."""
+        held: dict[tuple[int, Optional[int]], list[str]] = {}
+        try:
+            for node in tree_model.walk(self._tree, ""):
+                for path, leaf, tensor in tree_model.leaves(node):
+                    if leaf is Leaf.TENSOR:
+                        held.setdefault(self._records[tensor].held_in(self._rank),
+                                        []).append(path)
+        except (CorruptSnapshotError, TypeError, IndexError):
+            return {}
+        return {key: ", ".join(paths[:3]) + (f" and {len(paths) - 3} more"
+                                             if len(paths) > 3 else "")
+                for key, paths in held.items()}
 
 
-def _naming(read: Callable[[], None], held: Optional[str]) -> Callable[[], None]:
-    """``read`` (a storage's read or check), whose damage also names the tensors it holds."""
+def _naming(read: Callable[[], None], held: _HeldBy,
+            key: tuple[int, Optional[int]]) -> Callable[[], None]:
+    """``read`` (a storage's read or check), whose damage also names the tensors that view the
+    storage ``key``."""
     def named() -> None:
         try:
             read()
         except CorruptSnapshotError as e:
-            if held is None:
+            names = held.get(key)
+            if names is None:
                 raise
-            raise type(e)(f"{e} (it holds {held})") from e
+            raise type(e)(f"{e} (it holds {names})") from e
     return named
 
 
