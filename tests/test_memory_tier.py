@@ -421,6 +421,40 @@ def test_a_keeper_told_to_keep_two_holds_the_two_newest_and_serves_either(keeper
         os.close(fd)
 
 
+def test_a_slot_handed_over_again_is_sealed_from_what_it_holds_now(keeper):
+    """The keeper keeps a slot's mapping between seals while its trainer is attached: a slot
+    rewritten in place, or another memory under the same buffer number, is checksummed as it
+    is now, and the mappings go with the trainer."""
+    sock, _ = attach(keeper, keep=1)
+    first, second = os.urandom(100), os.urandom(100)
+    slot, other = memory(first), memory(second)
+
+    def sealed_checksum(fd, step):
+        hold(sock, fd, step=step, buffer=0)
+        keeper.poll(0)
+        assert receive(sock)[0]["type"] == "sealed"
+        send(sock, {"type": "query"})
+        keeper.poll(0)
+        answer, held = receive(sock)
+        os.close(held)
+        return answer["storages"][0]["xxh3"]
+
+    assert sealed_checksum(slot, 1) == [checksum(first)]
+    (trainer,) = keeper.trainers.values()
+    mapping = trainer.mapped[0][1]
+    os.pwrite(slot, second, 0)  # the trainer stages the next step into the same slot
+    assert sealed_checksum(slot, 2) == [checksum(second)]
+    assert trainer.mapped[0][1] is mapping, "the slot was mapped again"
+    os.pwrite(other, first, 0)
+    assert sealed_checksum(other, 3) == [checksum(first)], "another memory, the same buffer"
+    assert mapping.closed and not trainer.mapped[0][1].closed
+    sock.close()
+    keeper.poll(0)
+    assert not trainer.mapped and keeper.held_bytes() == 100  # the sealed one is still held
+    for fd in (slot, other):
+        os.close(fd)
+
+
 def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):
     good, _ = attach(keeper)
     for frame, fd in [(b"XXXX" + (8).to_bytes(4, "little") + b"{}      ", None),  # bad magic
