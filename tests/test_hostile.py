@@ -24,6 +24,7 @@ import torch
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import cli
+from async_ckpt.tools.common import EXIT_DAMAGE
 from async_ckpt.errors import (CheckpointError, CorruptSnapshotError, InsufficientMemoryError,
                                LayoutError, ManifestError, NoSnapshotError, SnapshotWriteError,
                                StateMismatchError)
@@ -271,6 +272,11 @@ INDEX_EDITS = {
 }
 
 
+STRUCTURE_EDITS = ("dtype-is-a-list", "zero-stride-2**80-elements", "storage-is-a-list",
+                   "negative-tensor-reference", "root-is-a-list", "root-is-a-value")
+"""Damage to the tensor table or the state tree's structure, which verify finds too."""
+
+
 def _deep_tree(depth):
     node = {"kind": "value", "state": 0}
     for _ in range(depth):
@@ -289,7 +295,9 @@ def test_index_damage_is_typed_and_falls_back_to_the_previous_snapshot(pristine,
     step, _ = restore_quietly(root, caplog)
     assert step == 1
     for command in ("verify", "inspect", "ls"):
-        run_cli(capsys, command, root)
+        code, out, _ = run_cli(capsys, command, root)
+        if command == "verify" and case in STRUCTURE_EDITS:  # every chunk verifies: the
+            assert code == EXIT_DAMAGE and "step 2" in out, out  # table or tree does not
     assert_outside_intact(root)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import xxhash
 import zstandard
 
-from . import filters, values
+from . import filters, tree, values
 from .layout import DIRECT_BYTES, span_bytes
 from .records import (ITEMSIZES, Chunk, DTensorPiece, Replica, StorageEntry, StoredTensor,
                       raw_bytes)
@@ -743,6 +743,23 @@ class ShardReader:
         format/references.py)."""
         return ([p for i in range(len(self.storages)) for p in self.verify_storage(i)]
                 + self._padding_problems())
+
+    def structure_problems(self) -> list[str]:
+        """The tensor table, and the state tree's nodes and tensor numbers, of a snapshot's
+        shard, checked as a restore checks them before it reads a byte: a shard whose chunks all
+        verify can still be one that no restore can read. One line per problem found (at most
+        one)."""
+        try:
+            count = len(self.tensors)
+            for node in tree.walk(self.index.get("tree"), self.path):
+                for path, leaf, number in tree.leaves(node):
+                    if leaf is tree.Leaf.TENSOR and not is_int(number, 0, count - 1):
+                        raise CorruptSnapshotError(
+                            f"{self.path}: {path} names tensor {short_repr(number)}, which "
+                            f"its table of {count} does not hold")
+        except CorruptSnapshotError as e:
+            return [str(e)]
+        return []
 
     def _padding_problems(self) -> list[str]:
         """One line per storage whose alignment padding (version 5) is not zero bytes: no
