@@ -66,3 +66,13 @@ def test_walk_refuses_a_tree_nested_deeper_than_the_reader_allows():
     assert len(list(tree_model.walk(deep, "here"))) == tree_model.MAX_TREE_DEPTH
     with pytest.raises(CorruptSnapshotError, match="malformed state tree"):
         list(tree_model.walk({"kind": "dict", "entries": {"k": deep}}, "here"))
+
+
+@pytest.mark.parametrize("payload", [-1, 3, True, 1.0, "0", None, [0]])
+def test_a_leaf_naming_no_entry_of_its_table_is_refused(payload):
+    """Every reader indexes the tensor tables through table_entry: a crafted number (negative,
+    past the end, or not an int at all: Python indexes with -1 and True) is damage, not an
+    IndexError or someone else's tensor."""
+    with pytest.raises(CorruptSnapshotError, match=r"here: \$tensor .* not in its table of 3"):
+        tree_model.table_entry(Leaf.TENSOR, payload, 3, "here")
+    assert tree_model.table_entry(Leaf.DTENSOR, 2, 3, "here") == 2

@@ -215,7 +215,7 @@ def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: s
 
     def leaf(kind: Leaf, v: Any) -> Any:
         if kind is Leaf.TENSOR:
-            return tensors[v]
+            return tensors[tree_model.table_entry(kind, v, len(tensors), where)]
         if kind is Leaf.DTYPE:
             return _Global("torch", v)
         if kind is Leaf.SIZE:

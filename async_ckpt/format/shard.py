@@ -749,14 +749,12 @@ class ShardReader:
         shard, checked as a restore checks them before it reads a byte: a shard whose chunks all
         verify can still be one that no restore can read. One line per problem found (at most
         one)."""
+        tables = {tree.Leaf.TENSOR: len(self.tensors), tree.Leaf.DTENSOR: len(self.dtensors)}
         try:
-            count = len(self.tensors)
             for node in tree.walk(self.index.get("tree"), self.path):
                 for path, leaf, number in tree.leaves(node):
-                    if leaf is tree.Leaf.TENSOR and not is_int(number, 0, count - 1):
-                        raise CorruptSnapshotError(
-                            f"{self.path}: {path} names tensor {short_repr(number)}, which "
-                            f"its table of {count} does not hold")
+                    if leaf in tables:
+                        tree.table_entry(leaf, number, tables[leaf], f"{self.path}: {path}")
         except CorruptSnapshotError as e:
             return [str(e)]
         return []

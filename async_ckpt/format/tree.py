@@ -72,6 +72,18 @@ def leaf_of(node: Any) -> Optional[tuple[Leaf, Any]]:
     return None if leaf is None else (leaf, payload)
 
 
+def table_entry(leaf: Leaf, payload: Any, count: int, where: str) -> int:
+    """The number a ``$tensor`` or ``$dtensor`` leaf names, checked against its table of
+    ``count`` entries (the index's ``tensors`` or ``dtensors``): the one rule every reader of a
+    crafted tree goes through before it indexes a list. Raises CorruptSnapshotError naming
+    ``where``."""
+    if type(payload) is not int or not 0 <= payload < count:
+        shown = repr(payload)
+        raise CorruptSnapshotError(
+            f"{where}: {leaf.value} {shown[:40]} is not in its table of {count}")
+    return payload
+
+
 # ------------------------------------------------------------------------------- building a tree
 
 

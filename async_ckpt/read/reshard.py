@@ -395,8 +395,8 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
         if leaf is Leaf.TENSOR:
             return [leaf.name, _tensor_digest(payload)]
         if leaf is Leaf.DTENSOR:
-            d = dtensors[payload] if type(payload) is int and 0 <= payload < len(dtensors) else None
-            return [leaf.name, None if d is None else [d.key, d.dtype, list(d.global_shape)]]
+            d = dtensors[tree_model.table_entry(leaf, payload, len(dtensors), reader.path)]
+            return [leaf.name, [d.key, d.dtype, list(d.global_shape)]]
         if isinstance(v, dict):
             return {k: canonical(x) for k, x in v.items()}
         if isinstance(v, list):
@@ -404,9 +404,7 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
         return v
 
     def _tensor_digest(i: Any) -> Any:
-        if not (type(i) is int and 0 <= i < len(tensors)):
-            return None
-        t = tensors[i]
+        t = tensors[tree_model.table_entry(Leaf.TENSOR, i, len(tensors), reader.path)]
         holder, n = storages, t.storage
         if t.rank is not None:  # a replica stored in its owner's shard
             if any(s.rank == t.rank for s in record.shards):

@@ -189,7 +189,8 @@ class _HeldBy:
             for node in tree_model.walk(self._tree, ""):
                 for path, leaf, tensor in tree_model.leaves(node):
                     if leaf is Leaf.TENSOR:
-                        held.setdefault(self._records[tensor].held_in(self._rank),
+                        number = tree_model.table_entry(leaf, tensor, len(self._records), "")
+                        held.setdefault(self._records[number].held_in(self._rank),
                                         []).append(path)
         except (CorruptSnapshotError, TypeError, IndexError):
             return {}
@@ -386,13 +387,13 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[D
     def leaf(kind: Leaf, v: Any):
         try:
             if kind is Leaf.TENSOR:
-                if type(v) is not int or v < 0 or tensors[v] is None:
+                tensor = tensors[tree_model.table_entry(kind, v, len(tensors), path)]
+                if tensor is None:  # a sharded tensor's piece, only ever named by its $dtensor
                     raise IndexError(v)
-                return tensors[v]
+                return tensor
             if kind is Leaf.DTENSOR:
-                if type(v) is not int or v < 0:
-                    raise IndexError(v)
-                return sharded_ref(dtensors[v], path)
+                return sharded_ref(dtensors[tree_model.table_entry(kind, v, len(dtensors), path)],
+                                   path)
             value = _TORCH_LEAVES[kind](v)
             if value is None:
                 raise KeyError(v)

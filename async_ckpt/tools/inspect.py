@@ -155,9 +155,7 @@ class _TreeWalk:
 
     def _dtensor(self, k: int, path: str) -> None:
         """A sharded tensor (FORMAT.md 3.7): its global shape, and this rank's piece."""
-        if type(k) is not int or not 0 <= k < len(self.dtensors):
-            raise IndexError(f"sharded tensor {k!r} is not in the sharded-tensor table")
-        d = self.dtensors[k]
+        d = self.dtensors[tree_model.table_entry(Leaf.DTENSOR, k, len(self.dtensors), path)]
         if d.tensor is not None:
             return self._tensor(d.tensor, path, d)
         self._top_totals().tensors += 1
@@ -168,9 +166,7 @@ class _TreeWalk:
         return self.totals[self._top]
 
     def _tensor(self, i: int, path: str, sharded: Optional[DTensorPiece] = None) -> None:
-        if type(i) is not int or not 0 <= i < len(self.tensors):
-            raise IndexError(f"tensor {i!r} is not in the tensor table")
-        t = self.tensors[i]
+        t = self.tensors[tree_model.table_entry(Leaf.TENSOR, i, len(self.tensors), path)]
         shape, storage = t.shape, t.storage
         total = self._top_totals()
         total.tensors += 1
