@@ -459,7 +459,8 @@ def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):
     good, _ = attach(keeper)
     for frame, fd in [(b"XXXX" + (8).to_bytes(4, "little") + b"{}      ", None),  # bad magic
                       (MAGIC + (1 << 30).to_bytes(4, "little"), None),  # too large to read
-                      (None, _pipe())]:  # a hold whose memory is a pipe
+                      (None, _pipe()),  # a hold whose memory is a pipe
+                      (None, _unsealed(100))]:  # or memory its sender could cut short
         bad, theirs = socket.socketpair()
         keeper.add(theirs)
         if frame is not None:
@@ -494,6 +495,12 @@ def _pipe():
     return read
 
 
+def _unsealed(size):
+    fd = os.memfd_create("test")
+    os.ftruncate(fd, size)
+    return fd
+
+
 def test_a_held_answer_is_untrusted(monkeypatch):
     message = held_message(3, {"kind": "dict", "entries": {}}, [],
                            [HeldStorage(0, 100, ("0" * 16,))], [2, 3])
@@ -505,11 +512,12 @@ def test_a_held_answer_is_untrusted(monkeypatch):
         parse_held(message, 99, 64)  # a storage past the memory's end
     with pytest.raises(MemoryTierError, match="outside"):
         parse_held({**message, "storages": [{"offset": 0, "nbytes": 100, "xxh3": []}]}, 100, 64)
-    unsealed = os.memfd_create("test")
-    os.ftruncate(unsealed, 100)
-    with pytest.raises(MemoryTierError, match="sealed"):
-        _mapped(message, unsealed)  # could be cut short under the mapping: SIGBUS
     a, b = socket.socketpair()
+    unsealed = _unsealed(100)
+    send(a, message, unsealed)  # memory that could be cut short under the mapping: SIGBUS
+    os.close(unsealed)
+    with pytest.raises(MemoryTierError, match="sealed"):
+        receive(b)
     monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)
     with pytest.raises(MemoryTierError, match="belongs to user"):
         check_same_user(a, "the keeper")

@@ -9,7 +9,6 @@ short under a mapping would kill this process with SIGBUS).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
@@ -254,17 +253,10 @@ def _event(message: dict, fd: Optional[int]) -> KeeperEvent:
 
 
 def _mapped(message: dict, fd: int) -> HeldMemory:
-    """The held snapshot in ``message`` over memfd ``fd`` (closed here), checked and mapped."""
+    """The held snapshot in ``message`` over memfd ``fd`` (closed here; ``receive`` checked it
+    is sealed memory), checked and mapped."""
     try:
         st = os.fstat(fd)
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
-            raise MemoryTierError("the keeper's memory is not a memfd sealed against shrinking; "
-                                  "it is not mapped (a file cut short under a mapping would "
-                                  "crash this process)")
         held = parse_held(message, st.st_size, ALIGNMENT)
         memory = (mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE) if st.st_size else None)

@@ -19,6 +19,7 @@ messages:
 from __future__ import annotations
 
 import array
+import fcntl
 import json
 import os
 import socket
@@ -168,10 +169,18 @@ def _close_all(fds: list[int]) -> None:
 
 
 def _memory_size(fd: int) -> int:
-    """The size of a frame's descriptor, which must be memory (a memfd is a regular file)."""
+    """The size of a frame's descriptor, which must be a memfd sealed against shrinking (a staging
+    slot is): each side maps the other's memory, and a file cut short under a mapping would
+    crash the process that reads it (SIGBUS), so no other descriptor is taken."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise MemoryTierError("a frame carried a descriptor that is not a memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a file that takes seals
+        seals = 0
+    if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
+        raise MemoryTierError("a frame carried a descriptor that is not memory sealed against "
+                              "shrinking; it is not mapped (a file cut short under a mapping "
+                              "would crash the process reading it)")
     return st.st_size
 
 
