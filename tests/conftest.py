@@ -25,10 +25,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 
 
+_NOT_LEAKS = {"PYTEST_CURRENT_TEST",  # pytest's own
+              "TORCHINDUCTOR_CACHE_DIR"}  # torch memoizes its cache directory the first time
+"""Names that a test's process sets whatever the test does: never reported as a leak."""
+
+
 def _put_back(environment: dict) -> list:
     """Make os.environ ``environment`` again; the names that had changed."""
     changed = sorted(k for k in set(environment) | set(os.environ)
-                     if environment.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")
+                     if environment.get(k) != os.environ.get(k) and k not in _NOT_LEAKS)
     os.environ.clear()
     os.environ.update(environment)
     return changed
