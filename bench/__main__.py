@@ -195,6 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started, start = time.time(), time.perf_counter()
     machine_info, load_start = machine(), load_now()
     os.makedirs(args.out, exist_ok=True)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "/tmp")
     try:
         raw = measure_parts(args, root, start)
