@@ -138,6 +138,9 @@ def test_dcp_checkpoints_move_both_ways_and_restore_on_another_world_size(saved,
     for layout in LAYOUTS:
         here = tmp_path / f"{layout}-interop"
         here.mkdir()
+        # verify and inspect walk the DTensor leaves as restore does (format/tree.table_entry)
+        assert cli(["verify", os.path.join(saved, layout, "ckpt")]) == 0
+        assert cli(["inspect", os.path.join(saved, layout, "ckpt")]) == 0
         assert cli(["export", os.path.join(saved, layout, "ckpt"), "--to-dcp",
                     str(here / "dcp")]) == 0
         assert cli(["import-dcp", os.path.join(saved, layout, "dcp"), str(here / "ckpt"),
@@ -185,6 +188,9 @@ HOSTILE_PIECES = {  # (edit, error, rank whose shard of the fsdp snapshot to edi
     "a tensor reference to a piece": (
         lambda i: i["tree"]["entries"]["app"]["state"]["model"].update(
             {"0.weight": {"$tensor": i["dtensors"][0]["tensor"]}}), "bad \\$tensor", 0),
+    "a sharded tensor outside its table": (
+        lambda i: i["tree"]["entries"]["app"]["state"]["model"].update(
+            {"0.weight": {"$dtensor": len(i["dtensors"])}}), "not in its table", 0),
 }
 
 
@@ -201,6 +207,7 @@ def test_a_crafted_piece_table_is_damage(saved, tmp_path, edit):
     with pytest.raises(CorruptSnapshotError, match=message):
         load(ckpt, record.step)
     assert load(ckpt)[0] == 2  # without a step: falls back to the snapshot before
+    assert cli(["verify", ckpt, "--step", str(record.step)]) != 0
 
 
 def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_exact(tmp_path):

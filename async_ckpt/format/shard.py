@@ -398,6 +398,12 @@ class ShardReader:
         return tensor_table(self.index.get("tensors"), self.path,
                             [s.nbytes for s in self.storages])
 
+    @functools.cached_property
+    def piece_tensors(self) -> frozenset[int]:
+        """The numbers of the tensor records that hold a sharded tensor's local piece: read only
+        through their ``$dtensor``, never named by a ``$tensor`` leaf."""
+        return frozenset(d.tensor for d in self.dtensors if d.tensor is not None)
+
     @property
     def raw_bytes(self) -> int:
         """The tensor bytes of its storages (those it refers to included), before encoding."""
@@ -755,6 +761,10 @@ class ShardReader:
                 for path, leaf, number in tree.leaves(node):
                     if leaf in tables:
                         tree.table_entry(leaf, number, tables[leaf], f"{self.path}: {path}")
+                    if leaf is tree.Leaf.TENSOR and number in self.piece_tensors:
+                        raise CorruptSnapshotError(
+                            f"{self.path}: {path} names tensor {number} as a whole tensor, "
+                            "but it holds a sharded tensor's piece")
         except CorruptSnapshotError as e:
             return [str(e)]
         return []

@@ -76,8 +76,10 @@ class PieceIndex:
     tensor record of that dtype, contiguous, inside its global tensor."""
 
     def __init__(self, refs: References, record: SnapshotRecord,
-                 open_storage: Callable[[References, SnapshotRecord, int, int],
-                                        tuple[ShardReader, int]]):
+                 open_storage: Optional[Callable[[References, SnapshotRecord, int, int],
+                                                 tuple[ShardReader, int]]] = None):
+        """``open_storage(refs, record, rank, storage)``: where a piece's bytes are read from
+        (needed only to read them)."""
         self._refs, self._record, self._open_storage = refs, record, open_storage
         self.pieces: dict[str, list[_Piece]] = {}
         seen: dict[str, tuple] = {}
@@ -129,6 +131,21 @@ class PieceIndex:
             raise CorruptSnapshotError(f"{where}: the piece of sharded tensor {d.key[:80]!r} "
                                        "does not fit its global tensor")
         return _Piece(rank, t, tuple(offset))
+
+    def problems(self) -> list[str]:
+        """What a restore on any world size would refuse in these pieces, found without reading
+        a byte (``async-ckpt verify``): a dtype no reader knows, or a sharded tensor whose pieces
+        overlap or leave a hole. One line (at most one)."""
+        try:
+            for shard in self._record.shards[:1]:  # every rank's shard has the same keys (__init__)
+                reader = self._refs.open(self._record.dir, shard.rank)
+                for d in reader.dtensors:
+                    ref = sharded_ref(d, reader.path)
+                    self.check_covered(ref, (0,) * len(ref.global_shape), ref.global_shape,
+                                       reader.path)
+        except CorruptSnapshotError as e:
+            return [str(e)]
+        return []
 
     def check_covered(self, ref: ShardedRef, offset: tuple, shape: tuple, where: str) -> list:
         """The pieces overlapping the box ``(offset, shape)`` of ``ref``, checked to be disjoint

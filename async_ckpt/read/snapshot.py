@@ -81,8 +81,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
             manifest = read_manifest(refs.storage)
         if manifest is not None:
             refs.add(manifest.snapshots)
-        dtensors = own.dtensors
-        pieces = {d.tensor for d in dtensors if d.tensor is not None}
+        dtensors, pieces = own.dtensors, own.piece_tensors
         plain = [t for n, t in enumerate(records) if n not in pieces]
         only_pieces = (_storages_viewed([t for n, t in enumerate(records) if n in pieces])
                        - _storages_viewed(plain)) if pieces else set()

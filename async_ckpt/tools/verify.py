@@ -14,6 +14,7 @@ from ..storage.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
 from ..read.memory import require_memory
+from ..read.reshard import PieceIndex
 from ..storage.base import Storage
 
 
@@ -94,7 +95,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manifest) -> list[str]:
     """One line per problem of a committed snapshot (of ``manifest``): missing or truncated
-    files, damaged chunks, here or in the earlier snapshots it refers to."""
+    files, damaged chunks, here or in the earlier snapshots it refers to, and sharded tensors
+    whose pieces in the ranks' shards a restore would refuse."""
     problems = []
     with References(storage, manifest.snapshots) as refs:
         for shard in record.shards:
@@ -102,6 +104,11 @@ def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manif
                                   shard.index_xxh3)
             problems += found or _verify_references(refs, record, shard.rank)
             bar.update(shard.bytes)
+        if not problems:  # every shard reads: do their pieces make whole tensors?
+            try:
+                problems = PieceIndex(refs, record).problems()
+            except CorruptSnapshotError as e:
+                problems = [str(e)]
     return problems
 
 
