@@ -121,6 +121,9 @@ CLI_READ = [["ls"], ["ls", "--json"], ["inspect"], ["inspect", "--step", "1"], [
             ["export", "--step", "1", "--only", "model", "--to", "OUT/model.safetensors"],
             ["gc", "--keep-last", "1", "--dry-run"]]
 CLI_GC = [["gc"], ["gc", "--keep-last", "1"]]
+VERIFY_ALL = ["verify", "--all"]
+assert VERIFY_ALL in CLI_READ and CLI_READ.index(VERIFY_ALL) < CLI_READ.index(["gc", "--keep-last",
+                                                                              "1", "--dry-run"])
 
 
 def fuzz_settings(test):
@@ -169,6 +172,10 @@ class BadCliExit(FuzzFailure):
     pass
 
 
+class VerifyDisagrees(FuzzFailure):
+    pass
+
+
 class MemoryBound(FuzzFailure):
     pass
 
@@ -179,7 +186,7 @@ _RULE_ERRORS = {"wrong data": WrongData, "objects changed on error": ObjectsChan
                 "hang": Hang, "rng draw after restore": DrawFailed, "cli exit code": BadCliExit,
                 "objects unusable after restore()": ObjectsChanged,
                 "cli printed a traceback": BadCliExit, "memory bound": MemoryBound,
-                "slow": Hang}
+                "slow": Hang, "verify disagrees with load": VerifyDisagrees}
 
 
 class Case:
@@ -364,6 +371,16 @@ def check_load(case: Case, target: str, result: tuple, allowed: tuple, refs: dic
     return "clean" if step == allowed[0] else "fallback"
 
 
+def check_verify_agrees(case: Case, loaded: dict) -> None:
+    """``verify --all`` found every committed snapshot intact: then no load() of ``loaded``
+    (target -> ``case.call``'s result) may find one damaged (verify says which step restore()
+    picks; a disagreement misleads the operator)."""
+    for target, (kind, value) in loaded.items():
+        if kind == "error" and value.is_damage:
+            case.fail("verify disagrees with load", "cli verify --all",
+                      f"exit 0, but {target} raised {type(value).__name__}: {_clip(str(value))}")
+
+
 def run_cli(case: Case, words: list[str]) -> str:
     sandbox = case.sandbox
     argv = [words[0], sandbox.ckpt] + [w.replace("OUT", sandbox.out) for w in words[1:]]
@@ -413,17 +430,21 @@ def run_load_cli_case(test: str, mutation: fz.Mutation, p: fz.Pristine, log: fz.
         with fz.crash_breadcrumb(BREADCRUMB, f"{test}: {mutation!r}", 30 * HANG_S + 60):
             p.write(root)
             mutation.apply(p, root, sandbox.ctx)
+            loaded = {}
             for target, fn, allowed in (
                     ("load(dir)", lambda: async_ckpt.load(root), (2, 1)),
                     ("load(dir, step=1)", lambda: async_ckpt.load(root, step=1), (1,)),
                     ("load(dir, mmap=True), every tensor cloned",
                      lambda: _cloned(async_ckpt.load(root, mmap=True)), (2, 1))):
-                outcome = check_load(case, target, case.call(target, fn), allowed, p.refs)
+                loaded[target] = case.call(target, fn)
+                outcome = check_load(case, target, loaded[target], allowed, p.refs)
                 log.outcome(test, target, outcome)
                 event(f"{target}: {outcome}")
             for words in CLI_READ + CLI_GC:
                 outcome = run_cli(case, words)
                 log.outcome(test, "cli " + " ".join(words[:1]), outcome)
+                if words == VERIFY_ALL and outcome == "exit:0":
+                    check_verify_agrees(case, loaded)
             target = "load(dir) after a real gc"
             outcome = check_load(case, target, case.call(target, lambda: async_ckpt.load(root)),
                                  (2, 1), p.refs)

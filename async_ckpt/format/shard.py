@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import xxhash
 import zstandard
 
-from . import filters, tree, values
+from . import filters, values
 from .layout import DIRECT_BYTES, span_bytes
 from .records import (ITEMSIZES, Chunk, DTensorPiece, Replica, StorageEntry, StoredTensor,
                       raw_bytes)
@@ -749,25 +749,6 @@ class ShardReader:
         format/references.py)."""
         return ([p for i in range(len(self.storages)) for p in self.verify_storage(i)]
                 + self._padding_problems())
-
-    def structure_problems(self) -> list[str]:
-        """The tensor table, and the state tree's nodes and tensor numbers, of a snapshot's
-        shard, checked as a restore checks them before it reads a byte: a shard whose chunks all
-        verify can still be one that no restore can read. One line per problem found (at most
-        one)."""
-        tables = {tree.Leaf.TENSOR: len(self.tensors), tree.Leaf.DTENSOR: len(self.dtensors)}
-        try:
-            for node in tree.walk(self.index.get("tree"), self.path):
-                for path, leaf, number in tree.leaves(node):
-                    if leaf in tables:
-                        tree.table_entry(leaf, number, tables[leaf], f"{self.path}: {path}")
-                    if leaf is tree.Leaf.TENSOR and number in self.piece_tensors:
-                        raise CorruptSnapshotError(
-                            f"{self.path}: {path} names tensor {number} as a whole tensor, "
-                            "but it holds a sharded tensor's piece")
-        except CorruptSnapshotError as e:
-            return [str(e)]
-        return []
 
     def _padding_problems(self) -> list[str]:
         """One line per storage whose alignment padding (version 5) is not zero bytes: no

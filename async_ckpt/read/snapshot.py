@@ -381,8 +381,25 @@ def _read_sharded(root: Entry, state: Optional[Mapping], resolver: Resolver) -> 
     visit(root, state, False)
 
 
+def tree_problems(reader: ShardReader) -> list[str]:
+    """What a restore would refuse in the state tree of ``reader``'s shard, found without reading
+    a tensor's bytes (``async-ckpt verify``): the tree rebuilt as ``read_snapshot`` rebuilds it,
+    every value decoded, over empty stand-ins for the tensors, with pickled values passed over
+    unread (never run). One line per problem found (at most one)."""
+    stand_in = torch.empty(0, dtype=torch.uint8)
+    tensors: list[Optional[torch.Tensor]] = [None if n in reader.piece_tensors else stand_in
+                                             for n in range(len(reader.tensors))]
+    try:
+        _rebuild(reader.index.get("tree"), tensors, reader.dtensors, True, reader.path,
+                 unpickle=lambda data: None)
+    except CorruptSnapshotError as e:
+        return [str(e)]
+    return []
+
+
 def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[DTensorPiece, ...],
-             allow_pickle: AllowPickle, path: str) -> Entry:
+             allow_pickle: AllowPickle, path: str,
+             unpickle: Optional[Callable[[bytes], Any]] = None) -> Entry:
     def leaf(kind: Leaf, v: Any):
         try:
             if kind is Leaf.TENSOR:
@@ -400,7 +417,7 @@ def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[D
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise CorruptSnapshotError(f"{path}: bad {kind.value} value {str(v)[:40]!r}") from e
 
-    return tree_model.rebuild(tree, leaf, allow_pickle, path)
+    return tree_model.rebuild(tree, leaf, allow_pickle, path, unpickle)
 
 
 def read_committed(storage: Storage, step: Optional[int] = None,

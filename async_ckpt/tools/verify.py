@@ -15,6 +15,7 @@ from ..format.references import References
 from ..format.shard import ShardReader
 from ..read.memory import require_memory
 from ..read.reshard import PieceIndex
+from ..read.snapshot import tree_problems
 from ..storage.base import Storage
 
 
@@ -144,7 +145,7 @@ def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
             largest = max((s.largest_chunk for s in reader.storages), default=0)  # decoded one at a time, byte planes into scratch of their own
             require_memory(2 * largest, f"verifying {path}", "free memory, or verify on a larger "
                            "machine")
-            return problems + reader.structure_problems() + reader.verify()
+            return problems + tree_problems(reader) + reader.verify()
     except CheckpointError as e:
         if not e.is_damage:
             raise
