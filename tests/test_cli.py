@@ -6,6 +6,7 @@ Most tests call ``main(argv)`` in-process; a few run the installed console scrip
 """
 
 import datetime
+import enum
 import io
 import json
 import os
@@ -438,6 +439,27 @@ def test_pickled_values_are_summarised_and_exported_only_on_request(capsys, tmp_
     assert code == 2 and "--allow-pickle" in one_error_line(err) and not target.exists()
     assert run(capsys, "export", root, "--step", 0, "--to", target, "--allow-pickle")[0] == 0
     assert torch.load(target, weights_only=False)["meta"]["when"] == when
+
+
+class Colour(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+def test_verify_passes_values_that_differ_only_once_unpickled_or_read(capsys, tmp_path):
+    """verify rebuilds the state tree as restore does without unpickling or reading a tensor:
+    values distinct in the snapshot (enum members as keys, a tuple of tensors as keys) must stay
+    distinct there, or verify would call an intact snapshot damaged (and gc would refuse)."""
+    root = str(tmp_path / "distinct")
+    a, b = torch.zeros(2), torch.ones(2)
+    state = {"w": torch.ones(2), "meta": {"by_colour": {Colour.RED: 1, Colour.BLUE: 2},
+                                          "colours": {Colour.RED, Colour.BLUE},
+                                          "by_tensor": {(a, b): "pair", (b, a): "reversed"}}}
+    with CheckpointEngine(root, state, allow_pickle=True) as engine:
+        engine.snapshot(0)
+    assert load(root, allow_pickle=True)[1]["meta"]["by_colour"] == {Colour.RED: 1, Colour.BLUE: 2}
+    code, out, _ = run(capsys, "verify", root)
+    assert code == 0, out
 
 
 def test_export_of_a_damaged_step_fails_and_leaves_no_file(capsys, ckpt, tmp_path):
@@ -883,3 +905,14 @@ def test_a_ranks_own_root_lists_and_verifies_but_points_to_the_store(capsys, tmp
     assert code == 2 and "rank-00001" in one_error_line(err) and "s3://" in err
     with pytest.raises(CheckpointDirError, match="object store"):
         load(str(root))
+
+
+def test_ls_and_help_start_without_importing_torch(ckpt):
+    """``ls``, ``compare-loss`` and ``--help`` start fast: nothing they import imports torch (2-3 s
+    here); the commands that need it import it when they run."""
+    program = ("import sys\nfrom async_ckpt.tools import cli\n"
+               "assert cli.main(['ls', sys.argv[1]]) == 0\n"
+               "assert 'torch' not in sys.modules, 'ls imported torch'\n")
+    proc = subprocess.run([sys.executable, "-c", program, ckpt], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

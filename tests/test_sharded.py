@@ -21,6 +21,7 @@ from async_ckpt import load
 from async_ckpt.errors import CorruptSnapshotError
 from async_ckpt.format.manifest import read_manifest
 from async_ckpt.tools.cli import main as cli
+from async_ckpt.tools.common import EXIT_DAMAGE
 from fuzzing import parse_shard, rewrite_shard
 from test_distributed import kill_everything, kill_rank_1_mid_write, read_log, torchrun
 
@@ -207,7 +208,7 @@ def test_a_crafted_piece_table_is_damage(saved, tmp_path, edit):
     with pytest.raises(CorruptSnapshotError, match=message):
         load(ckpt, record.step)
     assert load(ckpt)[0] == 2  # without a step: falls back to the snapshot before
-    assert cli(["verify", ckpt, "--step", str(record.step)]) != 0
+    assert cli(["verify", ckpt, "--step", str(record.step)]) == EXIT_DAMAGE
 
 
 def test_a_rank_killed_while_writing_never_commits_and_the_restart_resumes_bit_exact(tmp_path):

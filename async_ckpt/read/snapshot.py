@@ -17,6 +17,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -385,20 +386,38 @@ def tree_problems(reader: ShardReader) -> list[str]:
     """What a restore would refuse in the state tree of ``reader``'s shard, found without reading
     a tensor's bytes (``async-ckpt verify``): the tree rebuilt as ``read_snapshot`` rebuilds it,
     every value decoded, over empty stand-ins for the tensors, with pickled values passed over
-    unread (never run). One line per problem found (at most one)."""
-    stand_in = torch.empty(0, dtype=torch.uint8)
-    tensors: list[Optional[torch.Tensor]] = [None if n in reader.piece_tensors else stand_in
-                                             for n in range(len(reader.tensors))]
+    unread (never run). Each tensor and each pickled value gets a stand-in of its own: values that
+    differ when restored (two pickled enum members as dict keys, a set of tensors) must not
+    collide here. One line per problem found (at most one)."""
     try:
-        _rebuild(reader.index.get("tree"), tensors, reader.dtensors, True, reader.path,
-                 unpickle=lambda data: None)
+        _rebuild(reader.index.get("tree"), _StandIns(len(reader.tensors), reader.piece_tensors),
+                 reader.dtensors, True, reader.path, unpickle=lambda data: object())
     except CorruptSnapshotError as e:
         return [str(e)]
     return []
 
 
-def _rebuild(tree: Any, tensors: list[Optional[torch.Tensor]], dtensors: tuple[DTensorPiece, ...],
-             allow_pickle: AllowPickle, path: str,
+class _StandIns(Sequence):
+    """``tree_problems``'s tensors: an empty tensor of its own for each number the tree names
+    (made when first named, so a large table costs nothing), None for a sharded tensor's piece,
+    as ``read_snapshot``'s list holds."""
+
+    def __init__(self, count: int, pieces: frozenset[int]):
+        self._count, self._pieces, self._made = count, pieces, {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, n: int) -> Optional[torch.Tensor]:
+        if n in self._pieces:
+            return None
+        if n not in self._made:
+            self._made[n] = torch.empty(0, dtype=torch.uint8)
+        return self._made[n]
+
+
+def _rebuild(tree: Any, tensors: Sequence[Optional[torch.Tensor]],
+             dtensors: tuple[DTensorPiece, ...], allow_pickle: AllowPickle, path: str,
              unpickle: Optional[Callable[[bytes], Any]] = None) -> Entry:
     def leaf(kind: Leaf, v: Any):
         try:

@@ -18,8 +18,9 @@ error, 3 (``compare-loss``) runs that are not reproducible; ``supervise`` exits 
 A command on a checkpoint directory takes an ``s3://bucket/prefix`` URL as well: ``common.
 checkpoint_dir`` opens either as a ``Storage``, and the commands read only through it.
 
-Torch is imported only by the commands that need it (``inspect``, ``export``, ``import-dcp``),
-so ``ls``, ``verify``, ``gc`` and ``compare-loss`` start fast.
+Torch is imported only by the commands that need it (``inspect``, ``export``, ``import-dcp``;
+``verify`` and ``gc`` once they check a state tree as restore does), so ``ls``,
+``compare-loss`` and ``--help`` start fast (tests/test_cli.py checks it).
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ from ..storage.names import MANIFEST_NAME, SHARD_FILE, snapshot_dir_step
 from ..format.references import References
 from ..format.shard import ShardReader
 from ..read.memory import require_memory
-from ..read.reshard import PieceIndex
-from ..read.snapshot import tree_problems
 from ..storage.base import Storage
 
 
@@ -106,6 +104,8 @@ def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manif
             problems += found or _verify_references(refs, record, shard.rank)
             bar.update(shard.bytes)
         if not problems:  # every shard reads: do their pieces make whole tensors?
+            from ..read.reshard import PieceIndex  # imports torch: not at the CLI's start-up
+
             try:
                 problems = PieceIndex(refs, record).problems()
             except CorruptSnapshotError as e:
@@ -133,6 +133,8 @@ def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> l
 def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
                   expected_bytes: Optional[int] = None,
                   expected_xxh3: Optional[str] = None) -> list[str]:
+    from ..read.snapshot import tree_problems  # imports torch: not at the CLI's start-up
+
     path = storage.location(dir, file)
     try:
         with ShardReader(storage.open_shard(dir, file), expected_bytes, expected_xxh3) as reader:
