@@ -97,6 +97,8 @@ from memory_cases import peak_added, reset_peak
 from async_ckpt import CheckpointEngine
 from async_ckpt.tools import cli
 from async_ckpt.errors import CheckpointError
+from async_ckpt.format.manifest import read_manifest
+from async_ckpt.storage.local import LocalStorage
 
 TOTAL_CASES = int(os.environ.get("ASYNC_CKPT_FUZZ_CASES", "300"))
 LONG_RUN = "ASYNC_CKPT_FUZZ_CASES" in os.environ
@@ -379,6 +381,12 @@ def check_verify_agrees(case: Case, loaded: dict) -> None:
         if kind == "error" and value.is_damage:
             case.fail("verify disagrees with load", "cli verify --all",
                       f"exit 0, but {target} raised {type(value).__name__}: {_clip(str(value))}")
+    committed = read_manifest(LocalStorage(case.sandbox.ckpt)).newest_first()
+    kind, value = loaded["load(dir)"]
+    if kind == "ok" and committed and value[0] != committed[0].step:  # it fell back: it found the newest damaged
+        case.fail("verify disagrees with load", "cli verify --all",
+                  f"exit 0, but load(dir) fell back from step {committed[0].step} to step "
+                  f"{value[0]}")
 
 
 def run_cli(case: Case, words: list[str]) -> str:
