@@ -83,14 +83,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
         if manifest is not None:
             refs.add(manifest.snapshots)
         dtensors, pieces = own.dtensors, own.piece_tensors
-        plain = [t for n, t in enumerate(records) if n not in pieces]
-        only_pieces = (_storages_viewed([t for n, t in enumerate(records) if n in pieces])
-                       - _storages_viewed(plain)) if pieces else set()
-        wanted = [(rank, i) for i in range(len(own.storages)) if i not in only_pieces]
-        wanted += sorted({t.held_in(rank) for t in plain if t.rank not in (None, rank)
-                          and t.storage is not None and any(s.rank == t.rank
-                                                            for s in record.shards)})
-        sources = {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
+        sources = _sources(refs, record, rank)
         aligned = alignments(records, rank)
         views = {key: reader.mapped_storage(i, aligned.get(key, 1))
                  for key, (reader, i) in sources.items()
@@ -295,6 +288,40 @@ def _in_parallel(checks: list[Callable[[], None]]) -> None:
     _verify_threads.map(run, groups)
 
 
+def _sources(refs: References, record: SnapshotRecord, rank: int
+             ) -> dict[tuple[int, int], tuple[ShardReader, int]]:
+    """The storages a restore of ``rank``'s shard reads, by (rank, storage number), and where
+    each is held: the shard's own (less those only a sharded tensor's pieces view, read by the
+    resharder), and the replicated storages of other ranks' shards its tensors view."""
+    own = refs.open(record.dir, rank)
+    pieces = own.piece_tensors
+    plain = [t for n, t in enumerate(own.tensors) if n not in pieces]
+    only_pieces = (_storages_viewed([t for n, t in enumerate(own.tensors) if n in pieces])
+                   - _storages_viewed(plain)) if pieces else set()
+    wanted = [(rank, i) for i in range(len(own.storages)) if i not in only_pieces]
+    wanted += sorted({t.held_in(rank) for t in plain if t.rank not in (None, rank)
+                      and t.storage is not None and any(s.rank == t.rank for s in record.shards)})
+    return {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
+
+
+def view_problems(refs: References, record: SnapshotRecord, rank: int) -> list[str]:
+    """What a restore would refuse in the tensor records of ``rank``'s (intact) shard that the
+    shard alone cannot tell (``async-ckpt verify``): a view of a storage the restore does not
+    read (of a rank no shard holds, or past the shard's own table), or past the end of another
+    rank's storage. Each record is made into a tensor as ``read_snapshot`` makes it, over
+    meta-device stand-ins of the storages' sizes: no byte is read. At most one line."""
+    try:
+        own = refs.open(record.dir, rank)
+        buffers = {key: torch.empty(reader.storages[i].nbytes, dtype=torch.uint8, device="meta")
+                   for key, (reader, i) in _sources(refs, record, rank).items()}
+        for n, t in enumerate(own.tensors):
+            if n not in own.piece_tensors:
+                _tensor_from_record(t, buffers, rank, own.path, n)
+    except CorruptSnapshotError as e:
+        return [str(e)]
+    return []
+
+
 def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
                     must_be_replica: bool) -> tuple[ShardReader, int]:
     """The shard and storage number holding storage ``i`` of ``rank``'s shard of ``record``:
@@ -344,7 +371,8 @@ def _tensor_from_record(t: StoredTensor, buffers: dict[tuple[int, int], torch.Te
         # torch a misaligned tensor, which its kernels may crash on: a copy of the bytes viewed
         buffer = allocating(lambda: buffer[offset:end].clone(), end - offset, f"tensor {i}")
         offset = 0
-    return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset // itemsize, shape, stride)
+    return torch.empty(0, dtype=dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), offset // itemsize, shape, stride)
 
 
 def _size(v: Any) -> torch.Size:

@@ -94,14 +94,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manifest) -> list[str]:
     """One line per problem of a committed snapshot (of ``manifest``): missing or truncated
-    files, damaged chunks, here or in the earlier snapshots it refers to, and sharded tensors
-    whose pieces in the ranks' shards a restore would refuse."""
+    files, damaged chunks, here or in the earlier snapshots it refers to, views of storages a
+    restore would not read, and sharded tensors whose pieces in the ranks' shards a restore
+    would refuse."""
+    from ..read.snapshot import view_problems  # imports torch: not at the CLI's start-up
+
     problems = []
     with References(storage, manifest.snapshots) as refs:
         for shard in record.shards:
             found = _verify_shard(storage, record.dir, shard.file, record.step, shard.bytes,
                                   shard.index_xxh3)
-            problems += found or _verify_references(refs, record, shard.rank)
+            problems += (found or _verify_references(refs, record, shard.rank)
+                         or view_problems(refs, record, shard.rank))
             bar.update(shard.bytes)
         if not problems:  # every shard reads: do their pieces make whole tensors?
             from ..read.reshard import PieceIndex  # imports torch: not at the CLI's start-up
