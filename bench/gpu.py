@@ -1,36 +1,10 @@
 """``python -m bench --device cuda``: the GPU path measured in one run, against DCP (issue 42).
 
-A bf16 transformer (``workloads.TransformerWorkload``: ``--params-gb`` of parameters plus fused
-AdamW's moments, three times that in all) trains on the device. The systems (``GPU_SYSTEMS``:
-async_ckpt with eager and with lazy staging, DCP ``async_save`` with its default stager and with
-a cached pinned-memory stager, ``torch.save`` + fsync) are opened once and take one untimed
-warm-up snapshot each (their first-snapshot allocations and pinning); then, in interleaved rounds
-(``measure.rotated``: each system once per round, the order rotated and reversed in odd rounds),
-each system runs:
-
-* for K = 1 and K = ``every``: a loop without checkpointing, then the same loop snapshotting after
-  step ``i`` when ``i % K == 0``. Each step is forward, backward, the system's ``fence()`` (where a
-  save whose copy runs on after it returned must end: lazy staging, DCP's asynchronous staging),
-  the optimizer's step, and a device synchronisation (a loop that logs its loss each step). Step
-  overhead: each loop over the loop without checkpointing just before it. Blocking per snapshot:
-  the ``save`` call plus the fence of the step after it.
-* the exactness check: a snapshot, waited for until durable (time to durable), a copy of the state
-  and of the RNG states, two more steps, then a restore into the live model (timed up to a device
-  synchronisation) and a bit-for-bit comparison of every tensor (and, for async_ckpt, which
-  restores them, of the CPU and CUDA RNG states).
-
-Each round starts with the floors: the state's own tensors copied device-to-host into a
-page-locked buffer and back host-to-device (on a side stream, non-blocking; the copy back puts the
-same bytes back) and, on the disk, ``floors.Floors`` on ``min(state, DISK_SAMPLE_BYTES)`` (the
-fastest way to make bytes durable and to read them back), scaled to the state's bytes. Every
-figure is the median over the rounds with its min-max spread; a ratio is taken round by round.
-A time budget (``--budget``) ends the rounds early when the next one would overrun it (at least
-one round runs); the report says so.
-
-``--device cpu`` runs the same code on the CPU (no pinning: the "device-to-host" floor is a plain
-copy, DCP's pinned stager runs without pinned memory); ``--quick`` is a tiny model, for the test
-that keeps this runnable (tests/test_bench.py), not a measurement. A full CUDA run writes
-``bench/results/gpu/``; every other run writes a scratch directory unless ``--out`` says.
+A bf16 transformer (``workloads.TransformerWorkload``) trains on the device while the
+``GPU_SYSTEMS`` checkpoint it in interleaved rounds (``rounds.run_rounds``; ``run_system``), each
+opened per round (``systems.run_guarded``). Floors per round: ``device_floors`` and
+``floors.Floors`` on ``min(state, DISK_SAMPLE_BYTES)``, scaled to the state. ``--device cpu`` runs
+the same code on the CPU; ``--quick`` is a smoke test. docs/performance.md describes the figures.
 """
 
 from __future__ import annotations
@@ -43,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections import namedtuple
 from typing import Callable, Optional
 
 import numpy as np
@@ -51,11 +25,12 @@ import torch
 
 from . import dcp, records
 from .floors import Floors
-from .markdown import factor, hundredths, median_range, table
-from .measure import (load_between, load_now, log, machine, ratio_spread, remove, rotated,
-                      settle, spread, timed)
+from .markdown import factor, hundredths, median_range, number, spread_text, table
+from .measure import log, machine, ratio_spread, spread, timed
 from .registry import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, SystemSpec
-from .systems import NoCheckpoint, System, Unavailable
+from .rounds import run_rounds
+from .systems import NoCheckpoint, System, run_guarded
+from .training import run_loop
 from .workloads import TransformerWorkload, state_tensors
 
 COMMITTED_RESULTS = os.path.join("bench", "results", "gpu")
@@ -64,21 +39,8 @@ SETTLE_BYTES = 200 * 10**6  # before each system: wait at most ~2 s for the disk
 DCP_NAMES = (DCP_DEFAULT.name, DCP_PINNED.name)
 
 
-@dataclass(frozen=True)
-class Config:
-    """One run's model and loops: ``params_gb`` of bf16 parameters in blocks of ``width``, a
-    batch of ``batch`` x ``seq`` tokens; ``rounds``; the K = 1 loop's ``steps_every_step`` and
-    the K = ``every`` loop's ``steps_every_n``; ``budget_s`` (None: no budget)."""
-
-    params_gb: float
-    width: int
-    seq: int
-    batch: int
-    rounds: int
-    every: int
-    steps_every_step: int
-    steps_every_n: int
-    budget_s: Optional[float]
+Config = namedtuple("Config", "params_gb width seq batch rounds every steps_every_step "
+                               "steps_every_n budget_s")  # loops: K = 1 and K = every
 
 
 PRESETS = {  # (device, quick) -> Config
@@ -90,97 +52,71 @@ PRESETS = {  # (device, quick) -> Config
 
 
 def config_for(args: argparse.Namespace) -> Config:
-    """The preset of ``args.device`` (and ``--quick``), with ``--params-gb``, ``--rounds`` and
-    ``--budget`` where given."""
-    config = PRESETS[args.device, args.quick]
     given = {"params_gb": args.params_gb, "rounds": args.rounds, "budget_s": args.budget}
-    return replace(config, **{k: v for k, v in given.items() if v is not None})
+    return PRESETS[args.device, args.quick]._replace(**{k: v for k, v in given.items()
+                                                        if v is not None})
 
 
 def default_out(args: argparse.Namespace) -> str:
-    """``COMMITTED_RESULTS`` for a full CUDA run with the preset's sizes; else a new scratch
-    directory, so that a partial, CPU or quick run never overwrites the committed report."""
+    """Only a full CUDA run with the preset's sizes may overwrite the committed report."""
     full = (args.device == "cuda" and not args.quick and args.params_gb is None
             and args.rounds is None and args.budget is None)
     return COMMITTED_RESULTS if full else tempfile.mkdtemp(prefix="bench-gpu-results-")
 
 
-# --- the floors ---------------------------------------------------------------------------------
+def device_floors(tensors: list[torch.Tensor], device: torch.device) -> Callable[[], dict]:
+    """The copy floors of staging and restore: the state's own tensors (distinct, contiguous)
+    into one page-locked buffer and back, on a side stream; plain copies on the CPU."""
+    cuda, unique = device.type == "cuda", {}
+    for t in tensors:  # as bytes: a copy into the view writes the tensor
+        if t.is_contiguous() and t.nbytes:
+            unique.setdefault(t.data_ptr(), t.detach().reshape(-1).view(torch.uint8))
+    host = torch.ones(sum(t.nbytes for t in unique.values()), dtype=torch.uint8, pin_memory=cuda)
+    pairs = list(zip(unique.values(), host.split([t.nbytes for t in unique.values()])))
+    stream = torch.cuda.Stream(device) if cuda else None
 
-class DeviceFloors:
-    """Device-to-host and host-to-device copies of the state's own tensors (each contiguous
-    tensor, in state order) into and out of one page-locked buffer, on a side stream; on the CPU
-    a plain buffer and plain copies."""
-
-    def __init__(self, tensors: list[torch.Tensor], device: torch.device):
-        self.cuda = device.type == "cuda"
-        seen, self.tensors = set(), []
-        for t in tensors:
-            if t.is_contiguous() and t.nbytes and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                self.tensors.append(t)
-        self.nbytes = sum(t.nbytes for t in self.tensors)
-        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        self.host.fill_(1)  # faulted in
-        offsets = np.cumsum([0] + [t.nbytes for t in self.tensors])
-        self.views = [self.host[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def measure(self) -> dict:
-        return {"d2h_s": self._timed(lambda: [v.copy_(_bytes(t), non_blocking=self.cuda)
-                                              for t, v in zip(self.tensors, self.views)]),
-                "h2d_s": self._timed(lambda: [_bytes(t).copy_(v, non_blocking=self.cuda)
-                                              for t, v in zip(self.tensors, self.views)])}
-
-    def _timed(self, copies: Callable[[], object]) -> float:
-        if not self.cuda:
-            with torch.no_grad():
-                return timed(copies)
-        torch.cuda.synchronize()
+    def timed_copies(d2h: bool) -> float:
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.no_grad(), torch.cuda.stream(self.stream):
-            copies()
-        self.stream.synchronize()
+        with torch.no_grad(), torch.cuda.stream(stream):  # None on the CPU: a no-op
+            for t, v in pairs:
+                v.copy_(t, non_blocking=cuda) if d2h else t.copy_(v, non_blocking=cuda)
+        if cuda:
+            stream.synchronize()
         return time.perf_counter() - start
 
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as bytes (a view: a copy into it writes the tensor)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    return lambda: {"d2h_s": timed_copies(True), "h2d_s": timed_copies(False)}
 
 
-# --- one system's round -------------------------------------------------------------------------
-
-def run_loop(system: System, workload: TransformerWorkload, k: int, n_steps: int,
-             step: int) -> tuple[dict, int]:
-    """``n_steps`` steps with a save after step ``i`` when ``i % k == 0`` (see the module
-    docstring); the loop's figures and the global step reached."""
-    blocking: list[float] = []
-    fenced = [True]
-
-    def fence() -> None:  # right before the optimizer's step: the last save's copy must end
-        if not fenced[0]:
-            blocking[-1] += timed(system.fence)
-            fenced[0] = True
-
-    workload.synchronize()
-    start = time.perf_counter()
-    for i in range(n_steps):
-        workload.step(fence)
-        step += 1
-        if i % k == 0:
-            blocking.append(timed(lambda: system.save(step)))
-            fenced[0] = False
-    fence()
-    loop_s = time.perf_counter() - start
-    drain_s = timed(system.wait)
-    return {"steps": n_steps, "loop_s": loop_s, "step_s": loop_s / n_steps, "drain_s": drain_s,
-            "blocking_s": blocking}, step
+def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, config: Config,
+               round_: int, floor_hook: Optional[Callable[[], dict]]) -> dict:
+    """An untimed warm-up snapshot, then each K's ``run_loop`` without and with checkpointing
+    (``fence`` before the optimizer's step, counted as blocking), then ``exactness``."""
+    system.save(1)
+    system.fence()
+    system.wait()
+    step, loops, baseline = 1, {}, NoCheckpoint(workload.state, system.directory)
+    for k, n in ((1, config.steps_every_step), (config.every, config.steps_every_n)):
+        workload.synchronize()
+        base, step = run_loop(baseline, workload, k, n, step, fence=baseline.fence)
+        workload.synchronize()
+        loops[str(k)], step = run_loop(system, workload, k, n, step, fence=system.fence)
+        loops[str(k)]["baseline"] = base
+    check = exactness(system, workload, step + 1, spec.ours)
+    log(f"  {spec.name}: " + ", ".join(f"K={k} {x['step_s'] * 1e3:.0f} ms/step "
+                                       f"({x['baseline']['step_s'] * 1e3:.0f} without)"
+                                       for k, x in loops.items())
+        + f"; restore {check['restore_s']:.2f} s, "
+        + ("bit-exact" if check["bit_exact"] else "DIFFERS"))
+    if floor_hook is not None:  # before run_guarded's close deletes the snapshots
+        floor_hook()
+    return {"round": round_, "loops": loops, "exactness": check, "details": system.details()}
 
 
 def exactness(system: System, workload: TransformerWorkload, step: int, ours: bool) -> dict:
-    """Snapshot, wait until durable, change the state and the RNG, restore into the live model
-    (timed to a device synchronisation), compare bit for bit."""
+    """Snapshot, wait until durable, move the state and the RNGs on, restore (timed to a device
+    synchronisation), compare bit for bit (async_ckpt's RNG states too: the peers save none)."""
     system.save(step)
     system.wait()
     to_durable_s = system.to_commit_s()
@@ -190,203 +126,111 @@ def exactness(system: System, workload: TransformerWorkload, step: int, ours: bo
     torch.rand(8, device=workload.device)  # moves the device's generator (and the CPU's)
     torch.rand(8)
     workload.synchronize()
-    start = time.perf_counter()
-    system.restore()
-    workload.synchronize()
-    restore_s = time.perf_counter() - start
+    restore_s = timed(lambda: (system.restore(), workload.synchronize()))
     differing = workload.differing_tensors(expected)
     check = {"to_durable_s": to_durable_s, "restore_s": restore_s, "step": step,
              "tensors": len(expected), "differing": differing, "bit_exact": differing == 0}
-    if ours:  # the engine restores the RNG states (rng=True); the peers save none
+    if ours:
         check["rng_exact"] = all(torch.equal(a, b) for a, b in zip(rng, _rng_states()))
     return check
 
 
 def _rng_states() -> list[torch.Tensor]:
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all()
-                                     if torch.cuda.is_available() else [])]
+    return [torch.get_rng_state(), *torch.cuda.get_rng_state_all()]  # [] without CUDA
 
-
-def run_system(spec: SystemSpec, system: System, baseline: System,
-               workload: TransformerWorkload, config: Config, step: int) -> tuple[dict, int]:
-    loops = {}
-    for k, n in ((1, config.steps_every_step), (config.every, config.steps_every_n)):
-        base, step = run_loop(baseline, workload, k, n, step)
-        loops[str(k)], step = run_loop(system, workload, k, n, step)
-        loops[str(k)]["baseline"] = base
-    check = exactness(system, workload, step + 1, spec.ours)
-    log(f"  {spec.name}: " + ", ".join(
-        f"K={k} {loop['step_s'] * 1e3:.0f} ms/step ({loop['baseline']['step_s'] * 1e3:.0f} "
-        f"without)" for k, loop in loops.items())
-        + f"; restore {check['restore_s']:.2f} s, {'bit-exact' if check['bit_exact'] else 'DIFFERS'}")
-    return {"loops": loops, "exactness": check, "details": system.details()}, step + 1
-
-
-# --- the run ------------------------------------------------------------------------------------
 
 def measure(config: Config, device: str, root: str) -> dict:
-    """Every round's floors and runs, by system (the raw results)."""
+    """The raw results: ``run_rounds`` one round at a time, so that ``--budget`` can stop them."""
     workload = TransformerWorkload(config.params_gb, config.width, config.seq, config.batch,
                                    device)
-    state_bytes = workload.nbytes
     log(f"gpu bench on {device}: {workload.depth} blocks of width {config.width}, "
-        f"{workload.param_bytes / 1e9:.3g} GB of parameters, {state_bytes / 1e9:.3g} GB of state; "
-        f"up to {config.rounds} rounds")
-    device_floors = DeviceFloors(state_tensors(workload.state), workload.device)
-    disk = Floors(root, min(state_bytes, DISK_SAMPLE_BYTES))
-    baseline = NoCheckpoint(workload.state, os.path.join(root, "none"))
-    systems: dict[str, object] = {}
-    raw: dict = {"state_bytes": state_bytes, "param_bytes": workload.param_bytes,
+        f"{workload.param_bytes / 1e9:.3g} GB of parameters, {workload.nbytes / 1e9:.3g} GB of "
+        f"state; up to {config.rounds} rounds")
+    copy_floors = device_floors(state_tensors(workload.state), workload.device)
+    disk = Floors(root, min(workload.nbytes, DISK_SAMPLE_BYTES))
+    raw: dict = {"state_bytes": workload.nbytes, "param_bytes": workload.param_bytes,
                  "depth": workload.depth, "disk_sample_bytes": disk.nbytes, "floors": [],
-                 "systems": {}, "order": [], "loads": [], "rounds_run": 0}
-    step = 0
+                 "systems": {s.name: {"available": True, "runs": []} for s in GPU_SYSTEMS},
+                 "order": [], "settle": [], "loads": [], "rounds_run": 0}
+
+    def run_slot(_, spec: SystemSpec, floor_hook) -> dict:  # round_: the loop's (run_rounds': 0)
+        return run_guarded(spec, workload.state, os.path.join(root, "system"), lambda system:
+                           run_system(spec, system, workload, config, round_, floor_hook))
+
+    started = time.perf_counter()
     try:
-        for spec in GPU_SYSTEMS:
-            systems[spec.name], step = _open(spec, workload, root, step)
-            raw["systems"][spec.name] = ({"available": True, "runs": []}
-                                         if isinstance(systems[spec.name], System)
-                                         else {"available": False,
-                                               "reason": systems[spec.name]})
-        started = time.perf_counter()
-        for index in range(config.rounds):
-            order = [s for s in rotated(GPU_SYSTEMS, index) if raw["systems"][s.name]["available"]]
-            start = load_now()
-            raw["floors"].append({**device_floors.measure(), **disk.measure()})
-            for spec in order:
-                settle(SETTLE_BYTES)
-                try:
-                    run, step = run_system(spec, systems[spec.name], baseline, workload, config,
-                                           step)
-                except Exception as e:  # noqa: BLE001 - a peer's failure is a result, ours a bug
-                    if spec.ours:
-                        raise
-                    log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
-                    raw["systems"][spec.name] = {"available": False,
-                                                 "reason": f"failed here: {type(e).__name__}: {e}"}
-                    _close(systems.pop(spec.name))
-                    continue
-                raw["systems"][spec.name]["runs"].append({"round": index, **run})
-            raw["order"].append([s.name for s in order])
-            raw["loads"].append(load_between(start, load_now()))
-            raw["rounds_run"] = index + 1
-            elapsed = time.perf_counter() - started
-            log(f"round {index + 1} done after {elapsed:.0f} s")
-            if config.budget_s is not None and elapsed * (index + 2) / (index + 1) > config.budget_s:
-                break
+        for round_ in range(config.rounds):
+            specs = [s for s in GPU_SYSTEMS if raw["systems"][s.name]["available"]]
+            record = run_rounds(specs, 1, round_, lambda: {**copy_floors(), **disk.measure()},
+                                run_slot, settle_bytes=SETTLE_BYTES)
+            for name, block in record["systems"].items():  # n/a: its earlier runs dropped too
+                raw["systems"][name] = ({"available": True,
+                                         "runs": raw["systems"][name]["runs"] + block["runs"]}
+                                        if block["available"] else block)
+            for key in ("floors", "order", "settle", "loads"):
+                raw[key] += record[key]
+            raw["rounds_run"] = round_ + 1
+            elapsed, budget = time.perf_counter() - started, config.budget_s
+            log(f"round {round_ + 1} done after {elapsed:.0f} s")
+            if budget is not None and elapsed * (round_ + 2) / (round_ + 1) > budget:
+                break  # the next round would end past the budget
     finally:
-        for system in systems.values():
-            _close(system)
         disk.close()
     return raw
 
 
-def _open(spec: SystemSpec, workload: TransformerWorkload, root: str, step: int):
-    """The open system after its warm-up snapshot, or the reason it cannot run here."""
-    try:
-        system = spec.open(workload.state, os.path.join(root, _dirname(spec.name)))
-    except Unavailable as e:
-        log(f"  {spec.name}: n/a ({e})")
-        return str(e), step
-    try:
-        step += 1
-        system.save(step)
-        system.fence()
-        system.wait()
-    except Exception as e:  # noqa: BLE001
-        if spec.ours:
-            raise
-        _close(system)
-        log(f"  {spec.name}: failed: {type(e).__name__}: {e}")
-        return f"failed here: {type(e).__name__}: {e}", step
-    return system, step
-
-
-def _close(system: object) -> None:
-    if isinstance(system, System):
-        try:
-            system.close()
-        finally:
-            remove(system.directory, settle=True)
-
-
-def _dirname(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name)
-
-
-# --- figures ------------------------------------------------------------------------------------
-
 def build_figures(raw: dict) -> dict:
-    """Per system: the figures the report shows, each a spread over the rounds, with its ratios
-    (round by round) to its floor and to the best DCP variant."""
-    floors = raw["floors"]
+    """Per system, each figure's spread over the rounds and its ratios, round by round, to its
+    floor and (for the others) to the best DCP variant."""
+    runs = {name: b["runs"] for name, b in raw["systems"].items() if b["available"]}
+    dcp_runs = [runs[name] for name in DCP_NAMES if name in runs]
     scale = raw["state_bytes"] / raw["disk_sample_bytes"]
-    d2h = {i: f["d2h_s"] for i, f in enumerate(floors)}
-    h2d = {i: f["h2d_s"] for i, f in enumerate(floors)}
-    disk = {i: f["durable_s"] * scale for i, f in enumerate(floors)}
-    runs = {name: {r["round"]: r for r in block["runs"]}
-            for name, block in raw["systems"].items() if block["available"]}
-    ks = next((list(r["loops"]) for rs in runs.values() for r in rs.values()), [])
+    d2h, h2d, disk = ([f[key] * x for f in raw["floors"]]
+                      for key, x in (("d2h_s", 1), ("h2d_s", 1), ("durable_s", scale)))
 
-    def best_dcp(round_: int, value: Callable[[dict], float]) -> Optional[float]:
-        found = [value(runs[n][round_]) for n in DCP_NAMES if n in runs and round_ in runs[n]]
-        return min(found) if found else None
-
-    def figure(name: str, value: Callable[[dict], float], floor: Optional[dict]) -> dict:
-        rounds = sorted(runs[name])
-        values = [value(runs[name][i]) for i in rounds]
+    def figure(name: str, value: Callable[[dict], float], floor: Optional[list] = None) -> dict:
+        values = [value(r) for r in runs[name]]  # one run per round, as every floor
         out = {"value": spread(values)}
         if floor is not None:
-            out["x_floor"] = ratio_spread(values, [floor[i] for i in rounds])
-        paired = [(v, best_dcp(i, value)) for v, i in zip(values, rounds)]
-        paired = [(v, b) for v, b in paired if b is not None]
-        if paired and name not in DCP_NAMES:
-            out["x_best_dcp"] = ratio_spread(*zip(*paired))
+            out["x_floor"] = ratio_spread(values, floor)
+        if dcp_runs and name not in DCP_NAMES:
+            out["x_best_dcp"] = ratio_spread(values, [min(value(rs[i]) for rs in dcp_runs)
+                                                      for i in range(len(values))])
         return out
 
-    figures = {}
-    for name in runs:
-        per_k = {}
-        for k in ks:
-            per_k[k] = {
-                "blocking_s": figure(name, lambda r: float(np.median(r["loops"][k]["blocking_s"])),
+    def per_k(name: str, k: str) -> dict:
+        loops = [r["loops"][k] for r in runs[name]]
+        return {"blocking_s": figure(name, lambda r: float(np.median(r["loops"][k]["blocking_s"])),
                                      d2h),
-                "step_s": figure(name, lambda r: r["loops"][k]["step_s"], None),
-                "overhead": spread([r["loops"][k]["step_s"] / r["loops"][k]["baseline"]["step_s"]
-                                    for r in runs[name].values()])}
-        figures[name] = {
-            "ks": per_k,
-            "to_durable_s": figure(name, lambda r: r["exactness"]["to_durable_s"], disk),
-            "restore_s": figure(name, lambda r: r["exactness"]["restore_s"], h2d)}
-    return figures
+                "step_s": figure(name, lambda r: r["loops"][k]["step_s"]),
+                "overhead": ratio_spread([x["step_s"] for x in loops],
+                                         [x["baseline"]["step_s"] for x in loops])}
 
-
-def exactness_checks(raw: dict) -> list[dict]:
-    """Every exactness check of the run, one row per system and round."""
-    return [{"system": name, "round": r["round"], **r["exactness"]}
-            for name, block in raw["systems"].items() if block["available"]
-            for r in block["runs"]]
+    return {name: {"ks": {k: per_k(name, k) for k in rs[0]["loops"]},
+                   "to_durable_s": figure(name, lambda r: r["exactness"]["to_durable_s"], disk),
+                   "restore_s": figure(name, lambda r: r["exactness"]["restore_s"], h2d)}
+            for name, rs in runs.items()}
 
 
 def gpu_info(device: str) -> dict:
-    """The device, its driver and the CUDA build torch runs on (nvidia-smi where installed)."""
+    """The device, its driver, PCIe link and the CUDA build torch runs on."""
     if device != "cuda":
         return {"device": "cpu"}
     props = torch.cuda.get_device_properties(0)
     info = {"device": "cuda", "name": props.name, "count": torch.cuda.device_count(),
             "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
             "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda}
-    if shutil.which("nvidia-smi"):
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,"
-                               "pcie.link.width.current", "--format=csv,noheader"],
-                              capture_output=True, text=True)
-        if done.returncode == 0 and done.stdout.strip():
-            fields = [f.strip() for f in done.stdout.splitlines()[0].split(",")]
-            info.update(zip(("driver", "pcie_gen", "pcie_width"), fields))
+    smi = shutil.which("nvidia-smi") and subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.width.current",
+         "--format=csv,noheader"], capture_output=True, text=True)
+    if smi and smi.returncode == 0 and smi.stdout.strip():
+        info.update(zip(("driver", "pcie_gen", "pcie_width"),
+                        (f.strip() for f in smi.stdout.splitlines()[0].split(","))))
     return info
 
 
 def run(args: argparse.Namespace) -> int:
-    """``python -m bench --device ...``: measure, then write results.json and report.md."""
+    """Measure, write results.json and report.md, print the report; 1 if a restore differed."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here (--device cpu runs the "
                          "same benchmark on the CPU)")
@@ -400,10 +244,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         dcp.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+    checks = [{"system": name, "round": r["round"], **r["exactness"]}
+              for name, block in raw["systems"].items() if block["available"]
+              for r in block["runs"]]
     results = {"kind": "gpu", "started_at": started, "runtime_s": time.perf_counter() - start,
                "machine": info, "config": {"command": args.command, "device": args.device,
-                                           "quick": args.quick, **asdict(config)},
-               "figures": build_figures(raw), "exactness": exactness_checks(raw), "raw": raw}
+                                           "quick": args.quick, **config._asdict()},
+               "figures": build_figures(raw), "exactness": checks, "raw": raw}
     saved = json.dumps(results, indent=1, default=records.to_json)
     text = render(json.loads(saved))
     for name, content in (("results.json", saved), ("report.md", text)):
@@ -412,108 +259,84 @@ def run(args: argparse.Namespace) -> int:
         os.replace(os.path.join(args.out, name + ".tmp"), os.path.join(args.out, name))
     print(text)
     log(f"results in {args.out}")
-    failed = [c for c in results["exactness"] if not c["bit_exact"] or c.get("rng_exact") is False]
-    return 1 if failed else 0
+    return 1 if any(not c["bit_exact"] or c.get("rng_exact") is False for c in checks) else 0
 
-
-# --- the report ---------------------------------------------------------------------------------
 
 def render(results: dict) -> str:
-    raw, config, info = results["raw"], results["config"], results["machine"]
-    gpu, floors = info["gpu"], raw["floors"]
-    figures = results["figures"]
-    lines = ["# GPU path: staging, lazy overlap, restore onto the device, against DCP", "",
-             f"`{config['command']}`: {_machine_line(info)}; {results['runtime_s']:.0f} s.", "",
-             f"A bf16 transformer of {raw['depth']} blocks of width {config['width']} "
-             f"({raw['param_bytes'] / 1e9:.3g} GB of parameters) with fused AdamW: "
-             f"{raw['state_bytes'] / 1e9:.3g} GB of state, a batch of {config['batch']} x "
-             f"{config['seq']} tokens. {raw['rounds_run']} of {config['rounds']} rounds"
-             + ("" if raw["rounds_run"] == config["rounds"] else
-                f" (the time budget of {config['budget_s']:.0f} s ended the rounds)")
-             + "; every figure is the median (min–max) over the rounds, a ratio taken round by "
-             "round.", ""]
-    if config["quick"]:
-        lines += ["**--quick: a smoke test of the code path, not a measurement.**", ""]
-    pinned = "pinned" if gpu["device"] == "cuda" else "plain copy on the CPU"
-    lines += ["## Floors", "", table(["floor", "seconds", "GB/s"], [
-        [name, median_range(spread(values)), f"{raw[nbytes_key] / np.median(values) / 1e9:.3g}"]
-        for name, values, nbytes_key in (
-            (f"device-to-host, {pinned}, the state's tensors", [f["d2h_s"] for f in floors],
-             "state_bytes"),
-            (f"host-to-device, {pinned}, the state's tensors", [f["h2d_s"] for f in floors],
-             "state_bytes"),
-            ("host memory copy (sample)", [f["copy_s"] for f in floors], "disk_sample_bytes"),
-            ("disk: durable write (sample)", [f["durable_s"] for f in floors],
-             "disk_sample_bytes"),
-            ("disk: cached read (sample)", [f["read_cache_s"] for f in floors],
-             "disk_sample_bytes"))]),
-              "", f"Disk floors measured on {raw['disk_sample_bytes'] / 1e9:.3g} GB and scaled "
-              "to the state's bytes where a figure is compared with them.", ""]
-    ks = next((list(f["ks"]) for f in figures.values()), [])
-    rows, steps = [], []
-    for name, block in raw["systems"].items():
-        if not block["available"]:
-            rows.append([name] + [f"n/a ({block['reason']})"] * (len(ks) + 2))
-            steps.append([name] + [f"n/a ({block['reason']})"] * len(ks))
-            continue
-        f = figures[name]
-        rows.append([name] + [_ms_x(f["ks"][k]["blocking_s"], "D2H") for k in ks]
-                    + [_s_x(f["to_durable_s"], "disk"), _s_x(f["restore_s"], "H2D")])
-        steps.append([name] + [_overhead(f["ks"][k]) for k in ks])
-    lines += ["## Blocking, time to durable, restore", "",
-              "Blocking: the `save` call plus the fence before the next optimizer step, per "
-              "snapshot (× the device-to-host floor). Time to durable: a snapshot with nothing "
-              "else running, from the call to durable (× the disk floor). Restore: the newest "
-              "snapshot into the live model on the device, to a device synchronisation "
-              "(× the host-to-device floor). `vs DCP`: × the best DCP variant in the same round.",
-              "", table(["system"] + [f"blocking, K={k}" for k in ks]
-                        + ["to durable", "restore onto the device"], rows), "",
-              "## Training-step overhead", "",
-              "Step time with a snapshot every K steps over the same loop without "
-              "checkpointing just before it; `vs DCP`: step time × the best DCP variant's.", "",
-              table(["system"] + [f"K={k}" for k in ks], steps), ""]
-    checks = results["exactness"]
-    lines += ["## Exactness", "",
-              f"{sum(c['bit_exact'] for c in checks)} of {len(checks)} restores bit-exact; "
-              f"RNG states (CPU and every CUDA device) restored exactly in "
-              f"{sum(bool(c.get('rng_exact')) for c in checks)} of "
-              f"{sum('rng_exact' in c for c in checks)} async_ckpt restores.", "",
-              table(["system", "round", "step", "tensors differing", "RNG"],
-                    [[c["system"], str(c["round"]), str(c["step"]),
-                      f"{c['differing']} of {c['tensors']}",
-                      {True: "exact", False: "DIFFERS", None: "not saved"}[c.get("rng_exact")]]
-                     for c in checks]), ""]
-    return "\n".join(lines)
-
-
-def _machine_line(info: dict) -> str:
-    gpu = info["gpu"]
+    raw, config, info, figures = (results[k] for k in ("raw", "config", "machine", "figures"))
+    gpu, floors, checks = info["gpu"], raw["floors"], results["exactness"]
     device = ("no GPU (--device cpu)" if gpu["device"] == "cpu" else
               f"{gpu['count']} x {gpu['name']} ({gpu['memory_bytes'] / 2**30:.0f} GiB, "
               f"sm {gpu['capability']}, driver {gpu.get('driver', '?')}, CUDA {gpu['cuda']}, "
               f"PCIe gen {gpu.get('pcie_gen', '?')} x{gpu.get('pcie_width', '?')})")
-    return (f"{device}; {info['nproc']} CPUs ({info['cpu_model']}), "
-            f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, Python "
-            f"{info['python']}, torch {info['torch']}")
+    pinned = "pinned" if gpu["device"] == "cuda" else "plain copy on the CPU"
+    floor_rows = [(f"device-to-host, {pinned}, the state's tensors", "d2h_s", "state_bytes"),
+                  (f"host-to-device, {pinned}, the state's tensors", "h2d_s", "state_bytes"),
+                  ("host memory copy (sample)", "copy_s", "disk_sample_bytes"),
+                  ("disk: durable write (sample)", "durable_s", "disk_sample_bytes"),
+                  ("disk: cached read (sample)", "read_cache_s", "disk_sample_bytes")]
+    ks = next((list(f["ks"]) for f in figures.values()), [])
+    rows, steps = [], []
+    for name, block in raw["systems"].items():
+        f = figures.get(name)
+        na = [f"n/a ({block.get('reason')})"]
+        rows.append([name] + (na * (len(ks) + 2) if f is None else
+                              [_cell(f["ks"][k]["blocking_s"], 1e-3, "ms", "D2H") for k in ks]
+                              + [_cell(f["to_durable_s"], 1, "s", "disk"),
+                                 _cell(f["restore_s"], 1, "s", "H2D")]))
+        steps.append([name] + (na * len(ks) if f is None else [
+            spread_text(f["ks"][k]["overhead"], lambda x: f"{(x - 1) * 100:+.1f}%") + ", "
+            + _cell(f["ks"][k]["step_s"], 1e-3, "ms", vs=lambda x: f"{hundredths(x)}×")
+            for k in ks]))
+    return "\n".join([
+        "# GPU path: staging, lazy overlap, restore onto the device, against DCP", "",
+        f"`{config['command']}`: {device}; {info['nproc']} CPUs ({info['cpu_model']}), "
+        f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, Python "
+        f"{info['python']}, torch {info['torch']}; {results['runtime_s']:.0f} s.", "",
+        f"A bf16 transformer of {raw['depth']} blocks of width {config['width']} "
+        f"({raw['param_bytes'] / 1e9:.3g} GB of parameters) with fused AdamW: "
+        f"{raw['state_bytes'] / 1e9:.3g} GB of state, a batch of {config['batch']} x "
+        f"{config['seq']} tokens. {raw['rounds_run']} of {config['rounds']} rounds"
+        + ("" if raw["rounds_run"] == config["rounds"] else
+           f" (the time budget of {config['budget_s']:.0f} s ended the rounds)")
+        + "; every figure is the median (min–max) over the rounds, a ratio taken round by round.",
+        "", *(["**--quick: a smoke test of the code path, not a measurement.**", ""]
+              if config["quick"] else []),
+        "## Floors", "", table(["floor", "seconds", "GB/s"], [
+            [label, median_range(spread([f[key] for f in floors])),
+             number(raw[nbytes] / np.median([f[key] for f in floors]) / 1e9)]
+            for label, key, nbytes in floor_rows]), "",
+        f"Disk floors measured on {raw['disk_sample_bytes'] / 1e9:.3g} GB and scaled to the "
+        "state's bytes where a figure is compared with them.", "",
+        "## Blocking, time to durable, restore", "",
+        "Blocking: the `save` call plus the fence before the next optimizer step, per snapshot "
+        "(× the device-to-host floor). Time to durable: a snapshot with nothing else running, "
+        "from the call to durable (× the disk floor). Restore: the newest snapshot into the live "
+        "model on the device, to a device synchronisation (× the host-to-device floor). "
+        "`vs DCP`: × the best DCP variant in the same round.", "",
+        table(["system"] + [f"blocking, K={k}" for k in ks]
+              + ["to durable", "restore onto the device"], rows), "",
+        "## Training-step overhead", "",
+        "Step time with a snapshot every K steps over the same loop without checkpointing just "
+        "before it; `vs DCP`: step time × the best DCP variant's.", "",
+        table(["system"] + [f"K={k}" for k in ks], steps), "",
+        "## Exactness", "",
+        f"{sum(c['bit_exact'] for c in checks)} of {len(checks)} restores bit-exact; RNG states "
+        f"(CPU and every CUDA device) restored exactly in "
+        f"{sum(bool(c.get('rng_exact')) for c in checks)} of "
+        f"{sum('rng_exact' in c for c in checks)} async_ckpt restores.", "",
+        table(["system", "round", "step", "tensors differing", "RNG"],
+              [[c["system"], str(c["round"]), str(c["step"]), f"{c['differing']} of {c['tensors']}",
+                {True: "exact", False: "DIFFERS", None: "not saved"}[c.get("rng_exact")]]
+               for c in checks]), ""])
 
 
-def _ms_x(entry: dict, floor: str) -> str:
-    text = f"{median_range(entry['value'], 1e-3)} ms, {factor(entry['x_floor']['median'])} {floor}"
-    return text + _vs_dcp(entry)
-
-
-def _s_x(entry: dict, floor: str) -> str:
-    text = f"{median_range(entry['value'])} s, {factor(entry['x_floor']['median'])} {floor}"
-    return text + _vs_dcp(entry)
-
-
-def _vs_dcp(entry: dict) -> str:
-    return f", {factor(entry['x_best_dcp']['median'])} vs DCP" if "x_best_dcp" in entry else ""
-
-
-def _overhead(per_k: dict) -> str:
-    o = per_k["overhead"]
-    text = (f"{(o['median'] - 1) * 100:+.1f}% ({(o['min'] - 1) * 100:+.1f}%–"
-            f"{(o['max'] - 1) * 100:+.1f}%), {median_range(per_k['step_s']['value'], 1e-3)} ms")
-    return text + (f", {hundredths(per_k['step_s']['x_best_dcp']['median'])}× vs DCP"
-                   if "x_best_dcp" in per_k["step_s"] else "")
+def _cell(entry: dict, scale: float, unit: str, floor: str = "",
+          vs: Callable[[float], str] = factor) -> str:
+    """``median (min–max) unit, N× floor, M× vs DCP``."""
+    text = f"{median_range(entry['value'], scale)} {unit}"
+    if floor:
+        text += f", {factor(entry['x_floor']['median'])} {floor}"
+    if "x_best_dcp" in entry:
+        text += f", {vs(entry['x_best_dcp']['median'])} vs DCP"
+    return text

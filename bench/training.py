@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from . import consistency
 from .floors import Floors
@@ -106,17 +106,34 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
 
 
 def run_loop(system, workload: TrainingWorkload, k: int, n_steps: int, step: int,
-             after_snapshot: list) -> tuple[dict, int]:
+             after_snapshot: Optional[list] = None,
+             fence: Optional[Callable[[], None]] = None) -> tuple[dict, int]:
     """``n_steps`` training steps with a save after step ``i`` when ``i % k == 0``; returns the
-    loop's figures and the global step reached."""
+    loop's figures and the global step reached. ``after_snapshot``: RSS after each save, if a list.
+    ``fence`` (the GPU benchmark's): called before the optimizer step after a save (the workload's
+    ``before_update``) and at the loop's end, counted in that save's blocking time."""
     blocking = []
+    pending = [False]  # a save not fenced yet
+
+    def before_update() -> None:
+        if pending[0]:
+            blocking[-1] += timed(fence)
+            pending[0] = False
+
     start = time.perf_counter()
     for i in range(n_steps):
-        workload.step()
+        if fence is None:
+            workload.step()
+        else:
+            workload.step(before_update)
         step += 1
         if i % k == 0:
             blocking.append(timed(lambda: system.save(step)))
-            after_snapshot.append(rss(system.writer_pids()))
+            pending[0] = True
+            if after_snapshot is not None:
+                after_snapshot.append(rss(system.writer_pids()))
+    if fence is not None:
+        before_update()
     loop_s = time.perf_counter() - start
     drain_s = timed(system.wait)
     return {"steps": n_steps, "loop_s": loop_s, "steps_per_s": n_steps / loop_s,

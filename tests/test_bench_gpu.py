@@ -35,6 +35,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_every_restore_is_exact(tmp_path):
     results = json.loads((out / "results.json").read_text())
     config = gpu.PRESETS["cpu", True]
     assert results["kind"] == "gpu" and results["raw"]["rounds_run"] == config.rounds
+    assert len(results["raw"]["floors"]) == len(results["raw"]["settle"]) == config.rounds
     names = [s.name for s in GPU_SYSTEMS]
     assert list(results["raw"]["systems"]) == names
     assert all(results["raw"]["systems"][n]["available"] for n in names), results["raw"]["systems"]
