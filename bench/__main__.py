@@ -1,28 +1,6 @@
 """``python -m bench``: every benchmark in one run, from the repository root.
 
-Runs the state-size sweep (``bench/sweep.py``) and the training loop (``bench/training.py``) for
-every system (``bench/registry.py``), then the parts of ``bench/parts.py`` (two ranks, sharded
-FSDP2 state, lazy staging, incremental snapshots, zstd decoding across cores, direct writes, the
-remote tier, the framework adapters), against the floors measured in the same run;
-then writes to ``--out`` (default ``bench/results/``):
-
-* ``results.json``: every figure (the median of interleaved rounds with its min-max spread) with
-  its ratios to its floor and to the best peer, the issue's targets, the machine's load per round,
-  and the raw samples;
-* ``blocking_vs_size.png``, ``throughput_vs_k.png``;
-* ``report.md``: the tables, also printed on stdout (progress goes to stderr).
-
-Presets (``Preset``) set what runs unless an option says otherwise: everything (``FULL``);
-``--quick``, a tiny version in about a minute: a smoke test that keeps the benchmarks from
-rotting (``tests/test_bench.py``), not a measurement; ``--stall``, the focused stall benchmark:
-the sweep alone, at 1 GB in 7 rounds, async_ckpt's modes against torch.save + fsync: how long a
-snapshot stops training (against the copy floor) and how long until it is durable (against the
-disk floor), with the targets of ``bench/targets.py``.
-
-``--device cuda`` (or ``cpu``) runs the GPU benchmark instead (``bench/gpu.py``): a bf16
-transformer with fused AdamW on the device, async_ckpt's eager and lazy staging against DCP's
-stagers and torch.save, restore onto the device, the device's copy floors; its report goes to
-``bench/results/gpu/`` (a full CUDA run) or a scratch directory.
+Presets, options and outputs: docs/performance.md, "Running it"; ``--device``: ``bench/gpu.py``.
 """
 
 from __future__ import annotations
@@ -123,6 +101,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "so that it never overwrites the committed report)")
     parser.add_argument("--dir", default=None,
                         help="where to make the scratch directory (default /tmp); it is removed")
+    parser.add_argument("--part", choices=sorted(BY_KEY), default=None,
+                        help="run this part alone (no sweep): its report section on stdout, "
+                             "nothing written under --out")
     parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
@@ -132,6 +113,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         return _device_args(parser, args)
     if args.params_gb is not None or args.budget is not None:
         parser.error("--params-gb and --budget go with --device")
+    if args.part and (args.stall or args.render):
+        parser.error("--part goes with neither --stall nor --render")
     args.preset = preset = STALL if args.stall else QUICK if args.quick else FULL
     args.sizes = preset.sizes if args.sizes is None else args.sizes
     args.bf16_sizes = preset.bf16_sizes if args.bf16_sizes is None else args.bf16_sizes
@@ -192,6 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         write_outputs(results, args.out, write_json=False)
         return 0
+    if args.part:
+        return _run_part(BY_KEY[args.part], args)
     started, start = time.time(), time.perf_counter()
     machine_info, load_start = machine(), load_now()
     os.makedirs(args.out, exist_ok=True)
@@ -206,6 +191,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
     write_outputs(results, args.out)
     log(f"results in {args.out}")
+    return 0
+
+
+def _run_part(part, args: argparse.Namespace) -> int:
+    """``--part``: one part alone, its section printed; its scratch directory removed."""
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix=f"bench-{part.key}-", dir=args.dir or "/tmp")
+    try:
+        print(part.render({part.key: part.run(args, root)}))
+    finally:
+        dcp.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
@@ -316,7 +314,8 @@ def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
     _write_atomic(os.path.join(out, "report.md"), text)
     pngs = plots.write(results, out)
     print(text)
-    log(f"wrote {out}/results.json, report.md, {', '.join(map(os.path.basename, pngs))}")
+    log(f"wrote to {out}: {', '.join(['results.json'] * write_json + ['report.md'])}, "
+        f"{', '.join(map(os.path.basename, pngs))}")
 
 
 def _image_dir(out: str) -> str:

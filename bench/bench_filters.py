@@ -1,9 +1,6 @@
 """Byte-shuffle throughput: the C extension against the numpy reference and a memcpy floor.
 
-This is the case for having C at all: the writer shuffles every float tensor before zstd, and
-numpy's strided copy is slower than the disk it feeds. Run as ``python bench/bench_filters.py``;
-GB/s counts input bytes, best of ``--repeat`` runs.
-"""
+The case for C at all: numpy's strided shuffle is slower than the disk it feeds. GB/s of input."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from async_ckpt.format import filters
 
 
 def best_seconds(fn: Callable[[], None], repeat: int) -> float:
-    """Fastest of ``repeat`` timed calls, after one untimed call that faults the pages in."""
+    """Fastest of ``repeat`` calls, after an untimed one that faults the pages in."""
     fn()
     times = []
     for _ in range(repeat):

@@ -1,48 +1,78 @@
-"""What the two-rank framework parts share (``integrations_deepspeed``,
-``integrations_lightning_sharded``): an adapter's save against the framework's own, each round's
-blocking and durable times of the slower rank, summarised and rendered alike."""
+"""What the framework parts share: an adapter's save against the framework's own in interleaved
+rounds (the first a warm-up: it allocates what later rounds reuse), summarised alike; the
+two-rank ones under torchrun, the slower rank's figures (method: docs/integrations.md, "Cost")."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import files_under, ratio_spread, spread
+from .measure import files_under, log, ratio_spread, rotated, spread
 from .ranks import torchrun
 
 RANKS = 2
 KINDS = ("blocking", "durable")
 
 
-def run(what: str, module: str, directory: str, config: dict, systems: tuple[str, str]) -> dict:
-    """``module``'s workers on two ranks under torchrun, with ``config``'s width, layers and
-    rounds, in ``directory``; the results block of their rounds (the first a warm-up, not
-    summarised): each system's medians and spreads, and the first's ratios to the second's."""
-    raw = torchrun(what, module, RANKS, directory, 0.0, config["rounds"],
-                   "--width", str(config["width"]), "--layers", str(config["layers"]))
-    measured = raw["rounds"][1:] or raw["rounds"]  # the first round allocates the staging memory
+def interleaved(what: str, systems: Sequence[str], rounds: int,
+                measure: Callable[[str, int], dict]) -> list[dict]:
+    """Each round's figures: ``measure(system, round)`` of every system, in ``rotated`` order."""
+    found = []
+    for n in range(rounds):
+        figures = {}
+        for system in rotated(systems, n):
+            figures.update(measure(system, n))
+        found.append(figures)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log(f"{what}: round {n + 1}/{rounds}: " + ", ".join(
+                f"{key} {value:.3g}" for key, value in figures.items()
+                if isinstance(value, float)))
+    return found
+
+
+def summarised(rounds: list[dict], keys: Iterable[str],
+               ratios: Mapping[str, tuple[str, str]]) -> dict:
+    """Each key's spread over the rounds after the warm-up (``figures``), and each named
+    ``(key, reference)``'s ratio, round by round (``ratios``)."""
+    measured = rounds[1:] or rounds
+
+    def column(key: str) -> list[float]:
+        return [r[key] for r in measured]
+
+    return {"figures": {key: spread(column(key)) for key in keys},
+            "ratios": {name: ratio_spread(column(key), column(reference))
+                       for name, (key, reference) in ratios.items()}}
+
+
+def run_pair(what: str, part: str, directory: str, config: dict,
+             systems: tuple[str, str]) -> dict:
+    """``part``'s workers on two ranks (``config``'s width, layers and rounds): each system's
+    blocking and durable seconds, and the first's ratios to the second's."""
+    return pair_block(torchrun(what, part, RANKS, directory, 0.0, config["rounds"], "--width",
+                               str(config["width"]), "--layers", str(config["layers"])),
+                      config, systems)
+
+
+def pair_block(raw: dict, config: dict, systems: tuple[str, str]) -> dict:
+    """The results block of the workers' ``raw`` rounds."""
     ours, theirs = systems
     return {"config": config, "ranks": RANKS, "state_bytes": raw["state_bytes"],
-            "figures": {f"{system}_{kind}_s": spread([r[f"{system}_{kind}_s"] for r in measured])
-                        for system in systems for kind in KINDS},
-            "ratios": {kind: ratio_spread([r[f"{ours}_{kind}_s"] for r in measured],
-                                          [r[f"{theirs}_{kind}_s"] for r in measured])
-                       for kind in KINDS},
-            "rounds": raw["rounds"]}
+            "rounds": raw["rounds"], **summarised(
+                raw["rounds"], [f"{s}_{kind}_s" for s in systems for kind in KINDS],
+                {kind: (f"{ours}_{kind}_s", f"{theirs}_{kind}_s") for kind in KINDS})}
 
 
-def render(block: dict, systems: tuple[str, str], heading: str, setup: str, contents: str,
-           columns: tuple[str, str, str], durable_row: str, theirs_durable: str) -> str:
-    """The section: ``heading``, ``setup`` (what ran) and ``contents`` (what the state's bytes
-    are), a table whose ``columns`` name the step and the two systems, with the durable row's
-    label and how the second system's durable time was measured."""
+def render_pair(block: dict, systems: tuple[str, str], heading: str, setup: str, contents: str,
+                columns: tuple[str, str, str], durable_row: str, theirs_durable: str) -> str:
+    """``run_pair``'s section: what ran (``setup``, ``contents``), a row per kind of figure."""
     f, r = block["figures"], block["ratios"]
     ours, theirs = systems
 
-    def cell(key: str) -> str:
+    def ms(key: str) -> str:
         return spread_text(f[key], milliseconds, " ms")
 
     return "\n".join([
@@ -51,13 +81,13 @@ def render(block: dict, systems: tuple[str, str], heading: str, setup: str, cont
         f"{contents} in all; median of {f[f'{theirs}_blocking_s']['n']} interleaved rounds "
         "after a warm-up (min–max); the slower rank's figure.", "",
         f"| {columns[0]} | {columns[1]} | {columns[2]} | ratio |", "|---|---|---|---|",
-        f"| training blocked | {cell(f'{ours}_blocking_s')} | {cell(f'{theirs}_blocking_s')} | "
+        f"| training blocked | {ms(f'{ours}_blocking_s')} | {ms(f'{theirs}_blocking_s')} | "
         f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| {durable_row} | {cell(f'{ours}_durable_s')} | {cell(f'{theirs}_durable_s')} "
+        f"| {durable_row} | {ms(f'{ours}_durable_s')} | {ms(f'{theirs}_durable_s')} "
         f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |"])
 
 
-def reduced(value: float, op=dist.ReduceOp.MAX) -> float:
+def slowest(value: float, op=dist.ReduceOp.MAX) -> float:
     """Every rank's ``value`` reduced by ``op`` (a collective): the slowest rank's by default."""
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=op)

@@ -1,17 +1,5 @@
-"""Recovery consistency, measured: does a restore give back the snapshot bit for bit, and is a
-damaged snapshot caught?
-
-``check`` runs on a system that has taken snapshots already (the training loop's), so a system that
-detects damage has an older snapshot to fall back to:
-
-1. snapshot the current state and wait until it is durable; keep a copy of the state's tensors;
-2. train two more steps (so a restore that does nothing is caught), restore, compare every tensor
-   bit for bit with the copy;
-3. flip one byte in the middle of the snapshot's largest file (tensor data in every format here),
-   train a step, restore again. Outcomes: an error (detected), a restore of an older snapshot
-   (detected, fell back), or a state that differs from the snapshot with no error (not detected:
-   silently wrong values).
-"""
+"""Recovery consistency: is a restore bit-exact, and is one flipped byte caught? Method:
+docs/performance.md, "What runs" (training loop)."""
 
 from __future__ import annotations
 
@@ -28,12 +16,13 @@ from .workloads import TrainingWorkload
 
 
 def check(system: System, workload: TrainingWorkload, step: int) -> Consistency:
+    """On a system with older snapshots, so that one that detects damage can fall back."""
     system.save(step)
     system.wait()
     to_commit = system.to_commit_s()
     expected = workload.clone_tensors()
     workload.step()
-    workload.step()
+    workload.step()  # so that a restore that does nothing is caught
     restored = system.restore()
     differing = workload.differing_tensors(expected)
     result = functools.partial(Consistency, step, to_commit, restored, differing == 0, differing,
@@ -56,8 +45,7 @@ def check(system: System, workload: TrainingWorkload, step: int) -> Consistency:
 
 @contextlib.contextmanager
 def _quietly():
-    """Neither warnings nor log records below ERROR while a deliberately damaged snapshot is
-    restored: they would read as trouble in the benchmark's output."""
+    """No warnings or logs below ERROR: a deliberately damaged restore's would read as trouble."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)

@@ -1,32 +1,5 @@
-"""PyTorch Distributed Checkpoint (DCP) as peers: ``dcp.save`` and ``dcp.async_save``.
-
-DCP runs inside a process group, so the first DCP system opened creates a single-process gloo group
-on a loopback TCP store (``MASTER_ADDR`` is pinned to 127.0.0.1 too, because the process executor
-starts its own store and would otherwise bind to the host name). Variants, as DCP users run them:
-
-* ``dcp.save``: blocking; ``FileSystemWriter`` fsyncs the data files and the ``.metadata`` it writes
-  last, so a snapshot is durable when the call returns.
-* ``async_save`` with its default stager: a fresh CPU copy of the state per save (first-touch page
-  faults on every save), then a writer thread.
-* ``async_save`` with a cached shared-memory stager: ``DefaultStager(StagingOptions(
-  use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
-  use_non_blocking_copy=False))`` kept for the run, so the copies go into buffers allocated once (the
-  CUDA-only options are off on this CPU machine). With the thread executor or with DCP's process
-  executor (a spawned daemon process that writes; the shared-memory staging is what lets the state
-  reach it without another copy).
-* ``async_save`` with a cached pinned-memory stager, what torchtitan's ``async_with_pinned_mem``
-  uses: ``DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-  use_async_staging=True, use_non_blocking_copy=True))``, the thread executor: the device-to-host
-  copy runs on a side stream in a background thread after ``async_save`` returns, so training
-  must wait for it (``fence``: the response's ``staging_completion``) before the state changes.
-  Pinned memory and non-blocking copies need a CUDA device: with a CPU state (the GPU
-  benchmark's ``--device cpu``) both are off and the staging is still asynchronous.
-
-Only one ``async_save`` is kept in flight: the cached stager has one set of buffers, and staging the
-next save into them while the previous is still being written would corrupt it. So ``save`` first
-waits for the previous future, as torchtitan and the DCP docs do. Time-to-durable is when the
-future completes (stamped by a done-callback).
-"""
+"""PyTorch DCP as peers, ``dcp.save`` and ``dcp.async_save`` with each stager as its users run it;
+variants: docs/performance.md, "What runs"."""
 
 from __future__ import annotations
 
@@ -60,6 +33,7 @@ def ensure_process_group() -> None:
         raise Unavailable("this torch build has no torch.distributed")
     if dist.is_initialized():
         return
+    # the process executor starts its own store, which would otherwise bind to the host name
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
@@ -80,9 +54,7 @@ def shutdown() -> None:
 
 
 def stop_process_daemon() -> None:
-    """DCP keeps its process executor's daemon in a module global for the life of the trainer, as
-    its users get it: started by the first save (~3 s here, in the warm-up), then reused. Only the
-    process-executor system reports its pid, so its memory is charged to no other system."""
+    """DCP keeps this daemon in a module global for the trainer's life, as its users get it."""
     try:
         from torch.distributed.checkpoint import _async_process_executor as executor
     except ImportError:
@@ -94,8 +66,8 @@ def stop_process_daemon() -> None:
 
 
 class DcpSave(System):
-    """``torch.distributed.checkpoint.save``: blocking until durable. Opened on a directory that
-    holds its checkpoints already (another world size's), it restores the newest."""
+    """``dcp.save``, durable on return; on a directory with checkpoints (another world size's), it
+    restores the newest."""
 
     def __init__(self, name: str, state: dict, directory: str):
         super().__init__(state, directory)
@@ -117,10 +89,8 @@ class DcpSave(System):
 
 @contextlib.contextmanager
 def _stderr_to_devnull(active: bool):
-    """The process executor's child, started during the first ``async_save``, logs every
-    request at INFO on the stderr it inherits (DCP sets that up itself): give it /dev/null
-    instead, so the benchmark's output holds the benchmark's lines. Its failures still reach the
-    future."""
+    """The process executor's child logs every request on the stderr it inherits at its start;
+    its failures still reach the future."""
     if not active:
         yield
         return
@@ -135,9 +105,7 @@ def _stderr_to_devnull(active: bool):
 
 
 class DcpAsync(DcpSave):
-    """``torch.distributed.checkpoint.async_save`` with the thread or process executor and the
-    default, a cached shared-memory or a cached pinned-memory stager (``stager``: "default",
-    "cached" or "pinned")."""
+    """``dcp.async_save``; ``stager``: "default", "cached" (shared memory) or "pinned"."""
 
     def __init__(self, name: str, state: dict, directory: str, executor: str, stager: str):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -164,7 +132,7 @@ class DcpAsync(DcpSave):
 
     def _save(self, step: int, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        self.wait()  # one save in flight (see the module docstring)
+        self.wait()  # one in flight: staging into the cached buffers would corrupt the previous
         first_of_process = self._type.name == "PROCESS" and not self._saved_once
         self._saved_once = True
         with _stderr_to_devnull(first_of_process):

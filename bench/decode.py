@@ -1,35 +1,22 @@
-"""zstd restore across cores: how a compressed restore scales with the cores it is given.
-
-A restore of a zstd snapshot spends its time decoding chunks; they are decoded on the verify
-threads, one per core the process may run on (``os.sched_getaffinity``). This benchmark saves the
-sweep's fp32 state (1 GB; tiny with ``--quick``) once with ``compression="zstd"``, then restores
-it warm (the files in the page cache) in child processes pinned to 1 core and to every core
-(``sched_setaffinity`` before the child starts, so its threads are made on those cores),
-interleaved over the rounds (``rounds.run_rounds``), a warm-up restore first in each child.
-Reported: the restore time, the state's bytes decoded per second and per second per core, and
-the speed-up of every core over one, round by round.
-
-Self-contained (``run`` and ``render`` are its entry points, from ``bench/__main__.py`` and
-``bench/report.py``). Run alone: ``python -m bench.decode [--quick]``.
-"""
+"""zstd restores across cores: a warm restore of a zstd snapshot by a child confined to one core
+and to every core (method: docs/performance.md, "The data path's choices")."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import time
 
 from .markdown import hundredths, spread_text, thousandths
-from .measure import log, ratio_spread, spread, standalone
+from .measure import log, ratio_spread, spread
 from .registry import OURS_ASYNC, OURS_ASYNC_ZSTD
 from .rounds import run_rounds
 from .workloads import build_state
+from .worker import command as command_of
 
 FULL = {"size_gb": 1.0, "rounds": 3}
 QUICK = {"size_gb": 0.008, "rounds": 1}  # a child costs a torch import: a smoke test
-CHILD_FLAG = "--restore-in-child"
 
 
 def _restore_seconds(directory: str, size_gb: float) -> float:
@@ -50,7 +37,7 @@ def _in_child(directory: str, size_gb: float, cores: int) -> float:
     """``_restore_seconds`` in a fresh interpreter confined to the first ``cores`` cores."""
     allowed = sorted(os.sched_getaffinity(0))[:cores]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.decode", CHILD_FLAG, directory, str(size_gb)],
+        command_of("decode", dir=directory, size_gb=size_gb),
         preexec_fn=lambda: os.sched_setaffinity(0, allowed), capture_output=True, text=True,
         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(proc.stdout.strip().splitlines()[-1])["restore_s"]
@@ -82,11 +69,7 @@ def run(root: str, quick: bool) -> dict:
             "speedup": ratio_spread(samples[1], samples[every])}  # one core's time over all's
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("decode")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     nbytes = block["state_bytes"]
     rows = []
     for cores in block["cores"]:
@@ -106,8 +89,6 @@ def render(results: dict) -> str:
         f"×{spread_text(speedup, hundredths)}."])
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == [CHILD_FLAG]:
-        print(json.dumps({"restore_s": _restore_seconds(sys.argv[2], float(sys.argv[3]))}))
-        sys.exit(0)
-    sys.exit(standalone("decode", "decode", run, render, __doc__))
+def worker(args) -> None:
+    """The child of ``_in_child``: its restore time on stdout."""
+    print(json.dumps({"restore_s": _restore_seconds(args.dir, args.size_gb)}))

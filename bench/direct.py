@@ -1,20 +1,6 @@
-"""Direct writes against the buffered writer (issue 39), quiet and with every core kept busy.
-
-The engine's writer writes shards with ``O_DIRECT`` (``direct_io=True``, opt-in for now) or
-through the page cache (``direct_io=False``, the default). For each fp32 state size and each load (quiet, and with
-one CPU burner per core, ``python -c "while 1: pass"``, started before the load's rounds and
-stopped after them, so that the floors run under the same load), both writers run in
-interleaved rounds (``rounds.run_rounds``) next to one floor sample per round
-(``floors.Floors``: fio direct at queue depth 8, 1 MiB writes + fsync, ... and the cold read).
-Per run: a warm-up snapshot, then one measured snapshot: its time to durable (``snapshot`` to
-``wait`` returning, the commit included) and the writer process's CPU seconds per GB of state
-in that time; a restore right after it (warm: whatever the page cache still holds) and a cold
-one (the snapshot's files evicted first). Reported: medians (min-max) and ratios to the floors,
-round by round.
-
-Part of ``python -m bench`` (not of ``--stall``); run alone: ``python -m bench.direct [--quick]
-[--dir D]`` (``--dir``: put it on the disk you checkpoint to).
-"""
+"""Direct writes (``direct_io=True``) against the buffered writer, quiet and with every core kept
+busy (method: docs/performance.md, "What runs"; ``--dir``: put it on the disk you checkpoint
+to)."""
 
 from __future__ import annotations
 
@@ -28,7 +14,7 @@ import psutil
 
 from .floors import Floors
 from .markdown import hundredths, spread_text, thousandths
-from .measure import evict, log, ratio_spread, remove, spread, standalone
+from .measure import evict, log, ratio_spread, remove, spread
 from .registry import OURS_ASYNC, OURS_DIRECT
 from .rounds import run_rounds
 from .workloads import build_state
@@ -125,11 +111,7 @@ def _cell(size_gb: float, load: int, nbytes: int, record: dict) -> dict:
     return cell
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results without it."""
-    block = results.get("direct")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     rows = []
     for cell in block["cells"]:
         for name in WRITERS:
@@ -155,6 +137,3 @@ def render(results: dict) -> str:
         "| state | burners | writer | time to durable | ×floor | writer CPU s/GB | restore | "
         "cold restore | ×cold read |", "|---|---|---|---|---|---|---|---|---|", *rows])
 
-
-if __name__ == "__main__":
-    sys.exit(standalone("direct", "direct", run, render, __doc__))

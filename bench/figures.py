@@ -1,23 +1,5 @@
-"""From raw measurements to figures: every figure of every system, as a value with its ratio to
-the figure's floor and to the best peer, or why there is none.
-
-A figure is a ``records.FigureValues`` whose ``values[system][case]`` is a ``records.Cell`` (the
-spread over the interleaved rounds, one value per round, with its ratios) or a
-``records.NotAvailable`` with the reason. Cases are state sizes for the sweep's figures
-(``fp32 1 GB``), intervals for the training loop's (``K=10``), and ``loop`` for the loop's memory
-figures; without a training loop (the ``--stall`` preset) there are the sweep's only.
-
-* ``x_floor``: the median over rounds of the round's value / the round's floor, measured in the
-  same run (for times: the floor sample of that state taken in the same round; for bytes: the
-  state's tensor bytes; for throughput: the no-checkpoint loop run just before the system's);
-  ``floor`` is the median of those floors.
-* ``x_best_peer``: the value / the best peer's value for the same case, peers being every system
-  but async_ckpt's. Below 1 is better for times and bytes, above 1 for throughput and compression.
-
-``step_overhead_pct`` is the training loop's headline: per round, the per-step time of a system's
-loop over that of the loop without checkpointing run just before it, minus 1, in percent; it has
-no floor (the paired loop is its zero) and no ratio to the best peer (overheads near zero).
-"""
+"""From raw runs to figures: each value with its ratios to the floor and the best peer, or why
+there is none; method: docs/performance.md, "Reading the numbers"."""
 
 from __future__ import annotations
 
@@ -32,10 +14,8 @@ from .training import GROWTH_SKIP
 
 @dataclass(frozen=True)
 class Figure:
-    """``min_best_of_floor``: no ratio to a best peer whose value is below this fraction of its
-    floor (a peer that allocates nothing is no yardstick for memory: the ratio would be noise).
-    ``peer_ratio``: False where a ratio of two values means nothing (of two overheads near zero,
-    or of opposite signs); the best peer is still named."""
+    """``min_best_of_floor``: no peer ratio below this fraction of the floor (noise); ``peer_ratio``
+    False: a ratio means nothing (overheads near zero), the best peer is still named."""
 
     key: str
     title: str
@@ -88,8 +68,7 @@ SWEEP_SOURCES = {  # figure: (the key of a sweep run, the floor key it is paired
 
 def build(sweep: dict, training: Optional[dict],
           specs: Sequence[SystemSpec]) -> dict[str, FigureValues]:
-    """Every figure of ``specs`` (the preset's systems) from the sweep's and (if it ran) the
-    training loop's raw runs."""
+    """Every figure of the preset's ``specs`` from the sweep's and the training loop's runs."""
     names = [spec.name for spec in specs]
     peers = {spec.name for spec in specs if not spec.ours}
     figures = {}
@@ -116,7 +95,7 @@ def build(sweep: dict, training: Optional[dict],
 
 
 def _figure(figure: Figure, by_case: dict[str, dict[str, Value]], peers: set[str]) -> FigureValues:
-    """Add each case's best peer and every value's ratio to it; lay values out by system."""
+    """Each case's best peer and every value's ratio to it, laid out by system."""
     best = {}
     for case, entries in by_case.items():
         measured = {n: e for n, e in entries.items() if n in peers and isinstance(e, Cell)}
@@ -139,8 +118,7 @@ def _figure(figure: Figure, by_case: dict[str, dict[str, Value]], peers: set[str
 
 
 def _entry(values: list, floors, **extra) -> Cell:
-    """The spread of ``values`` with the floor: ``floors`` one per value (the same round's:
-    ``x_floor`` is the median of the pairwise ratios) or one for all (bytes)."""
+    """``floors``: one per value (the same round's) or one for all (bytes)."""
     floors = list(floors) if isinstance(floors, (list, tuple)) else [floors] * len(values)
     paired = ratio_spread(values, floors)["median"] if all(floors) else None
     return Cell(**spread(values), floor=spread(floors)["median"] if all(floors) else None,
@@ -172,8 +150,8 @@ def _sweep_entry(key: str, case: dict, name: str):
 
 
 def _none_rates(training: dict) -> dict:
-    """Steps/s without checkpointing per K: every no-checkpoint loop of the run (each system's
-    loops are paired with their own; this is the row the report shows for reference)."""
+    """Every no-checkpoint loop's steps/s per K: the report's reference row (each system's ratios
+    use its own paired loops)."""
     return {k: [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
                 if b.get("available") for r in b["runs"]] for k in training["steps"]}
 

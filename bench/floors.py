@@ -1,33 +1,5 @@
-"""The floors: physical limits of this machine for a byte count, measured in the same run as the
-systems so that every figure can be read as a multiple of what the hardware allows.
-
-* copy (``copy_s``): one ``copy_`` of the byte count into a preallocated, pre-faulted CPU buffer. An
-  asynchronous checkpoint must copy the state at least once before training may modify it, so this
-  bounds blocking time from below.
-* disk (``durable_s``): the fastest of several ways to make the byte count durable in the same
-  directory (``WRITE_WAYS``), each into a file of its own: ``dd conv=fsync`` with 1 MiB and with
-  8 MiB blocks, a plain Python loop of 1 MiB ``os.write`` calls then ``fsync``, and fio sequential
-  1 MiB writes with an fsync at the end, direct (libaio, queue depth 8) and buffered. Nothing makes
-  those bytes durable faster than the fastest of these, so it bounds time to durable from below
-  (compression off); ``dd`` alone flattered: its 8 MiB writes run at a third of the disk here.
-  fio's time is its job's own runtime (open to fsync): its ~0.35 s of start-up is not disk time.
-  fio is skipped, with the reason, where it is not installed (``apt-get install fio``) or the
-  bytes are under ``FIO_MIN_BYTES`` (its runtime comes in whole milliseconds).
-* warm read (``read_cache_s``): the fastest of reading the last file written back with one
-  ``readinto`` and in 1 MiB ``readinto`` calls, from the page cache; the floor for a restore of a
-  checkpoint that was just written (also read from the page cache).
-* cold read (``read_cold_s``): the same two ways, each after the file's pages were evicted
-  (``measure.evict``: fsync, then ``POSIX_FADV_DONTNEED``); the floor for a cold restore, whose
-  snapshot files are evicted the same way.
-
-Each kind's winner is named in the sample (``durable_way``, ``read_cache_way``, ``read_cold_way``)
-next to every way's time (``durable_ways``, ...). The ways run in the order of ``measure.rotated``
-(by sample), each write after the disk settled (``measure.settle``; the waits add up in
-``settle_s``), so that no way always runs first or after the same neighbour. Reads go into a
-preallocated, pre-faulted buffer. No way runs right after a large deletion: the files are removed
-together at the end, with their directory fsynced (``measure.remove(settle=True)``), and the sweep
-takes its floor sample before the cleanup of the system it runs next to.
-"""
+"""The floors: this machine's limits for a byte count (copy, durable write, warm and cold read),
+measured in the same run as the systems; method: docs/performance.md, "Reading the numbers"."""
 
 from __future__ import annotations
 
@@ -53,8 +25,7 @@ FIO_DIRECT_DEPTH = 8
 
 @dataclass(frozen=True)
 class Fastest:
-    """One kind of floor in one sample: the fastest way's time and name, and every way's time (or
-    "n/a (reason)" for a way that could not run)."""
+    """One kind of floor in one sample: the fastest way, and every way's time or "n/a (reason)"."""
 
     seconds: float
     way: str
@@ -67,15 +38,13 @@ class Fastest:
         return cls(ran[way], way, ways)
 
     def fields(self, key: str) -> dict:
-        """As a floor sample holds it: ``{key: seconds, stem_way: way, stem_ways: ways}``, the stem
-        being ``key`` without its ``_s``."""
+        """``{key: seconds, stem_way: way, stem_ways: ways}``, stem being ``key`` less ``_s``."""
         stem = key.removesuffix("_s")
         return {key: self.seconds, f"{stem}_way": self.way, f"{stem}_ways": self.ways}
 
 
 class Floors:
-    """The floors for ``nbytes``, measured on demand (``measure()``) so they can be interleaved
-    with the systems' runs; every sample is kept in ``samples``."""
+    """The floors for ``nbytes``, one sample per ``measure()`` call, to interleave with systems."""
 
     def __init__(self, directory: str, nbytes: int):
         self.directory, self.nbytes = directory, nbytes
@@ -91,8 +60,8 @@ class Floors:
         return sample
 
     def _disk(self, turn: int) -> dict:
-        """Every write way into a file of its own, then the reads of the last file written: cold
-        (each after an eviction), then warm (the last cold read left the file in the cache)."""
+        """Every write way, then reads of the last file: cold first, since the last cold read leaves
+        the file cached for the warm ones."""
         paths, written = [], ""
         writes: dict[str, Union[float, str]] = {}
         waited = 0.0
@@ -151,8 +120,8 @@ class Floors:
             os.close(fd)
 
     def _fio(self, path: str, direct: bool) -> Union[float, str]:
-        """fio's job runtime (open to the end fsync) for the byte count rounded up to 1 MiB;
-        "n/a (reason)" where fio fails here (O_DIRECT on tmpfs, say)."""
+        """fio's job runtime, open to end fsync, without its start-up; "n/a (reason)" where it fails
+        (O_DIRECT on tmpfs, say)."""
         how = (["--ioengine=libaio", f"--iodepth={FIO_DIRECT_DEPTH}", "--direct=1"] if direct
                else ["--ioengine=psync", "--direct=0"])
         done = subprocess.run(

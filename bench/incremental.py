@@ -1,25 +1,6 @@
-"""Incremental snapshots on a LoRA-style state: what a frozen base costs each snapshot.
-
-The state is a frozen base (``requires_grad=False`` Linear weights, 1 GB; tiny with ``--quick``)
-with a trainable low-rank adapter (about 20 MB) and its AdamW state. Two runs of async_ckpt:
-
-* ``incremental``: the whole state, ``incremental=True``: after the first (full) snapshot, the
-  base is neither staged nor written, only referred to;
-* ``trainable only``: a state holding only the adapter and its optimizer: the floor incremental
-  snapshots aim at.
-
-Each snapshot follows one optimizer step of the adapter (gradients are random: the benchmark
-measures checkpointing, not a forward pass through the base). Reported per snapshot: blocking
-time (what ``snapshot()`` costs the loop) and bytes written (the shard), median of the
-repetitions with min-max, and their ratios (target: at most 1.2x for both). The two runs take
-turns in interleaved rounds (``rounds.run_rounds``: one snapshot of each per round, the order
-rotating), so that a noisy machine slows both alike; the first round is a warm-up (for the
-incremental run, its full snapshot, reported apart); every snapshot is committed (``wait()``)
-before the next, so each finds its predecessor committed.
-
-Self-contained on purpose (``run`` and ``render`` are its only entry points, from
-``bench/__main__.py`` and ``bench/report.py``). Run alone: ``python -m bench.incremental [--quick]``.
-"""
+"""Incremental snapshots on a LoRA-style state (a frozen base, a trainable adapter): what the
+frozen base costs each snapshot, against a state of the adapter alone (method:
+docs/performance.md, "What runs")."""
 
 from __future__ import annotations
 
@@ -29,7 +10,7 @@ import sys
 import torch
 
 from .markdown import hundredths, spread_text
-from .measure import ratio_spread, spread, standalone, timed
+from .measure import ratio_spread, spread, timed
 from .registry import OURS_ASYNC, OURS_INCREMENTAL
 from .rounds import run_rounds
 from .workloads import tensor_bytes
@@ -110,11 +91,7 @@ def run(root: str, quick: bool) -> dict:
             "runs": runs, "ratios": ratios, "target_ratio": TARGET_RATIO}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("incremental")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     rows = []
     for name, r in block["runs"].items():
         first = r["first"]
@@ -145,6 +122,3 @@ def _ms(seconds: float) -> str:
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f}"
 
-
-if __name__ == "__main__":
-    sys.exit(standalone("incremental", "incremental", run, render, __doc__))

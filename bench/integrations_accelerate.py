@@ -1,27 +1,5 @@
-"""Accelerate: what a save costs, the adapter against ``save_state()``.
-
-The same prepared training state (an MLP whose parameters and AdamW moments make about 200 MB;
-13 MB with ``--quick``, a scheduler, a prepared stateful loader) is saved by both, alternately,
-in interleaved rounds (the first round a warm-up, not reported):
-
-* **adapter**: ``engine.snapshot(step)`` of ``async_ckpt.integrations.accelerate`` with
-  ``state_dir=``: the time the call blocks (the copy into reused staging memory, and
-  Accelerate's own small files: random states, the loader's state); the writer process then
-  commits the snapshot and writes save_state's directory from it, durable (fsync) and renamed
-  into place;
-* **save_state**: Accelerate's own ``Accelerator.save_state(dir)``, which returns once every
-  file is written (safetensors for the model, ``torch.save`` for the rest; no fsync, so not yet
-  durable).
-
-**Directory written after the save** is the time from the save's start until the directory is
-there: for the adapter until ``engine.wait()`` returns (the writer reports a commit once the
-snapshot's directory is written), for save_state its own duration. **Bytes written per save ÷
-state** is what a save left on disk (the directory, and for the adapter the snapshot's files,
-a file linked into both counted once) over the bytes of the parameters and AdamW moments. Each figure is the median of the measured
-rounds with its min-max spread; the ratio is taken round by round (``ratio_spread``).
-Self-contained (``run`` and ``render``). Run alone:
-``python -m bench.integrations_accelerate [--quick]``.
-"""
+"""Accelerate: a save's cost, the adapter's ``snapshot()`` against ``Accelerator.save_state()``
+on the same prepared state (method: docs/integrations.md, Accelerate)."""
 
 from __future__ import annotations
 
@@ -29,14 +7,14 @@ import glob
 import itertools
 import os
 import shutil
-import sys
 import time
 import warnings
 
 import torch
 
+from .compare import interleaved, summarised
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import dir_bytes, log, ratio_spread, rotated, spread, standalone
+from .measure import dir_bytes
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -44,8 +22,7 @@ SYSTEMS = ("adapter", "save_state")
 
 
 def _prepared(width: int, layers: int):
-    """An Accelerator and the model, AdamW, scheduler and stateful loader it prepared, after one
-    step (so that the optimizer holds its moments)."""
+    """An Accelerator and the model, AdamW, scheduler and stateful loader it prepared."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,7 +46,6 @@ def _train_step(accelerator, model, opt, sched, batches) -> None:
 
 
 def run(root: str, quick: bool) -> dict:
-    """Measure the rounds; the results block of results.json."""
     from accelerate import Accelerator
 
     from async_ckpt.integrations import accelerate as accelerate_ckpt
@@ -82,68 +58,54 @@ def run(root: str, quick: bool) -> dict:
                                         optimizer=opt, scheduler=sched, dataloader=loader,
                                         state_dir=os.path.join(root, "adapter-state", "{step}"),
                                         keep_last=2, heartbeat_interval=None)
-        rounds, step = [], 0
-        try:
-            batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+        batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+        steps = itertools.count(1)
+
+        def save(system: str, n: int) -> dict:
             _train_step(accelerator, model, opt, sched, batches)
+            step = next(steps)
+            start = time.perf_counter()
+            if system == "adapter":
+                target = os.path.join(root, "adapter-state", str(step))
+                engine.snapshot(step)
+                figures = {"adapter_blocking_s": time.perf_counter() - start}
+                engine.wait()
+                figures["adapter_written_s"] = time.perf_counter() - start
+                snapshot = max(glob.glob(os.path.join(engine.root, "step-*")))
+                figures["adapter_bytes"] = dir_bytes(target, snapshot)  # a link counted once
+            else:  # Accelerate's own (the engine's replaces the accelerator's)
+                target = os.path.join(root, "save_state", f"step-{step}")
+                Accelerator.save_state(accelerator, target)
+                figures = {"save_state_s": time.perf_counter() - start,
+                           "save_state_bytes": dir_bytes(target)}
+            shutil.rmtree(target)
+            return figures
+
+        try:
+            _train_step(accelerator, model, opt, sched, batches)  # the optimizer's moments
             state_bytes = sum(t.numel() * t.element_size() for t in
                               [*model.parameters(), *(v for s in opt.state.values()
                                                       for v in s.values() if torch.is_tensor(v))])
-            for n in range(config["rounds"]):
-                figures = {}
-                for system in rotated(SYSTEMS, n):
-                    _train_step(accelerator, model, opt, sched, batches)
-                    step += 1
-                    if system == "adapter":
-                        target = os.path.join(root, "adapter-state", str(step))
-                        start = time.perf_counter()
-                        engine.snapshot(step)
-                        figures["adapter_blocking_s"] = time.perf_counter() - start
-                        engine.wait()
-                        figures["adapter_written_s"] = time.perf_counter() - start
-                        snapshot = max(glob.glob(os.path.join(engine.root, "step-*")))
-                        figures["adapter_bytes"] = dir_bytes(target, snapshot)  # links once
-                    else:  # Accelerate's own (the engine's replaces the accelerator's)
-                        target = os.path.join(root, "save_state", f"step-{step}")
-                        start = time.perf_counter()
-                        Accelerator.save_state(accelerator, target)
-                        figures["save_state_s"] = time.perf_counter() - start
-                        figures["save_state_bytes"] = dir_bytes(target)
-                    shutil.rmtree(target)
-                rounds.append(figures)
-                log(f"integrations_accelerate: round {n + 1}/{config['rounds']}: adapter blocks "
-                    f"{figures['adapter_blocking_s'] * 1e3:.0f} ms (directory written after "
-                    f"{figures['adapter_written_s']:.2f} s), save_state "
-                    f"{figures['save_state_s']:.2f} s")
+            rounds = interleaved("integrations_accelerate", SYSTEMS, config["rounds"], save)
         finally:
             engine.close()
-    measured = rounds[1:] or rounds  # the first round allocates the staging memory
-    return {"config": config, "state_bytes": state_bytes,
-            "figures": {**{key: spread([r[key] for r in measured]) for key in
-                           ("adapter_blocking_s", "adapter_written_s", "save_state_s")},
-                        **{f"{system}_bytes_x_state": spread([r[f"{system}_bytes"] / state_bytes
-                                                             for r in measured])
-                           for system in SYSTEMS}},
-            "ratios": {"blocking": ratio_spread([r["adapter_blocking_s"] for r in measured],
-                                                [r["save_state_s"] for r in measured])},
-            "rounds": rounds}
+    for r in rounds:
+        r.update({f"{s}_bytes_x_state": r[f"{s}_bytes"] / state_bytes for s in SYSTEMS})
+    return {"config": config, "state_bytes": state_bytes, "rounds": rounds, **summarised(
+        rounds, ["adapter_blocking_s", "adapter_written_s", "save_state_s",
+                 *(f"{s}_bytes_x_state" for s in SYSTEMS)],
+        {"blocking": ("adapter_blocking_s", "save_state_s")})}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("integrations_accelerate")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
-    def cell(key: str) -> str:
+    def ms(key: str) -> str:
         return spread_text(f[key], milliseconds, " ms")
 
-    def ratio(key: str) -> str:
-        return spread_text(f[key], lambda x: f"{x:.2f}×") if key in f else "–"
+    def times(key: str) -> str:
+        return spread_text(f[key], lambda x: f"{x:.2f}×")
 
-    written = (f"{cell('adapter_written_s')}, durable (fsync, committed)"
-               if "adapter_written_s" in f else "–")
     return "\n".join([
         "### Accelerate: a save's cost, the adapter against `save_state()`", "",
         f"{mb:.0f} MB of model and AdamW state, a scheduler and a prepared stateful loader; "
@@ -151,13 +113,9 @@ def render(results: dict) -> str:
         "adapter's snapshot leaves the directory `save_state()` writes (`state_dir=`).", "",
         "| per save | adapter `snapshot()` | `Accelerator.save_state()` | ratio |",
         "|---|---|---|---|",
-        f"| training process blocked | {cell('adapter_blocking_s')} | {cell('save_state_s')} | "
+        f"| training process blocked | {ms('adapter_blocking_s')} | {ms('save_state_s')} | "
         f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| directory written after the save | {written} | {cell('save_state_s')}, never "
-        "fsynced | |",
-        f"| bytes written per save ÷ state | {ratio('adapter_bytes_x_state')} | "
-        f"{ratio('save_state_bytes_x_state')} | |"])
-
-
-if __name__ == "__main__":
-    sys.exit(standalone("integrations_accelerate", "integrations_accelerate", run, render, __doc__))
+        f"| directory written after the save | {ms('adapter_written_s')}, durable (fsync, "
+        f"committed) | {ms('save_state_s')}, never fsynced | |",
+        f"| bytes written per save ÷ state | {times('adapter_bytes_x_state')} | "
+        f"{times('save_state_bytes_x_state')} | |"])

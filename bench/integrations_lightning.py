@@ -1,35 +1,10 @@
-"""Lightning: what a checkpoint costs the training process, per save, by checkpoint IO plugin.
-
-The same Lightning run (an MLP, ``--quick``: a small one; Adam; 100-250 MB of state in all) is
-trained with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=1)`` through each of:
-
-* ``AsyncCkptIO`` (async_ckpt.integrations.lightning, with its callback): one copy of the state
-  into reused staging memory, the writer process does the rest;
-* ``TorchCheckpointIO``, Lightning's default: ``torch.save`` into memory, then the file, on the
-  training thread;
-* ``AsyncCheckpointIO``, Lightning's own asynchronous plugin: every tensor cloned on the training
-  thread, then ``TorchCheckpointIO`` in a thread.
-
-**Blocking per save** is the time the training loop spends in ``ModelCheckpoint``'s hook at a save
-step (Lightning's ``dump_checkpoint``, the plugin's save, the removal of the previous checkpoint),
-the median of a run's saves after its first (the first one, which allocates what later saves
-reuse, is reported apart); **.ckpt written after the save** is the last save's ``.ckpt``
-modification time less the wall time at which its save began (the writer's file is written once
-its snapshot is committed); **bytes written per save** is what the last save left on disk (its
-``.ckpt`` and, for ``AsyncCkptIO``, its snapshot's files, a file linked twice counted once)
-over the state's bytes; **fit time** is
-the whole run's wall time (a background writer still
-takes CPU from training on this 2-core machine). Each figure is the median of interleaved rounds
-(rotated order; the first round a warm-up, not reported) with its min-max spread; ratios are taken
-round by round against the two Lightning plugins and against the floor: one ``copy_`` of the
-same bytes into preallocated memory, measured in the same round. Self-contained (``run`` and
-``render``). Run alone: ``python -m bench.integrations_lightning [--quick]``.
-"""
+"""Lightning: what a checkpoint costs the training process per save, by checkpoint IO plugin:
+``AsyncCkptIO`` against Lightning's ``TorchCheckpointIO`` and ``AsyncCheckpointIO``, and against
+a ``copy_`` of the same bytes (method: docs/integrations.md, Lightning, "Cost")."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -37,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .markdown import spread_text
-from .measure import dir_bytes, log, ratio_spread, rotated, spread, standalone
+from .measure import dir_bytes, log, ratio_spread, rotated, spread
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
 QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
@@ -127,7 +102,6 @@ def _copy_floor(config: dict) -> float:
 
 
 def run(root: str, quick: bool) -> dict:
-    """The rounds, each system once per round in rotating order; the results block."""
     config = QUICK if quick else FULL
     rounds = []
     for n in range(config["rounds"]):
@@ -160,11 +134,7 @@ def run(root: str, quick: bool) -> dict:
             "figures": figures, "ratios": ratios, "rounds": rounds}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("integrations_lightning")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     f, r, config = block["figures"], block["ratios"], block["config"]
 
     def seconds(s: dict) -> str:
@@ -187,16 +157,11 @@ def render(results: dict) -> str:
         "the save s | bytes written per save ÷ state |", "|---|---|---|---|---|---|"]
     for system in SYSTEMS:
         s, x = f[system], f[system]["blocking_x_floor"]
-        after = seconds(s["file_after_s"]) if "file_after_s" in s else "–"
-        written = (spread_text(s["bytes_x_state"], lambda v: f"{v:.2f}×")
-                   if "bytes_x_state" in s else "–")
         lines.append(f"| {system} | {seconds(s['blocking_s'])} · {x['median']:.2g}× | "
-                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} | {after} | "
-                     f"{written} |")
+                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} | "
+                     f"{seconds(s['file_after_s'])} | "
+                     f"{spread_text(s['bytes_x_state'], lambda v: f'{v:.2f}×')} |")
     lines += ["", "| AsyncCkptIO against | blocking per save | fit time |", "|---|---|---|"]
     lines += [f"| {peer} | {ratio(peer, 'blocking')} | {ratio(peer, 'fit')} |" for peer in PEERS]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(standalone("integrations_lightning", "integrations_lightning", run, render, __doc__))

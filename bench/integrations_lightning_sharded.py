@@ -1,39 +1,20 @@
-"""Lightning's ModelParallelStrategy: a sharded save's cost, the adapter against the stock strategy.
-
-Two ranks under torchrun (CPU, gloo), one Lightning fit of an MLP sharded with FSDP2 (Adam;
-about 200 MB of parameters and moments in all, 13 MB with ``--quick``) whose strategy is
-``AsyncCkptModelParallelStrategy``. At each round's batch a callback saves the same checkpoint
-(Lightning's ``dump_checkpoint``) twice, in rotated order (the first round a warm-up, not
-reported):
-
-* **adapter**: ``trainer.save_checkpoint(path)``, which returns once this rank's pieces are
-  staged; the checkpoint directory appears once every rank's shard is durable and the snapshot
-  committed (its pointer file is written last);
-* **stock**: ``ModelParallelStrategy.save_checkpoint``, Lightning's own sharded save on the same
-  strategy object: ``torch.distributed.checkpoint.save`` (which fsyncs its files) and rank 0's
-  ``meta.pt``, returning once written.
-
-**Blocking** is the slower rank's call; **durable** for the adapter is until the directory has
-appeared (every rank's shard fsynced, the snapshot committed), for the stock save its return
-plus an fsync of ``meta.pt``. Medians of the measured rounds with their min-max spread, ratios
-round by round. Not part of ``python -m bench --quick``. Alone: ``python -m
-bench.integrations_lightning_sharded [--quick]``.
-"""
+"""Lightning's ModelParallelStrategy: a sharded save's cost, the adapter against the stock strategy
+(FSDP2 on two CPU ranks; method: docs/integrations.md, ModelParallelStrategy, "Cost"). Full runs
+only."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import adapter_pair
-from .measure import log, rotated, standalone
-from .ranks import finish, worker_arguments
+from .compare import RANKS, fsync_all, render_pair, run_pair, slowest
+from .measure import log, rotated
+from .ranks import finish
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -41,26 +22,17 @@ SYSTEMS = ("adapter", "stock")
 
 
 def run(root: str, quick: bool) -> dict:
-    """Run the workers under torchrun; the results block of results.json."""
-    return adapter_pair.run("lightning sharded", "bench.integrations_lightning_sharded",
-                            os.path.join(root, "lightning_sharded"), QUICK if quick else FULL,
-                            SYSTEMS)
+    return run_pair("lightning sharded", "integrations_lightning_sharded",
+                    os.path.join(root, "lightning_sharded"), QUICK if quick else FULL, SYSTEMS)
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("integrations_lightning_sharded")
-    if not block:
-        return ""
-    return adapter_pair.render(
+def render(block: dict) -> str:
+    return render_pair(
         block, SYSTEMS,
         "### Lightning ModelParallelStrategy: a sharded save's cost, the adapter against the "
         "stock strategy", "FSDP2", "of parameters and Adam moments",
         ("per save", "`AsyncCkptModelParallelStrategy`", "`ModelParallelStrategy`"),
         "durable (every shard fsynced)", "DCP's save, then an fsync of `meta.pt`")
-
-
-# --- the worker (one per rank, under torchrun) ---------------------------------------------------
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -69,10 +41,10 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from async_ckpt.integrations.directories import POINTER_NAME
     from async_ckpt.integrations.lightning_sharded import AsyncCkptModelParallelStrategy
+    from async_ckpt.integrations.pointer import POINTER_NAME
 
-    width, layers, rounds = int(args.width), int(args.layers), int(args.rounds)
+    width, layers, rounds = args.width, args.layers, args.rounds
     found: dict = {"rounds": []}
 
     class ShardedMLP(L.LightningModule):
@@ -97,14 +69,32 @@ def worker(args: argparse.Namespace) -> None:
             return torch.utils.data.DataLoader(torch.randn(8 * (rounds + 1), width),
                                                batch_size=8)
 
+    def save(trainer, system: str, n: int) -> dict:
+        path = os.path.join(args.dir, system, f"round{n}")
+        dist.barrier()
+        start = time.perf_counter()
+        if system == "adapter":
+            trainer.save_checkpoint(path)
+            blocking = slowest(time.perf_counter() - start)
+            while not os.path.exists(os.path.join(path, POINTER_NAME)):
+                time.sleep(0.001)  # the marker, written once the snapshot is committed
+        else:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            ModelParallelStrategy.save_checkpoint(trainer.strategy, checkpoint, path)
+            blocking = slowest(time.perf_counter() - start)
+            if trainer.is_global_zero:
+                fsync_all(os.path.join(path, "meta.pt"))
+        return {f"{system}_blocking_s": blocking,
+                f"{system}_durable_s": slowest(time.perf_counter() - start)}
+
     class SaveBoth(Callback):
-        """At each batch's end (after the optimizer step): both saves, in rotated order."""
+        """At each batch's end (after the optimizer step): a round, both saves in rotated order."""
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx >= rounds:
                 return
             if batch_idx == 0:
-                found["state_bytes"] = int(adapter_pair.reduced(sum(
+                found["state_bytes"] = int(slowest(sum(
                     t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                     for group in trainer.optimizers[0].state.values()
                     for t in group.values() if torch.is_tensor(t) and t.dim())
@@ -112,44 +102,17 @@ def worker(args: argparse.Namespace) -> None:
                     dist.ReduceOp.SUM))
             figures = {}
             for system in rotated(SYSTEMS, batch_idx):
-                path = os.path.join(args.dir, system, f"round{batch_idx}")
-                dist.barrier()
-                start = time.perf_counter()
-                if system == "adapter":
-                    trainer.save_checkpoint(path)
-                    figures["adapter_blocking_s"] = adapter_pair.reduced(time.perf_counter() - start)
-                    while not os.path.exists(os.path.join(path, POINTER_NAME)):
-                        time.sleep(0.001)  # the marker, written once the snapshot is committed
-                else:
-                    checkpoint = trainer._checkpoint_connector.dump_checkpoint()
-                    ModelParallelStrategy.save_checkpoint(trainer.strategy, checkpoint, path)
-                    figures["stock_blocking_s"] = adapter_pair.reduced(time.perf_counter() - start)
-                    if trainer.is_global_zero:
-                        adapter_pair.fsync_all(os.path.join(path, "meta.pt"))
-                figures[f"{system}_durable_s"] = adapter_pair.reduced(time.perf_counter() - start)
+                figures.update(save(trainer, system, batch_idx))
             found["rounds"].append(figures)
             if trainer.is_global_zero:
-                log(f"integrations_lightning_sharded: round {batch_idx + 1}/{rounds}: adapter "
-                    f"blocks {figures['adapter_blocking_s'] * 1e3:.0f} ms (durable after "
-                    f"{figures['adapter_durable_s']:.2f} s), stock "
-                    f"{figures['stock_blocking_s']:.2f} s (durable after "
-                    f"{figures['stock_durable_s']:.2f} s)")
+                log(f"integrations_lightning_sharded: round {batch_idx + 1}/{rounds}: {figures}")
                 shutil.rmtree(os.path.join(args.dir, "stock", f"round{batch_idx}"))
 
-    ranks = adapter_pair.RANKS
     strategy = AsyncCkptModelParallelStrategy(os.path.join(args.dir, "engine"),
-                                              data_parallel_size=ranks, tensor_parallel_size=1,
+                                              data_parallel_size=RANKS, tensor_parallel_size=1,
                                               process_group_backend="gloo")
-    trainer = L.Trainer(max_steps=rounds, accelerator="cpu", devices=ranks, strategy=strategy,
+    trainer = L.Trainer(max_steps=rounds, accelerator="cpu", devices=RANKS, strategy=strategy,
                         callbacks=[SaveBoth()], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(ShardedMLP())
     finish(args.out, found)
-
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(worker_arguments("--width", "--layers"))
-    else:
-        sys.exit(standalone("integrations_lightning_sharded", "integrations_lightning_sharded",
-                            run, render, __doc__))

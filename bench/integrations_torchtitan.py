@@ -1,31 +1,11 @@
-"""torchtitan: what a save costs and how long a resharded restore takes, our checkpoint manager
-against torchtitan's own (DCP), both driven as torchtitan's trainer drives them.
-
-The state: torchtitan's containers around an MLP of ``Linear(W, W)`` layers ``fully_shard``-ed
-(FSDP2) over the CPU ranks (gloo), AdamW (torchtitan's ``OptimizersContainer``) after a real
-step, its ``LRSchedulersContainer``, a ``ParallelAwareDataloader`` and a train state: about
-200 MB of tensors across the ranks. Two torchrun runs:
-
-1. 2 ranks, interleaved rounds (the first a warm-up, not reported), each a training step then a
-   save by each system: ``AsyncCkptCheckpointManager`` (``async_mode="async"``: returns once
-   staged) against torchtitan's ``CheckpointManager`` in its ``"async"`` mode (``dcp.async_save``
-   from the training thread), each on its own folder. **Blocking** is the slowest rank's
-   ``save()``; **durable** runs from the save's start until ``maybe_wait_for_saving()`` returns
-   on rank 0 (every rank's part written: committed for ours, DCP's metadata written for its).
-2. 4 ranks: ``load()`` of each system's newest 2-rank checkpoint into the state laid out for 4
-   ranks (``exclude_from_loading=["dataloader"]``, as 4 ranks need), a warm-up and measured
-   rounds; the slowest rank's time.
-
-Ratios are taken round by round. Not run by ``python -m bench --quick``, nor where torchtitan is
-not installed (``pip install 'async_ckpt[torchtitan]'``, in an environment without the
-``[transformers]`` extra: pyproject.toml). Alone: ``python -m bench.integrations_torchtitan``.
-"""
+"""torchtitan: a save's cost and a resharded restore's time, our checkpoint manager against
+torchtitan's own (DCP), both driven as torchtitan's trainer drives them (method:
+docs/integrations.md, torchtitan, "Cost"). Full runs only, where torchtitan is installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import time
 from typing import Callable
 
@@ -33,52 +13,44 @@ import torch
 import torch.distributed as dist
 
 from . import ranks
+from .compare import interleaved, slowest, summarised
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import log, ratio_spread, rotated, spread, standalone
+from .measure import log
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}  # not in --quick (``parts.PARTS``): by hand
 OURS, THEIRS = "AsyncCkptCheckpointManager", "torchtitan CheckpointManager"
 SIDES = ("ours", "theirs")
+KEYS = ("blocking", "durable", "restore")
 
 
 def run(root: str, quick: bool) -> dict:
-    """The two torchrun runs; the results block of results.json."""
     if importlib.util.find_spec("torchtitan") is None:
         log("integrations_torchtitan: skipped, torchtitan is not installed")
         return {"skipped": "torchtitan is not installed"}
     config = QUICK if quick else FULL
     directory = os.path.join(root, "torchtitan")
     options = ("--width", str(config["width"]), "--layers", str(config["layers"]))
-    saved = ranks.torchrun("torchtitan, saving at 2 ranks", "bench.integrations_torchtitan", 2,
+    saved = ranks.torchrun("torchtitan, saving at 2 ranks", "integrations_torchtitan", 2,
                            directory, 0, config["rounds"], "--phase", "save", *options)
-    loaded = ranks.torchrun("torchtitan, restoring at 4 ranks", "bench.integrations_torchtitan",
+    loaded = ranks.torchrun("torchtitan, restoring at 4 ranks", "integrations_torchtitan",
                             4, directory, 0, config["rounds"], "--phase", "restore", *options)
-    measured = saved["rounds"][1:]
-    restores = loaded["rounds"][1:]
-    figures = {f"{key}_{side}": spread([r[f"{key}_{side}"] for r in rounds]) for key, rounds in
-               (("blocking", measured), ("durable", measured), ("restore", restores))
-               for side in SIDES}
-    return {"config": config, "state_bytes": saved["state_bytes"], "figures": figures,
-            "ratios": {key: ratio_spread([r[f"{key}_ours"] for r in rounds],
-                                         [r[f"{key}_theirs"] for r in rounds])
-                       for key, rounds in (("blocking", measured), ("durable", measured),
-                                           ("restore", restores))},
+    # one round's figures of both runs side by side: their warm-ups are both round 0
+    rounds = [{**save, **load} for save, load in zip(saved["rounds"], loaded["rounds"])]
+    summary = summarised(rounds, [f"{key}_{side}" for key in KEYS for side in SIDES],
+                         {key: (f"{key}_ours", f"{key}_theirs") for key in KEYS})
+    return {"config": config, "state_bytes": saved["state_bytes"], **summary,
             "rounds": {"save": saved["rounds"], "restore": loaded["rounds"]}}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty when it did not run."""
-    block = results.get("integrations_torchtitan")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     if "skipped" in block:
         return ("### torchtitan: the checkpoint manager against torchtitan's own\n\nNot measured: "
                 f"{block['skipped']} (pip install 'async_ckpt[torchtitan]', in an environment "
                 "without the transformers extra).")
     f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
-    def cell(key: str) -> str:
+    def ms(key: str) -> str:
         return spread_text(f[key], milliseconds, " ms")
 
     rows = [("training process blocked per save (2 ranks)", "blocking",
@@ -91,7 +63,7 @@ def render(results: dict) -> str:
         f"(gloo); median of {f['blocking_ours']['n']} interleaved rounds after a warm-up "
         "(min–max); the ratio round by round.", "",
         f"| | `{OURS}` | `{THEIRS}` | ratio |", "|---|---|---|---|",
-        *[f"| {label} | {cell(key + '_ours')}, {ours} | {cell(key + '_theirs')}, {theirs} | "
+        *[f"| {label} | {ms(key + '_ours')}, {ours} | {ms(key + '_theirs')}, {theirs} | "
           f"×{spread_text(r[key], thousandths)} |" for label, key, ours, theirs in rows]])
 
 
@@ -171,31 +143,18 @@ class _TrainState:
         self.step = state["step"]
 
 
-def _slowest(seconds: float) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
 def _rounds(job: _Job, directory: str, rounds: int, what: str,
             measure: Callable[[object, str], dict], **options) -> list:
-    """``rounds`` interleaved rounds of ``measure(manager, side)`` on each system's manager (its
-    own folder under ``directory``); each round's figures."""
+    """``interleaved`` rounds of ``measure(manager, side)``, each side's manager on its own
+    folder under ``directory``."""
     managers = {side: job.manager(side == "ours", os.path.join(directory, side), **options)
                 for side in SIDES}
-    found = []
     try:
-        for n in range(rounds):
-            figures = {}
-            for side in rotated(SIDES, n):
-                figures.update(measure(managers[side], side))
-            found.append(figures)
-            log(f"integrations_torchtitan: {what} round {n + 1}/{rounds}: " + ", ".join(
-                f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()))
+        return interleaved(f"integrations_torchtitan: {what}", SIDES, rounds,
+                           lambda side, n: measure(managers[side], side))
     finally:
         for manager in managers.values():
             manager.close()
-    return found
 
 
 def _save(job: _Job) -> Callable[[object, str], dict]:
@@ -204,7 +163,7 @@ def _save(job: _Job) -> Callable[[object, str], dict]:
         dist.barrier()
         start = time.perf_counter()
         manager.save(job.train_state.step)
-        blocking = _slowest(time.perf_counter() - start)
+        blocking = slowest(time.perf_counter() - start)
         manager.maybe_wait_for_saving()
         durable = time.perf_counter() - start  # rank 0's is kept
         dist.barrier()
@@ -216,11 +175,10 @@ def _restore(manager, side: str) -> dict:
     dist.barrier()
     start = time.perf_counter()
     manager.load()
-    return {f"restore_{side}": _slowest(time.perf_counter() - start)}
+    return {f"restore_{side}": slowest(time.perf_counter() - start)}
 
 
-def worker() -> None:
-    args = ranks.worker_arguments("--phase", "--width", "--layers")
+def worker(args) -> None:
     dist.init_process_group("gloo")
     job = _Job(int(args.width), int(args.layers))
     job.step()  # the optimizer's moments exist
@@ -233,10 +191,3 @@ def worker() -> None:
     del job
     ranks.finish(args.out, found)
 
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker()
-    else:
-        sys.exit(standalone("integrations_torchtitan", "integrations_torchtitan", run, render,
-                            __doc__))

@@ -1,40 +1,22 @@
-"""The Hugging Face Trainer's checkpoint save, stock against ``AsyncCkptTrainer``.
-
-Per save, the time the training process is blocked in ``Trainer._save_checkpoint``: the stock
-Trainer writes ``checkpoint-N/`` (safetensors weights, ``optimizer.pt``, ``scheduler.pt``,
-``rng_state.pth``, ``trainer_state.json``) before returning; ``AsyncCkptTrainer`` returns once the
-same state is staged (eager staging, the default: copied; ``staging="lazy"``: the copy started,
-the optimizer's next step waits for it), and its writer commits it (fsynced) afterwards, shown
-as "save → committed". Same model for all: a GPT-2 built from a config (about 17M parameters:
-200 MB of state with AdamW's moments; a tiny one with ``--quick``), one real training step first
-so that the optimizer holds its state, ``save_total_limit=2`` on all (the stock rotation runs
-inside its save; the adapter's at the next save, with ``engine.drop``). Each figure is the median of interleaved rounds (the order rotating, the
-first round a warm-up) with its min-max spread; the ratio is taken round by round. The stock
-Trainer does not fsync: its blocking time is to the page cache, the adapter's commit is durable.
-"``checkpoint-N`` there after" is its directory's modification time less the wall time at which
-the save began; "bytes written" what the save left on disk (``checkpoint-N``, and the adapter's
-snapshot: a file linked into both counted once) over the state's bytes.
-
-Self-contained (``run`` and ``render``). Run alone: ``python -m bench.integrations_transformers
-[--quick]``.
-"""
+"""The Hugging Face Trainer's checkpoint save, stock against ``AsyncCkptTrainer`` (eager and lazy
+staging) on a GPT-2 built from a config (method: docs/integrations.md, Hugging Face, "Cost").
+The stock Trainer does not fsync: its time is to the page cache, the adapter's commit durable."""
 
 from __future__ import annotations
 
 import glob
 import os
-import sys
 import time
 import warnings
 
 import torch
 
+from .compare import interleaved, summarised
 from .markdown import milliseconds, spread_text, thousandths
-from .measure import dir_bytes, log, ratio_spread, rotated, spread, standalone, timed
+from .measure import dir_bytes, timed
 
 FULL = {"model": {"n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 8192}, "rounds": 4}
 QUICK = {"model": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512}, "rounds": 2}
-KEY = "integrations_transformers"
 
 
 VARIANTS = {  # name: (label, engine options); None: the stock Trainer
@@ -89,7 +71,6 @@ def _save(name: str, trainer, step: int) -> dict:
 
 
 def run(root: str, quick: bool) -> dict:
-    """Build the trainers, measure the rounds; the results block of results.json."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
@@ -99,43 +80,29 @@ def run(root: str, quick: bool) -> dict:
         warnings.simplefilter("ignore", FutureWarning)
         trainers = {name: _trained(os.path.join(root, name), options, config["model"])
                     for name, (_, options) in VARIANTS.items()}
-    rounds = []
     try:
-        for n in range(config["rounds"]):
-            figures = {}
-            for name in rotated(list(trainers), n):
-                figures.update(_save(name, trainers[name], step=n + 2))
-            rounds.append(figures)
-            log(f"transformers: round {n + 1}/{config['rounds']}: "
-                + ", ".join(f"{name} {figures[f'{name}_s']:.3f} s" for name in VARIANTS))
+        rounds = interleaved("integrations_transformers", list(VARIANTS), config["rounds"],
+                             lambda name, n: _save(name, trainers[name], step=n + 2))
     finally:
         for trainer in trainers.values():
             if hasattr(trainer, "close_checkpoints"):
                 trainer.close_checkpoints()
-    measured = rounds[1:] or rounds  # the first round faults in the staging memory
-    keys = [key for key in rounds[0] if key.endswith("_s")]
     state = rounds[0]["state_bytes"]
-    written = {f"{name}_bytes_x_state": spread([r[f"{name}_bytes"] / state for r in measured])
-               for name in VARIANTS}
-    return {"config": config, "state_bytes": state, "rounds": rounds,
-            "figures": {**{key: spread([r[key] for r in measured]) for key in keys}, **written},
-            "ratios": {name: ratio_spread([r[f"{name}_s"] for r in measured],
-                                          [r["stock_s"] for r in measured])
-                       for name in VARIANTS if name != "stock"}}
+    for r in rounds:
+        r.update({f"{name}_bytes_x_state": r[f"{name}_bytes"] / state for name in VARIANTS})
+    return {"config": config, "state_bytes": state, "rounds": rounds, **summarised(
+        rounds, [key for key in rounds[0] if key.endswith(("_s", "_x_state"))],
+        {name: (f"{name}_s", "stock_s") for name in VARIANTS if name != "stock"})}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty when the results hold no block of this benchmark."""
-    block = results.get(KEY)
-    if not block:
-        return ""
+def render(block: dict) -> str:
     f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
 
-    def cell(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms") if key in f else "–"
+    def ms(key: str) -> str:
+        return spread_text(f[key], milliseconds, " ms")
 
     def times(key: str) -> str:
-        return spread_text(f[key], lambda v: f"{v:.2f}×") if key in f else "–"
+        return spread_text(f[key], lambda v: f"{v:.2f}×")
 
     lines = ["### Hugging Face Trainer: a checkpoint save", "",
              f"GPT-2 from a config with AdamW, {mb:.0f} MB of state; median of "
@@ -144,16 +111,10 @@ def render(results: dict) -> str:
              "| per save | blocks training | ratio | of which `snapshot()` | save → committed "
              "(fsynced) | `checkpoint-N` there after | bytes written ÷ state |",
              "|---|---|---|---|---|---|---|",
-             f"| {VARIANTS['stock'][0]} | {cell('stock_s')} | ×1 | | | "
-             f"{cell('stock_files_s')} | {times('stock_bytes_x_state')} |"]
-    for name, (label, _) in VARIANTS.items():
-        if name != "stock":
-            lines.append(f"| {label} | {cell(f'{name}_s')} | "
-                         f"×{spread_text(r[name], thousandths)} | "
-                         f"{cell(f'{name}_snapshot_s')} | {cell(f'{name}_commit_s')} | "
-                         f"{cell(f'{name}_files_s')} | {times(f'{name}_bytes_x_state')} |")
+             f"| {VARIANTS['stock'][0]} | {ms('stock_s')} | ×1 | | | "
+             f"{ms('stock_files_s')} | {times('stock_bytes_x_state')} |"]
+    lines += [f"| {label} | {ms(f'{name}_s')} | ×{spread_text(r[name], thousandths)} | "
+              f"{ms(f'{name}_snapshot_s')} | {ms(f'{name}_commit_s')} | "
+              f"{ms(f'{name}_files_s')} | {times(f'{name}_bytes_x_state')} |"
+              for name, (label, _) in VARIANTS.items() if name != "stock"]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(standalone("integrations_transformers", KEY, run, render, __doc__))

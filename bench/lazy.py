@@ -1,35 +1,14 @@
 """Lazy staging in a training loop whose forward and backward take longer than one copy of the
-state: what snapshotting every step and every 10 steps costs each step, against eager staging and
-DCP ``async_save`` with its cached shared-memory stager.
-
-The loop is ``bench/training.py``'s (``run_training``: interleaved rounds, each system's loop
-right after a loop without checkpointing on the same state, one floor sample per round), with
-these systems:
-
-* ``async_ckpt async`` (eager staging: ``snapshot()`` returns once the copy is done);
-* ``async_ckpt async, lazy staging`` (it returns once the copy has started; the copy runs on the
-  engine's copy thread while the next forward and backward run, and the optimizer's step waits
-  for it);
-* the same with the copy thread niced (the engine's ``copy_nice=10``), and with one
-  torch intra-op thread fewer for training (leaving a core to the copy): on a CPU the copy
-  competes with training for cores and memory bandwidth, so these say which default is best;
-* ``DCP async_save (cached shm stager)``.
-
-Per system and K: the step-time overhead against the paired loop without checkpointing (for the
-variant with one thread fewer, also against the full-thread loop of the eager system in the same
-round: what a user gives up by lowering the thread count), and ``snapshot()``'s blocking as a
-ratio to the ``copy_`` floor of the same round. Self-contained (``run`` and ``render``, from
-``bench/__main__.py`` and ``bench/report.py``). Run alone: ``python -m bench.lazy [--quick]``.
-"""
+state: its variants against eager staging and DCP's cached stager, every step and every 10
+(``training.run_training``'s loop; method: docs/performance.md, "The data path's choices")."""
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
 from .markdown import hundredths, spread_text
-from .measure import ratio_spread, spread, standalone
+from .measure import ratio_spread, spread
 from .registry import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY_FEWER
 from .training import run_training
 
@@ -73,11 +52,7 @@ def run(root: str, quick: bool) -> dict:
             "figures": figures, "raw": raw}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("lazy")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     ks = list(block["figures"][OURS_ASYNC.name]["ks"]) if block["figures"][OURS_ASYNC.name][
         "available"] else []
     head = " | ".join(f"K={k}: step overhead · blocking ×copy" for k in ks)
@@ -111,6 +86,3 @@ def _pct(r: dict) -> str:
     return (f"{(r['median'] - 1) * 100:+.1f}% ({(r['min'] - 1) * 100:+.1f}%–"
             f"{(r['max'] - 1) * 100:+.1f}%)")
 
-
-if __name__ == "__main__":
-    sys.exit(standalone("lazy", "lazy", run, render, __doc__))

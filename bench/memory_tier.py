@@ -1,27 +1,6 @@
-"""The memory tier (``memory_every``, docs/memory_tier.md): what it costs a training loop, how fast
-it restores, and how many steps it saves after a kill.
-
-The training loop's workload (``workloads.TrainingWorkload``, lazy.py's sizes), in interleaved
-rounds; in each round, for eager and for lazy staging in rotated order:
-
-* **Per-step overhead and blocking**: ``steps`` training steps without checkpointing, then as many
-  with an engine at ``memory_every=1`` and a disk snapshot only at its first step (``every`` far
-  beyond the loop), ``slots=3``. Blocking is the ``snapshot()`` call (with lazy staging, what
-  the next optimizer step waits for shows in the step time), against the **copy floor** of the
-  round: one ``copy_`` of every state tensor into a preallocated twin.
-* **Restore** (the eager engine, after its loop): from memory (the keeper's snapshot of the last
-  step, newer than the disk's), then a disk snapshot of that step is committed and restored warm
-  (its pages cached) and cold (evicted first); each against the copy floor, and memory against
-  the warm and cold disk restores. Each restore is checked bit for bit against the state.
-* **Redone steps after a kill** (full runs only): a child process trains with ``memory_every=1``
-  and is SIGKILLed at a random step; its restart restores and the steps it redoes are counted
-  (the last step the killed run finished, minus the restored one). The disk alone, at the
-  interval ``async-ckpt advise`` gives for this loop (its step time, the disk snapshot's time to
-  durable and ``--mtbf``'s default of 24 h), redoes ``(every - 1) / 2`` steps on average after a
-  kill at a random step.
-
-Self-contained (``run`` and ``render``). Alone: ``python -m bench.memory_tier [--quick]``.
-"""
+"""The memory tier (``memory_every=1``): what it costs a training loop, how fast it restores, and
+how many steps a real SIGKILL costs against the disk alone (method: docs/memory_tier.md and
+docs/performance.md, "What runs")."""
 
 from __future__ import annotations
 
@@ -30,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -39,8 +17,9 @@ from async_ckpt import CheckpointEngine
 from async_ckpt.tools.advise import advise
 
 from .markdown import hundredths, milliseconds, spread_text, table
-from .measure import evict, log, ratio_spread, rotated, spread, standalone, timed
+from .measure import evict, log, ratio_spread, rotated, spread, timed
 from .workloads import TrainingWorkload, restore_quietly, state_tensors
+from .worker import command as command_of
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "steps": 24, "rounds": 3,
         "kills": 3}
@@ -155,10 +134,10 @@ def _killed_and_restarted(workload: TrainingWorkload, directory: str, config: di
     """A child trains with the memory tier and is SIGKILLed after a random step; its restart
     restores. The killed run's last finished step, the restored one, and what it redid."""
     log_path = directory + ".jsonl"
-    command = [sys.executable, "-m", "bench.memory_tier", "--worker", directory, log_path,
-               json.dumps(config["workload"])]
+    command = command_of("memory_tier", dir=directory, log=log_path,
+                         workload=json.dumps(config["workload"]))
     kill_after = random.randint(20, 60)
-    child = subprocess.Popen(command + ["train"], start_new_session=True)
+    child = subprocess.Popen(command + ["--mode", "train"], start_new_session=True)
     lines = []
     deadline = time.monotonic() + 600
     while not lines or lines[-1].get("step", -1) < kill_after:
@@ -169,7 +148,7 @@ def _killed_and_restarted(workload: TrainingWorkload, directory: str, config: di
     os.killpg(child.pid, signal.SIGKILL)  # the trainer and its writer; the keeper lives on
     child.wait()
     finished = _read_lines(log_path)[-1]["step"]
-    restart = subprocess.run(command + ["restore"], capture_output=True, text=True, check=True,
+    restart = subprocess.run(command + ["--mode", "restore"], capture_output=True, text=True, check=True,
                              timeout=600)
     restored = json.loads(restart.stdout.splitlines()[-1])
     keeper = restored["keeper"]
@@ -189,19 +168,19 @@ def _read_lines(path: str) -> list[dict]:
                 if line.endswith("\n")]
 
 
-def _worker(directory: str, log_path: str, workload_options: str, mode: str) -> None:
-    """The kill runs' child: ``train`` logs each step once its memory snapshot is taken;
+def worker(args) -> None:
+    """The kill runs' child: ``--mode train`` logs each step once its memory snapshot is taken;
     ``restore`` prints what the restart restored, from which tier, and the keeper's pid."""
-    workload = TrainingWorkload(**json.loads(workload_options))
-    with CheckpointEngine(directory, workload.state, every=NEVER, memory_every=1, slots=3,
+    workload = TrainingWorkload(**json.loads(args.workload))
+    with CheckpointEngine(args.dir, workload.state, every=NEVER, memory_every=1, slots=3,
                           heartbeat_interval=None) as engine:
-        if mode == "restore":
+        if args.mode == "restore":
             step = restore_quietly(engine)
             stats = engine.stats()
             print(json.dumps({"step": step, "tier": stats["restored_from"],
                               "keeper": stats["keeper_pid"]}), flush=True)
             return
-        with open(log_path, "a") as log_file:
+        with open(args.log, "a") as log_file:
             for step in range(NEVER):
                 workload.step()
                 engine.snapshot(step)
@@ -209,11 +188,7 @@ def _worker(directory: str, log_path: str, workload_options: str, mode: str) -> 
                 log_file.flush()
 
 
-def render(results: dict) -> str:
-    """The report's memory tier section ("" when the part did not run)."""
-    block = results.get("memory_tier")
-    if block is None:
-        return ""
+def render(block: dict) -> str:
     figures, restore, kills = block["figures"], block["figures"]["restore"], \
         block["figures"]["kills"]
     rows = [[staging, spread_text(figures[staging]["blocking_s"], milliseconds, " ms"),
@@ -239,9 +214,3 @@ def render(results: dict) -> str:
         f"the interval `async-ckpt advise` gives here (every {kills['advised_every']} steps, "
         f"MTBF 24 h) {kills['disk_redone_mean']:.1f} on average.", ""])
 
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(*sys.argv[2:6])
-    else:
-        sys.exit(standalone("memory_tier", "memory_tier", run, render, __doc__))

@@ -1,9 +1,5 @@
-"""The parts of ``python -m bench`` after the sweep and the training loop, registered once.
-
-Each part is a module with ``run`` (its results block, kept in results.json under the module's
-name) and ``render`` (its report section from results.json, "" where the part did not run);
-``__main__`` runs them in this order and ``report`` renders them in this order.
-"""
+"""The parts after the sweep and the training loop, in run and report order: each a module with
+``run`` (results.json's block under its name) and ``render``."""
 
 from __future__ import annotations
 
@@ -18,10 +14,8 @@ from . import (dcp, decode, direct, incremental, integrations_accelerate, integr
 
 @dataclass(frozen=True)
 class Part:
-    """``module``'s ``run`` and ``render``; ``quick``: it runs with ``--quick`` too (framework
-    runs under torchrun cost a minute or more: full runs only); ``torchrun``: its runs start
-    process groups of their own and take ``--rounds`` (with ``--quick``, their own unless
-    given)."""
+    """``quick``: also under ``--quick`` (not parts that cost minutes); ``torchrun``: starts its own
+    process groups and takes ``--rounds``."""
 
     module: ModuleType
     quick: bool = True
@@ -39,7 +33,9 @@ class Part:
                                else args.rounds)
 
     def render(self, results: dict) -> str:
-        return self.module.render(results)
+        """Its section of the report, "" where it did not run."""
+        block = results.get(self.key)
+        return self.module.render(block) if block else ""
 
 
 PARTS = (Part(lazy), Part(memory_tier), Part(ranks, torchrun=True), Part(sharded, torchrun=True),

@@ -1,12 +1,4 @@
-"""The report's figures as PNG files (matplotlib, drawn off-screen).
-
-* ``blocking_vs_size.png``: blocking time (left) and time to durable (right) against the fp32
-  state size, one line per system, with the copy and disk floors as dashed black lines.
-* ``throughput_vs_k.png``: training steps/s (left) and time overhead against no checkpointing
-  (right) against the snapshot interval K, one line per system (where the training loop ran).
-
-async_ckpt's systems are drawn with solid thick lines, the peers thinner and dashed.
-"""
+"""The report's two plots as PNG files (matplotlib, off-screen)."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ _RATIO_TICKS = (0.25, 0.5, 0.8, 1.0, 1.05, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 
 
 
 def write(results: dict, out: str) -> list[str]:
-    """The plots of results.json's ``results`` into ``out``: the files written."""
+    """The plots of results.json's ``results`` into ``out``; returns the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -39,7 +31,7 @@ def write(results: dict, out: str) -> list[str]:
 
 
 def _style(system: dict, index: int) -> dict:
-    """async_ckpt's lines (``results["systems"][index]["ours"]``) thick and solid."""
+    """async_ckpt's lines thick and solid, the peers' thin and dashed."""
     ours = system["ours"]
     return {"linewidth": 2.4 if ours else 1.3, "linestyle": "-" if ours else "--",
             "marker": "o" if ours else "s", "markersize": 5 if ours else 3.5,

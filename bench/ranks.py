@@ -1,27 +1,6 @@
-"""Two ranks under torchrun: blocking time and time to commit of async_ckpt and of DCP
-``async_save``, on the same ranks, the same state and the same disk.
-
-The state is the sweep's model + Adam (``workloads.build_state``), identical on both ranks as DDP
-keeps it: async_ckpt declares it ``replicated`` (written once, by rank 0 or, spread, half by each
-rank); DCP's default planner de-duplicates it too, spreading the writes over the ranks. The
-systems run in interleaved rounds (``rounds.run_rounds``, the same rotating order on both ranks):
-per round each system opens, takes a warm-up snapshot and one measured snapshot, each followed by
-``wait()`` on both ranks and a barrier (so writes never overlap each other or a floor, and no
-collective of ours runs while DCP's background thread runs its own), and closes. Per snapshot:
-
-* blocking: the slower rank's ``save`` call (training waits for the slowest rank);
-* time to commit: from rank 0's call until rank 0 sees the snapshot committed: async_ckpt's
-  ``to_commit_s`` (its commit waits for every rank's shard), DCP's upload future (its metadata is
-  written once every rank's data is).
-
-Floors, on rank 0 once per round, next to the round's first system (before its cleanup) while rank
-1 waits: ``copy_`` of one rank's state (what each rank must copy at least) and the disk floor, the
-fastest way to make the state's bytes durable (``floors.Floors``; written once in all, on the one
-disk both ranks share). Every figure of round
-``i`` is paired with round ``i``'s floors and peers. ``run(root, quick)`` (called by ``python -m
-bench``) starts ``torchrun --nproc-per-node 2 -m bench.ranks --worker ...`` and returns the
-figures; ``render(results)`` is the report's section. Alone: ``python -m bench.ranks [--quick]``.
-"""
+"""Two ranks under torchrun, replicated state as DDP keeps it: blocking and time to commit of
+async_ckpt and of DCP ``async_save`` on the same ranks and disk (method: docs/performance.md,
+"What runs"); ``save_rounds`` and ``torchrun`` serve the other torchrun parts too."""
 
 from __future__ import annotations
 
@@ -33,16 +12,16 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from .floors import Floors
 from .markdown import factor, median_range, number, table
-from .measure import log, ratio_spread, remove, spread, standalone, timed
+from .measure import log, ratio_spread, remove, spread, timed
 from .registry import RANK_SYSTEMS, SystemSpec
 from .rounds import FloorHook, run_rounds
 from .systems import System, Unavailable
 from .workloads import build_state
+from .worker import command as command_of
 
 RANKS = 2
 FULL = {"size_gb": 0.5, "rounds": 3}
@@ -54,19 +33,20 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
     """Run the workers under torchrun; the figures, or why they could not be measured."""
     preset = QUICK if quick else FULL
     rounds = preset["rounds"] if rounds is None else rounds
-    return summarise(torchrun("two ranks", "bench.ranks", RANKS, os.path.join(root, "ranks"),
+    return summarise(torchrun("two ranks", "ranks", RANKS, os.path.join(root, "ranks"),
                               preset["size_gb"], rounds))
 
 
-def torchrun(what: str, module: str, world: int, directory: str, size_gb: float, rounds: int,
+def torchrun(what: str, part: str, world: int, directory: str, size_gb: float, rounds: int,
              *options: str) -> dict:
-    """``python -m MODULE --worker ...`` on ``world`` ranks under torchrun, from the repository
-    root, working in ``directory``: what rank 0 wrote (``finish``). What the run printed is shown
-    only if it fails."""
+    """``part``'s worker (``bench/worker.py``) on ``world`` ranks under torchrun, from the
+    repository root, working in ``directory``: what rank 0 wrote (``finish``). What the run
+    printed is shown only if it fails."""
     out = directory + ".json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", "-m", module, "--worker", "--dir", directory,
-               "--out", out, "--size-gb", str(size_gb), "--rounds", str(rounds), *options]
+               f"--nproc-per-node={world}", *command_of(part, dir=directory, out=out,
+                                                        size_gb=size_gb, rounds=rounds)[1:],
+               *options]
     log(f"{what}: {' '.join(command[2:])}")
     done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
@@ -212,11 +192,7 @@ def gather(value) -> list:
     return out
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results without this benchmark's block."""
-    ranks = results.get("ranks")
-    if not ranks:
-        return ""
+def render(ranks: dict) -> str:
     floors = ranks["floors"]
     rows = []
     for name, s in ranks["systems"].items():
@@ -247,23 +223,3 @@ def render(results: dict) -> str:
 def _mb(x: Optional[float]) -> str:
     return "–" if x is None else number(x / 1e6)
 
-
-def worker_arguments(*options: str) -> argparse.Namespace:
-    """A torchrun worker's command line (``torchrun``): where to work and write, the state's
-    size, the rounds, and the module's own ``options``; one torch thread per rank."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--size-gb", type=float)
-    parser.add_argument("--rounds", type=int)
-    for option in ("--dir", "--out", *options):
-        parser.add_argument(option)
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # several ranks on this machine's cores
-    return args
-
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(worker_arguments())
-    else:
-        sys.exit(standalone("ranks", "ranks", run, render, __doc__))

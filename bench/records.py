@@ -1,13 +1,5 @@
-"""Typed records of what the benchmark concludes: a figure's value for a system and a case
-(``Cell``), a target's ratio (``TargetRatio``), a recovery-consistency check (``Consistency``),
-and, wherever one of them has no value, ``NotAvailable`` with the reason, never a string in a
-number's place.
-
-results.json keeps its plain-JSON schema (``__main__.SCHEMA``): ``to_json`` is the
-``json.dumps`` hook that writes a record (a ``NotAvailable`` as ``"n/a (reason)"``), and each
-``from_json`` reads one back, so a fresh run and ``--render`` of a saved one are reported from the
-same records.
-"""
+"""Typed records of the benchmark's conclusions (``NotAvailable``, never a string, where a number
+is missing); ``to_json``/``from_json``: results.json stays plain JSON, which ``--render`` reads."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from typing import Mapping, Optional, Union
 
 @dataclass(frozen=True)
 class NotAvailable:
-    """No value here, and why: a system that did not run, a ratio without its reference."""
+    """No value here, and why; ``"n/a (reason)"`` in results.json."""
 
     reason: str
 
@@ -34,7 +26,7 @@ class NotAvailable:
 
 @dataclass(frozen=True)
 class Spread:
-    """Repeated measurements (one per interleaved round) summarised: ``measure.spread``."""
+    """``measure.spread`` of one value per round."""
 
     median: float
     min: float
@@ -44,10 +36,8 @@ class Spread:
 
 @dataclass(frozen=True)
 class Cell(Spread):
-    """One figure of one system in one case (``figures.py``): the spread of its values over the
-    rounds; ``floor``, the median of the rounds' floors; ``x_floor``, the median of the per-round
-    ratios to them; ``x_best_peer``, its median over the best peer's (None where that means
-    nothing); ``extra``, what the figure adds (``drain_s``, ``step_s``, ...)."""
+    """One figure of one system in one case; ``x_floor`` is the median of per-round ratios, not a
+    ratio of medians; ``extra``: what the figure adds (``drain_s``, ...)."""
 
     floor: Optional[float] = None
     x_floor: Optional[float] = None
@@ -70,8 +60,7 @@ def value_from_json(value: Union[dict, str]) -> Value:
 
 @dataclass(frozen=True)
 class FigureValues:
-    """One figure (``figures.Figure``) measured: ``values[system][case]``, and each case's best
-    peer (None where no peer has a value)."""
+    """``values[system][case]``, and each case's best peer (None where no peer has a value)."""
 
     title: str
     unit: str
@@ -90,7 +79,7 @@ class FigureValues:
 
 @dataclass(frozen=True)
 class TargetRatio(Spread):
-    """A target's ratio in one case (``targets.py``), and whether its median meets the target."""
+    """A target's ratio in one case, and whether its median meets the target."""
 
     meets: bool = False
 
@@ -105,7 +94,7 @@ class TargetRow:
 
 @dataclass(frozen=True)
 class Targets:
-    """Every target (``rows``) in every fp32 case of the sweep (``cases``)."""
+    """Every target in every fp32 case of the sweep."""
 
     cases: list[str]
     rows: list[TargetRow]
@@ -120,8 +109,7 @@ class Targets:
 
 @dataclass(frozen=True)
 class Damage:
-    """What a restore made of a snapshot with one flipped byte: ``outcome`` ("detected", "not
-    detected", "no effect") and ``how``."""
+    """A restore of a snapshot with one flipped byte: "detected", "not detected" or "no effect"."""
 
     outcome: str
     how: str
@@ -129,8 +117,7 @@ class Damage:
 
 @dataclass(frozen=True)
 class Consistency:
-    """``consistency.check``: whether a restore gave the snapshot back bit for bit, and what a
-    damaged snapshot did."""
+    """``consistency.check``'s result."""
 
     step: int
     to_commit_s: float
@@ -148,7 +135,7 @@ class Consistency:
 
 
 def to_json(record) -> Union[dict, str]:
-    """The results.json form of a record: ``json.dumps(results, default=to_json)``."""
+    """``json.dumps(results, default=to_json)``."""
     if isinstance(record, NotAvailable):
         return str(record)
     if not dataclasses.is_dataclass(record):

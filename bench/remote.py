@@ -1,25 +1,6 @@
-"""The remote tier against an S3-protocol server on loopback (``moto_server``, from the
-``bench`` extra, in a process of its own: ``_moto``).
-
-Two figures, each the median of interleaved rounds (the first round a warm-up, not reported)
-with its min-max spread, and its ratio to the floor measured in the same round:
-
-* **upload**: a committed snapshot of one fp32 tensor (1 GB; 16 MB with ``--quick``), from the
-  local commit to the bucket's manifest naming it (``wait()`` then ``wait(remote=True)``), against
-  the client's own best bulk upload of the same shard file (the faster of obstore ``put`` and
-  boto3 ``upload_file``, both multipart and parallel): the floor;
-* **restore from remote**: ``restore()`` on a node whose local directory is empty (download,
-  verify, load), against a plain parallel download of the same object into a file (the faster of
-  obstore ranged GETs and boto3 ``download_file``);
-* **a training step while the store is down**: the median time of a step that snapshots every
-  step (a 32 MB model with its SGD momentum, 64 MB in all; two matrix products of compute), with the server's
-  process stopped (SIGSTOP: every request hangs) against the same steps with it running, in
-  alternating blocks: what the store being down costs training (the claim: nothing).
-
-The server is a Python process on the same 2 cores, so absolute numbers are the server's; the
-ratios say what the engine adds to moving the bytes. Self-contained (``run`` and ``render``). Run
-alone: ``python -m bench.remote [--quick]``.
-"""
+"""The remote tier against an S3-protocol server on loopback (``moto_server``): upload and restore
+against the client's own best bulk transfer, and a training step while the store is down
+(method: docs/performance.md, "What runs")."""
 
 from __future__ import annotations
 
@@ -41,7 +22,7 @@ from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
 from .markdown import hundredths, milliseconds, spread_text
-from .measure import log, ratio_spread, remove, spread, standalone
+from .measure import log, ratio_spread, remove, spread
 from .registry import OURS_REMOTE
 
 FULL = {"bytes": 1 << 30, "rounds": 4, "steps": 20}
@@ -197,11 +178,7 @@ def run(root: str, quick: bool) -> dict:
             "ratios": ratios, "rounds": rounds}
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("remote")
-    if not block:
-        return ""
+def render(block: dict) -> str:
     f, r, gb = block["figures"], block["ratios"], block["shard_bytes"] / 1e9
 
     def cell(key: str) -> str:
@@ -226,6 +203,3 @@ def render(results: dict) -> str:
             f"{ratio('step_down')} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(standalone("remote", "remote", run, render, __doc__))

@@ -36,8 +36,7 @@ def render(results: dict, image_dir: str = "bench/results") -> str:
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
                 _headline(results, image_dir), trained and _training(results, image_dir),
                 trained and _memory(results), *(part.render(results) for part in PARTS),
-                trained and _consistency(results), _per_size(results), _load(results),
-                _notes(results)]
+                trained and _consistency(results), _per_size(results), _load(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -249,7 +248,7 @@ def _headline(results: dict, image_dir: str) -> str:
     nbytes = results["raw"]["sweep"][case]["bytes"]
     rounds = results["raw"]["sweep"][case]["rounds"]
     note = (f" Not run at this size: {', '.join(skipped)} ({blocks[skipped[0]]['reason']}; see "
-            "the notes).") if skipped else ""
+            "docs/performance.md).") if skipped else ""
     return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
             f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
             + table(["system", "blocking s (min–max) · ×copy · ×best peer",
@@ -350,20 +349,6 @@ def _per_size(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-def _write_spread(results: dict) -> str:
-    """": the engine's write phase for the headline state took a to b s", from the raw runs."""
-    case = headline_case(results)
-    block = results["raw"]["sweep"].get(case, {}).get("systems", {}).get(ASYNC) if case else None
-    if not block or not block.get("available"):
-        return ""
-    snapshots = [s for run in block["runs"] for s in (run, run["warmup"])]
-    writes = [s["engine"]["write_s"] for s in snapshots if "engine" in s]
-    if len(writes) < 2:
-        return ""
-    return (f" (the engine's write phase for the {case} state took {min(writes):.2f} s to "
-            f"{max(writes):.2f} s here)")
-
-
 def _load(results: dict) -> str:
     """The machine's load while each part ran: the yardstick for how far to trust its spread."""
     loads = results.get("loads")
@@ -402,48 +387,3 @@ def _settled(rounds: Optional[list]) -> str:
     out = sum(slot["timed_out"] for slot in slots)
     return (f"{number(waits['median'])} ({number(waits['max'])})"
             + (f", {out} of {len(slots)} ran out" if out else ""))
-
-
-def _big_note(results: dict) -> str:
-    skipped = {name: block["reason"] for case in results["raw"]["sweep"].values()
-               for name, block in case["systems"].items() if block.get("skipped")}
-    if not skipped:
-        return ""
-    return (f" {', '.join(skipped)}: {next(iter(skipped.values()))} (they behave like the DCP "
-            "variants that do, and would add minutes of runtime and no information).")
-
-
-def _notes(results: dict) -> str:
-    return "\n".join([
-        "### How these were measured",
-        "",
-        f"- Sweep: per state, {results['config'].get('rounds')} interleaved rounds; in each round "
-        "every system runs once, in an order rotated from round to round and reversed in odd "
-        "rounds (so that no system always follows the same neighbour), one system open at a "
-        "time, each after the disk settled (the kernel's dirty and writeback pages drained, a "
-        "bounded wait: the Machine load table): open, a warm-up snapshot (excluded), one "
-        "measured snapshot followed by a wait for durability, a warm restore, a cold restore, "
-        "close." + _big_note(results)
-        + " Each round takes one floor sample next to its first system, after its restores and "
-        "before its cleanup (never right after a large deletion), and every ratio to a floor or "
-        "a peer pairs values of the same round.",
-        "- Blocking: wall time of the save call in the training thread. To durable: from that "
-        "call until the snapshot is on disk and fsynced (async_ckpt: the manifest commit; DCP: "
-        "the future; torchsnapshot never fsyncs, so its time includes an fsync of its files "
-        "after it reports done).",
-        "- Warm restores read the files just written, from the page cache, like the read floor. "
-        "Cold restores first evict the newest snapshot's files (fsync, then "
-        "`posix_fadvise(POSIX_FADV_DONTNEED)` on every file), like the cold read floor, which "
-        "evicts its file the same way before each way of reading it back.",
-        "- The disk floor writes one file per way and deletes them once read back (directory "
-        "fsynced); the systems keep their newest three snapshots, so each write needs fresh "
-        "pages, which on this VM (its freed memory goes back to the host) are slow to get and "
-        "vary from one snapshot to the next" + _write_spread(results) + ".",
-        "- DCP's and torchsnapshot's asynchronous saves keep one save in flight: the next save "
-        "first waits for the previous one (inside the blocking time).",
-        *(["- Training loop: the time of K loops ends with the last step; the newest snapshot's "
-           "write continues after it, like every earlier one overlapped the following steps."]
-          if "training" in results["raw"] else []),
-        f"- Raw samples, every floor sample and the engine's per-stage times: results.json "
-        f"(schema {results['schema']}).",
-    ])

@@ -1,47 +1,12 @@
-"""Sharded state (FSDP2) under torchrun: async_ckpt against DCP at 2 and 4 ranks, and restores
-on another world size.
-
-The state: an MLP of ``Linear(W, W)`` layers (``W`` from ``workloads.width_for``), each layer and
-then the whole model ``fully_shard``-ed over a CPU ``DeviceMesh`` (gloo), with AdamW after one real
-step so that its moments exist: ~0.5 GB of tensors across all ranks (tiny with ``--quick``), the
-same global state at every world size (seeded). It is registered as DCP's tutorial does, an
-``AppState`` whose ``state_dict`` is ``get_state_dict(model, optimizer)`` (DTensors), for
-async_ckpt (``{"app": AppState}``: each rank writes only its pieces) and for DCP alike.
-
-Three torchrun runs (``PLAN``), each in interleaved rounds (``rounds.run_rounds``, the same
-rotating order on every rank, warm-ups excluded):
-
-1. 2 ranks: saving; then one snapshot of each system kept for the restore at 4 ranks;
-2. 4 ranks: restoring the 2-rank snapshots; saving; then one snapshot of each system kept;
-3. 2 ranks: restoring the 4-rank snapshots.
-
-* Saving: async_ckpt async against DCP ``async_save`` with its default and with its cached
-  shared-memory stager (``registry.SHARDED_SYSTEMS``), each round run by
-  ``ranks.run_round``: a warm-up and a measured snapshot, each followed by a wait on every rank
-  and a barrier. Blocking is the slowest rank's call; time to commit runs from rank 0's call
-  until rank 0 sees the snapshot committed (every rank's pieces durable). Floors, on rank 0 next
-  to the round's first system (``floors.Floors``) while the other ranks wait: ``copy_`` of one
-  rank's share of the state (what every rank must copy at least before training goes on) and
-  the disk floor of the whole state's bytes (the fastest way to make them durable; every rank
-  writes to the one disk).
-* Restoring on another world size: async_ckpt ``engine.restore()`` of the kept snapshot against
-  ``torch.distributed.checkpoint.load`` of the checkpoint ``dcp.save`` wrote of the same state at
-  the same world size, into the live model and optimizer laid out for the new world size. Per
-  round a warm-up restore (it also brings back into the page cache whatever had left it: both
-  are warm restores) and a measured one; the slowest rank's time.
-
-Every ratio pairs values of the same round: to that round's floors, and async_ckpt's to each DCP
-variant's. ``run(root, quick)`` (from ``python -m bench``) returns the ``sharded`` block of
-results.json; ``render(results)`` is its section of the report. Alone: ``python -m bench.sharded
-[--quick]`` prints that section (and progress on stderr) and writes nothing under bench/results.
-"""
+"""Sharded state (FSDP2) under torchrun: async_ckpt against DCP saving at 2 and 4 ranks, and
+restores on another world size (three torchrun runs, ``PLAN``; method: docs/performance.md,
+"What runs")."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Optional
 
@@ -50,7 +15,7 @@ import torch.distributed as dist
 
 from . import ranks
 from .markdown import factor, median_range, table
-from .measure import log, ratio_spread, spread, standalone, timed
+from .measure import log, ratio_spread, spread, timed
 from .registry import DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS
 from .rounds import FloorHook, run_rounds
 from .workloads import layer_bytes, width_for
@@ -95,7 +60,7 @@ def _torchrun(root: str, world: int, size_gb: float, rounds: int, source: Option
     options = [*(["--restore", _kept_dir(root, source)] if source is not None else []),
                *(["--keep", _kept_dir(root, world)] if save else [])]
     started = time.perf_counter()
-    raw = ranks.torchrun(f"sharded state at {world} ranks", "bench.sharded", world,
+    raw = ranks.torchrun(f"sharded state at {world} ranks", "sharded", world,
                          os.path.join(root, f"sharded-{world}-{source}"), size_gb, rounds, *options)
     raw["wall_s"] = time.perf_counter() - started
     return raw
@@ -163,11 +128,7 @@ def loads(block: dict) -> dict:
 # --- the report -----------------------------------------------------------------------------------
 
 
-def render(results: dict) -> str:
-    """The report's section; empty for results saved before this benchmark existed."""
-    block = results.get("sharded")
-    if not block:
-        return ""
+def render(block: dict) -> str:
 
     def ratio(entry: Optional[dict]) -> str:
         return "–" if entry is None else median_range(entry, fmt=factor)
@@ -339,9 +300,3 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
     record = run_rounds(RESTORERS, rounds, 0, dict, run_slot, name=lambda s: s[0])
     return {**record, "saved_at": kept["world"]}
 
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(ranks.worker_arguments("--restore", "--keep"))
-    else:
-        sys.exit(standalone("sharded", "sharded", run, render, __doc__))

@@ -1,20 +1,5 @@
-"""State-size sweep: blocking time, time-to-durable, warm and cold restore time and bytes of every
-system, for model + Adam states from hundreds of MB to GBs (fp32, and bf16), against the floors.
-
-For each state ("case") the systems run in interleaved rounds (``rounds.run_rounds``): every round
-runs each system once, in rotating order (reversed in odd rounds, the disk settled before each), as
-open, one warm-up snapshot (excluded: it allocates
-staging buffers, spawns executor processes), one measured snapshot followed by ``wait()`` (so
-writes never overlap each other or a floor), a warm restore of the newest snapshot (its files
-still in the page cache, as right after a write), a cold restore (the same files evicted first:
-``measure.evict``), close. One system open at a time keeps memory bounded (a 2 GB state, its
-staging copy and the floors' two buffers fit in 24 GiB with room for the page cache; all systems
-open at once would not). Each round takes one floor sample, next to its first system, and every
-figure of round ``i`` is paired with that round's floor and peers.
-
-At the big states (``BIG_GB`` and above) only ``BIG_SYSTEMS`` run: the other DCP variants
-behave like these there and cost minutes each, so they would add runtime and no information.
-"""
+"""State-size sweep: blocking, time to durable, restores and bytes per system and state size;
+method: docs/performance.md, "What runs"."""
 
 from __future__ import annotations
 
@@ -40,7 +25,7 @@ def size_label(size_gb: float) -> str:
 
 
 def case_label(dtype: str, size_gb: float) -> str:
-    """The key of a case in results.json and the reports, e.g. ``fp32 256 MB``."""
+    """A case's key in results.json and the reports, e.g. ``fp32 256 MB``."""
     return f"{dtype} {size_label(size_gb)}"
 
 
@@ -56,8 +41,7 @@ def run_sweep(specs: Sequence[SystemSpec], cases: Sequence[tuple[str, float]], r
 
 def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str, rounds: int,
              shift: int) -> dict:
-    """``rounds`` interleaved rounds on one state; ``systems[name]["runs"][i]`` is round ``i``
-    (a system that fails in any round is n/a for the whole case)."""
+    """``rounds`` interleaved rounds on one state; a system that fails in any is n/a for all."""
     state, nbytes = build_state(size_gb, DTYPES[dtype])
     label = case_label(dtype, size_gb)
     running = [s for s in specs if runs_at(s, size_gb)]
@@ -80,9 +64,7 @@ def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str,
 
 
 def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHook) -> dict:
-    """One system on one state for one round: warm-up, a measured snapshot, warm and cold
-    restores; ``floor_hook`` (the round's floor sample) runs before the cleanup. A peer that cannot
-    open or fails is reported with the reason; a failure of async_ckpt itself is raised."""
+    """One system, one round; ``floor_hook`` runs before the cleanup (never after a deletion)."""
 
     def measure(system: System) -> dict:
         release_free_memory()
@@ -107,7 +89,7 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
 
 
 def measure_snapshot(system: System, step: int) -> dict:
-    """One snapshot, waited for: its blocking time, time-to-durable and size on disk."""
+    """One snapshot, waited for, so writes never overlap each other or a floor."""
     blocking = timed(lambda: system.save(step))
     system.wait()
     record = {"step": step, "blocking_s": blocking, "to_commit_s": system.to_commit_s(),

@@ -1,27 +1,5 @@
-"""The checkpointing systems under test, behind one small interface so that every benchmark drives
-them the same way.
-
-A system is opened on a training state (``{"model": module, "optimizer": optimizer}``) and a
-directory of its own, then:
-
-1. ``save(step)``: the call a training loop makes; its wall time is the blocking time. An
-   asynchronous system may return before the snapshot is durable; one that allows a single save
-   in flight (DCP, torchsnapshot) first waits for the previous one here, which is where a training
-   loop would wait too.
-2. ``fence()``: returns once the state may change again: where a save's copy of the state runs on
-   after ``save`` returned (lazy staging, DCP's asynchronous staging), the GPU benchmark calls it
-   right before the optimizer's step, as those systems' users must; a no-op for the others.
-3. ``wait()``: returns once every save so far is durable; then ``to_commit_s()`` is the time from
-   the newest ``save`` call to its durability and ``stored_bytes()`` its size on disk.
-4. ``restore()``: loads the newest durable snapshot into the live objects, the way each system's
-   users resume; returns the restored step when the system reports one.
-5. ``close()``.
-
-Peers keep the newest three snapshots, like the engine's default ``keep_last=3``, so that disk use
-and page-cache pressure are alike. A peer that cannot run here raises ``Unavailable`` from its
-constructor with the reason; the benchmarks report it as "n/a (reason)". Which systems exist, by
-name, is ``registry.py``'s.
-"""
+"""The systems under test behind one interface (``System``), so every benchmark drives them alike;
+which exist, by name, is ``registry.py``'s."""
 
 from __future__ import annotations
 
@@ -34,17 +12,16 @@ import torch
 from .measure import dir_bytes, fsync_dir, log, remove, timed
 from .workloads import restore_quietly
 
-KEEP_LAST = 3
+KEEP_LAST = 3  # as the engine's default keep_last: alike disk use and page-cache pressure
 
 
 class Unavailable(Exception):
-    """This system cannot run on this machine or torch version; the message says why."""
+    """Raised by a constructor: the system cannot run here; reported as "n/a (message)"."""
 
 
 class System:
-    """Base class: the bookkeeping every peer shares (call and durability timestamps, retention).
-    Subclasses implement ``_save(step, path)`` and ``restore()``; asynchronous ones override
-    ``wait()`` and call ``_durable(step, path)`` when a snapshot becomes durable."""
+    """Opened on ``{"model", "optimizer"}`` and a directory of its own; keeps the peers' timestamps
+    and retention. Asynchronous subclasses override ``wait()`` and call ``_durable``."""
 
     name = "?"
 
@@ -59,15 +36,17 @@ class System:
     # --- the interface -------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
+        """Its wall time is the blocking time: a save that must wait for an earlier one waits here,
+        as a training loop would."""
         self._called_at[step] = time.perf_counter()
         self._newest_saved = step
         self._save(step, self._path(step))
 
     def fence(self) -> None:
-        """A save that returned has copied the state already (see the module docstring)."""
+        """Returns once the state may change again: called before the optimizer's step."""
 
     def wait(self) -> None:
-        """Synchronous systems are durable when ``save`` returns."""
+        """Returns once every save is durable (a no-op here: durable when ``save`` returns)."""
 
     def to_commit_s(self) -> float:
         step = self._newest_saved
@@ -77,6 +56,7 @@ class System:
         return dir_bytes(self.newest_path())
 
     def restore(self) -> Optional[int]:
+        """The newest durable snapshot into the live objects, as the system's users resume."""
         raise NotImplementedError
 
     def newest_path(self) -> str:
@@ -103,7 +83,7 @@ class System:
         return os.path.join(self.directory, f"step-{step:08d}")
 
     def _durable(self, step: int, path: str) -> None:
-        """Record that ``step`` is durable at ``path`` and drop snapshots beyond ``KEEP_LAST``."""
+        """Record ``step`` durable; drop snapshots beyond ``KEEP_LAST``."""
         self._durable_at.setdefault(step, time.perf_counter())
         self._kept.append((step, path))
         while len(self._kept) > KEEP_LAST:
@@ -124,9 +104,7 @@ class NoCheckpoint(System):
 
 
 class TorchSave(System):
-    """``torch.save`` of the state dicts + fsync of the file and its directory, all blocking: the
-    periodic blocking save most training scripts do. ``restore`` is ``torch.load`` (with
-    ``weights_only=True``, so loading runs no code) + ``load_state_dict``."""
+    """The periodic blocking save most training scripts do, fsynced."""
 
     name = "torch.save + fsync"
 
@@ -150,11 +128,8 @@ class TorchSave(System):
 
 
 class Engine(System):
-    """async_ckpt's ``CheckpointEngine``. Blocking time is measured around ``snapshot()`` by the
-    caller like every other system's; time-to-commit is the engine's own ``to_commit_s`` (from
-    the ``snapshot()`` call to the manifest commit, both clocks monotonic), and in sync mode the
-    blocking time, which includes the commit. ``fewer_threads``: one torch intra-op thread fewer
-    while it is open (a core left to lazy staging's copy thread)."""
+    """async_ckpt; time to commit is the engine's own figure (the blocking time in sync mode).
+    ``fewer_threads``: one torch thread fewer while open, a core for lazy staging's copy."""
 
     def __init__(self, state: dict, directory: str, name: str, mode: str,
                  compression: Optional[str], fewer_threads: bool = False, **options):
@@ -221,10 +196,8 @@ class Engine(System):
 
 
 def run_guarded(spec, state: dict, directory: str, body: Callable[[System], dict]) -> dict:
-    """Open ``spec``'s system (a ``registry.SystemSpec``) on ``state`` in ``directory``, return
-    ``body(system)``, then close it and remove the directory whatever happened. A system that
-    cannot run here, or a peer that fails, is a result ({"available": False, "reason": ...}); a
-    failure of async_ckpt (``spec.ours``) is a bug and is raised."""
+    """``body(system)``, then close and remove whatever happened; a peer that cannot run or fails
+    is an n/a result, a failure of async_ckpt is a bug and raised."""
     try:
         system = spec.open(state, directory)
     except Unavailable as e:

@@ -1,11 +1,5 @@
-"""The targets of the issue "At the storage floor": per fp32 state size, each ratio as the median
-(min-max) over the interleaved rounds, and whether it meets its target.
-
-Every ratio is paired by round: the system's value in round ``i`` over the floor's or the peer's
-value in round ``i`` (``measure.ratio_spread``), so a drift of the machine between rounds cancels.
-A target is met when the median meets it. Every preset of ``python -m bench`` reports the targets
-its systems can be checked against (the ``--stall`` preset: those without DCP).
-"""
+"""The targets of the issue "At the storage floor", checked on the sweep's paired ratios; method:
+docs/performance.md, "Reading the numbers" ("Targets")."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ MAX_ZSTD_STORED = 0.8  # the zstd target applies where zstd stores at most this 
 
 @dataclass(frozen=True)
 class Target:
-    """``system``'s run key ``value`` over ``reference_value``: the run key of the ``reference``
-    system, or (``reference`` None) the floor key of the round's floor sample."""
+    """``value`` of ``system`` over ``reference_value`` of ``reference`` (None: the floor)."""
 
     key: str
     title: str
@@ -56,7 +49,7 @@ TARGETS = (
 
 
 def build(sweep: dict, specs: Sequence[SystemSpec]) -> Targets:
-    """Each target whose systems are among ``specs``, in each fp32 case of the sweep."""
+    """Each target whose systems all ran in this preset, in each fp32 case."""
     ran = {spec.name for spec in specs}
     cases = [label for label, case in sweep.items() if case["dtype"] == "fp32"]
     rows = [TargetRow(t.key, t.title, t.limit, {label: _ratio(t, sweep[label]) for label in cases})

@@ -1,11 +1,5 @@
-"""torchsnapshot as a peer: ``Snapshot.async_take``, optional (``pip install torchsnapshot``).
-
-torchsnapshot never fsyncs: when its pending snapshot reports done, the bytes may still sit in the
-page cache only. To compare time-to-durable fairly, ``wait()`` fsyncs every file it wrote after it
-reports done, and that time counts; in the training loop (which does not call ``wait()`` between
-saves) it runs as its users run it, without fsync. Like DCP it allows one snapshot in flight, so
-``save`` first waits for the previous one.
-"""
+"""torchsnapshot ``Snapshot.async_take`` as a peer, optional; it never fsyncs, so ``wait()`` does
+(docs/performance.md, "Reading the numbers")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""The training states the benchmarks checkpoint.
-
-* ``build_state``: a stack of ``Linear(W, W)`` layers plus Adam after one real step: the
-  state-size sweep's subject. ``W`` is 2048 (~50 MB layers in fp32, ~25 MB in bf16) for states of
-  200 MB and more, narrower below so that a small state still has several layers. Parameters and
-  both Adam moments (the article's "~3x the parameters") make up its bytes.
-* ``TrainingWorkload``: a small MLP trained with AdamW on the CPU on a fixed batch; what the
-  training-loop benchmark runs between snapshots. Its step time sets how much a snapshot of its
-  ~100 MB state costs relative to training, which is what the interval K trades off.
-* ``TransformerWorkload``: bf16 transformer blocks with fused AdamW, on a GPU or the CPU: the GPU
-  benchmark's model (``bench/gpu.py``).
-"""
+"""The training states the benchmarks checkpoint: the sweep's (``build_state``), the training
+loop's and the GPU benchmark's; described in docs/performance.md, "What runs"."""
 
 from __future__ import annotations
 
@@ -24,23 +14,21 @@ _MIN_LAYERS = 4
 
 
 def layer_bytes(width: int = WIDTH, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one ``Linear(width, width)`` adds to the state: weight + bias, Adam exp_avg and
-    exp_avg_sq (in the parameters' dtype), and the optimizer's per-parameter step counters."""
+    """Bytes one ``Linear(width, width)`` adds: weight, bias, both Adam moments, step counters."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 3 * itemsize * (width * width + width) + 2 * 4
 
 
 def width_for(size_gb: float, dtype: torch.dtype = torch.float32) -> int:
-    """The widest layer that still gives ``size_gb`` at least a few layers (2048 from ~200 MB)."""
+    """The widest layer that still gives ``size_gb`` a few layers (2048 from ~200 MB)."""
     return next((w for w in _WIDTHS if _MIN_LAYERS * layer_bytes(w, dtype) <= size_gb * 1e9),
                 _WIDTHS[-1])
 
 
 def build_state(size_gb: float, dtype: torch.dtype = torch.float32,
                 width: Optional[int] = None) -> tuple[dict, int]:
-    """The engine state ``{"model", "optimizer"}`` of about ``size_gb`` GB (at least one layer of
-    ``width``, default ``width_for(size_gb)``), and its tensor bytes. One real optimizer step has
-    run, so the Adam moments exist."""
+    """``({"model", "optimizer"}, tensor bytes)`` of about ``size_gb`` GB, after one real step so
+    that the Adam moments exist."""
     torch.manual_seed(0)
     width = width_for(size_gb, dtype) if width is None else width
     layers = max(1, round(size_gb * 1e9 / layer_bytes(width, dtype)))
@@ -56,13 +44,12 @@ def build_state(size_gb: float, dtype: torch.dtype = torch.float32,
 
 
 def tensor_bytes(state: dict) -> int:
-    """Bytes of every tensor in the state's model parameters and optimizer state."""
+    """Bytes of the state's model and optimizer tensors."""
     return sum(t.nbytes for t in state_tensors(state))
 
 
 def state_tensors(state: dict) -> list[torch.Tensor]:
-    """The model's parameters and buffers and the optimizer's state tensors, in a fixed order:
-    what a bit-exact comparison of two states walks."""
+    """The model's and optimizer's tensors in a fixed order, for bit-exact comparisons."""
     model, optimizer = state["model"], state["optimizer"]
     tensors = list(model.state_dict(keep_vars=True).values())
     for param_state in optimizer.state.values():
@@ -71,9 +58,8 @@ def state_tensors(state: dict) -> list[torch.Tensor]:
 
 
 class Workload:
-    """What every training-loop benchmark needs of its state besides ``step()``: its bytes, and
-    copies of its tensors to start each run from and to compare a restore with, bit for bit.
-    Subclasses set ``state`` (``{"model", "optimizer"}``)."""
+    """A state's bytes and tensor copies: every run starts from the same values, and a restore is
+    compared with them bit for bit. Subclasses set ``state`` and ``step()``."""
 
     state: dict
 
@@ -85,8 +71,7 @@ class Workload:
         return [t.clone() for t in state_tensors(self.state)]
 
     def load_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` (a ``clone_tensors()``) back into the state, so that every system's
-        run starts from the same values."""
+        """Copy a ``clone_tensors()`` back into the state."""
         current = state_tensors(self.state)
         if len(current) != len(tensors):
             raise ValueError(f"{len(tensors)} tensors for a state of {len(current)}")
@@ -95,7 +80,7 @@ class Workload:
                 dst.copy_(src)
 
     def differing_tensors(self, expected: list[torch.Tensor]) -> int:
-        """How many state tensors differ bit for bit from ``expected`` (a ``clone_tensors()``)."""
+        """How many state tensors differ bit for bit from a ``clone_tensors()``."""
         current = state_tensors(self.state)
         if len(current) != len(expected):
             return max(len(current), len(expected))
@@ -103,9 +88,7 @@ class Workload:
 
 
 class TrainingWorkload(Workload):
-    """An MLP of ``depth`` ``Linear(width, width)`` + GELU blocks trained with AdamW on one fixed
-    random batch (data loading is not what is measured). Defaults: 8.4 M parameters, a ~100 MB
-    state with AdamW, tens of milliseconds per step on two cores."""
+    """The training loop's MLP + AdamW on one fixed batch: data loading is not what is measured."""
 
     def __init__(self, width: int = 1024, depth: int = 8, batch: int = 16, seed: int = 0):
         torch.manual_seed(seed)
@@ -126,11 +109,7 @@ class TrainingWorkload(Workload):
 
 
 class TransformerWorkload(Workload):
-    """Pre-norm transformer blocks (``nn.TransformerEncoderLayer``: attention and a 4x MLP) in
-    bf16 on ``device``, trained with fused AdamW (its moments in bf16 too, so the state is three
-    times the parameters) on one fixed random batch of ``batch`` x ``seq`` tokens: the GPU
-    benchmark's model (``bench/gpu.py``). ``params_gb`` sets the parameter bytes (at least one
-    block); heads are ``width / 128`` (at least one)."""
+    """The GPU benchmark's bf16 transformer + fused AdamW (state = 3x ``params_gb``), one batch."""
 
     def __init__(self, params_gb: float, width: int, seq: int, batch: int,
                  device: str = "cpu", seed: int = 0):
@@ -154,8 +133,7 @@ class TransformerWorkload(Workload):
         return sum(p.nbytes for p in self.model.parameters())
 
     def step(self, before_update: Callable[[], None] = lambda: None) -> None:
-        """Forward, backward, ``before_update()`` (where a checkpoint's fence goes: the last
-        moment before the state changes), the optimizer's step; then wait for the device, as a
+        """``before_update()`` is where a checkpoint's fence goes; then waits for the device, as a
         loop that logs its loss every step does."""
         loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y)
         loss.backward()
@@ -177,8 +155,7 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def restore_quietly(engine) -> Optional[int]:
-    """``engine.restore()`` of a benchmark state, which holds no data loader by design (restore()
-    would warn that the data order after it is the caller's)."""
+    """``engine.restore()`` without its warning about a state with no data loader (none here)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*holds no data position")
         return engine.restore()
