@@ -1,6 +1,6 @@
-"""Lightning's ModelParallelStrategy: a sharded save's cost, the adapter against the stock strategy
-(FSDP2 on two CPU ranks; method: docs/integrations.md, ModelParallelStrategy, "Cost"). Full runs
-only."""
+"""Lightning's ModelParallelStrategy: a sharded save's cost on two CPU ranks (FSDP2) and a restore
+of it on four, the adapter against the stock strategy (method: docs/integrations.md,
+ModelParallelStrategy, "Cost"). Full runs only."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import argparse
 import os
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from .compare import RANKS, fsync_all, render_pair, run_pair, slowest
+from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, summarised
+from .markdown import milliseconds, spread_text, thousandths
 from .measure import log, rotated
-from .ranks import finish
+from .ranks import finish, torchrun
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -22,17 +24,34 @@ SYSTEMS = ("adapter", "stock")
 
 
 def run(root: str, quick: bool) -> dict:
-    return run_pair("lightning sharded", "integrations_lightning_sharded",
-                    os.path.join(root, "lightning_sharded"), QUICK if quick else FULL, SYSTEMS)
+    """Saving at 2 ranks, then restoring each system's last 2-rank checkpoint at 4 ranks."""
+    config, directory = QUICK if quick else FULL, os.path.join(root, "lightning_sharded")
+    block = run_pair("lightning sharded", "integrations_lightning_sharded", directory, config,
+                     SYSTEMS)
+    restored = torchrun("lightning sharded, restoring at 4 ranks",
+                        "integrations_lightning_sharded", 4, directory, 0.0, config["rounds"],
+                        "--width", str(config["width"]), "--layers", str(config["layers"]),
+                        "--phase", "restore")
+    block["restore"] = summarised(restored["rounds"], [f"{s}_restore_s" for s in SYSTEMS],
+                                  {"restore": ("adapter_restore_s", "stock_restore_s")})
+    return block
 
 
 def render(block: dict) -> str:
-    return render_pair(
+    text = render_pair(
         block, SYSTEMS,
         "### Lightning ModelParallelStrategy: a sharded save's cost, the adapter against the "
         "stock strategy", "FSDP2", "of parameters and Adam moments",
         ("per save", "`AsyncCkptModelParallelStrategy`", "`ModelParallelStrategy`"),
         "durable (every shard fsynced)", "DCP's save, then an fsync of `meta.pt`")
+    if "restore" not in block:  # measured since 2026-12-07
+        return text
+    f, r = block["restore"]["figures"], block["restore"]["ratios"]
+    return text + (
+        f"\n| restore of the last 2-rank checkpoint on 4 ranks (resharded) | "
+        f"{spread_text(f['adapter_restore_s'], milliseconds, ' ms')} | "
+        f"{spread_text(f['stock_restore_s'], milliseconds, ' ms')} (DCP's load) | "
+        f"×{spread_text(r['restore'], thousandths)} |")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -69,6 +88,18 @@ def worker(args: argparse.Namespace) -> None:
             return torch.utils.data.DataLoader(torch.randn(8 * (rounds + 1), width),
                                                batch_size=8)
 
+    def restore(trainer, system: str, n: int) -> dict:
+        """Load ``system``'s last checkpoint of the 2-rank run into this run's model and
+        optimizer (laid out for its world size)."""
+        path = os.path.join(args.dir, system, f"round{rounds - 1}")
+        dist.barrier()
+        start = time.perf_counter()
+        if system == "adapter":
+            trainer.strategy.load_checkpoint(path)
+        else:
+            ModelParallelStrategy.load_checkpoint(trainer.strategy, path)
+        return {f"{system}_restore_s": slowest(time.perf_counter() - start)}
+
     def save(trainer, system: str, n: int) -> dict:
         path = os.path.join(args.dir, system, f"round{n}")
         dist.barrier()
@@ -87,13 +118,25 @@ def worker(args: argparse.Namespace) -> None:
         return {f"{system}_blocking_s": blocking,
                 f"{system}_durable_s": slowest(time.perf_counter() - start)}
 
+    class RestoreBoth(Callback):
+        """Before the first step, with the model sharded and the optimizer made: the rounds."""
+
+        def on_train_start(self, trainer, pl_module):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the data position moves with the world size
+                found["rounds"] = interleaved(
+                    "integrations_lightning_sharded: restore", SYSTEMS, rounds,
+                    lambda system, n: restore(trainer, system, n))
+            trainer.should_stop = True
+
     class SaveBoth(Callback):
         """At each batch's end (after the optimizer step): a round, both saves in rotated order."""
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx >= rounds:
+            n = trainer.global_step - 1  # the round: batch_idx starts again in each epoch
+            if n >= rounds:
                 return
-            if batch_idx == 0:
+            if n == 0:
                 found["state_bytes"] = int(slowest(sum(
                     t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                     for group in trainer.optimizers[0].state.values()
@@ -101,18 +144,21 @@ def worker(args: argparse.Namespace) -> None:
                     + sum(p.to_local().nbytes for p in pl_module.parameters()),
                     dist.ReduceOp.SUM))
             figures = {}
-            for system in rotated(SYSTEMS, batch_idx):
-                figures.update(save(trainer, system, batch_idx))
+            for system in rotated(SYSTEMS, n):
+                figures.update(save(trainer, system, n))
             found["rounds"].append(figures)
             if trainer.is_global_zero:
-                log(f"integrations_lightning_sharded: round {batch_idx + 1}/{rounds}: {figures}")
-                shutil.rmtree(os.path.join(args.dir, "stock", f"round{batch_idx}"))
+                log(f"integrations_lightning_sharded: round {n + 1}/{rounds}: {figures}")
+                if n < rounds - 1:  # the last is kept for the run that restores it
+                    shutil.rmtree(os.path.join(args.dir, "stock", f"round{n}"))
 
+    world = int(os.environ["WORLD_SIZE"])
     strategy = AsyncCkptModelParallelStrategy(os.path.join(args.dir, "engine"),
-                                              data_parallel_size=RANKS, tensor_parallel_size=1,
+                                              data_parallel_size=world, tensor_parallel_size=1,
                                               process_group_backend="gloo")
-    trainer = L.Trainer(max_steps=rounds, accelerator="cpu", devices=RANKS, strategy=strategy,
-                        callbacks=[SaveBoth()], logger=False, enable_progress_bar=False,
+    phase = RestoreBoth() if args.phase == "restore" else SaveBoth()
+    trainer = L.Trainer(max_steps=rounds, accelerator="cpu", devices=world, strategy=strategy,
+                        callbacks=[phase], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(ShardedMLP())
     finish(args.out, found)

@@ -440,19 +440,27 @@ def test_the_two_rank_framework_parts_run_in_full_runs_only_and_report_after_the
                                                                                           setup):
     """Their torchruns of two framework ranks cost a minute each: measured by full runs only."""
     from bench.__main__ import FULL
-    from bench.compare import KINDS, pair_block
+    from bench.compare import KINDS, pair_block, summarised
 
     part = BY_KEY[key]
     assert key in set(FULL.parts) - set(QUICK.parts)
     ours, theirs = part.module.SYSTEMS
+    rounds_of_pairs = ((9.0, 1.0), (0.1, 0.2), (0.3, 0.6))  # the first: a warm-up
     rounds = [{f"{system}_{kind}_s": seconds for kind in KINDS
-               for system, seconds in ((ours, a), (theirs, b))}
-              for a, b in ((9.0, 1.0), (0.1, 0.2), (0.3, 0.6))]  # the first: a warm-up
+               for system, seconds in ((ours, a), (theirs, b))} for a, b in rounds_of_pairs]
     block = pair_block({"state_bytes": 2.7e8, "rounds": rounds}, part.module.QUICK,
                        part.module.SYSTEMS)
+    if key == "integrations_lightning_sharded":  # and a restore on 4 ranks of the last save
+        block["restore"] = summarised(
+            [{"adapter_restore_s": a, "stock_restore_s": b} for a, b in rounds_of_pairs],
+            ["adapter_restore_s", "stock_restore_s"],
+            {"restore": ("adapter_restore_s", "stock_restore_s")})
     text = part.render({key: block})
     assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500 (0.500–0.500) |" \
         in text
+    if key == "integrations_lightning_sharded":
+        assert ("| restore of the last 2-rank checkpoint on 4 ranks (resharded) | 200 ms "
+                "(100–300) | 400 ms (200–600) (DCP's load) | ×0.500 (0.500–0.500) |") in text
     assert setup in text and "median of 2 interleaved rounds after a warm-up" in text
     assert part.render({}) == ""
 
