@@ -13,11 +13,11 @@ import time
 
 import psutil
 
-from async_ckpt import CheckpointEngine
 from async_ckpt.tools.advise import advise
 
 from .markdown import hundredths, milliseconds, spread_text, table
 from .measure import evict, log, ratio_spread, rotated, spread, timed
+from .registry import NEVER, OURS_MEMORY
 from .workloads import TrainingWorkload, restore_quietly, state_tensors
 from .worker import command as command_of
 
@@ -25,7 +25,6 @@ FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "steps": 24, "roun
         "kills": 3}
 QUICK = {"workload": {"width": 128, "depth": 2, "batch": 8}, "steps": 4, "rounds": 1, "kills": 0}
 STAGINGS = ("eager", "lazy")
-NEVER = 10 ** 9  # an ``every`` no loop reaches: the disk gets the first step only
 MTBF_S = 24 * 3600.0
 
 
@@ -84,8 +83,8 @@ def _loop(workload: TrainingWorkload, directory: str, staging: str, steps: int,
     for _ in range(steps):
         workload.step()
     baseline = (time.perf_counter() - start) / steps
-    engine = CheckpointEngine(directory, workload.state, every=NEVER, memory_every=1, slots=3,
-                              staging=staging, heartbeat_interval=None)
+    system = OURS_MEMORY[staging].open(workload.state, directory)
+    engine = system.engine
     try:
         engine.snapshot(0)  # the disk's one snapshot, and the slots allocated
         engine.wait()
@@ -102,10 +101,10 @@ def _loop(workload: TrainingWorkload, directory: str, staging: str, steps: int,
             measured["restore_s"] = _restores(engine, workload, directory, steps)
         return measured
     finally:
-        engine.close()
+        system.close()
 
 
-def _restores(engine: CheckpointEngine, workload: TrainingWorkload, directory: str,
+def _restores(engine, workload: TrainingWorkload, directory: str,
               step: int) -> dict:
     """Restore from memory, then from a disk snapshot of the same step, warm and cold."""
     expected = workload.clone_tensors()
@@ -172,8 +171,9 @@ def worker(args) -> None:
     """The kill runs' child: ``--mode train`` logs each step once its memory snapshot is taken;
     ``restore`` prints what the restart restored, from which tier, and the keeper's pid."""
     workload = TrainingWorkload(**json.loads(args.workload))
-    with CheckpointEngine(args.dir, workload.state, every=NEVER, memory_every=1, slots=3,
-                          heartbeat_interval=None) as engine:
+    system = OURS_MEMORY["eager"].open(workload.state, args.dir)
+    engine = system.engine
+    try:
         if args.mode == "restore":
             step = restore_quietly(engine)
             stats = engine.stats()
@@ -186,6 +186,8 @@ def worker(args) -> None:
                 engine.snapshot(step)
                 log_file.write(json.dumps({"step": step}) + "\n")
                 log_file.flush()
+    finally:
+        system.close()
 
 
 def render(block: dict) -> str:
