@@ -128,3 +128,22 @@ def test_the_options_table_lists_every_option():
     table = text[text.index("| option | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
     listed = {name for row in table for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert listed == {f.name for f in dataclasses.fields(EngineOptions)}
+
+
+def test_the_performance_section_quotes_the_committed_report_as_it_is():
+    """README's "Performance" is bench/results/report.md's headline, opening and sections pasted
+    as they are (``###`` headings as ``####``), its own paragraphs aside (those that say how to
+    run the benchmark): a figure that differs is a published fact gone stale."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    start = readme.index("\n## Performance\n")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    with open(os.path.join(os.path.dirname(README), "bench", "results", "report.md"),
+              encoding="utf-8") as f:
+        report = f.read()
+    quoted = [block.strip() for block in section.split("\n\n")[1:]
+              if block.strip() and "python -m bench" not in block]
+    assert len(quoted) > 20  # the headline, the opening, the tables
+    for block in quoted:
+        text = "###" + block[4:] if block.startswith("####") else block
+        assert text in report, block[:200]
