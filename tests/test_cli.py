@@ -23,6 +23,7 @@ from async_ckpt.storage.local import LocalStorage
 from async_ckpt import CheckpointEngine, load
 from async_ckpt.tools import gc as gc_command
 from async_ckpt.tools.cli import main
+from async_ckpt.tools.common import EXIT_DAMAGE
 from async_ckpt.errors import CheckpointDirError, NoSnapshotError
 from async_ckpt.format.manifest import read_manifest
 from conftest import assert_same, make_training_state, train_step
@@ -896,7 +897,8 @@ def test_a_ranks_own_root_lists_and_verifies_but_points_to_the_store(capsys, tmp
     name = "step-00000000000000000007.0000abcd"
     committer.add(Attempt(job=0, step=7, dir=name, replicas=[], raw_bytes=64,
                           figures=ShardFigures(),
-                          shard=write_shard(str(root), name, 1, 7, world_size=2)))
+                          shard=write_shard(str(root), name, 1, 7, world_size=2,
+                                            tensors=[_view_of_rank(0)])))
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 0 and "rank 1's own root" in out and "object store" in out
     code, out, _ = run(capsys, "verify", str(root))
@@ -905,6 +907,43 @@ def test_a_ranks_own_root_lists_and_verifies_but_points_to_the_store(capsys, tmp
     assert code == 2 and "rank-00001" in one_error_line(err) and "s3://" in err
     with pytest.raises(CheckpointDirError, match="object store"):
         load(str(root))
+
+
+def _view_of_rank(rank: int) -> dict:
+    """A tensor record viewing storage 0 of ``rank``'s shard (a replica it holds)."""
+    return {"dtype": "uint8", "shape": [8], "stride": [1], "storage": 0, "offset": 0, "rank": rank}
+
+
+def test_another_ranks_shard_that_cannot_be_opened_is_damage_reported_with_the_pick(capsys,
+                                                                                  tmp_path):
+    """Rank 0's tensors view rank 1's storage, and rank 1's header names a format version no
+    reader knows (the header is outside the index checksum): verify reports the step damaged
+    and what restore() picks; it once stopped at rank 1's error while checking rank 0's views."""
+    from test_commit import write_shard
+    from async_ckpt.storage.names import shard_file_name
+    from async_ckpt.write.commit import Attempt, Committer
+    from async_ckpt.write.protocol import ShardFigures
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    committer = Committer(LocalStorage(str(root)), 2, keep_last=3, keep_every=None,
+                          commit_timeout=60, send=lambda event: None)
+    for step, tensors in ((1, []), (2, [_view_of_rank(1)])):
+        name = f"step-{step:020d}.0000abcd"
+        committer.add(Attempt(job=step, step=step, dir=name, replicas=[], raw_bytes=64,
+                              figures=ShardFigures(), shard=write_shard(
+                                  str(root), name, 0, step, world_size=2, tensors=tensors)))
+        write_shard(str(root), name, 1, step, world_size=2)
+        committer.poll(trainer_gone=False)
+    assert read_manifest(LocalStorage(str(root))).steps() == [1, 2]
+    damaged = root / f"step-{2:020d}.0000abcd" / shard_file_name(1)
+    data = bytearray(damaged.read_bytes())
+    data[8:12] = struct.pack("<I", 99)  # the header: magic, then the format version
+    damaged.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", "--all", str(root))
+    assert code == EXIT_DAMAGE, out
+    assert "step 2" in out and "DAMAGED" in out and "version 99" in out
+    assert "restore() would pick step 1" in out
 
 
 def test_ls_and_help_start_without_importing_torch(ckpt):

@@ -85,14 +85,16 @@ def test_one_rank_ignores_replication():
 WORLD = 3
 
 
-def write_shard(root, name, rank, step, replicas=(), partial=False, world_size=WORLD):
-    """What a rank's writer leaves: a durable shard under its final name (or still .partial)."""
+def write_shard(root, name, rank, step, replicas=(), partial=False, world_size=WORLD,
+                tensors=()):
+    """What a rank's writer leaves: a durable shard under its final name (or still .partial),
+    one 64-byte storage, ``tensors`` its tensor table."""
     os.makedirs(os.path.join(root, name), exist_ok=True)
     final = os.path.join(root, name, shard_file_name(rank))
     writer = ShardWriter(final + PARTIAL_SUFFIX, ChunkEncoder(None))
     writer.add_storage(memoryview(bytes([rank]) * 64), 1, False)
     size, digest = writer.finish({"step": step, "rank": rank, "world_size": world_size,
-                                  "tensors": [], "tree": {"kind": "dict", "entries": {}},
+                                  "tensors": list(tensors), "tree": {"kind": "dict", "entries": {}},
                                   **({"replicas": list(replicas)} if replicas else {})})
     if not partial:
         os.rename(final + PARTIAL_SUFFIX, final)

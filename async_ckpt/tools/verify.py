@@ -97,19 +97,22 @@ def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manif
     files, damaged chunks, here or in the earlier snapshots it refers to, views of storages a
     restore would not read, and sharded tensors whose pieces in the ranks' shards a restore
     would refuse."""
-    from ..read.snapshot import view_problems  # imports torch: not at the CLI's start-up
-
     problems = []
     with References(storage, manifest.snapshots) as refs:
         for shard in record.shards:
             found = _verify_shard(storage, record.dir, shard.file, record.step, shard.bytes,
                                   shard.index_xxh3)
-            problems += (found or _verify_references(refs, record, shard.rank)
-                         or view_problems(refs, record, shard.rank))
+            problems += found or _verify_references(refs, record, shard.rank)
             bar.update(shard.bytes)
-        if not problems:  # every shard reads: do their pieces make whole tensors?
-            from ..read.reshard import PieceIndex  # imports torch: not at the CLI's start-up
+        if problems:
+            return problems
+        # every shard reads: does each view what a restore reads, do the pieces make tensors?
+        from ..read.reshard import PieceIndex  # imports torch: not at the CLI's start-up
+        from ..read.snapshot import view_problems
 
+        for shard in record.shards:
+            problems += view_problems(refs, record, shard.rank, manifest.rank is None)
+        if not problems:
             try:
                 problems = PieceIndex(refs, record).problems()
             except CorruptSnapshotError as e:
