@@ -128,6 +128,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if TRAINING in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
         parser.error("--ks needs at least one interval, each at least 1")
     args.ks = tuple(sorted(set(args.ks)))
+    if args.part:  # its section on stdout: no outputs, no plots
+        return args
     if args.out is None:
         full = (preset is FULL and args.sizes == FULL.sizes and args.ks == KS
                 and args.bf16_sizes == FULL.bf16_sizes and args.rounds == FULL.rounds)
@@ -141,7 +143,8 @@ def _device_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> a
     """The GPU benchmark's options: its own presets (``gpu.PRESETS``), none of the sweep's."""
     other = [flag for flag, value in (("--stall", args.stall), ("--sizes", args.sizes),
                                       ("--bf16-sizes", args.bf16_sizes), ("--ks", args.ks),
-                                      ("--render", args.render)) if value]
+                                      ("--render", args.render), ("--part", args.part))
+             if value]
     if other:
         parser.error(f"{', '.join(other)} do not go with --device")
     if args.rounds is not None and args.rounds < 1:

@@ -87,8 +87,17 @@ def render_pair(block: dict, systems: tuple[str, str], heading: str, setup: str,
         f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |"])
 
 
-def slowest(value: float, op=dist.ReduceOp.MAX) -> float:
-    """Every rank's ``value`` reduced by ``op`` (a collective): the slowest rank's by default."""
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective): the slowest rank's time."""
+    return _all_reduced(seconds, dist.ReduceOp.MAX)
+
+
+def total(value: float) -> float:
+    """The sum of every rank's ``value`` (a collective): bytes of a state across the ranks."""
+    return _all_reduced(value, dist.ReduceOp.SUM)
+
+
+def _all_reduced(value: float, op) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return float(t.item())

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compare import fsync_all, interleaved, render_pair, run_pair, slowest
+from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, total
 from .ranks import finish
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
@@ -73,8 +73,7 @@ def worker(args: argparse.Namespace) -> None:
                  *(v for s in optimizer.optimizer.state.values() for v in s.values()
                    if torch.is_tensor(v) and v.dim())]
     state_bytes = int(sum(p.numel() * p.element_size() for p in engines["torch"].parameters())
-                      + slowest(sum(t.numel() * t.element_size() for t in partition),
-                                dist.ReduceOp.SUM))
+                      + total(sum(t.numel() * t.element_size() for t in partition)))
 
     def save(system: str, n: int) -> dict:
         engine, save_dir, tag = engines[system], os.path.join(args.dir, system), f"round{n}"

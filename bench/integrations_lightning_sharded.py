@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, summarised
+from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, summarised, total
 from .markdown import milliseconds, spread_text, thousandths
 from .measure import log, rotated
 from .ranks import finish, torchrun
@@ -137,12 +137,11 @@ def worker(args: argparse.Namespace) -> None:
             if n >= rounds:
                 return
             if n == 0:
-                found["state_bytes"] = int(slowest(sum(
+                found["state_bytes"] = int(total(sum(
                     t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                     for group in trainer.optimizers[0].state.values()
                     for t in group.values() if torch.is_tensor(t) and t.dim())
-                    + sum(p.to_local().nbytes for p in pl_module.parameters()),
-                    dist.ReduceOp.SUM))
+                    + sum(p.to_local().nbytes for p in pl_module.parameters())))
             figures = {}
             for system in rotated(SYSTEMS, n):
                 figures.update(save(trainer, system, n))
