@@ -304,29 +304,21 @@ def _sources(refs: References, record: SnapshotRecord, rank: int
     return {(r, i): _storage_source(refs, record, r, i, r != rank) for r, i in wanted}
 
 
-def view_problems(refs: References, record: SnapshotRecord, rank: int,
-                  other_ranks: bool = True) -> list[str]:
-    """What a restore would refuse in the tensor records of ``rank``'s shard that the shard alone
-    cannot tell (``async-ckpt verify``, once every shard reads): a view of a storage the restore
-    does not read (of a rank no shard holds, or past the shard's own table), or past the end of
-    another rank's storage. ``other_ranks`` False: the record lists this rank's shard only (its
-    own root), so views of other ranks' storages are not checked. Each record is made into a
-    tensor as ``read_snapshot`` makes it, over meta-device stand-ins of the storages' sizes: no
-    byte is read. At most one line."""
-    try:
-        own = refs.open(record.dir, rank)
-        buffers = {key: torch.empty(reader.storages[i].nbytes, dtype=torch.uint8, device="meta")
-                   for key, (reader, i) in _sources(refs, record, rank).items()}
-        for n, t in enumerate(own.tensors):
-            if n not in own.piece_tensors and (other_ranks or t.rank in (None, rank)):
-                _tensor_from_record(t, buffers, rank, own.path, n)
-    except CheckpointError as e:
-        if not e.is_damage:
-            raise
-        return [str(e)]
-    except OSError as e:
-        return [f"{e.filename or record.dir}: {e.strerror or e}"]
-    return []
+def check_views(refs: References, record: SnapshotRecord, rank: int,
+                other_ranks: bool = True) -> None:
+    """Raise what a restore would raise for the tensor records of ``rank``'s shard that the shard
+    alone cannot tell (``async-ckpt verify``, once every shard reads): a view of a storage the
+    restore does not read (of a rank no shard holds, or past the shard's own table), or past the
+    end of another rank's storage. ``other_ranks`` False: the record lists this rank's shard only
+    (its own root), so views of other ranks' storages are not checked. Each record is made into
+    a tensor as ``read_snapshot`` makes it, over meta-device stand-ins of the storages' sizes: no
+    byte is read."""
+    own = refs.open(record.dir, rank)
+    buffers = {key: torch.empty(reader.storages[i].nbytes, dtype=torch.uint8, device="meta")
+               for key, (reader, i) in _sources(refs, record, rank).items()}
+    for n, t in enumerate(own.tensors):
+        if n not in own.piece_tensors and (other_ranks or t.rank in (None, rank)):
+            _tensor_from_record(t, buffers, rank, own.path, n)
 
 
 def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,

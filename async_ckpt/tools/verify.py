@@ -4,7 +4,7 @@ pick; also what ``gc`` runs before it drops committed snapshots."""
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Callable, Optional
 
 from .common import (EXIT_DAMAGE, EXIT_OK, add_dir_command, checkpoint_dir, fail,
                      pick_record, progress, step_arg)
@@ -108,16 +108,27 @@ def verify_record(storage: Storage, record: SnapshotRecord, bar, manifest: Manif
             return problems
         # every shard reads: does each view what a restore reads, do the pieces make tensors?
         from ..read.reshard import PieceIndex  # imports torch: not at the CLI's start-up
-        from ..read.snapshot import view_problems
+        from ..read.snapshot import check_views
 
         for shard in record.shards:
-            problems += view_problems(refs, record, shard.rank, manifest.rank is None)
-        if not problems:
-            try:
-                problems = PieceIndex(refs, record).problems()
-            except CorruptSnapshotError as e:
-                problems = [str(e)]
-    return problems
+            problems += _problems(lambda: check_views(refs, record, shard.rank,
+                                                      manifest.rank is None) or [],
+                                  storage.location(record.dir, shard.file))
+        return problems or _problems(lambda: PieceIndex(refs, record).problems(),
+                                     storage.location(record.dir))
+
+
+def _problems(check: Callable[[], list[str]], where: str) -> list[str]:
+    """``check()``'s lines, or the one line of the damage it raised (a file that cannot be read
+    is damage too); any other error is raised."""
+    try:
+        return check()
+    except CheckpointError as e:
+        if not e.is_damage:
+            raise
+        return [str(e)]
+    except OSError as e:
+        return [f"{where}: {e.strerror or e}"]
 
 
 def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> list[str]:
@@ -127,13 +138,13 @@ def _verify_references(refs: References, record: SnapshotRecord, rank: int) -> l
     reader = refs.open(record.dir, rank)
     for i, entry in enumerate(reader.storages):
         if entry.ref is not None:
-            try:
-                target, j = refs.resolve(record, rank, entry, f"{reader.path}: storage {i}")
-                problems += target.verify_storage(j)
-            except CheckpointError as e:
-                if not e.is_damage:
-                    raise
-                problems.append(str(e))
+            where = f"{reader.path}: storage {i}"
+
+            def check() -> list[str]:  # run at once: entry and where are this storage's
+                target, number = refs.resolve(record, rank, entry, where)
+                return target.verify_storage(number)
+
+            problems += _problems(check, where)
     return problems
 
 
@@ -143,7 +154,8 @@ def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
     from ..read.snapshot import tree_problems  # imports torch: not at the CLI's start-up
 
     path = storage.location(dir, file)
-    try:
+
+    def check() -> list[str]:
         with ShardReader(storage.open_shard(dir, file), expected_bytes, expected_xxh3) as reader:
             problems = []
             if step is not None:
@@ -155,12 +167,8 @@ def _verify_shard(storage: Storage, dir: str, file: str, step: Optional[int],
             require_memory(2 * largest, f"verifying {path}", "free memory, or verify on a larger "
                            "machine")
             return problems + tree_problems(reader) + reader.verify()
-    except CheckpointError as e:
-        if not e.is_damage:
-            raise
-        return [str(e)]
-    except OSError as e:
-        return [f"{path}: {e.strerror or e}"]
+
+    return _problems(check, path)
 
 
 def _verify_unreferenced(storage: Storage) -> None:
