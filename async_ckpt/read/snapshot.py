@@ -310,15 +310,17 @@ def check_views(refs: References, record: SnapshotRecord, rank: int,
     alone cannot tell (``async-ckpt verify``, once every shard reads): a view of a storage the
     restore does not read (of a rank no shard holds, or past the shard's own table), or past the
     end of another rank's storage. ``other_ranks`` False: the record lists this rank's shard only
-    (its own root), so views of other ranks' storages are not checked. Each record is made into
-    a tensor as ``read_snapshot`` makes it, over meta-device stand-ins of the storages' sizes: no
-    byte is read."""
+    (its own root), so views of other ranks' storages are not checked. Each record's dtype and
+    view are checked as ``read_snapshot`` checks them (``_viewed``), with no tensor made and no
+    byte read: a table of millions of records costs seconds, not tens of them."""
     own = refs.open(record.dir, rank)
-    buffers = {key: torch.empty(reader.storages[i].nbytes, dtype=torch.uint8, device="meta")
-               for key, (reader, i) in _sources(refs, record, rank).items()}
+    sizes = {key: reader.storages[i].nbytes
+             for key, (reader, i) in _sources(refs, record, rank).items()}
     for n, t in enumerate(own.tensors):
         if n not in own.piece_tensors and (other_ranks or t.rank in (None, rank)):
-            _tensor_from_record(t, buffers, rank, own.path, n)
+            torch_dtype(t, own.path, n)
+            if math.prod(t.shape):
+                _viewed(t, sizes.get, rank, own.path, n)
 
 
 def _storage_source(refs: References, record: SnapshotRecord, rank: int, i: int,
@@ -359,12 +361,9 @@ def _tensor_from_record(t: StoredTensor, buffers: dict[tuple[int, int], torch.Te
         except RuntimeError as e:
             raise bad(f"shape {list(shape[:8])} and stride {list(stride[:8])} are not a valid "
                       "layout") from e
-    buffer = buffers.get(t.held_in(rank))
-    if buffer is None:
-        raise bad("bad storage reference")
+    buffer = buffers[_viewed(t, lambda key: buffers[key].numel() if key in buffers else None,
+                             rank, path, i)]
     offset, end, itemsize = t.offset, t.end, t.itemsize
-    if end > buffer.numel():  # another rank's storage is checked here, this shard's already
-        raise bad("view lies outside its storage")
     if (buffer.data_ptr() + offset) % itemsize:  # never reached by read_snapshot's buffers
         # (mapped ones start aligned for every dtype viewing them), kept so that no path hands
         # torch a misaligned tensor, which its kernels may crash on: a copy of the bytes viewed
@@ -372,6 +371,20 @@ def _tensor_from_record(t: StoredTensor, buffers: dict[tuple[int, int], torch.Te
         offset = 0
     return torch.empty(0, dtype=dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset // itemsize, shape, stride)
+
+
+def _viewed(t: StoredTensor, size_of: Callable[[tuple[int, Optional[int]]], Optional[int]],
+            rank: int, path: str, i: int) -> tuple[int, Optional[int]]:
+    """The (rank, storage) that nonempty tensor record ``i`` of ``rank``'s shard views, refused
+    where a restore does not read that storage (``size_of`` gives None) or the view runs past its
+    end (another rank's storage is checked here, this shard's when its index was read)."""
+    key = t.held_in(rank)
+    size = size_of(key)
+    if size is None:
+        raise CorruptSnapshotError(f"{path}: tensor {i}: bad storage reference")
+    if t.end > size:
+        raise CorruptSnapshotError(f"{path}: tensor {i}: view lies outside its storage")
+    return key
 
 
 def _size(v: Any) -> torch.Size:
