@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import psutil
 
 from .floors import Floors
-from .markdown import hundredths, spread_text, thousandths
+from .markdown import hundredths, spread_text, table, thousandths
 from .measure import evict, log, ratio_spread, remove, spread
 from .registry import OURS_ASYNC, OURS_DIRECT
 from .rounds import run_rounds
@@ -22,7 +22,10 @@ from .workloads import build_state
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
 QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
 WRITERS = {"direct": OURS_DIRECT, "buffered": OURS_ASYNC}
-FIGURES = ("to_durable_s", "writer_cpu_s_per_gb", "restore_s", "restore_cold_s")
+PHASES = {"blocking_s": "`snapshot()`", "queue_s": "queued", "write_s": "writing",
+          "encode_cpu_s": "of which checksums (CPU)", "fsync_s": "fsync", "commit_s": "commit"}
+"""The writer's figures of the snapshot (``stats()``): where its time to durable went."""
+FIGURES = ("to_durable_s", "writer_cpu_s_per_gb", "restore_s", "restore_cold_s", *PHASES)
 
 
 @contextmanager
@@ -52,6 +55,7 @@ def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
         system.wait()
         to_durable = time.perf_counter() - start
         cpu = _writer_cpu_s(system) - cpu
+        phases = {key: system.newest_figures()[key] for key in PHASES}
         start = time.perf_counter()
         system.restore()
         warm = time.perf_counter() - start
@@ -63,7 +67,7 @@ def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
         system.close()
         remove(directory, settle=True)
     return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
-            "restore_s": warm, "restore_cold_s": cold, "state_bytes": nbytes}
+            "restore_s": warm, "restore_cold_s": cold, "state_bytes": nbytes, **phases}
 
 
 def run(root: str, quick: bool) -> dict:
@@ -135,5 +139,23 @@ def render(block: dict) -> str:
         "seconds per GB of state while the snapshot became durable. Restore: right after the "
         "snapshot; cold: its files evicted first.", "",
         "| state | burners | writer | time to durable | ×floor | writer CPU s/GB | restore | "
-        "cold restore | ×cold read |", "|---|---|---|---|---|---|---|---|---|", *rows])
+        "cold restore | ×cold read |", "|---|---|---|---|---|---|---|---|---|", *rows,
+        *_phases(block)])
+
+
+def _phases(block: dict) -> list[str]:
+    """Where each time to durable went, by the engine's own figures (none in results of runs
+    before they were recorded)."""
+    if "write_s" not in block["cells"][0]["direct"]:
+        return []
+    rows = [[f"{cell['state_bytes'] / 1e9:.3g} GB", str(cell["burners"]), name,
+             spread_text(cell[name]["to_durable_s"], thousandths)]
+            + [spread_text(cell[name][key], thousandths) for key in PHASES]
+            for cell in block["cells"] for name in WRITERS]
+    return ["", "Where the time to durable went, in seconds, by the engine's `stats()` of the same "
+            "snapshots: `snapshot()` (capture and staging, in the training process), queued "
+            "behind the writer, writing (checksums and compression run on the writer's threads "
+            "meanwhile: their CPU seconds, summed over the threads, in the next column), fsync "
+            "(the file, its directory), commit (the manifest, made durable).", "",
+            table(["state", "burners", "writer", "time to durable", *PHASES.values()], rows)]
 

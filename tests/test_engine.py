@@ -386,6 +386,7 @@ def test_stats_report_every_stage(ckpt_dir):
     for key in ("blocking_s", "staging_s", "capture_s", "write_s", "fsync_s", "commit_s",
                 "to_commit_s", "staging_gbps", "durable_gbps"):
         assert record[key] >= 0, key
+    assert 0 < record["encode_cpu_s"]  # a megabyte checksummed
     assert record["to_commit_s"] >= record["blocking_s"]
     assert record["raw_bytes"] >= 4 << 18 and record["stored_bytes"] > record["raw_bytes"]
     assert stats["committed"] == 1 and stats["pool_bytes"] >= 2 * (4 << 18)

@@ -913,6 +913,30 @@ def test_flush_and_abort_return_only_once_no_worker_reads_the_source(tmp_path):
     assert len(reads) == finished and not (tmp_path / "rank-00000.ackpt").exists()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_encode_cpu_s_sums_the_cpu_each_chunk_took_on_whatever_thread(tmp_path, workers):
+    """The writer's ``encode_cpu_s`` figure: CPU seconds of every chunk's encoding and checksum,
+    counted on the thread that did it (a worker's CPU, not the caller's wall time)."""
+    import time
+
+    class SpinningEncoder(ChunkEncoder):
+        def encode(self, raw, itemsize, is_float):
+            spun = time.thread_time() + 0.01
+            while time.thread_time() < spun:
+                pass
+            return super().encode(raw, itemsize, is_float)
+
+        def twin(self):
+            return SpinningEncoder(None)
+
+    writer = ShardWriter(str(tmp_path / "rank-00000.ackpt"), SpinningEncoder(None),
+                         chunk_bytes=SMALL_CHUNK, workers=workers)
+    writer.add_storage(memoryview(random_bytes(SMALL_CHUNK * 3)), 1, False)
+    writer.flush()
+    assert writer.encode_cpu_s >= 3 * 0.01
+    writer.abort()
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_range_of_a_storage_reads_exactly_those_bytes_and_checks_whole_chunks(tmp_path, cached):
     """``read_range`` of any range (inside one chunk, across several, at the edges) gives the

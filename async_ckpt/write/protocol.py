@@ -174,12 +174,14 @@ class JobOutcome:
 @dataclass(frozen=True)
 class ShardFigures:
     """What writing this rank's shard of one snapshot cost, measured by the writer
-    (``write/writer.py``): seconds queued, writing and making it durable; bytes written, and
-    bytes not written because an earlier snapshot holds them (incremental)."""
+    (``write/writer.py``): seconds queued, writing and making it durable; CPU seconds of the
+    chunks' checksums and compression (spent during ``write_s``, on several threads); bytes
+    written, and bytes not written because an earlier snapshot holds them (incremental)."""
 
     queue_s: float = 0.0
     write_s: float = 0.0
     fsync_s: float = 0.0
+    encode_cpu_s: float = 0.0
     shard_bytes: int = 0
     referred_bytes: int = 0
 

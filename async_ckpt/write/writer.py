@@ -249,10 +249,12 @@ class SnapshotWriter:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
                                           region.itemsize, region.is_float, **fields)
             shard.flush()  # every chunk is read: only then may the buffer be released
+            hashing_started = time.thread_time()
             replicas = [Replica(entry, owner, plan.regions[i].nbytes,
                                 checksum(buf[plan.regions[i].offset:
                                              plan.regions[i].offset + plan.regions[i].nbytes]))
                         for i, entry, owner in layout.replicas]
+            encode_cpu_s = shard.encode_cpu_s + time.thread_time() - hashing_started
             release()
             t_written = time.monotonic()
             size, index_digest = shard.finish({
@@ -273,7 +275,8 @@ class SnapshotWriter:
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
                        replicas=replicas, raw_bytes=raw_bytes, figures=ShardFigures(
                            queue_s=t_start - job.submitted, write_s=t_written - t_start,
-                           fsync_s=t_durable - t_written, shard_bytes=size + data_bytes,
+                           fsync_s=t_durable - t_written, encode_cpu_s=encode_cpu_s,
+                           shard_bytes=size + data_bytes,
                            referred_bytes=referred_bytes),
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
                        data_bytes=data_bytes)
