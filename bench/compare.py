@@ -66,15 +66,27 @@ def pair_block(raw: dict, config: dict, systems: tuple[str, str]) -> dict:
                 {kind: (f"{ours}_{kind}_s", f"{theirs}_{kind}_s") for kind in KINDS})}
 
 
+def restore_block(rounds: list[dict], systems: tuple[str, str]) -> dict:
+    """The ``restore`` entry of a pair's block: each system's ``{system}_restore_s`` over the
+    ``rounds`` and the first's ratio to the second's, round by round."""
+    ours, theirs = systems
+    return summarised(rounds, [f"{s}_restore_s" for s in systems],
+                      {"restore": (f"{ours}_restore_s", f"{theirs}_restore_s")})
+
+
 def render_pair(block: dict, systems: tuple[str, str], heading: str, setup: str, contents: str,
-                columns: tuple[str, str, str], durable_row: str, theirs_durable: str) -> str:
-    """``run_pair``'s section: what ran (``setup``, ``contents``), a row per kind of figure."""
+                columns: tuple[str, str, str], durable_row: str, theirs_durable: str,
+                restore_row: tuple[str, str] = ("", "")) -> str:
+    """``run_pair``'s section: what ran (``setup``, ``contents``), a row per kind of figure;
+    ``restore_row`` (what was restored, how the second system restores) where the block has a
+    ``restore`` entry."""
     f, r = block["figures"], block["ratios"]
     ours, theirs = systems
 
-    def ms(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms")
+    def ms(key: str, figures: dict = f) -> str:
+        return spread_text(figures[key], milliseconds, " ms")
 
+    restore = block.get("restore")
     return "\n".join([
         heading, "",
         f"{setup} on {block['ranks']} ranks (CPU, gloo), {block['state_bytes'] / 1e6:.0f} MB "
@@ -84,7 +96,10 @@ def render_pair(block: dict, systems: tuple[str, str], heading: str, setup: str,
         f"| training blocked | {ms(f'{ours}_blocking_s')} | {ms(f'{theirs}_blocking_s')} | "
         f"×{spread_text(r['blocking'], thousandths)} |",
         f"| {durable_row} | {ms(f'{ours}_durable_s')} | {ms(f'{theirs}_durable_s')} "
-        f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |"])
+        f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |",
+        *([f"| {restore_row[0]} | {ms(f'{ours}_restore_s', restore['figures'])} | "
+           f"{ms(f'{theirs}_restore_s', restore['figures'])} ({restore_row[1]}) | "
+           f"×{spread_text(restore['ratios']['restore'], thousandths)} |"] if restore else [])])
 
 
 def slowest(seconds: float) -> float:

@@ -11,7 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, total
+from .compare import (fsync_all, interleaved, render_pair, restore_block, run_pair, slowest,
+                      total)
 from .ranks import finish
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
@@ -20,8 +21,12 @@ SYSTEMS = ("adapter", "torch")
 
 
 def run(root: str, quick: bool) -> dict:
-    return run_pair("deepspeed", "integrations_deepspeed", os.path.join(root, "deepspeed"),
-                    QUICK if quick else FULL, SYSTEMS)
+    """The pair's block, and the restores the workers timed in the same rounds (DeepSpeed loads
+    ZeRO state only at the data-parallel size it was saved at: no resharded restore)."""
+    block = run_pair("deepspeed", "integrations_deepspeed", os.path.join(root, "deepspeed"),
+                     QUICK if quick else FULL, SYSTEMS)
+    block["restore"] = restore_block(block["rounds"], SYSTEMS)
+    return block
 
 
 def render(block: dict) -> str:
@@ -30,7 +35,8 @@ def render(block: dict) -> str:
         "### DeepSpeed: a save's cost, the adapter against DeepSpeed's torch engine",
         "ZeRO stage 2", "of fp32 parameters, ZeRO fp32 partitions and Adam moments",
         ("per `save_checkpoint`", "adapter", "`TorchCheckpointEngine`"),
-        "durable (every file and `latest` fsynced)", "its save, then an fsync of its files")
+        "durable (every file and `latest` fsynced)", "its save, then an fsync of its files",
+        ("`load_checkpoint` of that save on the same 2 ranks", "its files, from the page cache"))
 
 
 def _engine(width: int, layers: int):
@@ -89,9 +95,14 @@ def worker(args: argparse.Namespace) -> None:
             fsync_all(os.path.join(save_dir, "latest"))
         durable = slowest(time.perf_counter() - start)
         dist.barrier()
+        start = time.perf_counter()
+        engine.load_checkpoint(save_dir, tag=tag)
+        restore = slowest(time.perf_counter() - start)
+        dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, tag))
-        return {f"{system}_blocking_s": blocking, f"{system}_durable_s": durable}
+        return {f"{system}_blocking_s": blocking, f"{system}_durable_s": durable,
+                f"{system}_restore_s": restore}
 
     rounds = interleaved("integrations_deepspeed", SYSTEMS, args.rounds, save)
     ours.close()

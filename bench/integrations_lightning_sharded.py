@@ -13,8 +13,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .compare import fsync_all, interleaved, render_pair, run_pair, slowest, summarised, total
-from .markdown import milliseconds, spread_text, thousandths
+from .compare import (fsync_all, interleaved, render_pair, restore_block, run_pair, slowest,
+                      total)
 from .measure import log, rotated
 from .ranks import finish, torchrun
 
@@ -32,26 +32,18 @@ def run(root: str, quick: bool) -> dict:
                         "integrations_lightning_sharded", 4, directory, 0.0, config["rounds"],
                         "--width", str(config["width"]), "--layers", str(config["layers"]),
                         "--phase", "restore")
-    block["restore"] = summarised(restored["rounds"], [f"{s}_restore_s" for s in SYSTEMS],
-                                  {"restore": ("adapter_restore_s", "stock_restore_s")})
+    block["restore"] = restore_block(restored["rounds"], SYSTEMS)
     return block
 
 
 def render(block: dict) -> str:
-    text = render_pair(
+    return render_pair(
         block, SYSTEMS,
         "### Lightning ModelParallelStrategy: a sharded save's cost, the adapter against the "
         "stock strategy", "FSDP2", "of parameters and Adam moments",
         ("per save", "`AsyncCkptModelParallelStrategy`", "`ModelParallelStrategy`"),
-        "durable (every shard fsynced)", "DCP's save, then an fsync of `meta.pt`")
-    if "restore" not in block:  # measured since 2026-12-07
-        return text
-    f, r = block["restore"]["figures"], block["restore"]["ratios"]
-    return text + (
-        f"\n| restore of the last 2-rank checkpoint on 4 ranks (resharded) | "
-        f"{spread_text(f['adapter_restore_s'], milliseconds, ' ms')} | "
-        f"{spread_text(f['stock_restore_s'], milliseconds, ' ms')} (DCP's load) | "
-        f"×{spread_text(r['restore'], thousandths)} |")
+        "durable (every shard fsynced)", "DCP's save, then an fsync of `meta.pt`",
+        ("restore of the last 2-rank checkpoint on 4 ranks (resharded)", "DCP's load"))
 
 
 def worker(args: argparse.Namespace) -> None:
