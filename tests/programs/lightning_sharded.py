@@ -15,8 +15,8 @@ run in ``OUT/killed`` that stops rank 0's writer just before the saves of step 1
 staged, never committed) and, once they are taken, writes ``OUT/killed/ready`` and waits for the
 test to SIGKILL every process. ``--phase resume`` (2 ranks): ``fit(ckpt_path="last")`` in
 ``OUT/killed`` to step 15, after a fit from the explicit path of the step-5 top-k checkpoint
-in ``OUT/explicit`` to step 10. ``--phase reshard`` (any number of ranks): ``fit`` from
-``OUT/killed``'s last checkpoint to step 18, writing the whole state as it stands right after
+in ``OUT/explicit`` to step 10. ``--phase reshard`` (any number of ranks): ``fit(ckpt_path="last")`` in
+``OUT/reshard``, a copy of ``OUT/killed``'s checkpoints and snapshots, to step 18, writing the whole state as it stands right after
 the load as ``OUT/reshard/loaded.pt`` and the warnings of the fit as ``warnings.json``; with
 ``--consolidated FILE``, the same from that single file in ``OUT/from-file``.
 """
@@ -24,6 +24,7 @@ the load as ``OUT/reshard/loaded.pt`` and the warnings of the fit as ``warnings.
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -156,8 +157,11 @@ def main():
         fit(killed, STEPS, ckpt_path="last")
     else:
         root = os.path.join(args.out, "reshard")
-        _, caught = fit(root, 18, engine=os.path.join(killed, "engine"), loaded=True,
-                        ckpt_path=os.path.join(killed, "ckpts", "last.ckpt"))
+        if dist.get_rank() == 0:  # "last" is looked up where the callback saves: the killed
+            for name in ("ckpts", "engine"):  # run's checkpoints and snapshots, moved there
+                shutil.copytree(os.path.join(killed, name), os.path.join(root, name))
+        dist.barrier()
+        _, caught = fit(root, 18, loaded=True, ckpt_path="last")
         if dist.get_rank() == 0:
             with open(os.path.join(root, "warnings.json"), "w") as f:
                 json.dump(caught, f)
