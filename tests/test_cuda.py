@@ -212,8 +212,7 @@ def test_a_cuda_graph_replay_between_snapshots_is_in_the_next_snapshot(ckpt_dir)
 
 def test_the_sharded_path_with_nccl_on_one_device(ckpt_dir, tmp_path):
     """A DTensor sharded over a one-device mesh under NCCL (world size 1): saved, restored onto
-    the device bit for bit. Two devices: ``torchrun`` in tests/test_sharded.py's style is left to
-    a machine that has them."""
+    the device bit for bit (two devices: the next test)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -234,3 +233,65 @@ def test_the_sharded_path_with_nccl_on_one_device(ckpt_dir, tmp_path):
         assert sharded.to_local().is_cuda and torch.equal(sharded.full_tensor(), full)
     finally:
         dist.destroy_process_group()
+
+
+def _sharded_on_two_devices(rank: int, ckpt_dir: str, store_path: str) -> None:
+    """One of two ranks of ``test_the_sharded_path_with_nccl_on_two_devices``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2,
+                            store=dist.FileStore(store_path, 2))
+    try:
+        mesh = init_device_mesh("cuda", (2,))
+        torch.manual_seed(0)  # the same full tensor on both ranks
+        full = torch.randn(64, 32, device="cuda")
+        sharded = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        with CheckpointEngine(ckpt_dir, {"s": {"w": sharded}}) as engine:
+            engine.snapshot(0)
+            engine.wait()
+            sharded.to_local().zero_()
+            assert engine.restore() == 0
+        assert sharded.to_local().device == torch.device("cuda", rank)
+        assert torch.equal(sharded.full_tensor(), full)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_sharded_path_with_nccl_on_two_devices(ckpt_dir, tmp_path):
+    """Two ranks, one device each, a DTensor sharded across them under NCCL: each rank stages
+    its piece from its own device and restores it there, bit for bit."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    mp.spawn(_sharded_on_two_devices, args=(str(ckpt_dir), str(tmp_path / "store")), nprocs=2)
+
+
+def test_a_cuda_source_freed_while_its_copy_is_queued_keeps_its_memory_until_the_copy_ran():
+    """The side stream's copy waits behind the compute stream's queued work; a source freed
+    meanwhile is not handed to the next allocation (which the compute stream writes at once)
+    before the copy has read it."""
+    from async_ckpt.train.capture import Planner
+    from async_ckpt.train.staging import StagingPool
+
+    pool = StagingPool(1)
+    try:
+        source = torch.randn(16 << 20, device="cuda")
+        expected = source.cpu().view(torch.uint8)
+        plan, sources = Planner().plan([source])
+        slot = pool.free_slot()
+        pool.fit(slot, plan, pin=True)
+        torch.cuda._sleep(100_000_000)  # the compute stream stays busy: the copy waits
+        copy = pool.start(plan, sources, slot)
+        del source, sources
+        torch.empty(16 << 20, device="cuda").fill_(7.0)  # queued before the copy can run
+        copy.wait()
+        region = plan.regions[0]
+        assert torch.equal(slot.tensor[region.offset:region.offset + region.nbytes], expected)
+    finally:
+        pool.close()

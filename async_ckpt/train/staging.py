@@ -36,6 +36,7 @@ from .capture import Source
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device, not only one
 _GROWTH_ALIGNMENT = 2 << 20
 PIECE_BYTES = 64 << 20
 """The copy thread copies a CPU region this many bytes at a time."""
@@ -182,7 +183,8 @@ class StagingPool:
     def _pin(self, slot: Slot) -> None:
         """Page-lock the slot so CUDA copies into it are asynchronous and run at full bandwidth;
         where that is refused, the slot stays pageable (copies into it synchronous)."""
-        err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), slot.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), slot.nbytes,
+                                                   _HOST_REGISTER_PORTABLE)
         if int(err) == 0:
             slot.pinned = True
             return
@@ -229,8 +231,10 @@ class StagingPool:
                 stream.wait_stream(torch.cuda.current_stream(device))
                 used_streams.append(stream)
             with torch.cuda.stream(stream):
+                view = src.view()
                 slot.tensor[region.offset:region.offset + src.nbytes].copy_(
-                    src.view(), non_blocking=slot.pinned)
+                    view, non_blocking=slot.pinned)
+                view.record_stream(stream)  # freed before the copy ran: not reused until then
             if k in now:  # the compute stream's next work (a forward) may write it
                 torch.cuda.current_stream(device).wait_event(stream.record_event())
         for stream in used_streams:
