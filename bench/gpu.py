@@ -324,11 +324,22 @@ def render(results: dict) -> str:
         f"{sum(c['bit_exact'] for c in checks)} of {len(checks)} restores bit-exact; RNG states "
         f"(CPU and every CUDA device) restored exactly in "
         f"{sum(bool(c.get('rng_exact')) for c in checks)} of "
-        f"{sum('rng_exact' in c for c in checks)} async_ckpt restores.", "",
+        f"{sum('rng_exact' in c for c in checks)} async_ckpt restores. Staging slots CUDA "
+        "refused to page-lock (`stats()['pin_failures']`: their copies ran synchronously, "
+        "from pageable memory): " + (", ".join(f"{name} {count}" for name, count in
+                                              _pin_failures(raw).items()) or "none measured")
+        + ".", "",
         table(["system", "round", "step", "tensors differing", "RNG"],
               [[c["system"], str(c["round"]), str(c["step"]), f"{c['differing']} of {c['tensors']}",
                 {True: "exact", False: "DIFFERS", None: "not saved"}[c.get("rng_exact")]]
                for c in checks]), ""])
+
+
+def _pin_failures(raw: dict) -> dict[str, int]:
+    """Per engine of ours, the most slots any of its runs could not pin."""
+    return {name: max(r["details"].get("pin_failures") or 0 for r in block["runs"])
+            for name, block in raw["systems"].items() if block["available"] and block["runs"]
+            and "pin_failures" in block["runs"][0]["details"]}
 
 
 def _cell(entry: dict, scale: float, unit: str, floor: str = "",

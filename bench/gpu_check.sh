@@ -37,6 +37,7 @@ done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 exec > >(tee "$out/check.log") 2>&1
+tee_pid=$!
 echo "== $(date -u +%FT%TZ) gpu_check on $(hostname): device $device"
 if ! "$PY" -c "import zstandard" 2>/dev/null; then
     ls .whl/*.whl >/dev/null 2>&1 || { echo "zstandard is missing and .whl/ holds no wheels:" \
@@ -63,4 +64,6 @@ timeout 330 "$PY" -m bench --device "$device" "${bench_args[@]}" --out "$out" \
 tail -5 "$out/bench.log"
 [ -f "$out/report.md" ] && cat "$out/report.md"
 echo "== gpu_check done: status $status (0: every CUDA test passed or skipped, the bench ran and every restore was exact)"
+exec >&- 2>&-  # tee sees the end of its input: wait for it, so check.log is whole
+wait "$tee_pid"
 exit $status

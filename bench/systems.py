@@ -185,7 +185,7 @@ class Engine(System):
         stats = self.engine.stats()
         return {"snapshot": self.newest_figures() if stats["snapshots"] else None,
                 **{k: stats.get(k) for k in ("trainer_rss", "writer_rss", "writer_shared",
-                                             "pool_bytes", "skipped")}}
+                                             "pool_bytes", "skipped", "pin_failures")}}
 
     def close(self) -> None:
         self._writer_pid = None
