@@ -254,6 +254,19 @@ def test_only_the_format_reads_a_parsed_index_by_its_keys():
     assert all(_index_key_uses(MODULES[name]) for name in _OWN_FORMATS)  # each exemption is used
 
 
+def test_only_the_format_touches_a_shard_readers_parsed_index():
+    """``ShardReader.index`` is the parsed JSON; the others read a shard through the reader's
+    records and accessors (``tensors``, ``storages``, ``tree``, ``is_shard_of``, ``data_files``,
+    ...): an ``x.index`` outside format/ is found here (a staging slot's number and
+    ``operator.index`` aside)."""
+    found = {name: [f"{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Attribute) and node.attr == "index"
+                    and not (isinstance(node.value, ast.Name)
+                             and node.value.id in ("slot", "operator"))]
+             for name, path in MODULES.items() if _part(name) != "format"}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+
+
 def test_what_the_writer_tells_the_trainer_is_typed_all_the_way_down():
     """The writer's answers (``write/protocol.py``'s ``WriterEvent``) carry records, never a dict
     read by string keys in another module: a field typed ``dict`` (or holding one) is found

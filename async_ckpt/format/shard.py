@@ -416,6 +416,31 @@ class ShardReader:
         """The tensor bytes of its storages (those it refers to included), before encoding."""
         return raw_bytes(self.storages)
 
+    @property
+    def tree(self) -> Any:
+        """Its state tree as written (docs/FORMAT.md section 5), for ``format/tree.py``'s walker
+        and rebuilder, which check it as they go."""
+        return self.index.get("tree")
+
+    def is_shard_of(self, step: int, rank: int, world_size: int) -> bool:
+        """Whether its index says it is ``rank``'s shard of ``step`` written by ``world_size``
+        ranks."""
+        return (self.index.get("step"), self.index.get("rank"),
+                self.index.get("world_size")) == (step, rank, world_size)
+
+    @functools.cached_property
+    def data_files(self) -> tuple[tuple[str, int], ...]:
+        """The (name, size) of its data files (version 6), which only its index names."""
+        return tuple(data_files(self.index))
+
+    @property
+    def data_file_bytes(self) -> int:
+        return data_file_bytes(self.index)
+
+    def data_file_problems(self, listing: dict[str, int], where: str) -> list[str]:
+        """``data_file_problems`` of its index against the listing of its directory."""
+        return data_file_problems(self.index, listing, where)
+
     def held_storage(self, i: int, nbytes: Optional[int] = None,
                      itemsize: Optional[int] = None) -> Optional[StorageEntry]:
         """Storage ``i`` if it holds its bytes here (it is no reference), of ``nbytes`` bytes of

@@ -432,7 +432,7 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
 
     nodes: dict[str, list] = {}
     try:
-        for node in tree_model.walk(reader.index.get("tree"), reader.path):
+        for node in tree_model.walk(reader.tree, reader.path):
             nodes.setdefault(node.top, []).append(
                 [node.keys, node.kind, canonical(node.state), canonical(node.metadata)])
     except CorruptSnapshotError:

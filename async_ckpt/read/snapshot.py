@@ -77,7 +77,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
     ``differing``: the top-level entries the saved ranks held unalike."""
     with References(storage, [record]) as refs:
         own = refs.open(record.dir, rank)
-        index, path, records = own.index, own.path, own.tensors
+        path, records = own.path, own.tensors
         if manifest is None and any(s.ref is not None for s in own.storages):
             manifest = read_manifest(refs.storage)
         if manifest is not None:
@@ -89,7 +89,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
                  for key, (reader, i) in sources.items()
                  if how.mapped and reader.storages[i].nbytes}
         views = {key: view for key, view in views.items() if view is not None}
-        held = _HeldBy(index.get("tree"), records, rank)
+        held = _HeldBy(own.tree, records, rank)
         if how.verify:
             _in_parallel([_naming(check, held, key) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
@@ -114,7 +114,7 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
         _in_parallel(reads)
         tensors = [None if n in pieces else _tensor_from_record(t, buffers, rank, path, n)
                    for n, t in enumerate(records)]
-        root_entry = _rebuild(index.get("tree"), tensors, dtensors, how.allow_pickle, path)
+        root_entry = _rebuild(own.tree, tensors, dtensors, how.allow_pickle, path)
         if dtensors or how.targets is not None:
             _read_sharded(root_entry, how.targets, Resolver(lambda: PieceIndex(
                 refs, record, lambda refs, record, r, i: _storage_source(refs, record, r, i, False)),
@@ -430,7 +430,7 @@ def tree_problems(reader: ShardReader) -> list[str]:
     differ when restored (two pickled enum members as dict keys, a set of tensors) must not
     collide here. One line per problem found (at most one)."""
     try:
-        _rebuild(reader.index.get("tree"), _StandIns(len(reader.tensors), reader.piece_tensors),
+        _rebuild(reader.tree, _StandIns(len(reader.tensors), reader.piece_tensors),
                  reader.dtensors, True, reader.path, unpickle=lambda data: object())
     except CorruptSnapshotError as e:
         return [str(e)]

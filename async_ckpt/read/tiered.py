@@ -20,7 +20,7 @@ from typing import Hashable, Iterable, Optional, Type
 
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteStorageError
 from ..format.manifest import Manifest, ShardRecord, read_manifest
-from ..format.shard import ShardReader, data_files
+from ..format.shard import ShardReader
 from ..storage.base import DataFileSink, ShardSink, ShardSource, Storage
 from ..storage.local import LocalStorage
 from ..storage.remote import ObjectStorage
@@ -95,7 +95,7 @@ class TieredStorage(Storage):
         # names them: a local shard has them beside it
         with ShardReader(self.remote.open_shard(dir, file), record.bytes,
                          record.index_xxh3) as reader:
-            files = data_files(reader.index)
+            files = reader.data_files
         for name, size in (*files, (file, record.bytes)):
             if local.get(name) != size and not self._keep_copy(dir, name, size):
                 return self.remote.open_shard(dir, file)  # read from the store, data files

@@ -107,7 +107,7 @@ class _TreeWalk:
 
     def __init__(self, shard: ShardReader, path: str):
         self.path = path
-        self.tree = shard.index.get("tree")
+        self.tree = shard.tree
         self.tensors = shard.tensors
         self.dtensors, self.storages = shard.dtensors, shard.storages
         self.lines: list[tuple] = []

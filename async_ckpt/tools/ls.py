@@ -12,7 +12,7 @@ from .common import (EXIT_DAMAGE, EXIT_OK, PROG, add_dir_command, checkpoint_dir
                      size_text, when_text)
 from ..errors import CheckpointError
 from ..format.manifest import SnapshotRecord, leftovers, read_manifest
-from ..format.shard import ShardReader, data_file_problems
+from ..format.shard import ShardReader
 from ..storage.names import MANIFEST_NAME, snapshot_dir_step
 from ..storage.base import Storage
 
@@ -120,7 +120,7 @@ def _shard_problems_quick(storage: Storage, record: SnapshotRecord) -> list[str]
         try:
             with ShardReader(storage.open_shard(record.dir, shard.file), shard.bytes,
                              shard.index_xxh3) as reader:
-                problems += data_file_problems(reader.index, sizes, record.dir)
+                problems += reader.data_file_problems(sizes, record.dir)
         except CheckpointError as e:
             problems.append(str(e))
     return problems

@@ -33,7 +33,7 @@ from ..format.manifest import (DroppedRecord, Manifest, ShardRecord, SnapshotRec
                                write_manifest)
 from ..storage.names import MANIFEST_NAME, SHARD_FILE, shard_file_name
 from ..format.records import Replica
-from ..format.shard import ShardReader, data_file_bytes, data_file_problems, referenced_dirs
+from ..format.shard import ShardReader, referenced_dirs
 from ..storage.base import Storage
 from ..storage.local import write_error
 from .protocol import (Abandoned, CommitFigures, Committed, Dropped, Failed, ShardFigures,
@@ -318,20 +318,18 @@ def with_shards(storage: Storage, record: SnapshotRecord, replicas: Sequence[Rep
     listing = dict(storage.list_snapshot(record.dir)) if ranks else {}
     for rank in ranks:
         with ShardReader(storage.open_shard(record.dir, shard_file_name(rank))) as reader:
-            index = reader.index
-            if (index.get("step"), index.get("rank"), index.get("world_size")) != (
-                    record.step, rank, record.world_size):
+            if not reader.is_shard_of(record.step, rank, record.world_size):
                 raise CorruptSnapshotError(
                     f"{reader.path} is not rank {rank}'s shard of step {record.step} with "
                     f"{record.world_size} ranks; do several jobs share {storage.location()}?")
             _check_replicas(record.step, replicas, rank, reader.replicas)
-            missing = data_file_problems(index, listing, storage.location(record.dir))
+            missing = reader.data_file_problems(listing, storage.location(record.dir))
             if missing:
                 raise CorruptSnapshotError(f"rank {rank}'s shard of step {record.step} is "
                                            f"incomplete: {'; '.join(missing[:3])}")
             shards.append(ShardRecord(rank, shard_file_name(rank), reader.size, reader.index_xxh3))
             raw += reader.raw_bytes
-            stored += reader.size + data_file_bytes(index)
+            stored += reader.size + reader.data_file_bytes
             refers.update(referenced_dirs(reader.storages))
     shards.sort(key=lambda s: s.rank)
     return dataclasses.replace(record, shards=tuple(shards), raw_bytes=raw, stored_bytes=stored,

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 from ..errors import CheckpointError, CorruptSnapshotError, RemoteConflictError, SnapshotWriteError
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest, write_manifest
 from ..storage.names import MANIFEST_NAME, shard_file_name
-from ..format.shard import ShardReader, data_files
+from ..format.shard import ShardReader
 from ..storage.base import Storage
 from ..storage.remote import ObjectStorage
 from .commit import with_shards
@@ -195,7 +195,7 @@ class Uploader:
                 # the bucket has them there
                 with ShardReader(self.local.open_shard(record.dir, shard.file), shard.bytes,
                                  shard.index_xxh3) as reader:
-                    files = [f for f in data_files(reader.index) if f not in present]
+                    files = [f for f in reader.data_files if f not in present]
                 for name, size in (*files, (shard.file, shard.bytes)):
                     self.remote.upload_file(record.dir, name, self.local.location(record.dir, name))
                     self.uploaded_bytes += size
