@@ -76,3 +76,36 @@ def test_a_leaf_naming_no_entry_of_its_table_is_refused(payload):
     with pytest.raises(CorruptSnapshotError, match=r"here: \$tensor .* not in its table of 3"):
         tree_model.table_entry(Leaf.TENSOR, payload, 3, "here")
     assert tree_model.table_entry(Leaf.DTENSOR, 2, 3, "here") == 2
+
+
+def _digests_of(tree):
+    """``reshard._digests`` of a shard holding ``tree`` (and no tensors)."""
+    from types import SimpleNamespace
+
+    from async_ckpt.read.reshard import _digests
+
+    reader = SimpleNamespace(tensors=(), storages=(), dtensors=(), tree=tree, path="rank-1")
+    return _digests(reader, None, None)
+
+
+def test_the_ranks_digests_compare_values_not_the_order_of_their_keys():
+    """What tells per-rank state from state the ranks held alike at another world size: equal
+    for the same values whatever their dicts' key order, different for another value, a dtype
+    leaf compared by its name."""
+    def tree(state):
+        return tree_model.dict_node({"extra": tree_model.value_node(state)})
+
+    a = {"x": 1, "y": [2.5, {"$dtype": "bfloat16"}]}
+    b = {"y": [2.5, {"$dtype": "bfloat16"}], "x": 1}
+    assert _digests_of(tree(a)) == _digests_of(tree(b))
+    assert _digests_of(tree(a)) != _digests_of(tree({**a, "x": 2}))
+    assert _digests_of(tree(a)) != _digests_of(tree({**a, "y": [2.5, {"$dtype": "float16"}]}))
+
+
+def test_a_crafted_deep_value_in_another_ranks_shard_is_damage_not_a_recursion_error():
+    """Another rank's tree is compared, never rebuilt: nesting deeper than the decoder accepts
+    makes its entries count as differing (no digest), as any malformed tree does."""
+    deep = 0
+    for _ in range(600):
+        deep = [deep]
+    assert _digests_of(tree_model.dict_node({"extra": tree_model.value_node(deep)})) == {}

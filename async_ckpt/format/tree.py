@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -173,6 +174,23 @@ def leaves(node: Node) -> Iterator[tuple[str, Leaf, Any]]:
         found = leaf_of(value)
         if found is not None:  # a path is built only here: a deep tree's are long (issue 28)
             yield (functools.reduce(values.child_path, keys, node.path), *found)
+
+
+def value_items(value: Any, leaf: Callable[[Leaf, Any], Any]) -> list[list]:
+    """An encoded value tree (a node's ``state`` or ``metadata``) as a flat list of
+    ``[keys, kind, what]`` per node, sorted: ``what`` is ``leaf(leaf, payload)`` for a leaf of
+    the state tree (``Leaf``), the node itself for any other node without children, else None. Two
+    trees give equal lists when they hold the same values in the same places, whatever the order
+    of their dicts' keys (what the ranks' digests compare). Walked iteratively, so a crafted
+    depth is CorruptSnapshotError, never a RecursionError."""
+    items = []
+    for keys, kind, node in values.walk(value):
+        found = leaf_of(node)
+        if found is not None:
+            items.append([list(keys), kind, leaf(*found)])
+        else:
+            items.append([list(keys), kind, None if kind in values.CONTAINER_KINDS else node])
+    return sorted(items, key=lambda item: json.dumps(item[0], sort_keys=True))
 
 
 def _node_kind(node: Any) -> Optional[NodeKind]:

@@ -407,18 +407,13 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
     malformed (its entries then count as differing)."""
     tensors, storages, dtensors = reader.tensors, reader.storages, reader.dtensors
 
-    def canonical(v: Any) -> Any:
-        leaf, payload = tree_model.leaf_of(v) or (None, None)
+    def leaf_digest(leaf: Leaf, payload: Any) -> list:
         if leaf is Leaf.TENSOR:
             return [leaf.name, _tensor_digest(payload)]
         if leaf is Leaf.DTENSOR:
             d = dtensors[tree_model.table_entry(leaf, payload, len(dtensors), reader.path)]
             return [leaf.name, [d.key, d.dtype, list(d.global_shape)]]
-        if isinstance(v, dict):
-            return {k: canonical(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [canonical(x) for x in v]
-        return v
+        return [leaf.name, payload]
 
     def _tensor_digest(i: Any) -> Any:
         t = tensors[tree_model.table_entry(Leaf.TENSOR, i, len(tensors), reader.path)]
@@ -434,7 +429,8 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
     try:
         for node in tree_model.walk(reader.tree, reader.path):
             nodes.setdefault(node.top, []).append(
-                [node.keys, node.kind, canonical(node.state), canonical(node.metadata)])
+                [node.keys, node.kind, tree_model.value_items(node.state, leaf_digest),
+                 node.has_metadata and tree_model.value_items(node.metadata, leaf_digest)])
     except CorruptSnapshotError:
         return {}
     return {name: checksum(json.dumps(held, sort_keys=True, separators=(",", ":")).encode())
