@@ -648,7 +648,7 @@ class CheckpointEngine:
         ``snapshots[i]`` (``stats.SnapshotFigures``): ``step``; ``blocking_s`` (what
         ``snapshot()`` cost training), ``wait_slot_s``, ``capture_s``, ``staging_s``; the writer's
         ``queue_s``, ``write_s``, ``fsync_s``, ``encode_cpu_s`` (CPU seconds of checksums and
-        compression, on the writer's threads during ``write_s``) and, for rank 0,
+        compression, summed over the writer's threads, spent during ``write_s``) and, for rank 0,
         ``wait_ranks_s`` and ``dropped_steps`` (retention); ``commit_s`` (durable to committed); ``to_commit_s``
         (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
         ``committed``; ``staged_bytes``, ``shard_bytes``, ``referred_bytes`` (incremental: not

@@ -174,8 +174,9 @@ class JobOutcome:
 @dataclass(frozen=True)
 class ShardFigures:
     """What writing this rank's shard of one snapshot cost, measured by the writer
-    (``write/writer.py``): seconds queued, writing and making it durable; CPU seconds of the
-    chunks' checksums and compression (spent during ``write_s``, on several threads); bytes
+    (``write/writer.py``): seconds queued, writing and making it durable (the index written and
+    every file fsynced); CPU seconds of every checksum and of compression, summed over the
+    threads that computed them during ``write_s`` (so possibly more than ``write_s``); bytes
     written, and bytes not written because an earlier snapshot holds them (incremental)."""
 
     queue_s: float = 0.0

@@ -229,11 +229,12 @@ class SnapshotWriter:
                                 sink.direct and self.encoder.compression is None),
                             workers=ENCODE_WORKERS)
         data_bytes = 0
+        hashing = [0.0]  # CPU seconds of the checksums computed on this thread
         try:
             with References(self.storage,
                             read_manifest(self.storage).snapshots if refer else ()) as references:
                 stored_elsewhere, files = self.write_data_files(job, natives, buf, regions,
-                                                                references)
+                                                                references, hashing)
                 data_bytes = sum(f["bytes"] for f in files)
                 for n, (region, fields) in enumerate(zip(regions, layout.replica_fields)):
                     if n in stored_elsewhere:
@@ -254,7 +255,7 @@ class SnapshotWriter:
                                 checksum(buf[plan.regions[i].offset:
                                              plan.regions[i].offset + plan.regions[i].nbytes]))
                         for i, entry, owner in layout.replicas]
-            encode_cpu_s = shard.encode_cpu_s + time.thread_time() - hashing_started
+            hashing[0] += time.thread_time() - hashing_started
             release()
             t_written = time.monotonic()
             size, index_digest = shard.finish({
@@ -275,7 +276,8 @@ class SnapshotWriter:
                        shard=ShardRecord(self.rank, shard_file_name(self.rank), size, index_digest),
                        replicas=replicas, raw_bytes=raw_bytes, figures=ShardFigures(
                            queue_s=t_start - job.submitted, write_s=t_written - t_start,
-                           fsync_s=t_durable - t_written, encode_cpu_s=encode_cpu_s,
+                           fsync_s=t_durable - t_written,
+                           encode_cpu_s=shard.encode_cpu_s + hashing[0],
                            shard_bytes=size + data_bytes,
                            referred_bytes=referred_bytes),
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
@@ -313,12 +315,13 @@ class SnapshotWriter:
         return natives[:MAX_DATA_FILES]
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
-                         regions: list[Region], references: References
+                         regions: list[Region], references: References, hashing: list[float]
                          ) -> tuple[dict[int, list[dict]], list[dict]]:
         """Write the shard's data files (``native_files``) from the staging buffer, durably;
         returns the chunks of each storage kept in one (by storage number, each storage in the
         first file that holds it whole, never one referred to an earlier snapshot) and the
-        index's ``files`` table."""
+        index's ``files`` table; the CPU seconds of their checksums are added to
+        ``hashing[0]``."""
         refer, written = dict(job.refer), self.layout.written
         chunks: dict[int, list[dict]] = {}
         files, paths = [], {}
@@ -332,7 +335,7 @@ class SnapshotWriter:
                         return self.referred(references, refer[written[n]], n,
                                              regions[n]).storage_pieces(n)
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
-                                     regions[n].itemsize, out, number, kept.get(n))
+                                     regions[n].itemsize, out, number, kept.get(n), hashing)
                 native.write(out, pieces)
                 files.append({"name": name, "bytes": out.finish()})
             paths[native.derived] = self.storage.location(job.dir, name)
@@ -414,16 +417,19 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
 
 
 def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
-              chunks: Optional[list[dict]]) -> Iterator[memoryview]:
+              chunks: Optional[list[dict]], hashing: list[float]) -> Iterator[memoryview]:
     """``data`` in chunks as the shard cuts them; with ``chunks``, each also recorded there as a
     raw chunk of data file ``file`` at the position ``out`` has when it is handed out (where the
-    file's writer writes it)."""
+    file's writer writes it), the CPU seconds of its checksum added to ``hashing[0]``."""
     step = CHUNK_BYTES - CHUNK_BYTES % itemsize
     for start in range(0, len(data), step):
         piece = data[start:start + step]
         if chunks is not None:
+            started = time.thread_time()
+            digest = checksum(piece)
+            hashing[0] += time.thread_time() - started
             chunks.append({"offset": out.tell(), "stored": len(piece), "raw": len(piece),
-                           "xxh3": checksum(piece), "codec": "raw", "file": file})
+                           "xxh3": digest, "codec": "raw", "file": file})
         yield piece
 
 
