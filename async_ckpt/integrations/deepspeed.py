@@ -251,13 +251,14 @@ class AsyncCheckpointEngine(_DSEngine):
 
     def _load_checkpoint(self, *args: Any, **kwargs: Any):
         """``DeepSpeedEngine.load_checkpoint`` once the saves in flight are committed (it reads
-        ``latest`` first), refusing a tag whose files come from different saves."""
+        ``latest`` first), refusing a tag whose files come from different saves; the shard it
+        mapped is let go once it returns (not at the next save, which would pay for it)."""
         self.wait()
         self._loading = {}
         try:
             return type(self._deepspeed).load_checkpoint(self._deepspeed, *args, **kwargs)
         finally:
-            self._loading = None
+            self._loading = self._read = None
 
     # --- DeepSpeed's CheckpointEngine ----------------------------------------------------------
 
