@@ -103,9 +103,18 @@ def test_the_ranks_digests_compare_values_not_the_order_of_their_keys():
 
 
 def test_a_crafted_deep_value_in_another_ranks_shard_is_damage_not_a_recursion_error():
-    """Another rank's tree is compared, never rebuilt: nesting deeper than the decoder accepts
-    makes its entries count as differing (no digest), as any malformed tree does."""
+    """Another rank's tree is compared, never rebuilt: JSON nested deeper than any value the
+    encoder writes makes its entries count as differing (no digest), as any malformed tree
+    does; the deepest value it writes still gets its digest."""
+    from async_ckpt.format import values
+
     deep = 0
     for _ in range(600):
         deep = [deep]
     assert _digests_of(tree_model.dict_node({"extra": tree_model.value_node(deep)})) == {}
+    deepest = 0
+    for _ in range(values.MAX_DEPTH - 1):
+        deepest = {(1,): deepest}  # a keyed dict: three levels of JSON per level
+    encoded = values.encode(deepest)
+    assert set(_digests_of(tree_model.dict_node({"extra": tree_model.value_node(encoded)}))) == {
+        "extra"}

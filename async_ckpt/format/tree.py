@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import enum
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -176,21 +175,28 @@ def leaves(node: Node) -> Iterator[tuple[str, Leaf, Any]]:
             yield (functools.reduce(values.child_path, keys, node.path), *found)
 
 
-def value_items(value: Any, leaf: Callable[[Leaf, Any], Any]) -> list[list]:
-    """An encoded value tree (a node's ``state`` or ``metadata``) as a flat list of
-    ``[keys, kind, what]`` per node, sorted: ``what`` is ``leaf(leaf, payload)`` for a leaf of
-    the state tree (``Leaf``), the node itself for any other node without children, else None. Two
-    trees give equal lists when they hold the same values in the same places, whatever the order
-    of their dicts' keys (what the ranks' digests compare). Walked iteratively, so a crafted
-    depth is CorruptSnapshotError, never a RecursionError."""
-    items = []
-    for keys, kind, node in values.walk(value):
-        found = leaf_of(node)
+def canonical(value: Any, leaf: Callable[[Leaf, Any], Any], where: str) -> Any:
+    """An encoded value tree (a node's ``state`` or ``metadata``) with each leaf of the state
+    tree (``Leaf``) replaced by ``leaf(leaf, payload)``: what the ranks' digests of their entries
+    compare (``json.dumps(..., sort_keys=True)`` of it ignores the order of a dict's keys).
+    JSON nested deeper than any encoded value is (each value level takes at most
+    ``_JSON_LEVELS_PER_VALUE`` levels of JSON) is CorruptSnapshotError, never a RecursionError."""
+    def walk(v: Any, depth: int) -> Any:
+        if depth > _JSON_LEVELS_PER_VALUE * (values.MAX_DEPTH + 1):
+            raise CorruptSnapshotError(f"{where}: malformed state tree (nested too deep)")
+        found = leaf_of(v)
         if found is not None:
-            items.append([list(keys), kind, leaf(*found)])
-        else:
-            items.append([list(keys), kind, None if kind in values.CONTAINER_KINDS else node])
-    return sorted(items, key=lambda item: json.dumps(item[0], sort_keys=True))
+            return leaf(*found)
+        if isinstance(v, dict):
+            return {k: walk(x, depth + 1) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x, depth + 1) for x in v]
+        return v
+
+    return walk(value, 0)
+
+
+_JSON_LEVELS_PER_VALUE = 3  # a keyed dict's {"$dict": [[key, value], ...]}
 
 
 def _node_kind(node: Any) -> Optional[NodeKind]:

@@ -80,7 +80,7 @@ from ..errors import CorruptSnapshotError, EncodingError, InvalidArgumentError
 __all__ = ["encode", "decode", "Kind", "CONTAINER_KINDS", "kind_of", "tag_of", "children", "walk",
            "unescape_key", "payload_nbytes"]
 
-_MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
+MAX_DEPTH = 100  # containers nested deeper than this are refused (keeps clear of RecursionError)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _PICKLE_PROTOCOL = 5
 _NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
@@ -295,9 +295,9 @@ class _Encoder:
         return self._fallback(v, path)
 
     def _container(self, v: Any, t: type, path: str, depth: int) -> Any:
-        if depth >= _MAX_DEPTH:
+        if depth >= MAX_DEPTH:
             raise EncodingError(
-                f"cannot encode the value at {_where(path)}: containers are nested deeper than {_MAX_DEPTH} "
+                f"cannot encode the value at {_where(path)}: containers are nested deeper than {MAX_DEPTH} "
                 "levels; flatten the structure"
             )
         if id(v) in self.open:
@@ -407,8 +407,8 @@ class _Decoder:
                 return node
             raise _corrupt(path, "a bare non-finite float (these are written as $float nodes)")
         # One level of slack over the encoder: a scalar tagged node may sit below the deepest container.
-        if depth > _MAX_DEPTH:
-            raise _corrupt(path, f"containers are nested deeper than {_MAX_DEPTH} levels")
+        if depth > MAX_DEPTH:
+            raise _corrupt(path, f"containers are nested deeper than {MAX_DEPTH} levels")
         if t is list:
             return [self(x, (path, i), depth + 1) for i, x in enumerate(node)]
         if t is not dict:
@@ -647,8 +647,8 @@ def walk(tree: Any) -> Iterator[tuple[tuple, str, Any]]:
     while todo:
         path, where, node = todo.pop()
         kind = _kind_of(node, where)
-        if kind != "value" and len(path) > _MAX_DEPTH:
-            raise _corrupt(where, f"containers are nested deeper than {_MAX_DEPTH} levels")
+        if kind != "value" and len(path) > MAX_DEPTH:
+            raise _corrupt(where, f"containers are nested deeper than {MAX_DEPTH} levels")
         yield path, kind, node
         todo.extend((path + (key,), (where, key), child)
                     for key, child in reversed(_children(node, kind, where)))

@@ -429,8 +429,8 @@ def _digests(reader: ShardReader, refs: References, record: SnapshotRecord) -> d
     try:
         for node in tree_model.walk(reader.tree, reader.path):
             nodes.setdefault(node.top, []).append(
-                [node.keys, node.kind, tree_model.value_items(node.state, leaf_digest),
-                 node.has_metadata and tree_model.value_items(node.metadata, leaf_digest)])
+                [node.keys, node.kind, tree_model.canonical(node.state, leaf_digest, reader.path),
+                 tree_model.canonical(node.metadata, leaf_digest, reader.path)])
     except CorruptSnapshotError:
         return {}
     return {name: checksum(json.dumps(held, sort_keys=True, separators=(",", ":")).encode())
