@@ -24,7 +24,7 @@ QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
 WRITERS = {"direct": OURS_DIRECT, "buffered": OURS_ASYNC}
 PHASES = {"blocking_s": "`snapshot()`", "queue_s": "queued", "write_s": "writing",
           "encode_cpu_s": "of which checksums (CPU)", "fsync_s": "fsync", "commit_s": "commit"}
-"""The writer's figures of the snapshot (``stats()``): where its time to durable went."""
+"""The engine's figures of the snapshot (``stats()``): where its time to durable went."""
 FIGURES = ("to_durable_s", "writer_cpu_s_per_gb", "restore_s", "restore_cold_s", *PHASES)
 
 
@@ -153,9 +153,12 @@ def _phases(block: dict) -> list[str]:
             + [spread_text(cell[name][key], thousandths) for key in PHASES]
             for cell in block["cells"] for name in WRITERS]
     return ["", "Where the time to durable went, in seconds, by the engine's `stats()` of the same "
-            "snapshots: `snapshot()` (capture and staging, in the training process), queued "
-            "behind the writer, writing (checksums and compression run on the writer's threads "
-            "meanwhile: their CPU seconds, summed over the threads, in the next column), fsync "
-            "(the file, its directory), commit (the manifest, made durable).", "",
+            "snapshots: `snapshot()` (capture and the staging copy, in the training process), "
+            "queued (from the job's hand-over to the writer until it starts on it), writing "
+            "(checksums and compression run on the writer's threads meanwhile: their CPU "
+            "seconds, summed over the threads, in the next column, which can exceed the wall "
+            "time), fsync (the index written, the files and the directory fsynced), commit (the "
+            "manifest, made durable). What the columns leave out of time to durable is the "
+            "messages between the processes.", "",
             table(["state", "burners", "writer", "time to durable", *PHASES.values()], rows)]
 

@@ -38,12 +38,17 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 exec > >(tee "$out/check.log") 2>&1
 tee_pid=$!
+finish() {  # tee sees the end of its input: give it a moment to write check.log whole (a
+    exec >&- 2>&-  # leftover process still holding the pipe must not hang the call)
+    for _ in $(seq 50); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+    exit "$1"
+}
 echo "== $(date -u +%FT%TZ) gpu_check on $(hostname): device $device"
 if ! "$PY" -c "import zstandard" 2>/dev/null; then
     ls .whl/*.whl >/dev/null 2>&1 || { echo "zstandard is missing and .whl/ holds no wheels:" \
-        "run 'bench/gpu_check.sh prepare' where pip works and carry .whl"; exit 3; }
+        "run 'bench/gpu_check.sh prepare' where pip works and carry .whl"; finish 3; }
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 3
+        --target /tmp/site .whl/*.whl || finish 3
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -64,6 +69,4 @@ timeout 330 "$PY" -m bench --device "$device" "${bench_args[@]}" --out "$out" \
 tail -5 "$out/bench.log"
 [ -f "$out/report.md" ] && cat "$out/report.md"
 echo "== gpu_check done: status $status (0: every CUDA test passed or skipped, the bench ran and every restore was exact)"
-exec >&- 2>&-  # tee sees the end of its input: wait for it, so check.log is whole
-wait "$tee_pid"
-exit $status
+finish $status

@@ -286,6 +286,7 @@ def test_a_cuda_source_freed_while_its_copy_is_queued_keeps_its_memory_until_the
         plan, sources = Planner().plan([source])
         slot = pool.free_slot()
         pool.fit(slot, plan, pin=True)
+        assert slot.pinned  # else the copy is synchronous, and there is no race to lose
         torch.cuda._sleep(100_000_000)  # the compute stream stays busy: the copy waits
         copy = pool.start(plan, sources, slot)
         del source, sources
