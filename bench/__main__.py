@@ -55,6 +55,7 @@ QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8},
 STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
+PARTIAL = "raw.partial.json"  # the parts measured so far, under --out (measure_parts)
 
 
 def loop_steps(k: int, quick: bool) -> int:
@@ -104,6 +105,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--part", choices=sorted(BY_KEY), default=None,
                         help="run this part alone (no sweep): its report section on stdout, "
                              "nothing written under --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from the parts a stopped run with the same settings and "
+                             f"--out measured ({PARTIAL} there)")
     parser.add_argument("--render", metavar="RESULTS_JSON", default=None,
                         help="measure nothing: re-render report.md and the plots into --out from "
                              "a saved results.json")
@@ -193,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
     write_outputs(results, args.out)
+    os.remove(os.path.join(args.out, PARTIAL))
     log(f"results in {args.out}")
     return 0
 
@@ -211,17 +216,39 @@ def _run_part(part, args: argparse.Namespace) -> int:
 
 
 def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
-    """The sweep, then each part of the preset in turn: their raw results, by part."""
+    """The sweep, then each part of the preset in turn: their raw results, by part, saved under
+    ``--out`` after each (``PARTIAL``), so that a run stopped by a failing part goes on from
+    there with ``--resume`` rather than measuring an hour again."""
+    partial = os.path.join(args.out, PARTIAL)
+    identity = {"preset": args.preset.name, "sizes": list(args.sizes), "ks": list(args.ks),
+                "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
+    raw = _resumed(partial, identity) if args.resume else {}
     cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
-    raw = {"sweep": run_sweep(args.preset.systems, cases, root, args.rounds)}
-    log(f"sweep done after {time.perf_counter() - start:.0f} s")
-    for part in args.preset.parts:
-        raw[part] = (run_training(args.preset.systems, root, args.ks,
-                                  {k: loop_steps(k, args.quick) for k in args.ks},
-                                  args.preset.workload, args.rounds)
+    for part in ("sweep", *args.preset.parts):
+        if part in raw:
+            log(f"{part}: measured by the run resumed, kept")
+            continue
+        raw[part] = (run_sweep(args.preset.systems, cases, root, args.rounds) if part == "sweep"
+                     else run_training(args.preset.systems, root, args.ks,
+                                       {k: loop_steps(k, args.quick) for k in args.ks},
+                                       args.preset.workload, args.rounds)
                      if part == TRAINING else BY_KEY[part].run(args, root))
+        _write_atomic(partial, json.dumps({"identity": identity, "raw": raw},
+                                          default=records.to_json))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
     return raw
+
+
+def _resumed(partial: str, identity: dict) -> dict:
+    """The parts a stopped run of the same settings measured (``--resume``)."""
+    try:
+        with open(partial, encoding="utf-8") as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        sys.exit(f"--resume: no {partial}: nothing to resume")
+    if saved.get("identity") != identity:
+        sys.exit(f"--resume: {partial} was measured with other settings ({saved.get('identity')})")
+    return json.loads(json.dumps(saved["raw"]))
 
 
 def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,

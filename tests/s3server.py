@@ -36,8 +36,7 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def start(self) -> None:
-        command = [os.path.join(os.path.dirname(sys.executable), "moto_server"),
-                   "-H", "127.0.0.1", "-p", str(self.port)]
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
         for _ in range(600):  # the server imports for a few seconds on a busy 2-core VM

@@ -703,3 +703,29 @@ def _module_names(source: str) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
     return names
+
+
+def test_resume_takes_only_parts_a_run_of_the_same_settings_measured(tmp_path, monkeypatch):
+    """``--resume`` keeps the parts saved under ``--out`` by a stopped run with the same settings
+    and measures only the others; another run's parts, or none, are refused."""
+    import dataclasses
+    import json
+
+    import bench.__main__ as bench_main
+
+    args = bench_main.parse_args(["--quick", "--out", str(tmp_path), "--resume"])
+    args.preset = dataclasses.replace(args.preset, parts=(bench_main.TRAINING,))
+    with pytest.raises(SystemExit, match="nothing to resume"):
+        bench_main.measure_parts(args, str(tmp_path), 0.0)
+    identity = {"preset": "quick", "sizes": list(args.sizes), "ks": list(args.ks),
+                "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
+    partial = tmp_path / bench_main.PARTIAL
+    partial.write_text(json.dumps({"identity": {**identity, "rounds": 7}, "raw": {}}))
+    with pytest.raises(SystemExit, match="other settings"):
+        bench_main.measure_parts(args, str(tmp_path), 0.0)
+    partial.write_text(json.dumps({"identity": identity, "raw": {"sweep": {"kept": 1}}}))
+    monkeypatch.setattr(bench_main, "run_sweep", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(bench_main, "run_training", lambda *a: {"measured": 2})
+    assert bench_main.measure_parts(args, str(tmp_path), 0.0) == {
+        "sweep": {"kept": 1}, bench_main.TRAINING: {"measured": 2}}
+    assert json.loads(partial.read_text())["raw"][bench_main.TRAINING] == {"measured": 2}
