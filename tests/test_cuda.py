@@ -210,43 +210,19 @@ def test_a_cuda_graph_replay_between_snapshots_is_in_the_next_snapshot(ckpt_dir)
     assert bit_equal(load(ckpt_dir, step=1)[1]["w"], expected)
 
 
-def test_the_sharded_path_with_nccl_on_one_device(ckpt_dir, tmp_path):
-    """A DTensor sharded over a one-device mesh under NCCL (world size 1): saved, restored onto
-    the device bit for bit (two devices: the next test)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    if not dist.is_nccl_available():
-        pytest.skip("this torch has no NCCL")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", rank=0, world_size=1, store=store)
-    try:
-        mesh = init_device_mesh("cuda", (1,))
-        full = torch.randn(64, 32, device="cuda")
-        sharded = distribute_tensor(full.clone(), mesh, [Shard(0)])
-        with CheckpointEngine(ckpt_dir, {"s": {"w": sharded}}) as engine:
-            engine.snapshot(0)
-            engine.wait()
-            sharded.to_local().zero_()
-            engine.restore()
-        assert sharded.to_local().is_cuda and torch.equal(sharded.full_tensor(), full)
-    finally:
-        dist.destroy_process_group()
-
-
-def _sharded_on_two_devices(rank: int, ckpt_dir: str, store_path: str) -> None:
-    """One of two ranks of ``test_the_sharded_path_with_nccl_on_two_devices``."""
+def _sharded_under_nccl(rank: int, world_size: int, ckpt_dir: str, store_path: str) -> None:
+    """One rank of a DTensor sharded over one device per rank under NCCL: saved, zeroed,
+    restored onto its device bit for bit."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2,
-                            store=dist.FileStore(store_path, 2))
+    dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                            store=dist.FileStore(store_path, world_size))
     try:
-        mesh = init_device_mesh("cuda", (2,))
-        torch.manual_seed(0)  # the same full tensor on both ranks
+        mesh = init_device_mesh("cuda", (world_size,))
+        torch.manual_seed(0)  # the same full tensor on every rank
         full = torch.randn(64, 32, device="cuda")
         sharded = distribute_tensor(full.clone(), mesh, [Shard(0)])
         with CheckpointEngine(ckpt_dir, {"s": {"w": sharded}}) as engine:
@@ -260,6 +236,15 @@ def _sharded_on_two_devices(rank: int, ckpt_dir: str, store_path: str) -> None:
         dist.destroy_process_group()
 
 
+def test_the_sharded_path_with_nccl_on_one_device(ckpt_dir, tmp_path):
+    """World size 1 (two devices: the next test)."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    _sharded_under_nccl(0, 1, str(ckpt_dir), str(tmp_path / "store"))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_the_sharded_path_with_nccl_on_two_devices(ckpt_dir, tmp_path):
     """Two ranks, one device each, a DTensor sharded across them under NCCL: each rank stages
@@ -269,7 +254,7 @@ def test_the_sharded_path_with_nccl_on_two_devices(ckpt_dir, tmp_path):
 
     if not dist.is_nccl_available():
         pytest.skip("this torch has no NCCL")
-    mp.spawn(_sharded_on_two_devices, args=(str(ckpt_dir), str(tmp_path / "store")), nprocs=2)
+    mp.spawn(_sharded_under_nccl, args=(2, str(ckpt_dir), str(tmp_path / "store")), nprocs=2)
 
 
 def test_a_cuda_source_freed_while_its_copy_is_queued_keeps_its_memory_until_the_copy_ran():
