@@ -248,7 +248,7 @@ def _resumed(partial: str, identity: dict) -> dict:
         sys.exit(f"--resume: no {partial}: nothing to resume")
     if saved.get("identity") != identity:
         sys.exit(f"--resume: {partial} was measured with other settings ({saved.get('identity')})")
-    return json.loads(json.dumps(saved["raw"]))
+    return saved["raw"]
 
 
 def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,

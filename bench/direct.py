@@ -55,7 +55,8 @@ def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
         system.wait()
         to_durable = time.perf_counter() - start
         cpu = _writer_cpu_s(system) - cpu
-        phases = {key: system.newest_figures()[key] for key in PHASES}
+        newest = system.newest_figures()
+        phases = {key: newest[key] for key in PHASES}
         start = time.perf_counter()
         system.restore()
         warm = time.perf_counter() - start
