@@ -144,6 +144,7 @@ class CheckpointEngine:
         self._staging: Optional[Staged] = None  # the snapshot whose copy fence() waits for
         self._restored_from: Optional[str] = None  # the tier the last restore read: memory, disk
         self._restores: collections.Counter = collections.Counter()  # restores by tier
+        self._restore_slot_bytes = 0  # of the last restore: viewed in a staging slot, not read
         session = self._pool = self._writer = self._memory = None
         try:
             session = start_session(directory, self._coordinator, o.shared_settings(),
@@ -165,7 +166,8 @@ class CheckpointEngine:
                 self._pool, self._writer, self._memory, o.allow_pickle, self._rng, r.replicated,
                 lambda nbytes: require_memory(nbytes, "a staging slot of the memory tier "
                                               "(memory_every)", "free host memory, lower slots, "
-                                              "or turn the memory tier off"))
+                                              "or turn the memory tier off"),
+                raw=o.compression is None)
         except BaseException:
             if self._writer is not None:
                 self._writer.close(_CLOSE_TIMEOUT_S)
@@ -387,11 +389,14 @@ class CheckpointEngine:
             return self._restored(self._load(*held, strict, False, frozenset(skip)), "memory")
         mapped, scratch = self._pipeline.read_memory(self.state)
         record, loaded = self._read_committed(step, ReadOptions(
-            self.options.allow_pickle, mapped, scratch=scratch, targets=self.state))
+            self.options.allow_pickle, mapped, scratch=scratch, targets=self.state,
+            slot_copies=self._pipeline.slot_copies(self.rank, self.world_size,
+                                                   self.options.spread_replicated)))
         if loaded is None:
             return None
+        from_slot = loaded.from_slot
         return self._restored(self._load(record.step, record.world_size, loaded, strict,
-                                         reshard, frozenset(skip)), "disk")
+                                         reshard, frozenset(skip)), "disk", from_slot)
 
     def _read_held(self) -> Optional[tuple[int, int, Entry]]:
         """(step, world size, entry) of the memory tier's snapshot: the newest step that every
@@ -491,10 +496,13 @@ class CheckpointEngine:
             log.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
-    def _restored(self, step: int, tier: str) -> int:
-        self._restored_from = tier
+    def _restored(self, step: int, tier: str, from_slot: int = 0) -> int:
+        """Count a restore of ``step`` from ``tier``, ``from_slot`` of whose bytes were taken
+        from the staging slot the snapshot was written from."""
+        self._restored_from, self._restore_slot_bytes = tier, from_slot
         self._restores[tier] += 1
-        log.info("restored step %d from %s", step, tier)
+        log.info("restored step %d from %s%s", step, tier,
+                 f" ({from_slot / 1e6:.1f} MB of it from a staging slot)" if from_slot else "")
         return step
 
     def load(self, step: Optional[int] = None) -> tuple[int, dict]:
@@ -670,7 +678,10 @@ class CheckpointEngine:
         ``upload_last_error`` (None, or the last failure, kept after a success).
 
         Restores: ``restored_from`` (the tier the last ``restore()`` read: "memory", "disk", or
-        None before any restored a snapshot) and ``restores`` (how many read each tier).
+        None before any restored a snapshot), ``restores`` (how many read each tier) and
+        ``restore_slot_bytes`` (of the last restore from disk: the bytes taken from the staging
+        slot the snapshot was written from, checked against the shard's checksums, not read:
+        a restore of a snapshot the slot still holds reads no data from disk).
 
         With ``memory_every``: ``memory_step`` (the newest step the keeper holds, sealed, as far
         as this engine knows; None: none), ``memory_bytes`` (the memory it holds: the staging
@@ -693,6 +704,7 @@ class CheckpointEngine:
             **({} if self._closed else self._writer.rss()),
             **({} if self._remote is None else self._remote_figures()),
             "restored_from": self._restored_from,
+            "restore_slot_bytes": self._restore_slot_bytes,
             "restores": dict(self._restores),
             **({} if self._memory is None else self._memory.figures()),
         }

@@ -155,10 +155,10 @@ class EngineOptions:
         direct_io: the writer writes shards with direct I/O (``O_DIRECT``) where the file
             system allows it: from the staging slot's memory straight to the disk, several writes
             in flight, with almost no CPU and nothing left in the page cache; where the file
-            system refuses it (logged once), through the page cache. Off by default for now: a
-            restore right after a direct snapshot reads the disk, 4-9x slower than from the page
-            cache, until the newest snapshot is restored from the staging slot that holds it
-            (docs/performance.md).
+            system refuses it (logged once), through the page cache. A restore in the same
+            process reads what the staging slot still holds either way; off by default because
+            a restarted process's restore then reads the disk, where buffered writes leave the
+            newest shards in the page cache while memory allows (docs/performance.md).
     Retention:
         keep_last: committed snapshots kept (newest by commit order); at least 1.
         keep_every: also keep every snapshot whose step is a multiple of this.

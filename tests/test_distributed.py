@@ -320,6 +320,9 @@ def test_distributed_behaviours(tmp_path):
                for r in restore)
     zero = [r["check_zero_optimizer_shards_are_per_rank"] for r in results]
     assert all(z["same_losses"] for z in zero) and all(z["shard_entries"] > 0 for z in zero)
+    # the restore right after the snapshot took each rank's stored bytes from its staging slot
+    # (rank 0's shard holds the replicated model first: the slot's regions follow that order)
+    assert all(z["slot_bytes"] == z["stored_here"] > 0 for z in zero)
     local = [r["check_node_local_directories"] for r in results]
     assert local == [{"restored": 3, "mine": 3.0}, {"restored": 3, "mine": 103.0}]
 

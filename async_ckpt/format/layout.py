@@ -83,6 +83,19 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+@dataclass(frozen=True)
+class SlotCopy:
+    """The bytes one rank's shard of the committed snapshot ``step`` was written from, still in
+    a staging slot's ``memory``: storage ``n`` of that shard from ``regions[n]`` (offset,
+    nbytes). A restore of ``step`` takes a storage from here instead of the file once its bytes
+    match the shard's chunk checksums (``read/snapshot.py``): direct writes leave nothing in the
+    page cache, so without this a restore right after a snapshot would read the disk."""
+
+    step: int
+    memory: memoryview
+    regions: tuple[tuple[int, int], ...]
+
+
 # --- which rank writes which bytes ------------------------------------------------------------
 #
 # State that every rank holds identically (a DDP model and its optimizer, declared with

@@ -224,6 +224,7 @@ class Entry:
     value: Any  # for a DICT: dict[str, Entry]
     borrowed: frozenset = frozenset()
     differing: frozenset = frozenset()  # read with compare_ranks: entries the ranks held unalike
+    from_slot: int = 0  # bytes viewed in a staging slot instead of read (ReadOptions.slot_copies)
 
     def plain(self) -> Any:
         if self.kind == NodeKind.DICT:

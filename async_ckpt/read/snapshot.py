@@ -29,7 +29,7 @@ from ..format.values import AllowPickle
 from ..format import tree as tree_model
 from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
-from ..format.layout import align_up
+from ..format.layout import SlotCopy, align_up
 from ..format.records import DTensorPiece, StoredTensor, raw_bytes
 from ..format.references import References
 from ..format.shard import (CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum,
@@ -54,13 +54,17 @@ class ReadOptions:
     (encoded ones) are decoded into ``scratch`` while it has room (memory already faulted in,
     such as a free staging slot: a restore then allocates no memory for the state), else into
     new memory. ``targets``: the registered state, for a restore: a sharded tensor is read for
-    the local shard of the DTensor it holds at the same place (else whole)."""
+    the local shard of the DTensor it holds at the same place (else whole). ``slot_copies``: by
+    step, the bytes a rank's shard was written from, still in a staging slot (``SlotCopy``):
+    a storage stored raw whose bytes there match its chunks' checksums is viewed there, lent as
+    a mapping is, instead of read from the file (checked whatever ``verify`` says)."""
 
     allow_pickle: AllowPickle = False
     mapped: bool = False
     verify: bool = True
     scratch: Optional[memoryview] = None
     targets: Optional[Mapping] = None
+    slot_copies: Optional[Mapping[int, SlotCopy]] = None
 
 
 def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
@@ -85,14 +89,16 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
         dtensors, pieces = own.dtensors, own.piece_tensors
         sources = _sources(refs, record, rank)
         aligned = alignments(records, rank)
+        in_slot = _slot_views((how.slot_copies or {}).get(record.step), own, sources, aligned)
         views = {key: reader.mapped_storage(i, aligned.get(key, 1))
                  for key, (reader, i) in sources.items()
-                 if how.mapped and reader.storages[i].nbytes}
+                 if how.mapped and reader.storages[i].nbytes and key not in in_slot}
         views = {key: view for key, view in views.items() if view is not None}
         held = _HeldBy(own.tree, records, rank)
         if how.verify:
             _in_parallel([_naming(check, held, key) for key in views for check in
                          sources[key][0].mapped_checks(sources[key][1])])
+        views.update(in_slot)
         _check_fits_in_memory([reader.storages[i] for key, (reader, i) in sources.items()
                                if key not in views], record.step,
                               len(how.scratch) if how.scratch is not None else 0)
@@ -124,7 +130,52 @@ def read_snapshot(storage: Storage, record: SnapshotRecord, rank: int = 0,
         tensors.clear()  # _rebuild's closures form a cycle: without this the tensors (and a file's
         # mapping) would live on until the cycle collector runs, not as long as the entries do
         root_entry.borrowed = frozenset(buffers[key].untyped_storage().data_ptr() for key in lent)
+        root_entry.from_slot = sum(len(view) for view in in_slot.values())
         return root_entry
+
+
+def _slot_views(copy: Optional[SlotCopy], own: ShardReader,
+                sources: Mapping[tuple[int, int], tuple[ShardReader, int]],
+                aligned: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], memoryview]:
+    """(rank, storage) -> a view of ``copy`` (the slot ``own``'s shard was written from) for each
+    storage of ``own`` stored raw there whose bytes match its chunks' checksums (the chunks of a
+    raw storage are checksums of its bytes as they are in memory); the others are read as
+    usual. A mismatch means the slot was changed since: said in the log, never damage."""
+    if copy is None:
+        return {}
+    candidates = {}
+    for key, (reader, i) in sources.items():
+        storage = reader.storages[i]
+        if not (reader is own and i < len(copy.regions) and storage.chunks
+                and all(c.codec == "raw" for c in storage.chunks)):
+            continue
+        offset, nbytes = copy.regions[i]
+        if nbytes == storage.nbytes and offset % aligned.get(key, 1) == 0:
+            candidates[key] = copy.memory[offset:offset + nbytes], storage.chunks
+    matches = {}
+
+    def check(key, view: memoryview, start: int, chunk) -> None:
+        matches[key, start] = checksum(view[start:start + chunk.raw]) == chunk.xxh3
+
+    _in_parallel([functools.partial(check, key, view, start, chunk)
+                  for key, (view, chunks) in candidates.items()
+                  for start, chunk in zip(_chunk_starts(chunks), chunks)])
+    views = {key: view for key, (view, chunks) in candidates.items()
+             if all(matches[key, start] for start in _chunk_starts(chunks))}
+    if len(views) < len(candidates):
+        log.warning("%s: %d of its storages differ from the staging slot the snapshot was "
+                    "written from (the slot changed since); read from the file", own.path,
+                    len(candidates) - len(views))
+    return views
+
+
+def _chunk_starts(chunks) -> list[int]:
+    """Where each chunk starts in its storage's bytes."""
+    starts, at = [], 0
+    for chunk in chunks:
+        starts.append(at)
+        at += chunk.raw
+    return starts
 
 
 def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, ...]]],

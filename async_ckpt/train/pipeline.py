@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection, MutableMapping, Optional
 import torch
 
 from ..errors import LayoutError
-from ..format.layout import Plan
+from ..format.layout import Plan, SlotCopy, shard_layout
 from ..rng import GlobalRNG
 from ..format.tree import RNG_KEY
 from ..tensors import registered_objects
@@ -47,6 +47,7 @@ class Staged:
 
     copy: Copy
     slot: Slot
+    plan: Plan
     watched: list
     step: int
     job: Optional[SnapshotJob]
@@ -63,14 +64,15 @@ class SnapshotPipeline:
     tier, if any). ``allow_pickle``, ``rng`` (the global RNG states, captured with the state) and
     ``replicated`` are the engine's settings; ``require_memory(nbytes)`` is asked before a slot
     of the memory tier grows (shared memory that is not there kills the process that touches it,
-    rather than failing its allocation)."""
+    rather than failing its allocation). ``raw``: shards store the slot's bytes as they are
+    (no compression), so a restore may read a written snapshot's bytes from its slot."""
 
     def __init__(self, pool: StagingPool, writer: WriterClient, memory: Optional[MemoryTier],
                  allow_pickle: Any, rng: Optional[GlobalRNG], replicated: frozenset[str],
-                 require_memory: Callable[[int], None]):
+                 require_memory: Callable[[int], None], raw: bool):
         self.pool, self._writer, self._memory = pool, writer, memory
         self._allow_pickle, self._rng, self._replicated = allow_pickle, rng, replicated
-        self._require_memory = require_memory
+        self._require_memory, self._raw = require_memory, raw
         self._planner = Planner()
         self._writer_plan: Optional[Plan] = None  # the plan the writer holds
 
@@ -138,7 +140,7 @@ class SnapshotPipeline:
                 refer=tuple(sorted(refer.items())), dtensors=tuple(captured.dtensors),
                 markers=tuple(markers))
             self._writer_plan = plan
-        return Staged(copy, slot, watched, step, snapshot_job,
+        return Staged(copy, slot, plan, watched, step, snapshot_job,
                       (plan, captured.tree) if to_memory else None,
                       plan.raw_bytes - sum(plan.regions[k].nbytes for k in refer))
 
@@ -148,6 +150,8 @@ class SnapshotPipeline:
             self._memory.hold(staged.slot, *staged.memory, staged.step)
         if staged.job is not None:
             self._writer.submit(staged.job)
+            if self._raw:
+                self.pool.wrote(staged.slot, staged.step, staged.plan)
 
     def abandon(self, staged: Staged) -> None:
         """A snapshot that never reached the writer: its slot is free again, and the next job
@@ -164,7 +168,7 @@ class SnapshotPipeline:
         CUDA's own staging, as copies from the files' pageable mappings do. Otherwise (or where
         CUDA refuses to pin the slot) the files are mapped, and a free slot, if any, is
         scratch for what must be decoded."""
-        slot = self.pool.free_slot()
+        slot = self.pool.free_slot(empty=True)
         if slot is not None and torch.cuda.is_available():  # (no state is on CUDA without it)
             tensors = self.capture(state).tensors
             if any(t.is_cuda for t in tensors):
@@ -172,6 +176,17 @@ class SnapshotPipeline:
                 if slot.pinned:
                     return False, self.pool.scratch(slot)
         return True, self.pool.scratch()
+
+
+    def slot_copies(self, rank: int, world_size: int, spread: bool) -> dict[int, SlotCopy]:
+        """By step, the bytes each of this rank's committed shards was written from that a
+        slot still holds (``SlotCopy``), in the shard's storage order (``shard_layout``)."""
+        copies = {}
+        for step, plan, memory in self.pool.written_copies():
+            written = shard_layout(plan, rank, world_size, spread).written
+            copies[step] = SlotCopy(step, memory, tuple(
+                (plan.regions[i].offset, plan.regions[i].nbytes) for i in written))
+        return copies
 
 
 def _buffer_regions(sources: list, state: Any) -> set[int]:

@@ -70,7 +70,9 @@ class Copy:
 class Slot:
     """One staging buffer. ``buffer_id`` changes whenever the memory behind the slot is replaced.
     ``busy``: the writer reads it; ``held``: the memory tier's keeper holds it, or will
-    (``train/memory_tier.py``). Either keeps it from being staged into, or read into."""
+    (``train/memory_tier.py``). Either keeps it from being staged into, or read into.
+    ``written``: (step, plan) of the snapshot the writer wrote from it, while its bytes are still
+    here (until the slot is staged or read into again): a restore of that step reads them."""
 
     index: int
     buffer_id: int = -1
@@ -79,10 +81,12 @@ class Slot:
     busy: bool = False
     held: bool = False
     pinned: bool = False
+    written: Optional[tuple[int, Plan]] = None
     _map: Optional[mmap.mmap] = field(default=None, repr=False)
     tensor: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def free_memory(self) -> None:
+        self.written = None
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
@@ -116,8 +120,14 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
-    def free_slot(self) -> Optional[Slot]:
-        return next((s for s in self.slots if not (s.busy or s.held)), None)
+    def free_slot(self, empty: bool = False) -> Optional[Slot]:
+        """A slot neither the writer nor the keeper uses (``empty``: nor holding what a snapshot
+        was written from). Of those, one with memory first (none is allocated that need not
+        be), and of those the one that holds no written snapshot, else the oldest: a restore
+        reads the newest one from its slot."""
+        free = [s for s in self.slots if not (s.busy or s.held or (empty and s.written))]
+        return min(free, key=lambda s: (s.tensor is None, s.written is not None,
+                                        s.written[0] if s.written else 0), default=None)
 
     def acquire(self, slot: Slot, writer: bool, keeper: bool) -> None:
         """``slot``, staged into, is the ``writer``'s to read and the ``keeper``'s to hold until
@@ -141,12 +151,31 @@ class StagingPool:
                 slot.held = False
 
     def scratch(self, slot: Optional[Slot] = None) -> Optional[memoryview]:
-        """The memory of ``slot``, or of the largest free slot, for a restore to read into
+        """The memory of ``slot``, or of the largest free slot that holds no written snapshot's
+        bytes (``written``: a restore may read those), for a restore to read into
         (``read_snapshot``'s ``scratch``): faulted in already, and the next snapshot's to
         overwrite. None before any slot is allocated."""
         free = [slot] if slot is not None else [
-            s for s in self.slots if not (s.busy or s.held) and s._map is not None]
-        return memoryview(max(free, key=lambda s: s.nbytes)._map) if free else None
+            s for s in self.slots
+            if not (s.busy or s.held) and s.written is None and s._map is not None]
+        if not free:
+            return None
+        chosen = max(free, key=lambda s: s.nbytes)
+        chosen.written = None
+        return memoryview(chosen._map)
+
+    def wrote(self, slot: Slot, step: int, plan: Plan) -> None:
+        """The writer writes the snapshot of ``step`` from ``slot`` (``Slot.written``); no other
+        slot holds that step's bytes any more."""
+        for other in self.slots:
+            if other.written is not None and other.written[0] == step:
+                other.written = None
+        slot.written = step, plan
+
+    def written_copies(self) -> list[tuple[int, Plan, memoryview]]:
+        """(step, plan, memory) of each slot that holds what a snapshot was written from."""
+        return [(s.written[0], s.written[1], memoryview(s._map)) for s in self.slots
+                if s.written is not None and s._map is not None]
 
     def fit(self, slot: Slot, plan: Plan, pin: bool) -> bool:
         """Make ``slot`` large enough for ``plan``; True when its memory was replaced.
@@ -216,6 +245,7 @@ class StagingPool:
         caller must not change them (lazy staging fences every write path it knows of). CUDA
         regions are copied on a side stream that first waits for the work already queued on the
         current stream (the values the caller sees)."""
+        slot.written = None
         cpu, inline, events, used_streams = [], [], [], []
         for k, (region, src) in enumerate(zip(plan.regions, sources)):
             if k in skip:

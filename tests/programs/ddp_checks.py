@@ -154,8 +154,13 @@ def check_zero_optimizer_shards_are_per_rank(base: str, rank: int) -> dict:
             for p in model.parameters():
                 p.zero_()
         engine.restore()
+        slot_bytes = engine.stats()["restore_slot_bytes"]  # this rank's shard, from its slot
+        record = read_manifest(LocalStorage(base)).snapshots[-1]
+        with ShardReader(os.path.join(base, record.dir, record.shards[rank].file)) as reader:
+            stored_here = sum(s.nbytes for s in reader.storages if s.chunks)
     again = [train(b) for b in batches[3:]]
-    return {"same_losses": after == again, "shard_entries": shard_entries}
+    return {"same_losses": after == again, "shard_entries": shard_entries,
+            "slot_bytes": slot_bytes, "stored_here": stored_here}
 
 
 CHECKS = [check_replica_mismatch, check_settings_must_agree, check_directory_must_be_shared,
