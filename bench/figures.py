@@ -30,10 +30,10 @@ SWEEP_FIGURES = (
     Figure("blocking_s", "blocking time per snapshot", "s", "one copy_ of the state's bytes"),
     Figure("to_durable_s", "time from snapshot() to durable commit", "s",
            "the fastest way to make the state's bytes durable"),
-    Figure("restore_s", "warm restore time into the live model and optimizer (files in the page "
-           "cache)", "s", "the fastest read of the state's bytes from the page cache"),
-    Figure("restore_cold_s", "cold restore time into the live model and optimizer (files evicted "
-           "from the page cache)", "s", "the fastest sequential read of the state's bytes from "
+    Figure("restore_s", "warm restore time into the live model and optimizer, right after the "
+           "snapshot (files in the page cache)", "s", "the fastest read of the state's bytes from the page cache"),
+    Figure("restore_cold_s", "cold restore time into the live model and optimizer, as a "
+           "restarted process restores (files evicted from the page cache)", "s", "the fastest sequential read of the state's bytes from "
            "the disk"),
     Figure("stored_bytes", "bytes written per snapshot", "B", "the state's tensor bytes"),
     Figure("compression_ratio", "compression ratio (tensor bytes / bytes written)", "x",

@@ -98,15 +98,17 @@ def _loop(workload: TrainingWorkload, directory: str, staging: str, steps: int,
         measured = {"baseline_step_s": baseline, "step_s": step_s, "to_durable_s": to_durable,
                     "disk_blocking_s": disk_blocking, "blocking_s": spread(blocking)["median"]}
         if restores:
-            measured["restore_s"] = _restores(engine, workload, directory, steps)
+            measured["restore_s"] = _restores(system, workload, directory, steps)
         return measured
     finally:
         system.close()
 
 
-def _restores(engine, workload: TrainingWorkload, directory: str,
+def _restores(system, workload: TrainingWorkload, directory: str,
               step: int) -> dict:
-    """Restore from memory, then from a disk snapshot of the same step, warm and cold."""
+    """Restore from memory, then from a disk snapshot of the same step: right after it was
+    written (from its staging slot), and cold (evicted, in an engine opened again)."""
+    engine = system.engine
     expected = workload.clone_tensors()
     deadline = time.monotonic() + 120
     while engine.stats()["memory_step"] != step:  # the keeper seals it off the training process
@@ -120,6 +122,8 @@ def _restores(engine, workload: TrainingWorkload, directory: str,
             engine.wait()
         if way == "cold":
             evict(directory)
+            system.restart()
+            engine = system.engine
         workload.step()  # the restore has something to undo
         times[way] = timed(lambda: restore_quietly(engine))
         tier = engine.stats()["restored_from"]

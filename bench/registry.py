@@ -62,14 +62,15 @@ DCP_PROCESS = _dcp("DCP async_save (cached shm stager, process executor)", execu
 DCP_PINNED = _dcp("DCP async_save (cached pinned stager)", executor="thread", stager="pinned")
 TORCHSNAPSHOT = SystemSpec(tsnap.TorchSnapshotAsync.name, tsnap.TorchSnapshotAsync, ours=False)
 
-SYSTEMS: tuple[SystemSpec, ...] = (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_ASYNC_ZSTD, DCP_SAVE,
-                                   DCP_DEFAULT, DCP_CACHED, DCP_PROCESS, TORCHSNAPSHOT)
+SYSTEMS: tuple[SystemSpec, ...] = (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_DIRECT,
+                                   OURS_ASYNC_ZSTD, DCP_SAVE, DCP_DEFAULT, DCP_CACHED, DCP_PROCESS,
+                                   TORCHSNAPSHOT)
 """The sweep's and the training loop's, in report order."""
 
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
-BIG_SYSTEMS = tuple(s.name for s in (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_ASYNC_ZSTD, DCP_SAVE,
-                                      DCP_CACHED))
-STALL_SYSTEMS = (OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE)
+BIG_SYSTEMS = tuple(s.name for s in (TORCH_SAVE, OURS_SYNC, OURS_ASYNC, OURS_DIRECT,
+                                      OURS_ASYNC_ZSTD, DCP_SAVE, DCP_CACHED))
+STALL_SYSTEMS = (OURS_ASYNC, OURS_DIRECT, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE)
 RANK_SYSTEMS = (OURS_REPLICATED, OURS_REPLICATED_SPREAD, DCP_DEFAULT, DCP_CACHED)
 SHARDED_SYSTEMS = (OURS_ASYNC, DCP_DEFAULT, DCP_CACHED)
 LAZY_SYSTEMS = (OURS_ASYNC, OURS_LAZY, OURS_LAZY_NICED, OURS_LAZY_FEWER, DCP_CACHED)

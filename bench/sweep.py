@@ -72,10 +72,11 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
         with RssSampler(system.writer_pids) as sampler:
             warmup = measure_snapshot(system, 0)
             run = measure_snapshot(system, 1)
-            run["restore_s"] = timed(system.restore)
-            evict(system.newest_path())
-            run["restore_cold_s"] = timed(system.restore)
+            run["restore_s"] = timed(system.restore)  # right after the snapshot, in its process
             details = system.details()
+            evict(system.newest_path())
+            system.restart()  # cold: as a restarted process restores, nothing cached
+            run["restore_cold_s"] = timed(system.restore)
         log(f"  {spec.name}: blocking {run['blocking_s']:.3f} s, to-commit "
             f"{run['to_commit_s']:.3f} s, restore {run['restore_s']:.3f} s warm, "
             f"{run['restore_cold_s']:.3f} s cold")

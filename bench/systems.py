@@ -59,6 +59,11 @@ class System:
         """The newest durable snapshot into the live objects, as the system's users resume."""
         raise NotImplementedError
 
+    def restart(self) -> None:
+        """Forget what this process holds of its snapshots beyond their files, as a restarted
+        process has nothing else: the next restore reads the files (a no-op for a system whose
+        restore always reads them)."""
+
     def newest_path(self) -> str:
         """The file or directory of the newest durable snapshot."""
         return self._kept[-1][1]
@@ -140,8 +145,9 @@ class Engine(System):
         self._threads = torch.get_num_threads()
         if fewer_threads:
             torch.set_num_threads(max(1, self._threads - 1))
-        self.engine = CheckpointEngine(directory, state=state, mode=mode, compression=compression,
-                                       **options)
+        self._open = lambda: CheckpointEngine(directory, state=state, mode=mode,
+                                              compression=compression, **options)
+        self.engine = self._open()
         self._blocking: Optional[float] = None
         self._writer_pid: Optional[int] = self.engine.stats().get("writer_pid")
 
@@ -170,6 +176,13 @@ class Engine(System):
 
     def restore(self) -> Optional[int]:
         return restore_quietly(self.engine)
+
+    def restart(self) -> None:
+        """The engine closed and opened again: a restore right after a snapshot reads the
+        staging slot it was written from, not the files."""
+        self.engine.close()
+        self.engine = self._open()
+        self._writer_pid = self.engine.stats().get("writer_pid")
 
     def newest_path(self) -> str:
         from async_ckpt.format.manifest import read_manifest
