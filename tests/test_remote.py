@@ -60,9 +60,13 @@ def restore_fresh(tmp_path, url, width=64, **options):
     return step, m
 
 
-def test_committed_snapshots_reach_the_bucket_and_restore_on_a_fresh_node(tmp_path, remote):
-    m = model()
-    with CheckpointEngine(tmp_path / "node1", {"m": m}, remote=remote) as engine:
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_committed_snapshots_reach_the_bucket_and_restore_on_a_fresh_node(tmp_path, remote,
+                                                                          direct_io):
+    width = 1024 if direct_io else 64  # direct: a storage large enough to go from the slot
+    m = model(width=width)
+    with CheckpointEngine(tmp_path / "node1", {"m": m}, remote=remote,
+                          direct_io=direct_io) as engine:
         for step in range(3):
             bump(m)
             engine.snapshot(step)
@@ -72,7 +76,7 @@ def test_committed_snapshots_reach_the_bucket_and_restore_on_a_fresh_node(tmp_pa
     assert stats["upload_lag_s"] == 0 and stats["upload_pending_bytes"] == 0
     steps = read_manifest(ObjectStorage(remote)).steps()
     assert steps[-1] == 2
-    step, restored = restore_fresh(tmp_path, remote)
+    step, restored = restore_fresh(tmp_path, remote, width=width)
     assert step == 2
     assert_same(restored.state_dict(), m.state_dict())
     step, loaded = async_ckpt.load(remote)

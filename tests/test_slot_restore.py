@@ -94,10 +94,12 @@ def test_bytes_changed_in_the_slot_since_are_read_from_the_file(ckpt_dir, caplog
         assert_same(values(registered), expected)
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.filterwarnings("ignore:restored step")
-def test_compressed_shards_are_read_from_their_files(ckpt_dir):
+def test_compressed_shards_are_read_from_their_files(ckpt_dir, direct_io):
     registered = state()
-    with CheckpointEngine(ckpt_dir, registered, every=1, compression="zstd") as engine:
+    with CheckpointEngine(ckpt_dir, registered, every=1, compression="zstd",
+                          direct_io=direct_io) as engine:
         engine.snapshot(1)
         engine.wait()
         expected = values(registered)
@@ -108,10 +110,13 @@ def test_compressed_shards_are_read_from_their_files(ckpt_dir):
         assert_same(values(registered), expected)
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.filterwarnings("ignore:restored step")
-def test_storages_an_incremental_snapshot_refers_to_are_read_where_they_are_stored(ckpt_dir):
+def test_storages_an_incremental_snapshot_refers_to_are_read_where_they_are_stored(ckpt_dir,
+                                                                                   direct_io):
     registered = state()
-    with CheckpointEngine(ckpt_dir, registered, every=1, incremental=True) as engine:
+    with CheckpointEngine(ckpt_dir, registered, every=1, incremental=True,
+                          direct_io=direct_io) as engine:
         engine.snapshot(1)
         engine.wait()
         with torch.no_grad():
