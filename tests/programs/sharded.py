@@ -96,8 +96,9 @@ def save(args, rank: int, world: int) -> dict:
     for layout in args.layouts:
         model, optimizer = build(layout, world)
         root = os.path.join(args.root, layout)
+        # 2d's shards go to disk with direct I/O: every restore of it checks that path too
         with CheckpointEngine(os.path.join(root, "ckpt"), {"app": AppState(model, optimizer)},
-                              keep_last=3) as engine:
+                              keep_last=3, direct_io=layout == "2d") as engine:
             for step in range(4):
                 train_step(model, optimizer, step)
                 if step >= 2:
