@@ -349,7 +349,7 @@ def _load(current: Any, saved: Entry, strict: bool, skip_ids: set[int], borrowed
     Tensors in ``borrowed`` storages (``Entry.borrowed``) are only ever copied from: what an
     object or a plain value would keep is first copied into memory of its own."""
     objects, in_place, values = [], [], []
-    _collect(current, saved, strict, skip_ids, objects, in_place, values)
+    _collect(current, saved, strict, skip_ids, borrowed, objects, in_place, values)
     kept, optimizers = [], []
     try:
         for obj, state in objects:
@@ -388,11 +388,13 @@ def _rehome(optimizer: torch.optim.Optimizer, before: dict, borrowed: frozenset)
     """Put ``optimizer``'s loaded state into the tensors it held ``before`` loading, where they
     have the same layout: torch's ``load_state_dict`` adopts the tensors it is given, so without
     this every restore would replace two thirds of a model's training state with new memory.
-    State without such a tensor (a fresh optimizer) gets memory of its own if it is borrowed."""
+    State without such a tensor (a fresh optimizer), and tensors inside other values (LBFGS's
+    history lists), get memory of their own if it is borrowed."""
     for param, entries in optimizer.state.items():
         held = before.get(param, {})
         for key, value in entries.items():
             if not isinstance(value, torch.Tensor):
+                entries[key] = _own_memory(value, borrowed)
                 continue
             home = held.get(key)
             if (isinstance(home, torch.Tensor) and home is not value and _same_layout(home, value)
@@ -440,24 +442,38 @@ def _own_memory(value: Any, borrowed: frozenset, copies: Optional[dict] = None) 
     return value
 
 
-def _collect(current: Any, saved: Entry, strict: bool, skip_ids: set[int], objects: list,
-             in_place: list, values: list) -> None:
+def _collect(current: Any, saved: Entry, strict: bool, skip_ids: set[int], borrowed: frozenset,
+             objects: list, in_place: list, values: list) -> None:
     """Sort the loads ``_load`` will do into objects, in-place copies and plain assignments."""
     if saved.kind == NodeKind.DICT:
         for key, entry in saved.value.items():
             if entry.kind == NodeKind.VALUE:
                 values.append((current, key, entry.value))
             elif key in current:
-                _collect(current[key], entry, strict, skip_ids, objects, in_place, values)
+                _collect(current[key], entry, strict, skip_ids, borrowed, objects, in_place,
+                         values)
     elif id(current) in skip_ids:
         return
     elif saved.kind == NodeKind.OBJECT and isinstance(current, torch.nn.Module):
-        state = _matching(current, saved.value) if not strict else saved.value
+        state = _own_extra_states(_matching(current, saved.value) if not strict else saved.value,
+                                  borrowed)
         in_place.append(lambda: current.load_state_dict(state, strict=strict))
     elif saved.kind == NodeKind.OBJECT:
         objects.append((current, saved.value))
     elif saved.kind == NodeKind.TENSOR:
         in_place.append(lambda: _copy_into(current, saved.value))
+
+
+def _own_extra_states(state: Mapping, borrowed: frozenset) -> Mapping:
+    """A module's state dict whose extra states (what ``set_extra_state`` is given and keeps, not
+    copied as parameters are) have memory of their own where it is borrowed."""
+    extra = [k for k in state if k.endswith("_extra_state")]  # torch's suffix for them
+    if not (extra and borrowed):
+        return state
+    owned = copy.copy(state)  # the same class and attributes (a state dict's _metadata)
+    for key in extra:
+        owned[key] = _own_memory(state[key], borrowed)
+    return owned
 
 
 def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -169,6 +169,8 @@ class SnapshotPipeline:
         CUDA refuses to pin the slot) the files are mapped, and a free slot, if any, is
         scratch for what must be decoded."""
         slot = self.pool.free_slot(empty=True)
+        if slot is not None and slot.tensor is None and self.pool.nbytes:
+            slot = None  # memory of its own beside the slot a written snapshot holds: not taken
         if slot is not None and torch.cuda.is_available():  # (no state is on CUDA without it)
             tensors = self.capture(state).tensors
             if any(t.is_cuda for t in tensors):

@@ -19,6 +19,7 @@ lets training run on until a fence waits for it (``engine.py``).
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -82,6 +83,7 @@ class Slot:
     held: bool = False
     pinned: bool = False
     written: Optional[tuple[int, Plan]] = None
+    written_order: int = 0  # when, counted in writes (the newest is the last one replaced)
     _map: Optional[mmap.mmap] = field(default=None, repr=False)
     tensor: Optional[torch.Tensor] = field(default=None, repr=False)
 
@@ -113,6 +115,7 @@ class StagingPool:
         self.pin_failures = 0  # slot memories cudaHostRegister refused
         self._refused: set[int] = set()  # their buffer ids: not asked again
         self._next_buffer_id = 0
+        self._writes = itertools.count(1)  # Slot.written_order
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
         self._copier: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid that made it, pool)
 
@@ -126,8 +129,8 @@ class StagingPool:
         be), and of those the one that holds no written snapshot, else the oldest: a restore
         reads the newest one from its slot."""
         free = [s for s in self.slots if not (s.busy or s.held or (empty and s.written))]
-        return min(free, key=lambda s: (s.tensor is None, s.written is not None,
-                                        s.written[0] if s.written else 0), default=None)
+        return min(free, key=lambda s: (s.tensor is None, s.written is not None, s.written_order),
+                   default=None)
 
     def acquire(self, slot: Slot, writer: bool, keeper: bool) -> None:
         """``slot``, staged into, is the ``writer``'s to read and the ``keeper``'s to hold until
@@ -170,7 +173,7 @@ class StagingPool:
         for other in self.slots:
             if other.written is not None and other.written[0] == step:
                 other.written = None
-        slot.written = step, plan
+        slot.written, slot.written_order = (step, plan), next(self._writes)
 
     def written_copies(self) -> list[tuple[int, Plan, memoryview]]:
         """(step, plan, memory) of each slot that holds what a snapshot was written from."""
