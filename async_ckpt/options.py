@@ -156,7 +156,8 @@ class EngineOptions:
             system allows it: from the staging slot's memory straight to the disk, several writes
             in flight, with almost no CPU and nothing left in the page cache; where the file
             system refuses it (logged once), through the page cache. A restore in the same
-            process reads what the staging slot still holds either way; off by default because
+            process reads what the staging slot still holds of an uncompressed snapshot either
+            way; off by default because
             a restarted process's restore then reads the disk, where buffered writes leave the
             newest shards in the page cache while memory allows (docs/performance.md).
     Retention:
