@@ -7,6 +7,8 @@ import errno
 import logging
 import mmap
 import os
+import shutil
+import subprocess
 import threading
 
 import numpy as np
@@ -173,6 +175,53 @@ def test_where_direct_io_is_refused_the_shard_goes_through_the_page_cache_logged
             sink.finish()
             assert (tmp_path / SNAP / name).read_bytes() == b"abc" + b"d" * DIRECT_ALIGNMENT
     assert [r.getMessage().count("refuses direct I/O") for r in caplog.records] == [1]
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mounted for the test: a real file system whose kernel refuses O_DIRECT at open
+    (tmpfs takes it since Linux 6.6, so it cannot stand in for one any more)."""
+    mount_point = tmp_path / "ramfs"
+    mount_point.mkdir()
+    mounted = os.geteuid() == 0 and shutil.which("mount") and subprocess.run(
+        ["mount", "-t", "ramfs", "ramfs", str(mount_point)], capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a ramfs needs root with CAP_SYS_ADMIN")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.mark.filterwarnings("ignore:restored step 3, but the snapshot holds no data position")
+def test_an_engine_on_a_file_system_that_refuses_direct_io_snapshots_through_the_page_cache(
+        ramfs, capfd):
+    """The kernel's refusal, not a simulated one: the writer process says so once on its
+    stderr, commits every snapshot, and a restarted process restores the newest exactly."""
+    import torch
+
+    from async_ckpt import CheckpointEngine
+    from conftest import assert_same
+
+    with pytest.raises(OSError) as refused:
+        os.open(ramfs / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    assert refused.value.errno == errno.EINVAL
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights: a storage the direct path would take
+    directory = str(ramfs / "ckpt")
+    with CheckpointEngine(directory, {"model": model}, every=1, direct_io=True) as engine:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(step)
+            engine.snapshot(step)
+            engine.wait()
+        assert [s["step"] for s in engine.stats()["snapshots"]] == [1, 2, 3]
+    assert capfd.readouterr().err.count("refuses direct I/O") == 1
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    restored = torch.nn.Linear(1024, 1024)
+    with CheckpointEngine(directory, {"model": restored}, direct_io=True) as engine:
+        assert engine.restore() == 3
+    assert_same(restored.state_dict(), expected)
 
 
 def test_direct_io_off_writes_through_the_page_cache(tmp_path):

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import time
+import types
 
 import pytest
 
@@ -19,7 +20,7 @@ from async_ckpt.format.manifest import (Manifest, ShardRecord, leftovers, read_m
 from async_ckpt.storage.names import MANIFEST_NAME, PARTIAL_SUFFIX, is_ours, shard_file_name
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter
 from async_ckpt.read.snapshot import read_snapshot
-from async_ckpt.storage.base import ShardSink, ShardSource, Storage
+from async_ckpt.storage.base import UNCOUNTED_SPACE, ShardSink, ShardSource, Storage
 from async_ckpt.storage import local
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.tools import gc, inspect, ls, verify
@@ -278,6 +279,17 @@ def test_remove_deletes_only_our_names_and_never_follows_links(storage, tmp_path
 def test_free_bytes_is_the_file_systems(storage):
     storage.make_snapshot_dir(SNAP)
     assert abs(storage.free_bytes() - shutil.disk_usage(storage.root).free) < 1 << 30
+
+
+def test_a_file_system_that_reports_no_size_is_not_taken_for_a_full_one(storage, monkeypatch):
+    """ramfs and some FUSE file systems report a total and a free space of 0: they keep no
+    count, and a snapshot there must not fail the writer's space check."""
+    monkeypatch.setattr(local.shutil, "disk_usage", 
+                        lambda path: types.SimpleNamespace(total=0, used=0, free=0))
+    assert storage.free_bytes() == UNCOUNTED_SPACE
+    monkeypatch.setattr(local.shutil, "disk_usage", 
+                        lambda path: types.SimpleNamespace(total=8, used=8, free=0))
+    assert storage.free_bytes() == 0  # a full one
 
 
 # --- an in-memory Storage: the seam is real ---------------------------------------------------------

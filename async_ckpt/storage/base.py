@@ -37,6 +37,10 @@ from typing import Callable, ContextManager, Hashable, Iterable, Optional, Type
 
 from ..errors import CheckpointError, UnsupportedFormatError
 
+UNCOUNTED_SPACE = 1 << 62
+"""The free space of a storage that keeps no count of it (a bucket; a ramfs or a FUSE file
+system that reports a size of 0): large enough that no space check refuses a snapshot."""
+
 DIRECT_ALIGNMENT = 4096
 """What direct I/O (``O_DIRECT``) is aligned to: file offsets, lengths and memory addresses of the
 writes that go from memory to the disk without a copy. A multiple of every logical block size in
@@ -223,7 +227,8 @@ class Storage(ABC):
 
     @abstractmethod
     def free_bytes(self) -> int:
-        """Bytes a new snapshot can still use."""
+        """Bytes a new snapshot can still use (``UNCOUNTED_SPACE`` where the storage keeps no
+        count)."""
 
     def exclude_engines(self) -> Optional[ContextManager[Callable[[], None]]]:
         """A context manager that keeps every engine and writer out of this root while it is

@@ -34,7 +34,8 @@ from typing import BinaryIO, Callable, ContextManager, Iterable, Optional, Type,
 
 import numpy
 
-from .base import DIRECT_ALIGNMENT, DataFileSink, ShardSink, ShardSource, Storage
+from .base import (DIRECT_ALIGNMENT, UNCOUNTED_SPACE, DataFileSink, ShardSink, ShardSource,
+                   Storage)
 from ..errors import (CheckpointDirError, CheckpointError, CorruptSnapshotError, DiskFullError,
                       SnapshotWriteError)
 from .locks import every_rank_exclusively, lock_path, take_rank_lock
@@ -208,6 +209,13 @@ def atomic_directory(path: str, files: Iterable[tuple[str, Content]]) -> None:
         raise
     if aside is not None:
         remove_tree(aside)
+
+
+def free_space(path: str) -> int:
+    """Bytes free for new files under ``path``; ``UNCOUNTED_SPACE`` where its file system reports
+    a size of 0 (ramfs, some FUSE file systems), which keeps no count to check against."""
+    usage = shutil.disk_usage(path)
+    return usage.free if usage.total else UNCOUNTED_SPACE
 
 
 def umask() -> int:
@@ -830,7 +838,7 @@ class LocalStorage(Storage):
         remove_entries(self.root, names)
 
     def free_bytes(self) -> int:
-        return shutil.disk_usage(self.root).free
+        return free_space(self.root)
 
     # --- what only a local directory has ---------------------------------------------------
 

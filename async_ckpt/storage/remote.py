@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Hashable, Iterable, Optional, Type
 
-from .base import DataFileSink, ShardSink, ShardSource, Storage
+from .base import UNCOUNTED_SPACE, DataFileSink, ShardSink, ShardSource, Storage
 from ..errors import (CheckpointError, CheckpointDirError, CorruptSnapshotError,
                       InvalidArgumentError, RemoteConflictError, RemoteStorageError,
                       SnapshotWriteError)
@@ -226,7 +226,7 @@ class ObjectStorage(Storage):
         return objects
 
     def free_bytes(self) -> int:
-        return 1 << 62  # a bucket does not run out of space the way a disk does
+        return UNCOUNTED_SPACE  # a bucket does not run out of space the way a disk does
 
     # --- reading -----------------------------------------------------------------------------
 

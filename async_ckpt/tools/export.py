@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import tempfile
 from typing import Any, Optional
 
@@ -15,7 +14,7 @@ from .common import (EXIT_OK, UsageError, add_dir_command, add_rank_option, chec
 from ..errors import EncodingError
 from ..format.manifest import read_manifest
 from ..format.native import SAFETENSORS_DTYPES, SafetensorsEntry, row_major, write_safetensors
-from ..storage.local import umask
+from ..storage.local import free_space, umask
 
 
 HELP = "write a snapshot as .pt, .safetensors or a PyTorch DCP checkpoint"
@@ -136,7 +135,7 @@ def _write_safetensors(state: Any, target: str, step: int, what: str,
     entries = [_safetensors_entry(key, t) for key, t in tensors.items()]
     nbytes = sum(e.nbytes for e in entries)  # a stride-0 tensor of a few bytes may expand to
     directory = os.path.dirname(os.path.abspath(target))  # more than the disk holds
-    free = shutil.disk_usage(directory).free
+    free = free_space(directory)
     if nbytes > free:
         raise UsageError(f"the safetensors file would hold {nbytes / 1e9:.2f} GB of tensor data "
                          f"(views made whole), {free / 1e9:.2f} GB is free in {directory}; "
