@@ -25,7 +25,7 @@ import torch
 
 from . import dcp, records
 from .floors import Floors
-from .markdown import factor, hundredths, median_range, number, spread_text, table
+from .markdown import factor, fixed, median_range, number, over_one, spread_text, table
 from .measure import log, machine, ratio_spread, spread, timed
 from .registry import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, SystemSpec
 from .rounds import run_rounds
@@ -285,8 +285,8 @@ def render(results: dict) -> str:
                               + [_cell(f["to_durable_s"], 1, "s", "disk"),
                                  _cell(f["restore_s"], 1, "s", "H2D")]))
         steps.append([name] + (na * len(ks) if f is None else [
-            spread_text(f["ks"][k]["overhead"], lambda x: f"{(x - 1) * 100:+.1f}%") + ", "
-            + _cell(f["ks"][k]["step_s"], 1e-3, "ms", vs=lambda x: f"{hundredths(x)}×")
+            spread_text(f["ks"][k]["overhead"], over_one) + ", "
+            + _cell(f["ks"][k]["step_s"], 1e-3, "ms", vs=fixed(2, unit="×"))
             for k in ks]))
     return "\n".join([
         "# GPU path: staging, lazy overlap, restore onto the device, against DCP", "",
