@@ -97,6 +97,6 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
 
 
-def section(title: str, *blocks: str) -> str:
+def section(title: str, *blocks: str, level: int = 3) -> str:
     """``### title`` and its paragraphs and tables, a blank line apart; empty ones left out."""
-    return "\n\n".join([f"### {title}", *(b for b in blocks if b)])
+    return "\n\n".join(["#" * level + " " + title, *(b for b in blocks if b)])

@@ -73,6 +73,15 @@ def _cell(entry: Value, scale: float = 1.0) -> str:
     return with_ratios(entry, entry.x_floor, entry.x_best_peer, scale=scale)
 
 
+def _figures(results: dict, names: list[str], columns: list[tuple[str, str, str]]) -> str:
+    """A row per system of ``names``: its ``_cell`` of each column's ``(header, figure, case)``,
+    bytes in MB."""
+    f = results["figures"]
+    return table(["system", *(header for header, _, _ in columns)],
+                 [[name, *(_cell(f[key].values[name][case], 1e6 if f[key].unit == "B" else 1)
+                           for _, key, case in columns)] for name in names])
+
+
 def headline_case(results: dict) -> Optional[str]:
     """The fp32 sweep case nearest 1 GB: the state the design notes measured."""
     cases = [(abs(c["size_gb"] - 1.0), label) for label, c in results["raw"]["sweep"].items()
@@ -227,28 +236,24 @@ def _headline(results: dict, image_dir: str) -> str:
     case = headline_case(results)
     if case is None:
         return ""
-    f = {key: figure.values for key, figure in results["figures"].items()}
     blocks = results["raw"]["sweep"][case]["systems"]
     names = [name for name in _systems(results) if not blocks[name].get("skipped")]
     skipped = [name for name in _systems(results) if blocks[name].get("skipped")]
-    save = [[name, _cell(f["blocking_s"][name][case]), _cell(f["to_durable_s"][name][case])]
-            for name in names]
-    restore = [[name, _cell(f["restore_s"][name][case]), _cell(f["restore_cold_s"][name][case]),
-                _cell(f["stored_bytes"][name][case], scale=1e6),
-                _cell(f["compression_ratio"][name][case])]
-               for name in names]
     nbytes = results["raw"]["sweep"][case]["bytes"]
     rounds = results["raw"]["sweep"][case]["rounds"]
     note = (f" Not run at this size: {', '.join(skipped)} ({blocks[skipped[0]]['reason']}; see "
             "docs/performance.md).") if skipped else ""
     return section(f"Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)",
                    f"Medians (min–max) of {rounds} interleaved rounds.{note}",
-                   table(["system", "blocking s (min–max) · ×copy · ×best peer",
-                          "to durable s (min–max) · ×disk floor · ×best peer"], save),
-                   table(["system", "warm restore s · ×warm read · ×best peer",
-                          "cold restore s · ×cold read · ×best peer",
-                          "MB written · ×state · ×best peer",
-                          "compression ratio · ×raw · ×best peer"], restore),
+                   _figures(results, names, [
+                       ("blocking s (min–max) · ×copy · ×best peer", "blocking_s", case),
+                       ("to durable s (min–max) · ×disk floor · ×best peer", "to_durable_s",
+                        case)]),
+                   _figures(results, names, [
+                       ("warm restore s · ×warm read · ×best peer", "restore_s", case),
+                       ("cold restore s · ×cold read · ×best peer", "restore_cold_s", case),
+                       ("MB written · ×state · ×best peer", "stored_bytes", case),
+                       ("compression ratio · ×raw · ×best peer", "compression_ratio", case)]),
                    "![blocking time and time to durable vs state size]"
                    f"({image_dir}/blocking_vs_size.png)")
 
@@ -256,8 +261,7 @@ def _headline(results: dict, image_dir: str) -> str:
 def _training(results: dict, image_dir: str) -> str:
     f = results["figures"]
     training = results["raw"]["training"]
-    throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
-    overhead = f["step_overhead_pct"]
+    throughput, overhead = f["throughput_steps_s"], f["step_overhead_pct"]
     ks, names = throughput.cases, _systems(results)
     none = throughput.values[NONE.name]
     step_ms = 1000 / none[ks[-1]].median
@@ -266,7 +270,6 @@ def _training(results: dict, image_dir: str) -> str:
                      for name in names]
     rows = [[NONE.name] + [median_range(none[k]) for k in ks]]
     rows += [[name] + [_cell(throughput.values[name][k]) for k in ks] for name in names]
-    blocking_rows = [[name] + [_cell(blocking.values[name][k]) for k in ks] for name in names]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
     return section(
         f"Training loop: {number(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
@@ -282,7 +285,8 @@ def _training(results: dict, image_dir: str) -> str:
         table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)], rows),
         f"![training throughput vs K]({image_dir}/throughput_vs_k.png)",
         "Blocking time per snapshot in the loop (s; per round the median of its snapshots):",
-        table(["system", *(f"{k} (min–max) · ×copy · ×best peer" for k in ks)], blocking_rows))
+        _figures(results, names, [(f"{k} (min–max) · ×copy · ×best peer", "loop_blocking_s", k)
+                                  for k in ks]))
 
 
 def _noise(training: dict) -> str:
@@ -298,16 +302,14 @@ def _noise(training: dict) -> str:
 
 
 def _memory(results: dict) -> str:
-    f = {key: figure.values for key, figure in results["figures"].items()}
-    rows = [[name,
-             _cell(f["trainer_peak_extra_bytes"][name]["loop"], scale=1e6),
-             _cell(f["writer_peak_bytes"][name]["loop"], scale=1e6),
-             _cell(f["rss_growth_per_snapshot_bytes"][name]["loop"], scale=1e6)]
-            for name in _systems(results)]
     return section("Memory in the training loop (MB; ×floor = × the state's bytes)",
-                   table(["system", "trainer peak above start · ×state · ×best peer",
-                          "writer processes peak · ×state · ×best peer",
-                          "growth per snapshot · ×state · ×best peer"], rows))
+                   _figures(results, _systems(results), [
+                       ("trainer peak above start · ×state · ×best peer",
+                        "trainer_peak_extra_bytes", "loop"),
+                       ("writer processes peak · ×state · ×best peer", "writer_peak_bytes",
+                        "loop"),
+                       ("growth per snapshot · ×state · ×best peer",
+                        "rss_growth_per_snapshot_bytes", "loop")]))
 
 
 def _consistency(results: dict) -> str:
@@ -332,9 +334,7 @@ def _per_size(results: dict) -> str:
     for key in ("blocking_s", "to_durable_s", "restore_s", "restore_cold_s", "compression_ratio"):
         figure = f[key]
         parts += [f"{figure.title.capitalize()} ({figure.unit}; ×floor: {figure.floor}):",
-                  table(["system", *figure.cases], [[name] + [_cell(figure.values[name][c])
-                                                              for c in figure.cases]
-                                                     for name in _systems(results)])]
+                  _figures(results, _systems(results), [(c, key, c) for c in figure.cases])]
     return section("Every state size", *parts)
 
 
