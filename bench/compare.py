@@ -80,16 +80,14 @@ def render_pair(block: dict, systems: tuple[str, str], title: str, setup: str, c
     """``run_pair``'s section: what ran (``setup``, ``contents``), a row per kind of figure;
     ``restore_row`` (what was restored, how the second system restores) where the block has a
     ``restore`` entry."""
-    f, r = block["figures"], block["ratios"]
     ours, theirs = systems
-    rows = [["training blocked", ms(f[f"{ours}_blocking_s"]), ms(f[f"{theirs}_blocking_s"]),
-             ratio(r["blocking"], 3)],
-            [durable_row, ms(f[f"{ours}_durable_s"]),
-             f"{ms(f[f'{theirs}_durable_s'])} ({theirs_durable})", ratio(r["durable"], 3)]]
+    kinds = [("training blocked", "blocking", block, ""),
+             (durable_row, "durable", block, f" ({theirs_durable})")]
     if "restore" in block:
-        f, r = block["restore"]["figures"], block["restore"]["ratios"]
-        rows.append([restore_row[0], ms(f[f"{ours}_restore_s"]),
-                     f"{ms(f[f'{theirs}_restore_s'])} ({restore_row[1]})", ratio(r["restore"], 3)])
+        kinds.append((restore_row[0], "restore", block["restore"], f" ({restore_row[1]})"))
+    rows = [[label, ms(b["figures"][f"{ours}_{kind}_s"]),
+             ms(b["figures"][f"{theirs}_{kind}_s"]) + note, ratio(b["ratios"][kind], 3)]
+            for label, kind, b, note in kinds]
     return section(
         title,
         f"{setup} on {block['ranks']} ranks (CPU, gloo), {block['state_bytes'] / 1e6:.0f} MB "
