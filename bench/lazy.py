@@ -54,21 +54,17 @@ def run(root: str, quick: bool) -> dict:
 def render(block: dict) -> str:
     ks = list(block["figures"][OURS_ASYNC.name]["ks"]) if block["figures"][OURS_ASYNC.name][
         "available"] else []
-    tenths_ms, rows = fixed(1, 1e-3), []
-    for name, f in block["figures"].items():
-        if not f["available"]:
-            rows.append([name, f"n/a: {f['reason']}"])
-            continue
-        cells = []
-        for k in ks:
-            c = f["ks"][k]
-            extra = (f" ({spread_text(c['overhead_vs_full_threads'], over_one)} against the "
-                     "full-thread loop without checkpointing)"
-                     if "overhead_vs_full_threads" in c else "")
-            cells.append(f"{spread_text(c['overhead'], over_one)}{extra} · "
-                         f"{ratio(c['blocking_x_copy'])} "
-                         f"({tenths_ms(c['blocking_s']['median'])} ms)")
-        rows.append([name, *cells])
+    tenths_ms = fixed(1, 1e-3)
+
+    def cell(c: dict) -> str:
+        extra = (f" ({spread_text(c['overhead_vs_full_threads'], over_one)} against the "
+                 "full-thread loop without checkpointing)" if "overhead_vs_full_threads" in c
+                 else "")
+        return (f"{spread_text(c['overhead'], over_one)}{extra} · {ratio(c['blocking_x_copy'])} "
+                f"({tenths_ms(c['blocking_s']['median'])} ms)")
+
+    rows = [[name, *(cell(f["ks"][k]) for k in ks)] if f["available"]
+            else [name, f"n/a: {f['reason']}"] for name, f in block["figures"].items()]
     floor = block["copy_floor_s"]
     return section(
         "Lazy staging in the training loop",

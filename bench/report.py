@@ -173,32 +173,27 @@ def _targets(results: dict) -> str:
     targets = results["targets"]
     if not targets.cases:
         return ""
-    rows = []
-    for row in targets.rows:
-        cells = []
-        for case in targets.cases:
-            e = row.values[case]
-            cells.append(str(e) if isinstance(e, NotAvailable) else
-                         f"{median_range(e, fmt=factor)} {'meets' if e.meets else 'MISSES'}")
-        rows.append([row.title, f"≤ {row.limit:g}×", *cells])
+
+    def verdict(e) -> str:
+        return (str(e) if isinstance(e, NotAvailable) else
+                f"{median_range(e, fmt=factor)} {'meets' if e.meets else 'MISSES'}")
+
+    rows = [[row.title, f"≤ {row.limit:g}×", *(verdict(row.values[c]) for c in targets.cases)]
+            for row in targets.rows]
     ratios = [e for row in targets.rows for e in row.values.values()
               if not isinstance(e, NotAvailable)]
     met, total = sum(e.meets for e in ratios), len(ratios)
     return section("Targets (\"At the storage floor\")",
                    "Each ratio is taken round by round (the system's value in round i over the "
-                   "floor's or the peer's in round i), then the median (min–max) over the rounds; "
-                   f"a target is met when the median is at or under it. Met: {met} of {total}.",
-                   table(["ratio", "target", *targets.cases], rows))
+                   "floor's or the peer's in round i), then the median (min–max) over the "
+                   f"rounds; a target is met when the median is at or under it. Met: {met} of "
+                   f"{total}.", table(["ratio", "target", *targets.cases], rows))
 
 
 def _floors(results: dict) -> str:
-    rows = []
-    for label, floors in results["floors"].items():
-        row = [label]
-        for key, _ in FLOOR_LABELS:
-            f = floors.get(key)
-            row.append(f"{median_range(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
-        rows.append(row)
+    rows = [[label, *(f"{median_range(f)} s ({f['gbps']:.2f} GB/s)" if f else "–"
+                      for f in (floors.get(key) for key, _ in FLOOR_LABELS))]
+            for label, floors in results["floors"].items()]
     return section("Floors (median (min–max) of one sample per round, next to the systems)",
                    table(["state", *(name for _, name in FLOOR_LABELS)], rows),
                    *_floor_ways(results))
