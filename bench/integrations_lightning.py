@@ -141,7 +141,7 @@ def render(block: dict) -> str:
     for system in SYSTEMS:
         s = f[system]
         rows.append([system, f"{spread_text(s['blocking_s'], three)} · "
-                             f"{s['blocking_x_floor']['median']:.2g}×",
+                             f"{times(s['blocking_x_floor']['median'])}",
                      *(spread_text(s[key], three) for key in ("first_save_s", "fit_s",
                                                               "file_after_s")),
                      spread_text(s["bytes_x_state"], fixed(2, unit="×"))])
