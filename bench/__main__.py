@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from . import dcp, figures, gpu, plots, records, report, sharded, targets
 from .floors import FLOOR_KEYS
-from .measure import load_between, load_now, log, machine, spread
+from .harness import load_between, load_now, log, machine, spread
 from .parts import BY_KEY, PARTS
 from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
 from .sweep import run_sweep

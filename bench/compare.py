@@ -4,48 +4,11 @@ two-rank ones under torchrun, the slower rank's figures (method: docs/integratio
 
 from __future__ import annotations
 
-import os
-from typing import Callable, Iterable, Mapping, Sequence
-
-import torch
-import torch.distributed as dist
-
+from .harness import summarised, torchrun
 from .markdown import ms, ratio, section, table
-from .measure import files_under, log, ratio_spread, rotated, spread
-from .ranks import torchrun
 
 RANKS = 2
 KINDS = ("blocking", "durable")
-
-
-def interleaved(what: str, systems: Sequence[str], rounds: int,
-                measure: Callable[[str, int], dict]) -> list[dict]:
-    """Each round's figures: ``measure(system, round)`` of every system, in ``rotated`` order."""
-    found = []
-    for n in range(rounds):
-        figures = {}
-        for system in rotated(systems, n):
-            figures.update(measure(system, n))
-        found.append(figures)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log(f"{what}: round {n + 1}/{rounds}: " + ", ".join(
-                f"{key} {value:.3g}" for key, value in figures.items()
-                if isinstance(value, float)))
-    return found
-
-
-def summarised(rounds: list[dict], keys: Iterable[str],
-               ratios: Mapping[str, tuple[str, str]]) -> dict:
-    """Each key's spread over the rounds after the warm-up (``figures``), and each named
-    ``(key, reference)``'s ratio, round by round (``ratios``)."""
-    measured = rounds[1:] or rounds
-
-    def column(key: str) -> list[float]:
-        return [r[key] for r in measured]
-
-    return {"figures": {key: spread(column(key)) for key in keys},
-            "ratios": {name: ratio_spread(column(key), column(reference))
-                       for name, (key, reference) in ratios.items()}}
 
 
 def run_pair(what: str, part: str, directory: str, config: dict,
@@ -94,29 +57,3 @@ def render_pair(block: dict, systems: tuple[str, str], title: str, setup: str, c
         f"{contents} in all; median of {block['figures'][f'{theirs}_blocking_s']['n']} "
         "interleaved rounds after a warm-up (min–max); the slower rank's figure.",
         table([*columns, "ratio"], rows))
-
-
-def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (a collective): the slowest rank's time."""
-    return _all_reduced(seconds, dist.ReduceOp.MAX)
-
-
-def total(value: float) -> float:
-    """The sum of every rank's ``value`` (a collective): bytes of a state across the ranks."""
-    return _all_reduced(value, dist.ReduceOp.SUM)
-
-
-def _all_reduced(value: float, op) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def fsync_all(path: str) -> None:
-    """fsync ``path`` (every file under it, if a directory) and its parent directory."""
-    for name in files_under(path) + [path, os.path.dirname(path)]:
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -9,7 +9,7 @@ import logging
 import os
 import warnings
 
-from .measure import files_under
+from .harness import files_under
 from .records import Consistency, Damage
 from .systems import System
 from .workloads import TrainingWorkload

@@ -8,12 +8,10 @@ import os
 import subprocess
 import time
 
+from .harness import command as command_of, log, ratio_spread, run_rounds, spread
 from .markdown import ratio, seconds, section, table
-from .measure import log, ratio_spread, spread
 from .registry import OURS_ASYNC, OURS_ASYNC_ZSTD
-from .rounds import run_rounds
 from .workloads import build_state
-from .worker import command as command_of
 
 FULL = {"size_gb": 1.0, "rounds": 3}
 QUICK = {"size_gb": 0.008, "rounds": 1}  # a child costs a torch import: a smoke test

@@ -13,10 +13,9 @@ from contextlib import contextmanager
 import psutil
 
 from .floors import Floors
+from .harness import evict, log, ratio_spread, remove, run_rounds, spread
 from .markdown import fixed, ratio, seconds, section, spread_text, table
-from .measure import evict, log, ratio_spread, remove, spread
 from .registry import OURS_ASYNC, OURS_DIRECT
-from .rounds import run_rounds
 from .workloads import build_state
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}

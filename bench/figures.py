@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from .measure import ratio_spread, spread
+from .harness import ratio_spread, spread
 from .records import Cell, FigureValues, NotAvailable, Value
 from .registry import NONE, SystemSpec
 from .training import GROWTH_SKIP

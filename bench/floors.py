@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from .measure import evict, fsync_dir, remove, rotated, settle, timed
+from .harness import evict, fsync_dir, remove, rotated, settle, timed
 
 FLOOR_KEYS = ("copy_s", "durable_s", "read_cache_s", "read_cold_s")
 MIB = 1 << 20

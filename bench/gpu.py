@@ -1,7 +1,7 @@
 """``python -m bench --device cuda``: the GPU path measured in one run, against DCP (issue 42).
 
 A bf16 transformer (``workloads.TransformerWorkload``) trains on the device while the
-``GPU_SYSTEMS`` checkpoint it in interleaved rounds (``rounds.run_rounds``; ``run_system``), each
+``GPU_SYSTEMS`` checkpoint it in interleaved rounds (``harness.run_rounds``; ``run_system``), each
 opened per round (``systems.run_guarded``). Floors per round: ``device_floors`` and
 ``floors.Floors`` on ``min(state, DISK_SAMPLE_BYTES)``, scaled to the state. ``--device cpu`` runs
 the same code on the CPU; ``--quick`` is a smoke test. docs/performance.md describes the figures.
@@ -25,10 +25,9 @@ import torch
 
 from . import dcp, records
 from .floors import Floors
+from .harness import log, machine, ratio_spread, run_rounds, spread, timed
 from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
-from .measure import log, machine, ratio_spread, spread, timed
 from .registry import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, SystemSpec
-from .rounds import run_rounds
 from .systems import NoCheckpoint, System, run_guarded
 from .training import run_loop
 from .workloads import TransformerWorkload, state_tensors

@@ -9,10 +9,9 @@ import sys
 
 import torch
 
+from .harness import ratio_spread, run_rounds, spread, timed
 from .markdown import fixed, ms, ratio, section, spread_text, table
-from .measure import ratio_spread, spread, timed
 from .registry import OURS_ASYNC, OURS_INCREMENTAL
-from .rounds import run_rounds
 from .workloads import tensor_bytes
 
 FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter

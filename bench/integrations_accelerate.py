@@ -12,9 +12,8 @@ import warnings
 
 import torch
 
-from .compare import interleaved, summarised
+from .harness import dir_bytes, interleaved, summarised
 from .markdown import fixed, ms, ratio, section, spread_text, table
-from .measure import dir_bytes
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}

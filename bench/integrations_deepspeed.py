@@ -11,9 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compare import (fsync_all, interleaved, render_pair, restore_block, run_pair, slowest,
-                      total)
-from .ranks import finish
+from .compare import render_pair, restore_block, run_pair
+from .harness import finish, fsync_tree, interleaved, slowest, total
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -91,8 +90,8 @@ def worker(args: argparse.Namespace) -> None:
         if system == "adapter":
             ours.wait()
         else:
-            fsync_all(os.path.join(save_dir, tag))
-            fsync_all(os.path.join(save_dir, "latest"))
+            fsync_tree(os.path.join(save_dir, tag))
+            fsync_tree(os.path.join(save_dir, "latest"))
         durable = slowest(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()

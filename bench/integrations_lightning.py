@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .harness import after_warmup, dir_bytes, interleaved, ratio_spread, spread
 from .markdown import digits, fixed, section, spread_text, table
-from .measure import dir_bytes, log, ratio_spread, rotated, spread
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
 QUICK = {"width": 256, "layers": 2, "batch": 16, "every": 8, "saves": 3, "rounds": 2}
@@ -103,19 +103,19 @@ def _copy_floor(config: dict) -> float:
 
 def run(root: str, quick: bool) -> dict:
     config = QUICK if quick else FULL
-    rounds = []
-    for n in range(config["rounds"]):
-        results = {}
-        for system in rotated(SYSTEMS, n):
-            directory = Path(root) / f"lightning-{system}-{n}"
-            results[system] = _fit(system, directory, config)
-            shutil.rmtree(directory, ignore_errors=True)
-        results["copy_floor_s"] = _copy_floor(config)
-        rounds.append(results)
-        log("integrations_lightning: round {}/{}: blocking per save {}".format(
-            n + 1, config["rounds"], ", ".join(
-                f"{s} {spread(results[s]['blocking_s'][1:])['median']:.3f} s" for s in SYSTEMS)))
-    measured = rounds[1:] or rounds  # the first round warms up the page cache and allocations
+
+    def fit(system: str, n: int) -> dict:
+        directory = Path(root) / f"lightning-{system}-{n}"
+        figures = {system: _fit(system, directory, config)}
+        shutil.rmtree(directory, ignore_errors=True)
+        return figures
+
+    rounds = interleaved("integrations_lightning", SYSTEMS, config["rounds"], fit,
+                         after=lambda: {"copy_floor_s": _copy_floor(config)},
+                         shown=lambda r: "blocking per save " + ", ".join(
+                             f"{s} {spread(r[s]['blocking_s'][1:])['median']:.3f} s"
+                             for s in SYSTEMS))
+    measured = after_warmup(rounds)  # the first round warms up the page cache and allocations
     steady = {s: [spread(r[s]["blocking_s"][1:])["median"] for r in measured] for s in SYSTEMS}
     floors = [r["copy_floor_s"] for r in measured]
     figures = {s: {"blocking_s": spread(steady[s]),

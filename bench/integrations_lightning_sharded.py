@@ -13,10 +13,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .compare import (fsync_all, interleaved, render_pair, restore_block, run_pair, slowest,
-                      total)
-from .measure import log, rotated
-from .ranks import finish, torchrun
+from .compare import render_pair, restore_block, run_pair
+from .harness import finish, fsync_tree, interleaved, one_round, slowest, torchrun, total
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -106,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
             ModelParallelStrategy.save_checkpoint(trainer.strategy, checkpoint, path)
             blocking = slowest(time.perf_counter() - start)
             if trainer.is_global_zero:
-                fsync_all(os.path.join(path, "meta.pt"))
+                fsync_tree(os.path.join(path, "meta.pt"))
         return {f"{system}_blocking_s": blocking,
                 f"{system}_durable_s": slowest(time.perf_counter() - start)}
 
@@ -134,14 +132,10 @@ def worker(args: argparse.Namespace) -> None:
                     for group in trainer.optimizers[0].state.values()
                     for t in group.values() if torch.is_tensor(t) and t.dim())
                     + sum(p.to_local().nbytes for p in pl_module.parameters())))
-            figures = {}
-            for system in rotated(SYSTEMS, n):
-                figures.update(save(trainer, system, n))
-            found["rounds"].append(figures)
-            if trainer.is_global_zero:
-                log(f"integrations_lightning_sharded: round {n + 1}/{rounds}: {figures}")
-                if n < rounds - 1:  # the last is kept for the run that restores it
-                    shutil.rmtree(os.path.join(args.dir, "stock", f"round{n}"))
+            found["rounds"].append(one_round("integrations_lightning_sharded", SYSTEMS, n, rounds,
+                                             lambda system, n: save(trainer, system, n)))
+            if trainer.is_global_zero and n < rounds - 1:  # the last is kept for its restore
+                shutil.rmtree(os.path.join(args.dir, "stock", f"round{n}"))
 
     world = int(os.environ["WORLD_SIZE"])
     strategy = AsyncCkptModelParallelStrategy(os.path.join(args.dir, "engine"),

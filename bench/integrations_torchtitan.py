@@ -12,10 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import ranks
-from .compare import interleaved, slowest, summarised
+from .harness import finish, interleaved, log, slowest, summarised, torchrun
 from .markdown import ms, ratio, section, table
-from .measure import log
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
 QUICK = {"width": 512, "layers": 4, "rounds": 2}  # not in --quick (``parts.PARTS``): by hand
@@ -31,9 +29,9 @@ def run(root: str, quick: bool) -> dict:
     config = QUICK if quick else FULL
     directory = os.path.join(root, "torchtitan")
     options = ("--width", str(config["width"]), "--layers", str(config["layers"]))
-    saved = ranks.torchrun("torchtitan, saving at 2 ranks", "integrations_torchtitan", 2,
+    saved = torchrun("torchtitan, saving at 2 ranks", "integrations_torchtitan", 2,
                            directory, 0, config["rounds"], "--phase", "save", *options)
-    loaded = ranks.torchrun("torchtitan, restoring at 4 ranks", "integrations_torchtitan",
+    loaded = torchrun("torchtitan, restoring at 4 ranks", "integrations_torchtitan",
                             4, directory, 0, config["rounds"], "--phase", "restore", *options)
     # one round's figures of both runs side by side: their warm-ups are both round 0
     rounds = [{**save, **load} for save, load in zip(saved["rounds"], loaded["rounds"])]
@@ -186,5 +184,5 @@ def worker(args) -> None:
         found = {"rounds": _rounds(job, args.dir, args.rounds, "restore", _restore,
                                    exclude_from_loading=["dataloader"], load_only=True)}
     del job
-    ranks.finish(args.out, found)
+    finish(args.out, found)
 

@@ -11,9 +11,8 @@ import warnings
 
 import torch
 
-from .compare import interleaved, summarised
+from .harness import dir_bytes, interleaved, summarised, timed
 from .markdown import fixed, ms, ratio, section, spread_text, table
-from .measure import dir_bytes, timed
 
 FULL = {"model": {"n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 8192}, "rounds": 4}
 QUICK = {"model": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512}, "rounds": 2}

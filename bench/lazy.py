@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .harness import ratio_spread, spread
 from .markdown import fixed, over_one, ratio, section, spread_text, table
-from .measure import ratio_spread, spread
 from .registry import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY_FEWER
 from .training import run_training
 

@@ -1,7 +1,7 @@
 """How the report writes numbers, tables and sections, for every section of it (``report.py``
 and each part's ``render``): one place, so that a figure reads the same wherever it appears.
 
-A spread is a ``measure.spread`` dict or a ``records.Spread``; a ``scale`` is the unit's size in
+A spread is a ``harness.spread`` dict or a ``records.Spread``; a ``scale`` is the unit's size in
 the value's own (1e-3: milliseconds of seconds; 1e6: MB of bytes)."""
 
 from __future__ import annotations

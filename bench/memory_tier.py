@@ -15,11 +15,10 @@ import psutil
 
 from async_ckpt.tools.advise import advise
 
+from .harness import command as command_of, evict, interleaved, log, ratio_spread, spread, timed
 from .markdown import fixed, ms, section, spread_text, table
-from .measure import evict, log, ratio_spread, rotated, spread, timed
 from .registry import NEVER, OURS_MEMORY
 from .workloads import TrainingWorkload, restore_quietly, state_tensors
-from .worker import command as command_of
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "steps": 24, "rounds": 3,
         "kills": 3}
@@ -34,13 +33,10 @@ def run(root: str, quick: bool) -> dict:
     config = QUICK if quick else FULL
     workload = TrainingWorkload(**config["workload"])
     log(f"memory tier: {workload.nbytes / 1e6:.0f} MB state, {config['rounds']} rounds")
-    rounds = []
-    for index in range(config["rounds"]):
-        measured = {"copy_s": _copy_floor(workload)}
-        for staging in rotated(STAGINGS, index):
-            measured[staging] = _loop(workload, os.path.join(root, f"memory-{index}-{staging}"),
-                                      staging, config["steps"], restores=staging == "eager")
-        rounds.append(measured)
+    rounds = interleaved("memory tier", STAGINGS, config["rounds"], lambda staging, index: {
+        staging: _loop(workload, os.path.join(root, f"memory-{index}-{staging}"), staging,
+                       config["steps"], restores=staging == "eager")},
+        before=lambda: {"copy_s": _copy_floor(workload)})
     copy = [r["copy_s"] for r in rounds]
     figures = {staging: {
         "blocking_s": spread([r[staging]["blocking_s"] for r in rounds]),

@@ -1,32 +1,26 @@
 """Two ranks under torchrun, replicated state as DDP keeps it: blocking and time to commit of
 async_ckpt and of DCP ``async_save`` on the same ranks and disk (method: docs/performance.md,
-"What runs"); ``save_rounds`` and ``torchrun`` serve the other torchrun parts too."""
+"What runs"); ``save_rounds`` serves the sharded part too."""
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import subprocess
-import sys
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from .floors import Floors
+from .harness import (FloorHook, finish, gather, log, ratio_spread, remove, run_rounds, slowest,
+                      spread, timed, torchrun)
 from .markdown import median_range, number, section, table, with_ratios
-from .measure import log, ratio_spread, remove, spread, timed
 from .registry import RANK_SYSTEMS, SystemSpec
-from .rounds import FloorHook, run_rounds
 from .systems import System, Unavailable
 from .workloads import build_state
-from .worker import command as command_of
 
 RANKS = 2
 FULL = {"size_gb": 0.5, "rounds": 3}
 QUICK = {"size_gb": 0.008, "rounds": 1}  # a smoke test: torchrun runs cost seconds each
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
@@ -35,25 +29,6 @@ def run(root: str, quick: bool, rounds: Optional[int] = None) -> dict:
     rounds = preset["rounds"] if rounds is None else rounds
     return summarise(torchrun("two ranks", "ranks", RANKS, os.path.join(root, "ranks"),
                               preset["size_gb"], rounds))
-
-
-def torchrun(what: str, part: str, world: int, directory: str, size_gb: float, rounds: int,
-             *options: str) -> dict:
-    """``part``'s worker (``bench/worker.py``) on ``world`` ranks under torchrun, from the
-    repository root, working in ``directory``: what rank 0 wrote (``finish``). What the run
-    printed is shown only if it fails."""
-    out = directory + ".json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", *command_of(part, dir=directory, out=out,
-                                                        size_gb=size_gb, rounds=rounds)[1:],
-               *options]
-    log(f"{what}: {' '.join(command[2:])}")
-    done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{what} failed ({done.returncode}):\n" + done.stdout[-4000:])
-    with open(out, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def summarise(raw: dict) -> dict:
@@ -107,19 +82,9 @@ def worker(args: argparse.Namespace) -> None:
     finish(args.out, {"state_bytes": nbytes, "rounds": args.rounds, **record})
 
 
-def finish(out: str, found: dict) -> None:
-    """A worker's end: rank 0 writes what it found to ``out`` (``torchrun`` returns it); the
-    process group goes while Python is alive, with the objects that hold it, not at exit."""
-    if dist.get_rank() == 0:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(found, f)
-    gc.collect()
-    dist.destroy_process_group()
-
-
 def save_rounds(specs: Sequence[SystemSpec], state: dict, directory: str, rounds: int,
                 nbytes: int, share: int) -> dict:
-    """``rounds.run_rounds`` of ``run_round`` for each of ``specs``, on every rank. Floors, on
+    """``harness.run_rounds`` of ``run_round`` for each of ``specs``, on every rank. Floors, on
     rank 0 while the others wait: ``copy_`` of ``share`` bytes (what each rank must copy at
     least) and the disk floor of the ``nbytes`` the ranks write in all, on the one disk."""
     os.makedirs(os.path.join(directory, "floors"), exist_ok=True)
@@ -163,8 +128,8 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
             dist.barrier()
             seconds = timed(lambda: system.save(step))
             system.wait()
-            slowest = max(gather(seconds))
-        run = {"available": True, "blocking_s": slowest,
+            blocking = slowest(seconds)
+        run = {"available": True, "blocking_s": blocking,
                "to_commit_s": system.to_commit_s() if rank == 0 else None,
                "stored_bytes": system.stored_bytes() if rank == 0 else None,
                "bytes_per_rank": gather(_own_bytes(system, rank))}
@@ -183,13 +148,6 @@ def _own_bytes(system: System, rank: int) -> int:
     path = system.newest_path()
     mine = [n for n in os.listdir(path) if n.startswith((f"rank-{rank:05d}.", f"__{rank}_"))]
     return sum(os.path.getsize(os.path.join(path, n)) for n in mine)
-
-
-def gather(value) -> list:
-    """``value`` of every rank, in rank order."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def render(ranks: dict) -> str:

@@ -26,7 +26,7 @@ class NotAvailable:
 
 @dataclass(frozen=True)
 class Spread:
-    """``measure.spread`` of one value per round."""
+    """``harness.spread`` of one value per round."""
 
     median: float
     min: float

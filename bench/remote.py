@@ -21,8 +21,8 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
+from .harness import after_warmup, interleaved, ratio_spread, remove, spread
 from .markdown import ms, ratio, seconds, section, table
-from .measure import log, ratio_spread, remove, spread
 from .registry import OURS_REMOTE
 
 FULL = {"bytes": 1 << 30, "rounds": 4, "steps": 20}
@@ -160,13 +160,11 @@ def run(root: str, quick: bool) -> dict:
     """Start a server, measure the rounds, stop it; the results block of results.json."""
     config = QUICK if quick else FULL
     with _moto() as server:
-        rounds = []
-        for n in range(config["rounds"]):
-            rounds.append(_one_round(server, root, config["bytes"], config["steps"]))
-            log(f"remote: round {n + 1}/{config['rounds']}: upload {rounds[-1]['upload_s']:.2f} s "
-                f"(floor {rounds[-1]['upload_floor_s']:.2f}), restore {rounds[-1]['restore_s']:.2f}"
-                f" s (download {rounds[-1]['download_floor_s']:.2f})")
-    measured = rounds[1:] or rounds  # the first round warms up the server and the page cache
+        rounds = interleaved("remote", ["remote tier"], config["rounds"], lambda *_: _one_round(
+            server, root, config["bytes"], config["steps"]), shown=lambda r: (
+                f"upload {r['upload_s']:.2f} s (floor {r['upload_floor_s']:.2f}), restore "
+                f"{r['restore_s']:.2f} s (download {r['download_floor_s']:.2f})"))
+    measured = after_warmup(rounds)  # the first round warms up the server and the page cache
     figures = {key: spread([r[key] for r in measured]) for key in
                ("upload_s", "upload_floor_s", "restore_s", "download_floor_s", "step_up_s",
                 "step_down_s")}

@@ -16,9 +16,9 @@ import dataclasses
 import datetime
 from typing import Optional
 
-from .parts import PARTS
+from .harness import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .markdown import factor, median_range, number, points, section, table, with_ratios
-from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
+from .parts import PARTS
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
 from .registry import NONE, OURS_ASYNC, TORCH_SAVE
 

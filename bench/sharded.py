@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from . import ranks
+from .harness import (FloorHook, finish, gather, log, ratio_spread, run_rounds, slowest, spread,
+                      timed, torchrun)
 from .markdown import factor, median_range, section, table
-from .measure import log, ratio_spread, spread, timed
 from .registry import DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS
-from .rounds import FloorHook, run_rounds
 from .workloads import layer_bytes, width_for
 
 FULL = {"size_gb": 0.5, "rounds": 3}
@@ -60,7 +60,7 @@ def _torchrun(root: str, world: int, size_gb: float, rounds: int, source: Option
     options = [*(["--restore", _kept_dir(root, source)] if source is not None else []),
                *(["--keep", _kept_dir(root, world)] if save else [])]
     started = time.perf_counter()
-    raw = ranks.torchrun(f"sharded state at {world} ranks", "sharded", world,
+    raw = torchrun(f"sharded state at {world} ranks", "sharded", world,
                          os.path.join(root, f"sharded-{world}-{source}"), size_gb, rounds, *options)
     raw["wall_s"] = time.perf_counter() - started
     return raw
@@ -233,7 +233,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     state, own = sharded_state(args.size_gb, world)
-    rank_bytes = ranks.gather(own)
+    rank_bytes = gather(own)
     common = {"world": world, "state_bytes": sum(rank_bytes), "rank_bytes": rank_bytes,
               "rounds": args.rounds}
     found = {}
@@ -247,7 +247,7 @@ def worker(args: argparse.Namespace) -> None:
                                              sum(rank_bytes), rank_bytes[0]), **common}
         keep(state, args.keep)
         found["save"]["wall_s"] = time.perf_counter() - started  # with the kept snapshots
-    ranks.finish(args.out, found)
+    finish(args.out, found)
 
 
 def keep(state: dict, directory: str) -> None:
@@ -282,7 +282,7 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
             for _ in range(2):  # the first is the warm-up
                 dist.barrier()
                 took = timed(lambda: restored.append(restorer.restore()))
-                seconds.append(max(ranks.gather(took)))
+                seconds.append(slowest(took))
         finally:
             restorer.close()
             dist.barrier()

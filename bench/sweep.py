@@ -9,9 +9,9 @@ from typing import Optional, Sequence
 import torch
 
 from .floors import Floors
-from .measure import RssSampler, evict, log, release_free_memory, rss, timed
+from .harness import (FloorHook, RssSampler, evict, log, release_free_memory, rss, run_rounds,
+                      timed)
 from .registry import BIG_SYSTEMS, SystemSpec
-from .rounds import FloorHook, run_rounds
 from .systems import System, run_guarded
 from .workloads import build_state
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .measure import dir_bytes, fsync_dir, log, remove, timed
+from .harness import dir_bytes, fsync_dir, log, remove, timed
 from .workloads import restore_quietly
 
 KEEP_LAST = 3  # as the engine's default keep_last: alike disk use and page-cache pressure

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from .measure import ratio_spread
+from .harness import ratio_spread
 from .records import NotAvailable, TargetRatio, TargetRow, Targets
 from .registry import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, SystemSpec
 

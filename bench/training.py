@@ -1,7 +1,7 @@
 """A real training loop with a snapshot every K steps: throughput against no checkpointing, blocking
 time per snapshot in the loop, memory, and whether a restore is bit-exact and damage is caught.
 
-The systems run in interleaved rounds (``rounds.run_rounds``: each once per round, in rotating
+The systems run in interleaved rounds (``harness.run_rounds``: each once per round, in rotating
 order, one training-state floor sample per round). In each round each system starts from the same
 model and optimizer values, opens, takes one untimed warm-up snapshot, then for each K runs
 ``steps[K]`` training steps without checkpointing and right after them the same number with the
@@ -31,9 +31,9 @@ from typing import Callable, Optional, Sequence
 
 from . import consistency
 from .floors import Floors
-from .measure import RssSampler, log, release_free_memory, rss, slope, timed
+from .harness import (FloorHook, RssSampler, log, release_free_memory, rss, run_rounds, slope,
+                      timed)
 from .registry import SystemSpec
-from .rounds import FloorHook, run_rounds
 from .systems import NoCheckpoint, System, run_guarded
 from .workloads import TrainingWorkload
 
@@ -42,7 +42,7 @@ GROWTH_SKIP = 3
 
 def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], steps: dict,
                  workload_options: dict, rounds: int) -> dict:
-    """``systems[name]`` holds ``runs`` (one per round, ``rounds.run_rounds``) and the first
+    """``systems[name]`` holds ``runs`` (one per round, ``harness.run_rounds``) and the first
     round's ``consistency``."""
     workload = TrainingWorkload(**workload_options)
     pristine = workload.clone_tensors()

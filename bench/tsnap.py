@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .measure import fsync_tree
+from .harness import fsync_tree
 from .systems import System, Unavailable
 
 

@@ -33,10 +33,10 @@ from bench.__main__ import (COMMITTED_RESULTS, KS, QUICK, STALL, assemble, loop_
 from bench.sweep import case_label  # noqa: E402
 from bench import floors as floors_module  # noqa: E402
 from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
-from bench.measure import Settled, load_now, ratio_spread, rotated, settle, spread  # noqa: E402
+from bench.harness import Settled, load_now, ratio_spread, rotated, run_rounds  # noqa: E402
+from bench.harness import settle, spread  # noqa: E402
 from bench.ranks import QUICK as RANKS_QUICK  # noqa: E402
 from bench.parts import BY_KEY  # noqa: E402
-from bench.rounds import run_rounds  # noqa: E402
 from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
 from bench.sharded import QUICK as SHARDED_QUICK  # noqa: E402
 from bench.targets import TARGETS  # noqa: E402
@@ -451,7 +451,8 @@ def test_the_two_rank_framework_parts_run_in_full_runs_only_and_report_after_the
                                                                                           setup):
     """Their torchruns of two framework ranks cost a minute each: measured by full runs only."""
     from bench.__main__ import FULL
-    from bench.compare import KINDS, pair_block, summarised
+    from bench.compare import KINDS, pair_block
+    from bench.harness import summarised
 
     part = BY_KEY[key]
     assert key in set(FULL.parts) - set(QUICK.parts)
@@ -535,25 +536,25 @@ class FakeDisk:
 
 
 def test_settle_waits_until_the_kernel_has_written_back(monkeypatch):
-    from bench import measure
+    from bench import harness
 
     disk = FakeDisk([500 << 20, 200 << 20, 40 << 20, 1 << 20])
-    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    monkeypatch.setattr(harness, "unwritten_bytes", disk.unwritten)
     settled = settle(10**9, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
     assert settled == Settled(disk.now, 500 << 20, 1 << 20, False) and disk.sleeps == 3
 
 
 def test_settle_gives_up_after_the_time_the_disk_needs_for_the_bytes(monkeypatch):
-    from bench import measure
+    from bench import harness
 
     disk = FakeDisk([500 << 20])  # another job keeps the disk busy
-    monkeypatch.setattr(measure, "unwritten_bytes", disk.unwritten)
+    monkeypatch.setattr(harness, "unwritten_bytes", disk.unwritten)
     settled = settle(50 * 10**6, below=32 << 20, clock=lambda: disk.now, sleep=disk.sleep)
-    limit = 50 * 10**6 / measure.SETTLE_BYTES_PER_S
+    limit = 50 * 10**6 / harness.SETTLE_BYTES_PER_S
     assert settled.timed_out and settled.unwritten_after == 500 << 20
-    assert limit <= settled.waited_s < limit + measure.SETTLE_POLL_S * 1.5
+    assert limit <= settled.waited_s < limit + harness.SETTLE_POLL_S * 1.5
     clean = FakeDisk([0])
-    monkeypatch.setattr(measure, "unwritten_bytes", clean.unwritten)
+    monkeypatch.setattr(harness, "unwritten_bytes", clean.unwritten)
     assert settle(10**9, clock=lambda: clean.now, sleep=clean.sleep) == Settled(0.0, 0, 0, False)
     assert clean.sleeps == 0  # a settled disk costs one reading
 
