@@ -15,6 +15,7 @@ import psutil
 
 from async_ckpt.tools.advise import advise
 
+from .floors import copy_s
 from .harness import command as command_of, evict, interleaved, log, ratio_spread, spread, timed
 from .markdown import fixed, ms, section, spread_text, table
 from .registry import NEVER, OURS_MEMORY
@@ -67,7 +68,7 @@ def _copy_floor(workload: TrainingWorkload) -> float:
     """One ``copy_`` of every state tensor into a preallocated twin (the best of three)."""
     sources = state_tensors(workload.state)
     twins = [t.clone() for t in sources]
-    return min(timed(lambda: [d.copy_(s) for d, s in zip(twins, sources)]) for _ in range(3))
+    return min(copy_s(sources, twins) for _ in range(3))
 
 
 def _loop(workload: TrainingWorkload, directory: str, staging: str, steps: int,

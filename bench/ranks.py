@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .floors import Floors
+from .floors import Floors, copy_s
 from .harness import (FloorHook, finish, gather, log, ratio_spread, remove, run_rounds, slowest,
                       spread, timed, torchrun)
 from .markdown import median_range, number, section, table, with_ratios
@@ -94,7 +94,7 @@ def save_rounds(specs: Sequence[SystemSpec], state: dict, directory: str, rounds
         sample = {}
         if floors is not None:
             sample = {**floors.measure(),
-                      "copy_s": timed(lambda: floors.dst[:share].copy_(floors.src[:share]))}
+                      "copy_s": copy_s([floors.src[:share]], [floors.dst[:share]])}
         dist.barrier()
         return sample
 
