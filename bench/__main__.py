@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import dcp, figures, gpu, plots, records, report, sharded, targets
+from . import figures, gpu, plots, records, report, sharded, targets
 from .floors import FLOOR_KEYS
 from .harness import load_between, load_now, log, machine, spread
 from .parts import BY_KEY, PARTS
-from .registry import STALL_SYSTEMS, SYSTEMS, SystemSpec
+from .systems import STALL_SYSTEMS, SYSTEMS, SystemSpec, shutdown_dcp
 from .sweep import run_sweep
 from .training import run_training
 
@@ -193,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         raw = measure_parts(args, root, start)
     finally:
-        dcp.shutdown()
+        shutdown_dcp()
         shutil.rmtree(root, ignore_errors=True)
     results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
     write_outputs(results, args.out)
@@ -210,7 +210,7 @@ def _run_part(part, args: argparse.Namespace) -> int:
     try:
         print(part.render({part.key: part.run(args, root)}))
     finally:
-        dcp.shutdown()
+        shutdown_dcp()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

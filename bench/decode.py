@@ -10,7 +10,7 @@ import time
 
 from .harness import command as command_of, log, ratio_spread, run_rounds, spread
 from .markdown import ratio, seconds, section, table
-from .registry import OURS_ASYNC, OURS_ASYNC_ZSTD
+from .systems import OURS_ASYNC, OURS_ASYNC_ZSTD
 from .workloads import build_state
 
 FULL = {"size_gb": 1.0, "rounds": 3}

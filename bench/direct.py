@@ -15,7 +15,7 @@ import psutil
 from .floors import Floors
 from .harness import evict, log, ratio_spread, remove, run_rounds, spread
 from .markdown import fixed, ratio, seconds, section, spread_text, table
-from .registry import OURS_ASYNC, OURS_DIRECT
+from .systems import OURS_ASYNC, OURS_DIRECT
 from .workloads import build_state
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from .harness import ratio_spread, spread
 from .records import Cell, FigureValues, NotAvailable, Value
-from .registry import NONE, SystemSpec
+from .systems import NONE, SystemSpec
 from .training import GROWTH_SKIP
 
 

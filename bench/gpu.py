@@ -23,12 +23,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from . import dcp, records
+from . import records
 from .floors import Floors
 from .harness import log, machine, ratio_spread, run_rounds, spread, timed
 from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
-from .registry import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, SystemSpec
-from .systems import NoCheckpoint, System, run_guarded
+from .systems import (DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, NoCheckpoint, System, SystemSpec,
+                      run_guarded, shutdown_dcp)
 from .training import run_loop
 from .workloads import TransformerWorkload, state_tensors
 
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         raw = measure(config, args.device, root)
     finally:
-        dcp.shutdown()
+        shutdown_dcp()
         shutil.rmtree(root, ignore_errors=True)
     checks = [{"system": name, "round": r["round"], **r["exactness"]}
               for name, block in raw["systems"].items() if block["available"]

@@ -11,7 +11,7 @@ import torch
 
 from .harness import ratio_spread, run_rounds, spread, timed
 from .markdown import fixed, ms, ratio, section, spread_text, table
-from .registry import OURS_ASYNC, OURS_INCREMENTAL
+from .systems import OURS_ASYNC, OURS_INCREMENTAL
 from .workloads import tensor_bytes
 
 FULL = {"width": 4096, "layers": 16, "rank": 40, "repetitions": 9}  # 1 GiB base, 20 MiB adapter

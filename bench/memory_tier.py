@@ -18,7 +18,7 @@ from async_ckpt.tools.advise import advise
 from .floors import copy_s
 from .harness import command as command_of, evict, interleaved, log, ratio_spread, spread, timed
 from .markdown import fixed, ms, section, spread_text, table
-from .registry import NEVER, OURS_MEMORY
+from .systems import NEVER, OURS_MEMORY
 from .workloads import TrainingWorkload, restore_quietly, state_tensors
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "steps": 24, "rounds": 3,

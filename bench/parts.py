@@ -7,9 +7,10 @@ import argparse
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import (dcp, decode, direct, incremental, integrations_accelerate, integrations_deepspeed,
+from . import (decode, direct, incremental, integrations_accelerate, integrations_deepspeed,
                integrations_lightning, integrations_lightning_sharded, integrations_torchtitan,
                integrations_transformers, lazy, memory_tier, ranks, remote, sharded)
+from .systems import shutdown_dcp
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Part:
     def run(self, args: argparse.Namespace, root: str) -> dict:
         if not self.torchrun:
             return self.module.run(root, args.quick)
-        dcp.shutdown()  # this process's process group goes first
+        shutdown_dcp()  # this process's process group goes first
         return self.module.run(root, args.quick, None if args.quick and not args.rounds_given
                                else args.rounds)
 

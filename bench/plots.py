@@ -6,7 +6,7 @@ import math
 import os
 
 from .records import Cell, FigureValues
-from .registry import NONE
+from .systems import NONE
 
 FILES = ("blocking_vs_size.png", "throughput_vs_k.png")
 _RATIO_TICKS = (0.25, 0.5, 0.8, 1.0, 1.05, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 200)

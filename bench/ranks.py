@@ -14,8 +14,7 @@ from .floors import Floors, copy_s
 from .harness import (FloorHook, finish, gather, log, ratio_spread, remove, run_rounds, slowest,
                       spread, timed, torchrun)
 from .markdown import median_range, number, section, table, with_ratios
-from .registry import RANK_SYSTEMS, SystemSpec
-from .systems import System, Unavailable
+from .systems import RANK_SYSTEMS, System, SystemSpec, Unavailable
 from .workloads import build_state
 
 RANKS = 2

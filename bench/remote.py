@@ -23,7 +23,7 @@ from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectSt
 
 from .harness import after_warmup, interleaved, ratio_spread, remove, spread
 from .markdown import ms, ratio, seconds, section, table
-from .registry import OURS_REMOTE
+from .systems import OURS_REMOTE
 
 FULL = {"bytes": 1 << 30, "rounds": 4, "steps": 20}
 QUICK = {"bytes": 16 << 20, "rounds": 2, "steps": 3}

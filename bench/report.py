@@ -20,7 +20,7 @@ from .harness import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, sprea
 from .markdown import factor, median_range, number, points, section, table, with_ratios
 from .parts import PARTS
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
-from .registry import NONE, OURS_ASYNC, TORCH_SAVE
+from .systems import NONE, OURS_ASYNC, TORCH_SAVE
 
 PERIODIC, ASYNC = TORCH_SAVE.name, OURS_ASYNC.name
 

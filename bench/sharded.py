@@ -17,7 +17,7 @@ from . import ranks
 from .harness import (FloorHook, finish, gather, log, ratio_spread, run_rounds, slowest, spread,
                       timed, torchrun)
 from .markdown import factor, median_range, section, table
-from .registry import DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS
+from .systems import DCP_LOAD, DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS, SystemSpec
 from .workloads import layer_bytes, width_for
 
 FULL = {"size_gb": 0.5, "rounds": 3}
@@ -26,14 +26,13 @@ PLAN = ((2, None, True), (4, 2, True), (2, 4, False))
 """The torchrun runs in order: (world size, world size of the kept snapshots it restores, whether
 it measures saving and keeps snapshots for a later run)."""
 OURS = OURS_ASYNC.name
-DCP_LOAD = "DCP load"
 KEPT_STEP = 1
 PEERS = tuple(spec.name for spec in SHARDED_SYSTEMS if not spec.ours)
 
 
-RESTORERS = ((OURS, OURS_ASYNC, "ours"), (DCP_LOAD, DCP_SAVE, "dcp"))
-"""Restoring on another world size: (name, the registry's system, its directory in kept.json),
-each opened on the directory of the snapshot it kept at the other world size."""
+RESTORERS = {OURS_ASYNC: "ours", DCP_LOAD: "dcp"}
+"""Restoring on another world size: each system, opened on the directory of the snapshot kept at
+the other world size (its key in kept.json)."""
 
 
 # --- the runs -------------------------------------------------------------------------------------
@@ -106,7 +105,7 @@ def _summarise_restoring(raw: dict) -> dict:
     return {"saved_at": raw["saved_at"], "restored_at": raw["world"],
             "state_bytes": raw["state_bytes"], "rounds": raw["rounds"], "wall_s": raw["wall_s"],
             "systems": systems,
-            "x_dcp": _paired(blocks[OURS]["runs"], blocks[DCP_LOAD]["runs"], "restore_s")
+            "x_dcp": _paired(blocks[OURS]["runs"], blocks[DCP_LOAD.name]["runs"], "restore_s")
             if both else None}
 
 
@@ -151,7 +150,7 @@ def render(block: dict) -> str:
             save_rows.append(cells)
     restore_rows = [[f"{r['saved_at']} → {r['restored_at']}",
                      *(median_range(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})"
-                       for s in (r["systems"][OURS], r["systems"][DCP_LOAD])),
+                       for s in (r["systems"][OURS], r["systems"][DCP_LOAD.name])),
                      median_range(r["x_dcp"], fmt=factor)] for r in block["restore"].values()]
     first = next(iter(block["save"].values()))
     peers = " / ".join(f"×DCP {p.split('(')[1].split()[0]}" for p in PEERS)  # ×DCP default...
@@ -175,7 +174,7 @@ def render(block: dict) -> str:
         "DCP `load` of a `dcp.save` of the same state at the same world size; the slowest "
         "rank's time, a warm-up restore first in every round.",
         table(["saved at → restored at (ranks)", f"{OURS} restore s (min–max)",
-               f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows))
+               f"{DCP_LOAD.name} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows))
 
 
 # --- the worker (one per rank, under torchrun) -------------------------------------------------------
@@ -274,9 +273,8 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
     with open(os.path.join(directory, "kept.json"), encoding="utf-8") as f:
         kept = json.load(f)
 
-    def run_slot(index: int, system: tuple, floor_hook: FloorHook) -> dict:
-        name, spec, key = system
-        restorer = spec.open(state, kept[key])
+    def run_slot(index: int, spec: SystemSpec, floor_hook: FloorHook) -> dict:
+        restorer = spec.open(state, kept[RESTORERS[spec]])
         try:
             restored, seconds = [], []
             for _ in range(2):  # the first is the warm-up
@@ -287,11 +285,11 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
             restorer.close()
             dist.barrier()
         if restored != [kept["step"]] * 2:
-            raise RuntimeError(f"{name} restored steps {restored}, not {kept['step']}")
-        log(f"  restore {kept['world']} -> {dist.get_world_size()} ranks, {name}: "
+            raise RuntimeError(f"{spec.name} restored steps {restored}, not {kept['step']}")
+        log(f"  restore {kept['world']} -> {dist.get_world_size()} ranks, {spec.name}: "
             f"{seconds[1]:.3f} s (warm-up {seconds[0]:.3f} s)")
         return {"restore_s": seconds[1], "warmup_s": seconds[0]}
 
-    record = run_rounds(RESTORERS, rounds, 0, dict, run_slot, name=lambda s: s[0])
+    record = run_rounds(list(RESTORERS), rounds, 0, dict, run_slot)
     return {**record, "saved_at": kept["world"]}
 

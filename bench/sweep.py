@@ -11,8 +11,7 @@ import torch
 from .floors import Floors
 from .harness import (FloorHook, RssSampler, evict, log, release_free_memory, rss, run_rounds,
                       timed)
-from .registry import BIG_SYSTEMS, SystemSpec
-from .systems import System, run_guarded
+from .systems import BIG_SYSTEMS, System, SystemSpec, run_guarded
 from .workloads import build_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from .harness import ratio_spread
 from .records import NotAvailable, TargetRatio, TargetRow, Targets
-from .registry import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, SystemSpec
+from .systems import DCP_SAVE, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_SYNC, TORCH_SAVE, SystemSpec
 
 MAX_ZSTD_STORED = 0.8  # the zstd target applies where zstd stores at most this fraction of raw
 

@@ -33,8 +33,7 @@ from . import consistency
 from .floors import Floors
 from .harness import (FloorHook, RssSampler, log, release_free_memory, rss, run_rounds, slope,
                       timed)
-from .registry import SystemSpec
-from .systems import NoCheckpoint, System, run_guarded
+from .systems import NoCheckpoint, System, SystemSpec, run_guarded
 from .workloads import TrainingWorkload
 
 GROWTH_SKIP = 3

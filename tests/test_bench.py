@@ -26,8 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.figures import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TRAINING_FIGURES  # noqa: E402
-from bench.registry import NONE, RANK_SYSTEMS, SHARDED_SYSTEMS, STALL_SYSTEMS  # noqa: E402
-from bench.registry import SYSTEM_NAMES, SYSTEMS  # noqa: E402
+from bench.systems import NONE, RANK_SYSTEMS, SHARDED_SYSTEMS, STALL_SYSTEMS  # noqa: E402
+from bench.systems import SYSTEM_NAMES, SYSTEMS  # noqa: E402
 from bench.__main__ import (COMMITTED_RESULTS, KS, QUICK, STALL, assemble, loop_steps,  # noqa: E402
                             parse_args)
 from bench.sweep import case_label  # noqa: E402
@@ -47,13 +47,13 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(autouse=True, scope="module")
 def no_process_group_left():
     """Tests here run DCP's peers in this process, which start a one-process gloo group and set
-    MASTER_ADDR (bench/dcp.py): both go with the module, so that the next test file in this
+    MASTER_ADDR (bench/systems.py): both go with the module, so that the next test file in this
     worker (an Accelerator, say) does not find a process group and take itself for distributed."""
     saved = os.environ.get("MASTER_ADDR")
     yield
-    from bench import dcp
+    from bench.systems import shutdown_dcp
 
-    dcp.shutdown()
+    shutdown_dcp()
     if saved is None:
         os.environ.pop("MASTER_ADDR", None)
     else:
@@ -397,7 +397,7 @@ def test_direct_writes_are_measured_against_the_buffered_writer_and_reported(qui
 
 def test_lazy_staging_is_measured_and_reported(quick_run):
     from bench import lazy
-    from bench.registry import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY, OURS_LAZY_NICED
+    from bench.systems import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY, OURS_LAZY_NICED
 
     out, results, _ = quick_run
     figures = results["lazy"]["figures"]
@@ -617,7 +617,7 @@ def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_
 
 def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
     from bench import sweep
-    from bench.registry import BIG_SYSTEMS, TORCH_SAVE, by_name
+    from bench.systems import BIG_SYSTEMS, TORCH_SAVE, by_name
 
     monkeypatch.setattr(sweep, "BIG_GB", 0.001)  # 2 MB counts as big
     small = by_name("DCP async_save (default stager)")

@@ -23,7 +23,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_every_restore_is_exact(tmp_path):
     day a GPU is lent: the CUDA tests skip, every system is reported, every restore is bit-exact,
     async_ckpt's RNG states are restored, the report and the logs are written."""
     from bench import gpu
-    from bench.registry import GPU_SYSTEMS
+    from bench.systems import GPU_SYSTEMS
 
     out = tmp_path / "out"
     proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out), "--device", "cpu", "--quick"],
