@@ -17,9 +17,7 @@ from .workloads import TrainingWorkload
 
 def check(system: System, workload: TrainingWorkload, step: int) -> Consistency:
     """On a system with older snapshots, so that one that detects damage can fall back."""
-    system.save(step)
-    system.wait()
-    to_commit = system.to_commit_s()
+    to_commit = system.saved(step)
     expected = workload.clone_tensors()
     workload.step()
     workload.step()  # so that a restore that does nothing is caught

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import psutil
 
 from .floors import Floors
-from .harness import evict, log, ratio_spread, remove, run_rounds, spread
+from .harness import log, ratio_spread, run_rounds, spread, timed
 from .markdown import fixed, ratio, seconds, section, spread_text, table
-from .systems import OURS_ASYNC, OURS_DIRECT
+from .systems import OURS_ASYNC, OURS_DIRECT, run_guarded
 from .workloads import build_state
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
@@ -51,8 +51,7 @@ def _writer_cpu_s(system) -> float:
 
 
 def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
-    system = spec.open(state, directory)
-    try:
+    def measure(system) -> dict:
         system.save(0)
         system.wait()
         cpu, start = _writer_cpu_s(system), time.perf_counter()
@@ -61,20 +60,12 @@ def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
         to_durable = time.perf_counter() - start
         cpu = _writer_cpu_s(system) - cpu
         newest = system.newest_figures()
-        phases = {key: newest[key] for key in PHASES}
-        start = time.perf_counter()
-        system.restore()
-        warm = time.perf_counter() - start
-        evict(directory)
-        system.restart()
-        start = time.perf_counter()
-        system.restore()
-        cold = time.perf_counter() - start
-    finally:
-        system.close()
-        remove(directory, settle=True)
-    return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
-            "restore_s": warm, "restore_cold_s": cold, "state_bytes": nbytes, **phases}
+        warm = timed(system.restore)  # right after the snapshot, in its process; then cold
+        return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
+                "restore_s": warm, "restore_cold_s": system.cold_restore_s(directory),
+                "state_bytes": nbytes, **{key: newest[key] for key in PHASES}}
+
+    return run_guarded(spec, state, directory, measure)
 
 
 def run(root: str, quick: bool) -> dict:

@@ -116,9 +116,7 @@ def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, 
 def exactness(system: System, workload: TransformerWorkload, step: int, ours: bool) -> dict:
     """Snapshot, wait until durable, move the state and the RNGs on, restore (timed to a device
     synchronisation), compare bit for bit (async_ckpt's RNG states too: the peers save none)."""
-    system.save(step)
-    system.wait()
-    to_durable_s = system.to_commit_s()
+    to_durable_s = system.saved(step)
     expected, rng = workload.clone_tensors(), _rng_states()
     workload.step()
     workload.step()

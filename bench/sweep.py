@@ -9,8 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from .floors import Floors
-from .harness import (FloorHook, RssSampler, evict, log, release_free_memory, rss, run_rounds,
-                      timed)
+from .harness import FloorHook, RssSampler, log, release_free_memory, rss, run_rounds, timed
 from .systems import BIG_SYSTEMS, System, SystemSpec, run_guarded
 from .workloads import build_state
 
@@ -73,9 +72,7 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
             run = measure_snapshot(system, 1)
             run["restore_s"] = timed(system.restore)  # right after the snapshot, in its process
             details = system.details()
-            evict(system.newest_path())
-            system.restart()  # cold: as a restarted process restores, nothing cached
-            run["restore_cold_s"] = timed(system.restore)
+            run["restore_cold_s"] = system.cold_restore_s(system.newest_path())
         log(f"  {spec.name}: blocking {run['blocking_s']:.3f} s, to-commit "
             f"{run['to_commit_s']:.3f} s, restore {run['restore_s']:.3f} s warm, "
             f"{run['restore_cold_s']:.3f} s cold")

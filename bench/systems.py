@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .harness import dir_bytes, fsync_dir, fsync_tree, log, remove, timed
+from .harness import dir_bytes, evict, fsync_dir, fsync_tree, log, remove, timed
 from .workloads import restore_quietly
 
 KEEP_LAST = 3  # as the engine's default keep_last: alike disk use and page-cache pressure
@@ -74,6 +74,19 @@ class System:
     def newest_path(self) -> str:
         """The file or directory of the newest durable snapshot."""
         return self._kept[-1][1]
+
+    def saved(self, step: int) -> float:
+        """``save`` and ``wait``, so that no other write overlaps: the time to commit."""
+        self.save(step)
+        self.wait()
+        return self.to_commit_s()
+
+    def cold_restore_s(self, evicted: str) -> float:
+        """Seconds of a restore as a restarted process does it: ``evicted``'s pages dropped from
+        the page cache, the system opened again."""
+        evict(evicted)
+        self.restart()
+        return timed(self.restore)
 
     def writer_pids(self) -> list[int]:
         """Processes other than the trainer that hold this system's memory."""
