@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
-from .harness import command as command_of, log, ratio_spread, run_rounds, spread
+from .harness import command as command_of, log, ratio_spread, run_rounds, spread, timed
 from .markdown import ratio, seconds, section, table
 from .systems import OURS_ASYNC, OURS_ASYNC_ZSTD
 from .workloads import build_state
@@ -24,9 +23,7 @@ def _restore_seconds(directory: str, size_gb: float) -> float:
     system = OURS_ASYNC.open(state, directory)
     try:
         system.restore()
-        start = time.perf_counter()
-        system.restore()
-        return time.perf_counter() - start
+        return timed(system.restore)
     finally:
         system.close()
 

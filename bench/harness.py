@@ -414,6 +414,12 @@ def slowest(seconds: float) -> float:
     return _all_reduced(seconds, dist.ReduceOp.MAX)
 
 
+def slowest_timed(fn: Callable[[], object]) -> float:
+    """``fn`` started on every rank at once (a barrier) and timed: the slowest rank's seconds."""
+    dist.barrier()
+    return slowest(timed(fn))
+
+
 def total(value: float) -> float:
     """The sum of every rank's ``value`` (a collective): bytes of a state across the ranks."""
     return _all_reduced(value, dist.ReduceOp.SUM)

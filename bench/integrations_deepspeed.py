@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .compare import render_pair, restore_block, run_pair
-from .harness import finish, fsync_tree, interleaved, slowest, total
+from .harness import finish, fsync_tree, interleaved, slowest, slowest_timed, total
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -93,10 +93,7 @@ def worker(args: argparse.Namespace) -> None:
             fsync_tree(os.path.join(save_dir, tag))
             fsync_tree(os.path.join(save_dir, "latest"))
         durable = slowest(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        engine.load_checkpoint(save_dir, tag=tag)
-        restore = slowest(time.perf_counter() - start)
+        restore = slowest_timed(lambda: engine.load_checkpoint(save_dir, tag=tag))
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, tag))

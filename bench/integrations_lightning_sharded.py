@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .compare import render_pair, restore_block, run_pair
-from .harness import finish, fsync_tree, interleaved, one_round, slowest, torchrun, total
+from .harness import (finish, fsync_tree, interleaved, one_round, slowest, slowest_timed,
+                      torchrun, total)
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters
 QUICK = {"width": 512, "layers": 4, "rounds": 2}
@@ -82,13 +83,9 @@ def worker(args: argparse.Namespace) -> None:
         """Load ``system``'s last checkpoint of the 2-rank run into this run's model and
         optimizer (laid out for its world size)."""
         path = os.path.join(args.dir, system, f"round{rounds - 1}")
-        dist.barrier()
-        start = time.perf_counter()
-        if system == "adapter":
-            trainer.strategy.load_checkpoint(path)
-        else:
-            ModelParallelStrategy.load_checkpoint(trainer.strategy, path)
-        return {f"{system}_restore_s": slowest(time.perf_counter() - start)}
+        return {f"{system}_restore_s": slowest_timed(
+            lambda: trainer.strategy.load_checkpoint(path) if system == "adapter"
+            else ModelParallelStrategy.load_checkpoint(trainer.strategy, path))}
 
     def save(trainer, system: str, n: int) -> dict:
         path = os.path.join(args.dir, system, f"round{n}")

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .harness import finish, interleaved, log, slowest, summarised, torchrun
+from .harness import finish, interleaved, log, slowest, slowest_timed, summarised, torchrun
 from .markdown import ms, ratio, section, table
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
@@ -167,10 +167,7 @@ def _save(job: _Job) -> Callable[[object, str], dict]:
 
 
 def _restore(manager, side: str) -> dict:
-    dist.barrier()
-    start = time.perf_counter()
-    manager.load()
-    return {f"restore_{side}": slowest(time.perf_counter() - start)}
+    return {f"restore_{side}": slowest_timed(manager.load)}
 
 
 def worker(args) -> None:

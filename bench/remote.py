@@ -21,7 +21,7 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
-from .harness import after_warmup, interleaved, ratio_spread, remove, spread
+from .harness import after_warmup, interleaved, ratio_spread, remove, spread, timed
 from .markdown import ms, ratio, seconds, section, table
 from .systems import OURS_REMOTE
 
@@ -75,9 +75,7 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
     with contextlib.closing(OURS_REMOTE.open(state, local, remote=url)) as system:
         system.save(0)
         system.wait()
-        start = time.perf_counter()
-        system.engine.wait(remote=True)
-        upload_s = time.perf_counter() - start
+        upload_s = timed(lambda: system.engine.wait(remote=True))
     record = read_manifest(LocalStorage(local)).snapshots[-1]
     shard = os.path.join(local, record.dir, record.shards[0].file)
     storage = ObjectStorage(url)
@@ -85,19 +83,15 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
     transfer = TransferConfig(multipart_chunksize=PART_BYTES, max_concurrency=TRANSFER_CONCURRENCY)
     key = f"{storage.prefix}/floor.bin"
     floors = {}
-    start = time.perf_counter()
-    obstore.put(storage.store, "floor.bin", Path(shard), chunk_size=PART_BYTES,
-                max_concurrency=TRANSFER_CONCURRENCY)
-    floors["obstore put"] = time.perf_counter() - start
-    start = time.perf_counter()
-    client.upload_file(shard, BUCKET, key, Config=transfer)
-    floors["boto3 upload_file"] = time.perf_counter() - start
+    floors["obstore put"] = timed(lambda: obstore.put(
+        storage.store, "floor.bin", Path(shard), chunk_size=PART_BYTES,
+        max_concurrency=TRANSFER_CONCURRENCY))
+    floors["boto3 upload_file"] = timed(lambda: client.upload_file(shard, BUCKET, key,
+                                                                   Config=transfer))
     fresh = os.path.join(root, "fresh")
     target = {"weights": torch.empty(nbytes // 4)}
     with contextlib.closing(OURS_REMOTE.open(target, fresh, remote=url)) as system:
-        start = time.perf_counter()
-        system.restore()
-        restore_s = time.perf_counter() - start
+        restore_s = timed(system.restore)
     assert torch.equal(target["weights"], state["weights"])
     downloads = {}
     start = time.perf_counter()
@@ -110,9 +104,8 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
                                            lengths=[min(PART_BYTES, size - s) for s in starts]):
                 f.write(part)
     downloads["obstore ranged GETs"] = time.perf_counter() - start
-    start = time.perf_counter()
-    client.download_file(BUCKET, key, os.path.join(root, "download2.bin"), Config=transfer)
-    downloads["boto3 download_file"] = time.perf_counter() - start
+    downloads["boto3 download_file"] = timed(lambda: client.download_file(
+        BUCKET, key, os.path.join(root, "download2.bin"), Config=transfer))
     storage.remove([record.dir])
     obstore.delete(storage.store, "floor.bin")
     obstore.delete(storage.store, "manifest.json")

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import ranks
-from .harness import (FloorHook, finish, gather, log, ratio_spread, run_rounds, slowest, spread,
-                      timed, torchrun)
+from .harness import (FloorHook, finish, gather, log, ratio_spread, run_rounds, slowest_timed,
+                      spread, torchrun)
 from .markdown import factor, median_range, section, table
 from .systems import DCP_LOAD, DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS, SystemSpec
 from .workloads import layer_bytes, width_for
@@ -278,9 +278,7 @@ def restore_rounds(state: dict, directory: str, rounds: int) -> dict:
         try:
             restored, seconds = [], []
             for _ in range(2):  # the first is the warm-up
-                dist.barrier()
-                took = timed(lambda: restored.append(restorer.restore()))
-                seconds.append(slowest(took))
+                seconds.append(slowest_timed(lambda: restored.append(restorer.restore())))
         finally:
             restorer.close()
             dist.barrier()
