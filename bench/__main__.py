@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from . import figures, gpu, plots, records, report, sharded, targets
 from .floors import FLOOR_KEYS
-from .harness import load_between, load_now, log, machine, spread
+from .harness import load_between, load_now, log, machine, spread, write_atomic
 from .parts import BY_KEY, PARTS
 from .systems import STALL_SYSTEMS, SYSTEMS, SystemSpec, shutdown_dcp
 from .sweep import run_sweep
@@ -233,8 +233,8 @@ def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
                                        {k: loop_steps(k, args.quick) for k in args.ks},
                                        args.preset.workload, args.rounds)
                      if part == TRAINING else BY_KEY[part].run(args, root))
-        _write_atomic(partial, json.dumps({"identity": identity, "raw": raw},
-                                          default=records.to_json))
+        write_atomic(partial, json.dumps({"identity": identity, "raw": raw},
+                                         default=records.to_json))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
     return raw
 
@@ -340,8 +340,8 @@ def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
     results = json.loads(saved)  # reported as results.json holds it, like --render
     text = report.render(results, image_dir=_image_dir(out))
     if write_json:
-        _write_atomic(os.path.join(out, "results.json"), saved)
-    _write_atomic(os.path.join(out, "report.md"), text)
+        write_atomic(os.path.join(out, "results.json"), saved)
+    write_atomic(os.path.join(out, "report.md"), text)
     pngs = plots.write(results, out)
     print(text)
     log(f"wrote to {out}: {', '.join(['results.json'] * write_json + ['report.md'])}, "
@@ -351,13 +351,6 @@ def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
 def _image_dir(out: str) -> str:
     relative = os.path.relpath(os.path.abspath(out))
     return os.path.abspath(out) if relative.startswith("..") else relative.replace(os.sep, "/")
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from . import records
 from .floors import Floors
-from .harness import log, machine, ratio_spread, run_rounds, spread, timed
+from .harness import log, machine, ratio_spread, run_rounds, spread, timed, write_atomic
 from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
 from .systems import (DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, NoCheckpoint, System, SystemSpec,
                       run_guarded, shutdown_dcp)
@@ -251,9 +251,7 @@ def run(args: argparse.Namespace) -> int:
     saved = json.dumps(results, indent=1, default=records.to_json)
     text = render(json.loads(saved))
     for name, content in (("results.json", saved), ("report.md", text)):
-        with open(os.path.join(args.out, name + ".tmp"), "w", encoding="utf-8") as f:
-            f.write(content)
-        os.replace(os.path.join(args.out, name + ".tmp"), os.path.join(args.out, name))
+        write_atomic(os.path.join(args.out, name), content)
     print(text)
     log(f"results in {args.out}")
     return 1 if any(not c["bit_exact"] or c.get("rng_exact") is False for c in checks) else 0

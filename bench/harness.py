@@ -187,6 +187,14 @@ def settle(nbytes: int, below: int = SETTLE_BELOW_BYTES, *, clock=time.monotonic
     return Settled(clock() - start, before, now, now >= below)
 
 
+def write_atomic(path: str, text: str) -> None:
+    """``text`` to ``path`` through a temporary file: a stopped run never leaves half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
