@@ -89,7 +89,7 @@ def device_floors(tensors: list[torch.Tensor], device: torch.device) -> Callable
 
 
 def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, config: Config,
-               round_: int, floor_hook: Optional[Callable[[], dict]]) -> dict:
+               round_: int, floor_hook: Callable[[], dict]) -> dict:
     """An untimed warm-up snapshot, then each K's ``run_loop`` without and with checkpointing
     (``fence`` before the optimizer's step, counted as blocking), then ``exactness``."""
     system.save(1)
@@ -108,8 +108,7 @@ def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, 
                                        for k, x in loops.items())
         + f"; restore {check['restore_s']:.2f} s, "
         + ("bit-exact" if check["bit_exact"] else "DIFFERS"))
-    if floor_hook is not None:  # before run_guarded's close deletes the snapshots
-        floor_hook()
+    floor_hook()  # before run_guarded's close deletes the snapshots
     return {"round": round_, "loops": loops, "exactness": check, "details": system.details()}
 
 

@@ -272,12 +272,12 @@ def fsync_tree(path: str) -> None:
 
 # --- interleaved rounds (docs/performance.md, "What runs") ----------------------------------------
 
-FloorHook = Optional[Callable[[], dict]]
+FloorHook = Callable[[], dict]
 
 
 class FloorSlot:
-    """The round's one floor sample: taken by the first system's hook, else right after it (n/a,
-    failed), so that it never follows a large deletion."""
+    """The round's one floor sample: taken by the first system's hook call, else right after it
+    (n/a, failed), so that it never follows a large deletion; later calls return it."""
 
     def __init__(self, measure: Callable[[], dict]):
         self._measure, self.sample = measure, None
@@ -292,8 +292,9 @@ def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable
                run_slot: Callable[[int, object, FloorHook], dict],
                name: Callable[[object], str] = lambda item: item.name,
                settle_bytes: int = 0) -> dict:
-    """``run_slot(round, item, hook)`` per item and round (``settle_bytes``: what a slot writes); an
-    n/a run drops the item's earlier runs too, so every available item has one run per round."""
+    """``run_slot(round, item, hook)`` per item and round (``settle_bytes``: what a slot writes;
+    ``hook()``: the round's floor sample, to call before the slot's cleanup); an n/a run drops the
+    item's earlier runs too, so every available item has one run per round."""
     blocks = {name(item): {"available": True, "runs": []} for item in items}
     record: dict = {"systems": blocks, "order": [], "settle": [], "floors": [], "loads": []}
     first = load_now()
@@ -302,9 +303,9 @@ def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable
         start = load_now()
         slot = FloorSlot(measure_floor)
         settled = []
-        for position, item in enumerate(order):
+        for item in order:
             settled.append({"name": name(item), **asdict(settle(settle_bytes))})
-            run = run_slot(index, item, slot.take if position == 0 else None)
+            run = run_slot(index, item, slot.take)
             if run.get("available", True):
                 blocks[name(item)]["runs"].append({"round": index, **run})
             else:

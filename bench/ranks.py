@@ -132,8 +132,7 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
                "to_commit_s": system.to_commit_s() if rank == 0 else None,
                "stored_bytes": system.stored_bytes() if rank == 0 else None,
                "bytes_per_rank": gather(_own_bytes(system, rank))}
-        if floor_hook is not None:
-            floor_hook()
+        floor_hook()
     finally:
         system.close()
         dist.barrier()

@@ -76,8 +76,7 @@ def run_round(spec: SystemSpec, state: dict, directory: str, floor_hook: FloorHo
         log(f"  {spec.name}: blocking {run['blocking_s']:.3f} s, to-commit "
             f"{run['to_commit_s']:.3f} s, restore {run['restore_s']:.3f} s warm, "
             f"{run['restore_cold_s']:.3f} s cold")
-        if floor_hook is not None:
-            floor_hook()
+        floor_hook()
         return {**run, "warmup": warmup, "details": details,
                 "trainer_peak_extra_bytes": sampler.trainer_peak - trainer_before,
                 "writer_peak_bytes": sampler.writer_peak}

@@ -97,8 +97,7 @@ def run_system(spec: SystemSpec, workload: TrainingWorkload, directory: str, ks:
         log(f"  {spec.name}: " + ", ".join(
             f"K={k} {loop['steps_per_s']:.1f} steps/s ({loop['baseline']['steps_per_s']:.1f} without)"
             for k, loop in loops.items()))
-        if floor_hook is not None:
-            floor_hook()
+        floor_hook()
         return record
 
     return run_guarded(spec, workload.state, directory, measure)
