@@ -661,7 +661,9 @@ class CheckpointEngine:
         (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
         ``committed``; ``staged_bytes``, ``shard_bytes``, ``referred_bytes`` (incremental: not
         written, referred to in an earlier snapshot), ``raw_bytes``, ``stored_bytes``,
-        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
+        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``; ``direct`` (the shard was
+        written with direct I/O: with ``direct_io``, False where the file system refused it).
+        Durations are seconds.
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``

@@ -177,7 +177,9 @@ class ShardFigures:
     (``write/writer.py``): seconds queued, writing and making it durable (the index written and
     every file fsynced); CPU seconds of every checksum and of compression, summed over the
     threads that computed them during ``write_s`` (so possibly more than ``write_s``); bytes
-    written, and bytes not written because an earlier snapshot holds them (incremental)."""
+    written, and bytes not written because an earlier snapshot holds them (incremental); and
+    whether the shard went to the disk with direct I/O (False where ``direct_io`` is off or its
+    file system refused it)."""
 
     queue_s: float = 0.0
     write_s: float = 0.0
@@ -185,6 +187,7 @@ class ShardFigures:
     encode_cpu_s: float = 0.0
     shard_bytes: int = 0
     referred_bytes: int = 0
+    direct: bool = False
 
 
 @dataclass(frozen=True)

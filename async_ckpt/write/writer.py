@@ -279,7 +279,7 @@ class SnapshotWriter:
                            fsync_s=t_durable - t_written,
                            encode_cpu_s=shard.encode_cpu_s + hashing[0],
                            shard_bytes=size + data_bytes,
-                           referred_bytes=referred_bytes),
+                           referred_bytes=referred_bytes, direct=sink.direct),
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
                        data_bytes=data_bytes)
 
