@@ -164,3 +164,8 @@ class DTensorPiece:
     @classmethod
     def of(cls, d: dict) -> "DTensorPiece":
         return cls(d["key"], d["dtype"], tuple(d["global_shape"]), tuple(d["offset"]), d["tensor"])
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it."""
+        return {"key": self.key, "dtype": self.dtype, "global_shape": list(self.global_shape),
+                "offset": list(self.offset), "tensor": self.tensor}

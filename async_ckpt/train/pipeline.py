@@ -87,14 +87,14 @@ class SnapshotPipeline:
         snapshot."""
         captured = self.capture(state)
         replica_of = [key if key in self._replicated else None for key in captured.entry_of]
-        sharded = [d for d in captured.dtensors if d["tensor"] is not None
-                   and replica_of[d["tensor"]] is not None]
+        sharded = [d for d in captured.dtensors if d.tensor is not None
+                   and replica_of[d.tensor] is not None]
         if sharded:
-            raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
+            raise LayoutError(f"{sharded[0].key} is a sharded DTensor in an entry declared "
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
         if to_memory and captured.dtensors:
-            raise LayoutError(f"{captured.dtensors[0]['key']} is a sharded tensor: "
+            raise LayoutError(f"{captured.dtensors[0].key} is a sharded tensor: "
                               f"{SHARDED_REFUSED}")
         plan, sources = self._planner.plan(captured.tensors, replica_of)
         self.fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))

@@ -22,6 +22,7 @@ from typing import BinaryIO, Optional, Union
 from ..errors import CheckpointError
 from ..format.layout import Plan
 from ..format.native import Derived, read_record
+from ..format.records import DTensorPiece
 from ..storage.names import REPLACEMENT_FILE
 
 
@@ -122,7 +123,7 @@ class SnapshotJob:
     # since committed snapshot ``dir`` stored it (same plan); the shard refers to it there.
     refer: tuple[tuple[int, str], ...] = ()
     # Sharded tensors: the index's ``dtensors`` records (docs/FORMAT.md 3.6), in tree order.
-    dtensors: tuple[dict, ...] = ()
+    dtensors: tuple[DTensorPiece, ...] = ()
     markers: tuple[Marker, ...] = ()  # written once the snapshot is committed
 
 

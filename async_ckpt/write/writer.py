@@ -262,7 +262,7 @@ class SnapshotWriter:
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": [r.to_json() for r in replicas]} if replicas else {}),
-                **({"dtensors": list(job.dtensors)} if job.dtensors else {}),
+                **({"dtensors": [d.to_json() for d in job.dtensors]} if job.dtensors else {}),
                 **({"files": files} if files else {})})
         except BaseException:
             shard.abort()
