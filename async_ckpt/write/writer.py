@@ -43,7 +43,7 @@ from ..format.records import Replica
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
-                            reference_to, version_needed)
+                            reference_to, tensor_table, version_needed)
 from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
                              make_dirs, remove_tree)
 from ..storage.remote import ObjectStorage
@@ -295,13 +295,13 @@ class SnapshotWriter:
         wanted = dict.fromkeys(c for m in markers
                                for c in ([m.content] if m.files is None else
                                          [c for _, c in m.files]) if isinstance(c, Derived))
-        index = {"storages": [{"nbytes": r.nbytes} for r in regions],
-                 "tensors": list(self.layout.tensors), "tree": job.tree,
-                 "byteorder": sys.byteorder}
+        where = f"the snapshot of step {job.step}"
+        sizes = [r.nbytes for r in regions]
         natives = []
         for derived in wanted:
-            try:
-                natives.append(NativeFile(index, derived, f"the snapshot of step {job.step}"))
+            try:  # the records the shard's index will hold, as a reader will see them
+                natives.append(NativeFile(sizes, tensor_table(list(self.layout.tensors), where,
+                                                              sizes), job.tree, derived, where))
             except LayoutError:
                 continue
             except Exception as e:  # a bug: the snapshot is written all the same
