@@ -27,7 +27,8 @@ from async_ckpt.errors import InsufficientMemoryError, MemoryTierError, StateMis
 from async_ckpt.format.shard import CHUNK_BYTES, checksum
 from async_ckpt.keeper.client import _mapped
 from async_ckpt.keeper.keeper import Keeper
-from async_ckpt.keeper.protocol import (MAGIC, Gone, HeldStorage, check_same_user, held_message,
+from async_ckpt.format.records import HeldStorage
+from async_ckpt.keeper.protocol import (MAGIC, Gone, check_same_user, held_message,
                                         keeper_address, layout_message, parse_held, receive, send)
 from conftest import assert_same, make_training_state, train_step
 
@@ -155,12 +156,12 @@ def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snap
 
 def _second_rank(steps=None, verified=None):
     """A stand-in for the ranks' gather: a second rank answers the memory tier's questions (the
-    steps its keeper holds; then (verified, error type, error)) with ``steps`` and ``verified``
-    where given, and agrees with this rank on everything else."""
+    steps its keeper holds; then whether it verified its snapshot, or its error) with ``steps``
+    and ``verified`` where given, and agrees with this rank on everything else."""
     def gather(mine):
         if isinstance(mine, list) and steps is not None:
             return [mine, steps]
-        if isinstance(mine, tuple) and len(mine) == 3 and verified is not None:
+        if mine is True and verified is not None:
             return [mine, verified]
         return [mine, mine]
     return gather
@@ -222,12 +223,12 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
                 assert engine.restore() == 0
             assert_same(on_disk, _state_dicts(state))
             ranks.setattr(engine._coordinator, "gather", _second_rank(
-                verified=(False, None, None)))  # its snapshot of step 3 failed its checksums
+                verified=False))  # its snapshot of step 3 failed its checksums
             with pytest.warns(RuntimeWarning, match="another rank's memory snapshot of step 3 "
                               "is unusable: restoring from disk"):
                 assert engine.restore() == 0
             ranks.setattr(engine._coordinator, "gather", _second_rank(
-                verified=(False, "StateMismatchError", "it has no entry 'model'")))
+                verified=StateMismatchError("it has no entry 'model'")))
             with pytest.raises(StateMismatchError, match="rank 1 cannot restore its memory "
                                "snapshot: it has no entry 'model'"):
                 engine.restore()

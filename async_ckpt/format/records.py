@@ -169,3 +169,13 @@ class DTensorPiece:
         """The index's form of it, as ``of`` reads it."""
         return {"key": self.key, "dtype": self.dtype, "global_shape": list(self.global_shape),
                 "offset": list(self.offset), "tensor": self.tensor}
+
+
+@dataclass(frozen=True, slots=True)
+class HeldStorage:
+    """A storage's bytes in a staging slot the memory tier's keeper holds: ``nbytes`` at
+    ``offset``, with the xxh3-64 checksum of each ``CHUNK_BYTES`` piece (the keeper's, made when
+    it sealed the snapshot)."""
+    offset: int
+    nbytes: int
+    checksums: tuple[str, ...] = ()

@@ -42,8 +42,9 @@ from typing import Callable, Optional
 
 from ..checks import is_int, is_number
 from ..errors import MemoryTierError
+from ..format.records import HeldStorage
 from ..format.shard import CHUNK_BYTES, checksum
-from .protocol import (FRAME_TIMEOUT_S, KEEP_MAX, Gone, HeldStorage, check_same_user, held_message,
+from .protocol import (FRAME_TIMEOUT_S, KEEP_MAX, Gone, check_same_user, held_message,
                        keeper_address, parse_layout, receive, send)
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 from ..checks import is_int
 from ..errors import MemoryTierError
 from ..format import values
+from ..format.records import HeldStorage
 from ..format.shard import CHUNK_BYTES, MAX_INDEX_BYTES, index_budget, is_checksum
 from ..storage.names import MAX_STEP
 
@@ -185,16 +186,6 @@ def _memory_size(fd: int) -> int:
 
 
 # --- what the messages hold ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HeldStorage:
-    """A storage's bytes in a staging slot: ``nbytes`` at ``offset``, with the xxh3-64 checksum
-    of each ``CHUNK_BYTES`` piece (the keeper's, made when it sealed the snapshot)."""
-
-    offset: int
-    nbytes: int
-    checksums: tuple[str, ...] = ()
 
 
 def layout_message(storages: list[tuple[int, int]], tensors: list[dict]) -> dict:
