@@ -4,8 +4,8 @@ The index is JSON; ``shard._validate_index`` checks it and builds these records 
 tensor table: ``shard.tensor_table``, when first asked for), so a record that exists describes
 a valid part of a file that was checked. Readers outside
 format/ use the records, never the parsed dicts: the keys of the file are known here and in the
-validator only. The writer still writes the dicts (``ShardWriter``), so the bytes on disk are
-exactly what they were.
+validator only. The write side builds the same records and writes their ``to_json`` (the keys
+in the order they always had), so the bytes on disk are exactly what they were.
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ class Chunk:
     def of(cls, c: dict) -> "Chunk":
         return cls(c["offset"], c["stored"], c["raw"], c["codec"], c["xxh3"], c.get("file"),
                    tuple((codec, length) for codec, length in c.get("planes", ())))
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it (keys in the order shards have them)."""
+        return {"offset": self.offset, "stored": self.stored, "raw": self.raw, "xxh3": self.xxh3,
+                "codec": self.codec,
+                **({"planes": [[codec, n] for codec, n in self.planes]} if self.planes else {}),
+                **({} if self.file is None else {"file": self.file})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -265,14 +265,14 @@ class ShardWriter:
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
                                "ref": ref})
 
-    def add_stored(self, nbytes: int, itemsize: int, is_float: bool, chunks: list[dict],
+    def add_stored(self, nbytes: int, itemsize: int, is_float: bool, chunks: Sequence[Chunk],
                    **extra) -> None:
         """Append a storage whose raw chunks were written into a data file (``chunks``, each with
         its ``file``); nothing is written here. Version 6 only."""
         if self.version < 6:
             raise ValueError(f"shard format version {self.version} keeps no data files")
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
-                               **extra, "chunks": chunks})
+                               **extra, "chunks": [c.to_json() for c in chunks]})
 
     def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
@@ -320,8 +320,8 @@ class ShardWriter:
     def _append(self, chunks: list, raw: int, fields: dict, buffers: list, digest: str,
                 cpu_s: float) -> None:
         self.encode_cpu_s += cpu_s
-        chunks.append({"offset": self._offset, "stored": sum(len(b) for b in buffers), "raw": raw,
-                       "xxh3": digest, **fields})
+        chunks.append(Chunk(self._offset, sum(len(b) for b in buffers), raw, fields["codec"],
+                            digest, planes=tuple(map(tuple, fields.get("planes", ())))).to_json())
         self._write(buffers)
 
     def flush(self) -> None:

@@ -39,7 +39,7 @@ from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, 
                        WriterEvent)
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
-from ..format.records import Replica
+from ..format.records import Chunk, Replica
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
@@ -316,14 +316,14 @@ class SnapshotWriter:
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
                          regions: list[Region], references: References, hashing: list[float]
-                         ) -> tuple[dict[int, list[dict]], list[dict]]:
+                         ) -> tuple[dict[int, list[Chunk]], list[dict]]:
         """Write the shard's data files (``native_files``) from the staging buffer, durably;
         returns the chunks of each storage kept in one (by storage number, each storage in the
         first file that holds it whole, never one referred to an earlier snapshot) and the
         index's ``files`` table; the CPU seconds of their checksums are added to
         ``hashing[0]``."""
         refer, written = dict(job.refer), self.layout.written
-        chunks: dict[int, list[dict]] = {}
+        chunks: dict[int, list[Chunk]] = {}
         files, paths = [], {}
         for number, native in enumerate(natives):
             name = data_file_name(self.rank, number, native.derived.format)
@@ -417,7 +417,7 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
 
 
 def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
-              chunks: Optional[list[dict]], hashing: list[float]) -> Iterator[memoryview]:
+              chunks: Optional[list[Chunk]], hashing: list[float]) -> Iterator[memoryview]:
     """``data`` in chunks as the shard cuts them; with ``chunks``, each also recorded there as a
     raw chunk of data file ``file`` at the position ``out`` has when it is handed out (where the
     file's writer writes it), the CPU seconds of its checksum added to ``hashing[0]``."""
@@ -428,8 +428,7 @@ def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
             started = time.thread_time()
             digest = checksum(piece)
             hashing[0] += time.thread_time() - started
-            chunks.append({"offset": out.tell(), "stored": len(piece), "raw": len(piece),
-                           "xxh3": digest, "codec": "raw", "file": file})
+            chunks.append(Chunk(out.tell(), len(piece), len(piece), "raw", digest, file=file))
         yield piece
 
 
