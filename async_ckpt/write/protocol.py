@@ -28,7 +28,8 @@ from ..storage.names import REPLACEMENT_FILE
 
 @dataclass(frozen=True)
 class WriterConfig:
-    """The writer process's settings, fixed for its lifetime."""
+    """The writer process's settings, fixed for its lifetime: the options' (``EngineOptions.
+    writer_settings``, their one declaration, so none has a default here) and the session's."""
 
     root: str
     rank: int
@@ -44,11 +45,11 @@ class WriterConfig:
     low_io_priority: bool
     lock: str  # this rank's lock file, which the writer joins (storage/locks.py)
     log_level: int
-    remote: Optional[str] = None  # the object store's URL (write/upload.py), if any
-    remote_options: Optional[dict] = None  # its settings, credentials perhaps
-    remote_keep_last: int = 1
-    own_root: bool = False  # the ranks share no directory: ``root`` is this rank's alone
-    direct_io: bool = False  # shards written with direct I/O where the file system allows it
+    remote: Optional[str]  # the object store's URL (write/upload.py), if any
+    remote_options: Optional[dict]  # its settings, credentials perhaps
+    remote_keep_last: int
+    own_root: bool  # the ranks share no directory: ``root`` is this rank's alone
+    direct_io: bool  # shards written with direct I/O where the file system allows it
 
 
 # --- trainer -> writer ---------------------------------------------------------------------------
