@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from .layout import span_bytes
 
@@ -186,3 +186,13 @@ class HeldStorage:
     offset: int
     nbytes: int
     checksums: tuple[str, ...] = ()
+
+
+class DataFile(NamedTuple):
+    """A data file of a shard (``files``, version 6, docs/FORMAT.md 3.8): ``name`` beside the
+    shard, of ``size`` bytes."""
+    name: str
+    size: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.size}

@@ -35,8 +35,8 @@ import zstandard
 
 from . import filters, values
 from .layout import DIRECT_BYTES, span_bytes
-from .records import (ITEMSIZES, Chunk, DTensorPiece, Replica, StorageEntry, StoredTensor,
-                      raw_bytes)
+from .records import (ITEMSIZES, Chunk, DataFile, DTensorPiece, Replica, StorageEntry,
+                      StoredTensor, raw_bytes)
 from ..checks import is_int, short_repr
 from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
                              data_files_of)
@@ -80,10 +80,10 @@ def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
             else 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1)
 
 
-def data_files(index: dict) -> list[tuple[str, int]]:
-    """The (name, size) of a (validated) index's data files (version 6): the files beside its
-    shard that a snapshot holds, which only the index names (never a listing)."""
-    return [(f["name"], f["bytes"]) for f in index.get("files", ())]
+def data_files(index: dict) -> list[DataFile]:
+    """A (validated) index's data files (version 6): the files beside its shard that a snapshot
+    holds, which only the index names (never a listing)."""
+    return [DataFile(f["name"], f["bytes"]) for f in index.get("files", ())]
 
 
 def data_file_problems(index: dict, listing: dict[str, int], where: str) -> list[str]:
@@ -429,8 +429,8 @@ class ShardReader:
                 self.index.get("world_size")) == (step, rank, world_size)
 
     @functools.cached_property
-    def data_files(self) -> tuple[tuple[str, int], ...]:
-        """The (name, size) of its data files (version 6), which only its index names."""
+    def data_files(self) -> tuple[DataFile, ...]:
+        """Its data files (version 6), which only its index names."""
         return tuple(data_files(self.index))
 
     @property

@@ -39,7 +39,7 @@ from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, 
                        WriterEvent)
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
-from ..format.records import Chunk, Replica
+from ..format.records import Chunk, DataFile, Replica
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
@@ -235,7 +235,7 @@ class SnapshotWriter:
                             read_manifest(self.storage).snapshots if refer else ()) as references:
                 stored_elsewhere, files = self.write_data_files(job, natives, buf, regions,
                                                                 references, hashing)
-                data_bytes = sum(f["bytes"] for f in files)
+                data_bytes = sum(f.size for f in files)
                 for n, (region, fields) in enumerate(zip(regions, layout.replica_fields)):
                     if n in stored_elsewhere:
                         shard.add_stored(region.nbytes, region.itemsize, region.is_float,
@@ -263,7 +263,7 @@ class SnapshotWriter:
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": [r.to_json() for r in replicas]} if replicas else {}),
                 **({"dtensors": [d.to_json() for d in job.dtensors]} if job.dtensors else {}),
-                **({"files": files} if files else {})})
+                **({"files": [f.to_json() for f in files]} if files else {})})
         except BaseException:
             shard.abort()
             if self.world_size == 1 or self.own_root:  # a shared directory: rank 0 cleans
@@ -316,7 +316,7 @@ class SnapshotWriter:
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
                          regions: list[Region], references: References, hashing: list[float]
-                         ) -> tuple[dict[int, list[Chunk]], list[dict]]:
+                         ) -> tuple[dict[int, list[Chunk]], list[DataFile]]:
         """Write the shard's data files (``native_files``) from the staging buffer, durably;
         returns the chunks of each storage kept in one (by storage number, each storage in the
         first file that holds it whole, never one referred to an earlier snapshot) and the
@@ -337,7 +337,7 @@ class SnapshotWriter:
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
                                      regions[n].itemsize, out, number, kept.get(n), hashing)
                 native.write(out, pieces)
-                files.append({"name": name, "bytes": out.finish()})
+                files.append(DataFile(name, out.finish()))
             paths[native.derived] = self.storage.location(job.dir, name)
         self.data_files[job.job] = paths
         return chunks, files
