@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .markdown import milliseconds, spread_text, thousandths
+from .markdown import ms, ratio, section, table
 from .measure import files_under, log, ratio_spread, rotated, spread
 from .ranks import torchrun
 
@@ -74,32 +74,26 @@ def restore_block(rounds: list[dict], systems: tuple[str, str]) -> dict:
                       {"restore": (f"{ours}_restore_s", f"{theirs}_restore_s")})
 
 
-def render_pair(block: dict, systems: tuple[str, str], heading: str, setup: str, contents: str,
+def render_pair(block: dict, systems: tuple[str, str], title: str, setup: str, contents: str,
                 columns: tuple[str, str, str], durable_row: str, theirs_durable: str,
                 restore_row: tuple[str, str] = ("", "")) -> str:
     """``run_pair``'s section: what ran (``setup``, ``contents``), a row per kind of figure;
     ``restore_row`` (what was restored, how the second system restores) where the block has a
     ``restore`` entry."""
-    f, r = block["figures"], block["ratios"]
     ours, theirs = systems
-
-    def ms(key: str, figures: dict = f) -> str:
-        return spread_text(figures[key], milliseconds, " ms")
-
-    restore = block.get("restore")
-    return "\n".join([
-        heading, "",
+    kinds = [("training blocked", "blocking", block, ""),
+             (durable_row, "durable", block, f" ({theirs_durable})")]
+    if "restore" in block:
+        kinds.append((restore_row[0], "restore", block["restore"], f" ({restore_row[1]})"))
+    rows = [[label, ms(b["figures"][f"{ours}_{kind}_s"]),
+             ms(b["figures"][f"{theirs}_{kind}_s"]) + note, ratio(b["ratios"][kind], 3)]
+            for label, kind, b, note in kinds]
+    return section(
+        title,
         f"{setup} on {block['ranks']} ranks (CPU, gloo), {block['state_bytes'] / 1e6:.0f} MB "
-        f"{contents} in all; median of {f[f'{theirs}_blocking_s']['n']} interleaved rounds "
-        "after a warm-up (min–max); the slower rank's figure.", "",
-        f"| {columns[0]} | {columns[1]} | {columns[2]} | ratio |", "|---|---|---|---|",
-        f"| training blocked | {ms(f'{ours}_blocking_s')} | {ms(f'{theirs}_blocking_s')} | "
-        f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| {durable_row} | {ms(f'{ours}_durable_s')} | {ms(f'{theirs}_durable_s')} "
-        f"({theirs_durable}) | ×{spread_text(r['durable'], thousandths)} |",
-        *([f"| {restore_row[0]} | {ms(f'{ours}_restore_s', restore['figures'])} | "
-           f"{ms(f'{theirs}_restore_s', restore['figures'])} ({restore_row[1]}) | "
-           f"×{spread_text(restore['ratios']['restore'], thousandths)} |"] if restore else [])])
+        f"{contents} in all; median of {block['figures'][f'{theirs}_blocking_s']['n']} "
+        "interleaved rounds after a warm-up (min–max); the slower rank's figure.",
+        table([*columns, "ratio"], rows))
 
 
 def slowest(seconds: float) -> float:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 
-from .markdown import hundredths, spread_text, thousandths
+from .markdown import ratio, seconds, section, table
 from .measure import log, ratio_spread, spread
 from .registry import OURS_ASYNC, OURS_ASYNC_ZSTD
 from .rounds import run_rounds
@@ -71,22 +71,18 @@ def run(root: str, quick: bool) -> dict:
 
 def render(block: dict) -> str:
     nbytes = block["state_bytes"]
-    rows = []
-    for cores in block["cores"]:
-        s = block["restore_s"][str(cores)]
-        rows.append(f"| {cores} | {spread_text(s, thousandths, ' s')} | "
-                    f"{nbytes / s['median'] / 1e9:.2f} GB/s | "
-                    f"{nbytes / s['median'] / 1e9 / cores:.2f} GB/s |")
-    speedup = block["speedup"]
-    return "\n".join([
-        "### zstd restore across cores", "",
+    rows = [[str(cores), seconds(s), f"{nbytes / s['median'] / 1e9:.2f} GB/s",
+             f"{nbytes / s['median'] / 1e9 / cores:.2f} GB/s"]
+            for cores, s in ((c, block["restore_s"][str(c)]) for c in block["cores"])]
+    return section(
+        "zstd restore across cores",
         f"A fp32 {nbytes / 1e9:.3g} GB state saved with `compression=\"zstd\"`, restored warm into "
         "a fresh state of the same shape by a child process confined to 1 core and to every core; "
         f"medians (min–max) of {len(block['restore_s']['1']['samples'])} interleaved rounds, a "
-        "warm-up restore first in each child. Throughput counts the state's (decoded) bytes.", "",
-        "| cores | warm restore | decoded | per core |", "|---|---|---|---|", *rows, "",
+        "warm-up restore first in each child. Throughput counts the state's (decoded) bytes.",
+        table(["cores", "warm restore", "decoded", "per core"], rows),
         f"Speed-up of {block['cores'][-1]} cores over 1, round by round: "
-        f"×{spread_text(speedup, hundredths)}."])
+        f"{ratio(block['speedup'])}.")
 
 
 def worker(args) -> None:

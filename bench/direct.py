@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import psutil
 
 from .floors import Floors
-from .markdown import hundredths, spread_text, table, thousandths
+from .markdown import fixed, ratio, seconds, section, spread_text, table
 from .measure import evict, log, ratio_spread, remove, spread
 from .registry import OURS_ASYNC, OURS_DIRECT
 from .rounds import run_rounds
@@ -128,28 +128,24 @@ def render(block: dict) -> str:
     for cell in block["cells"]:
         for name in WRITERS:
             f = cell[name]
-            rows.append(
-                f"| {cell['state_bytes'] / 1e9:.3g} GB | {cell['burners']} | {name} | "
-                f"{spread_text(f['to_durable_s'], thousandths, ' s')} | "
-                f"×{spread_text(f['to_durable_over_floor'], hundredths)} | "
-                f"{spread_text(f['writer_cpu_s_per_gb'], hundredths)} | "
-                f"{spread_text(f['restore_s'], thousandths, ' s')} | "
-                f"{spread_text(f['restore_cold_s'], thousandths, ' s')} | "
-                f"×{spread_text(f['cold_restore_over_floor'], hundredths)} |")
-        rows.append(f"| | | floors | {spread_text(cell['floors']['durable_s'], thousandths, ' s')} "
-                    f"| | | | {spread_text(cell['floors']['read_cold_s'], thousandths, ' s')} | |")
-    return "\n".join([
-        "### Direct writes against the buffered writer", "",
+            rows.append([f"{cell['state_bytes'] / 1e9:.3g} GB", str(cell["burners"]), name,
+                         seconds(f["to_durable_s"]), ratio(f["to_durable_over_floor"]),
+                         spread_text(f["writer_cpu_s_per_gb"], fixed(2)), seconds(f["restore_s"]),
+                         seconds(f["restore_cold_s"]), ratio(f["cold_restore_over_floor"])])
+        rows.append(["", "", "floors", seconds(cell["floors"]["durable_s"]), "", "", "",
+                     seconds(cell["floors"]["read_cold_s"]), ""])
+    return section(
+        "Direct writes against the buffered writer",
         f"fp32 states; medians (min–max) of {block['config']['rounds']} interleaved rounds, ratios "
         "round by round to the floors of the same round (the disk floor: the fastest of fio "
         "direct qd8, 1 MiB writes + fsync, ...; the cold read floor), under the same load "
         "(burners: processes spinning on a core each). Writer CPU: the writer process's CPU "
         "seconds per GB of state while the snapshot became durable. Restore: right after the "
         "snapshot, in the same process; cold: its files evicted and the engine opened again (as "
-        "a restarted process restores).", "",
-        "| state | burners | writer | time to durable | ×floor | writer CPU s/GB | restore | "
-        "cold restore | ×cold read |", "|---|---|---|---|---|---|---|---|---|", *rows,
-        *_targets(block), *_phases(block)])
+        "a restarted process restores).",
+        table(["state", "burners", "writer", "time to durable", "×floor", "writer CPU s/GB",
+               "restore", "cold restore", "×cold read"], rows),
+        *_targets(block), *_phases(block))
 
 
 def _targets(block: dict) -> list[str]:
@@ -169,12 +165,11 @@ def _targets(block: dict) -> list[str]:
                 checks.append((what, SAME_AS_BUFFERED, ratio_spread(
                     direct[key]["samples"], buffered[key]["samples"])))
         rows += [[f"{cell['state_bytes'] / 1e9:.3g} GB", str(cell["burners"]), what,
-                  f"≤ {limit:g}×", "×" + spread_text(ratio, hundredths),
-                  "meets" if ratio["median"] <= limit
-                  else f"MISSES by {ratio['median'] / limit - 1:.0%}"]
-                 for what, limit, ratio in checks]
-    return ["", "The direct writer against issue 39's targets (ratios round by round; \"by\": "
-            "how far the median is above the limit):", "",
+                  f"≤ {limit:g}×", ratio(r), "meets" if r["median"] <= limit
+                  else f"MISSES by {r['median'] / limit - 1:.0%}"]
+                 for what, limit, r in checks]
+    return ["The direct writer against issue 39's targets (ratios round by round; \"by\": how far "
+            "the median is above the limit):",
             table(["state", "burners", "target", "limit", "direct writer", "verdict"], rows)]
 
 
@@ -184,16 +179,14 @@ def _phases(block: dict) -> list[str]:
     if "write_s" not in block["cells"][0]["direct"]:
         return []
     rows = [[f"{cell['state_bytes'] / 1e9:.3g} GB", str(cell["burners"]), name,
-             spread_text(cell[name]["to_durable_s"], thousandths)]
-            + [spread_text(cell[name][key], thousandths) for key in PHASES]
+             *(spread_text(cell[name][key], fixed(3)) for key in ("to_durable_s", *PHASES))]
             for cell in block["cells"] for name in WRITERS]
-    return ["", "Where the time to durable went, in seconds, by the engine's `stats()` of the same "
+    return ["Where the time to durable went, in seconds, by the engine's `stats()` of the same "
             "snapshots: `snapshot()` (capture and the staging copy, in the training process), "
             "queued (from the job's hand-over to the writer until it starts on it), writing "
             "(checksums and compression run on the writer's threads meanwhile: their CPU "
             "seconds, summed over the threads, in the next column, which can exceed the wall "
             "time), fsync (the index written, the files and the directory fsynced), commit (the "
             "manifest, made durable). What the columns leave out of time to durable is the "
-            "messages between the processes.", "",
+            "messages between the processes.",
             table(["state", "burners", "writer", "time to durable", *PHASES.values()], rows)]
-

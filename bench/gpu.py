@@ -25,7 +25,7 @@ import torch
 
 from . import dcp, records
 from .floors import Floors
-from .markdown import factor, hundredths, median_range, number, spread_text, table
+from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
 from .measure import log, machine, ratio_spread, spread, timed
 from .registry import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, SystemSpec
 from .rounds import run_rounds
@@ -285,14 +285,14 @@ def render(results: dict) -> str:
                               + [_cell(f["to_durable_s"], 1, "s", "disk"),
                                  _cell(f["restore_s"], 1, "s", "H2D")]))
         steps.append([name] + (na * len(ks) if f is None else [
-            spread_text(f["ks"][k]["overhead"], lambda x: f"{(x - 1) * 100:+.1f}%") + ", "
-            + _cell(f["ks"][k]["step_s"], 1e-3, "ms", vs=lambda x: f"{hundredths(x)}×")
+            spread_text(f["ks"][k]["overhead"], over_one) + ", "
+            + _cell(f["ks"][k]["step_s"], 1e-3, "ms", vs=fixed(2, unit="×"))
             for k in ks]))
-    return "\n".join([
-        "# GPU path: staging, lazy overlap, restore onto the device, against DCP", "",
+    return "\n\n".join([
+        "# GPU path: staging, lazy overlap, restore onto the device, against DCP",
         f"`{config['command']}`: {device}; {info['nproc']} CPUs ({info['cpu_model']}), "
         f"{info['ram_bytes'] / 2**30:.0f} GiB RAM, Linux {info['kernel']}, Python "
-        f"{info['python']}, torch {info['torch']}; {results['runtime_s']:.0f} s.", "",
+        f"{info['python']}, torch {info['torch']}; {results['runtime_s']:.0f} s.",
         f"A bf16 transformer of {raw['depth']} blocks of width {config['width']} "
         f"({raw['param_bytes'] / 1e9:.3g} GB of parameters) with fused AdamW: "
         f"{raw['state_bytes'] / 1e9:.3g} GB of state, a batch of {config['batch']} x "
@@ -300,39 +300,40 @@ def render(results: dict) -> str:
         + ("" if raw["rounds_run"] == config["rounds"] else
            f" (the time budget of {config['budget_s']:.0f} s ended the rounds)")
         + "; every figure is the median (min–max) over the rounds, a ratio taken round by round.",
-        "", *(["**--quick: a smoke test of the code path, not a measurement.**", ""]
-              if config["quick"] else []),
-        "## Floors", "", table(["floor", "seconds", "GB/s"], [
+        *(["**--quick: a smoke test of the code path, not a measurement.**"]
+          if config["quick"] else []),
+        section("Floors", table(["floor", "seconds", "GB/s"], [
             [label, median_range(spread([f[key] for f in floors])),
              number(raw[nbytes] / np.median([f[key] for f in floors]) / 1e9)]
-            for label, key, nbytes in floor_rows]), "",
-        f"Disk floors measured on {raw['disk_sample_bytes'] / 1e9:.3g} GB and scaled to the "
-        "state's bytes where a figure is compared with them.", "",
-        "## Blocking, time to durable, restore", "",
-        "Blocking: the `save` call plus the fence before the next optimizer step, per snapshot "
-        "(× the device-to-host floor). Time to durable: a snapshot with nothing else running, "
-        "from the call to durable (× the disk floor). Restore: the newest snapshot into the live "
-        "model on the device, to a device synchronisation (× the host-to-device floor). "
-        "`vs DCP`: × the best DCP variant in the same round.", "",
-        table(["system"] + [f"blocking, K={k}" for k in ks]
-              + ["to durable", "restore onto the device"], rows), "",
-        "## Training-step overhead", "",
-        "Step time with a snapshot every K steps over the same loop without checkpointing just "
-        "before it; `vs DCP`: step time × the best DCP variant's.", "",
-        table(["system"] + [f"K={k}" for k in ks], steps), "",
-        "## Exactness", "",
-        f"{sum(c['bit_exact'] for c in checks)} of {len(checks)} restores bit-exact; RNG states "
-        f"(CPU and every CUDA device) restored exactly in "
-        f"{sum(bool(c.get('rng_exact')) for c in checks)} of "
-        f"{sum('rng_exact' in c for c in checks)} async_ckpt restores. Staging slots CUDA "
-        "refused to page-lock (`stats()['pin_failures']`: their copies ran synchronously, "
-        "from pageable memory): " + (", ".join(f"{name} {count}" for name, count in
-                                              _pin_failures(raw).items()) or "none measured")
-        + ".", "",
-        table(["system", "round", "step", "tensors differing", "RNG"],
-              [[c["system"], str(c["round"]), str(c["step"]), f"{c['differing']} of {c['tensors']}",
-                {True: "exact", False: "DIFFERS", None: "not saved"}[c.get("rng_exact")]]
-               for c in checks]), ""])
+            for label, key, nbytes in floor_rows]),
+            f"Disk floors measured on {raw['disk_sample_bytes'] / 1e9:.3g} GB and scaled to the "
+            "state's bytes where a figure is compared with them.", level=2),
+        section("Blocking, time to durable, restore",
+                "Blocking: the `save` call plus the fence before the next optimizer step, per "
+                "snapshot (× the device-to-host floor). Time to durable: a snapshot with nothing "
+                "else running, from the call to durable (× the disk floor). Restore: the newest "
+                "snapshot into the live model on the device, to a device synchronisation (× the "
+                "host-to-device floor). `vs DCP`: × the best DCP variant in the same round.",
+                table(["system"] + [f"blocking, K={k}" for k in ks]
+                      + ["to durable", "restore onto the device"], rows), level=2),
+        section("Training-step overhead",
+                "Step time with a snapshot every K steps over the same loop without "
+                "checkpointing just before it; `vs DCP`: step time × the best DCP variant's.",
+                table(["system"] + [f"K={k}" for k in ks], steps), level=2),
+        section("Exactness",
+                f"{sum(c['bit_exact'] for c in checks)} of {len(checks)} restores bit-exact; RNG "
+                "states (CPU and every CUDA device) restored exactly in "
+                f"{sum(bool(c.get('rng_exact')) for c in checks)} of "
+                f"{sum('rng_exact' in c for c in checks)} async_ckpt restores. Staging slots CUDA "
+                "refused to page-lock (`stats()['pin_failures']`: their copies ran synchronously, "
+                "from pageable memory): " + (", ".join(f"{name} {count}" for name, count in
+                                                      _pin_failures(raw).items())
+                                             or "none measured") + ".",
+                table(["system", "round", "step", "tensors differing", "RNG"],
+                      [[c["system"], str(c["round"]), str(c["step"]),
+                        f"{c['differing']} of {c['tensors']}",
+                        {True: "exact", False: "DIFFERS", None: "not saved"}[c.get("rng_exact")]]
+                       for c in checks]), level=2)]) + "\n"
 
 
 def _pin_failures(raw: dict) -> dict[str, int]:

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .markdown import hundredths, spread_text
+from .markdown import fixed, ms, ratio, section, spread_text, table
 from .measure import ratio_spread, spread, timed
 from .registry import OURS_ASYNC, OURS_INCREMENTAL
 from .rounds import run_rounds
@@ -92,33 +92,21 @@ def run(root: str, quick: bool) -> dict:
 
 
 def render(block: dict) -> str:
-    rows = []
-    for name, r in block["runs"].items():
-        first = r["first"]
-        rows.append(f"| {name} | {spread_text(r['blocking_s'], _ms, ' ms')} | "
-                    f"{spread_text(r['written_bytes'], _mb, ' MB')} | "
-                    f"{first['blocking_s'] * 1e3:.1f} ms, {first['written_bytes'] / 1e6:.1f} MB |")
+    rows = [[name, ms(r["blocking_s"], places=1),
+             spread_text(r["written_bytes"], fixed(2, 1e6), " MB"),
+             f"{r['first']['blocking_s'] * 1e3:.1f} ms, {r['first']['written_bytes'] / 1e6:.1f} MB"]
+            for name, r in block["runs"].items()]
     ratios = block["ratios"]
     verdict = ("within" if max(r["median"] for r in ratios.values()) <= block["target_ratio"]
                else "OUTSIDE")
-    return "\n".join([
-        "### Incremental snapshots (LoRA-style state)", "",
+    return section(
+        "Incremental snapshots (LoRA-style state)",
         f"Frozen base {block['base_bytes'] / 1e9:.3g} GB, adapter and its AdamW state "
-        f"{block['trainable_bytes'] / 1e6:.3g} MB; median of {len(block['runs']['incremental']['blocking_s']['samples'])} "
-        "snapshots (min–max), each after one optimizer step and committed before the next; the "
-        "first snapshot of each run (for the incremental run the full one) apart.", "",
-        "| run | blocking per snapshot | written per snapshot | first snapshot |",
-        "|---|---|---|---|", *rows, "",
+        f"{block['trainable_bytes'] / 1e6:.3g} MB; median of "
+        f"{len(block['runs']['incremental']['blocking_s']['samples'])} snapshots (min–max), each "
+        "after one optimizer step and committed before the next; the first snapshot of each run "
+        "(for the incremental run the full one) apart.",
+        table(["run", "blocking per snapshot", "written per snapshot", "first snapshot"], rows),
         "Incremental / trainable only, snapshot by snapshot: blocking "
-        f"×{spread_text(ratios['blocking_s'], hundredths)}, written "
-        f"×{spread_text(ratios['written_bytes'], hundredths)} (medians {verdict} the "
-        f"×{block['target_ratio']} target)."])
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.2f}"
-
+        f"{ratio(ratios['blocking_s'])}, written {ratio(ratios['written_bytes'])} (medians "
+        f"{verdict} the ×{block['target_ratio']} target).")

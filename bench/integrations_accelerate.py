@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .compare import interleaved, summarised
-from .markdown import milliseconds, spread_text, thousandths
+from .markdown import fixed, ms, ratio, section, spread_text, table
 from .measure import dir_bytes
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
@@ -98,24 +98,18 @@ def run(root: str, quick: bool) -> dict:
 
 
 def render(block: dict) -> str:
-    f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
-
-    def ms(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms")
-
-    def times(key: str) -> str:
-        return spread_text(f[key], lambda x: f"{x:.2f}×")
-
-    return "\n".join([
-        "### Accelerate: a save's cost, the adapter against `save_state()`", "",
-        f"{mb:.0f} MB of model and AdamW state, a scheduler and a prepared stateful loader; "
-        f"median of {f['save_state_s']['n']} interleaved rounds after a warm-up (min–max). The "
-        "adapter's snapshot leaves the directory `save_state()` writes (`state_dir=`).", "",
-        "| per save | adapter `snapshot()` | `Accelerator.save_state()` | ratio |",
-        "|---|---|---|---|",
-        f"| training process blocked | {ms('adapter_blocking_s')} | {ms('save_state_s')} | "
-        f"×{spread_text(r['blocking'], thousandths)} |",
-        f"| directory written after the save | {ms('adapter_written_s')}, durable (fsync, "
-        f"committed) | {ms('save_state_s')}, never fsynced | |",
-        f"| bytes written per save ÷ state | {times('adapter_bytes_x_state')} | "
-        f"{times('save_state_bytes_x_state')} | |"])
+    f, times = block["figures"], fixed(2, unit="×")
+    return section(
+        "Accelerate: a save's cost, the adapter against `save_state()`",
+        f"{block['state_bytes'] / 1e6:.0f} MB of model and AdamW state, a scheduler and a "
+        f"prepared stateful loader; median of {f['save_state_s']['n']} interleaved rounds after a "
+        "warm-up (min–max). The adapter's snapshot leaves the directory `save_state()` writes "
+        "(`state_dir=`).",
+        table(["per save", "adapter `snapshot()`", "`Accelerator.save_state()`", "ratio"], [
+            ["training process blocked", ms(f["adapter_blocking_s"]), ms(f["save_state_s"]),
+             ratio(block["ratios"]["blocking"], 3)],
+            ["directory written after the save",
+             f"{ms(f['adapter_written_s'])}, durable (fsync, committed)",
+             f"{ms(f['save_state_s'])}, never fsynced", ""],
+            ["bytes written per save ÷ state", spread_text(f["adapter_bytes_x_state"], times),
+             spread_text(f["save_state_bytes_x_state"], times), ""]]))

@@ -32,7 +32,7 @@ def run(root: str, quick: bool) -> dict:
 def render(block: dict) -> str:
     return render_pair(
         block, SYSTEMS,
-        "### DeepSpeed: a save's cost, the adapter against DeepSpeed's torch engine",
+        "DeepSpeed: a save's cost, the adapter against DeepSpeed's torch engine",
         "ZeRO stage 2", "of fp32 parameters, ZeRO fp32 partitions and Adam moments",
         ("per `save_checkpoint`", "adapter", "`TorchCheckpointEngine`"),
         "durable (every file and `latest` fsynced)", "its save, then an fsync of its files",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .markdown import spread_text
+from .markdown import digits, fixed, section, spread_text, table
 from .measure import dir_bytes, log, ratio_spread, rotated, spread
 
 FULL = {"width": 2048, "layers": 4, "batch": 64, "every": 6, "saves": 4, "rounds": 4}
@@ -136,15 +136,17 @@ def run(root: str, quick: bool) -> dict:
 
 def render(block: dict) -> str:
     f, r, config = block["figures"], block["ratios"], block["config"]
-
-    def seconds(s: dict) -> str:
-        return spread_text(s, lambda x: f"{x:.3g}")
-
-    def ratio(peer: str, key: str) -> str:
-        return spread_text(r[peer][key], lambda x: f"{x:.2g}×")
-
-    lines = [
-        "### Lightning: blocking time per save, by checkpoint IO plugin", "",
+    three, times = digits(3), digits(2, "×")
+    rows = []
+    for system in SYSTEMS:
+        s = f[system]
+        rows.append([system, f"{spread_text(s['blocking_s'], three)} · "
+                             f"{times(s['blocking_x_floor']['median'])}",
+                     *(spread_text(s[key], three) for key in ("first_save_s", "fit_s",
+                                                              "file_after_s")),
+                     spread_text(s["bytes_x_state"], fixed(2, unit="×"))])
+    return section(
+        "Lightning: blocking time per save, by checkpoint IO plugin",
         f"An MLP of {config['layers']} × {config['width']}² + Adam: "
         f"{block['state_bytes'] / 1e6:.0f} MB of state; `ModelCheckpoint(every_n_train_steps="
         f"{config['every']}, save_top_k=1)`, {config['saves']} saves per run. Blocking: the "
@@ -152,16 +154,9 @@ def render(block: dict) -> str:
         "the removal of the previous checkpoint); medians (min–max) of "
         f"{f['AsyncCkptIO']['blocking_s']['n']} interleaved rounds after a warm-up; ratios "
         "round by round. Floor: one `copy_` of the state into preallocated memory, "
-        f"{seconds(f['copy_floor_s'])} s.", "",
-        "| plugin | blocking per save s · ×floor | first save s | fit s | .ckpt written after "
-        "the save s | bytes written per save ÷ state |", "|---|---|---|---|---|---|"]
-    for system in SYSTEMS:
-        s, x = f[system], f[system]["blocking_x_floor"]
-        lines.append(f"| {system} | {seconds(s['blocking_s'])} · {x['median']:.2g}× | "
-                     f"{seconds(s['first_save_s'])} | {seconds(s['fit_s'])} | "
-                     f"{seconds(s['file_after_s'])} | "
-                     f"{spread_text(s['bytes_x_state'], lambda v: f'{v:.2f}×')} |")
-    lines += ["", "| AsyncCkptIO against | blocking per save | fit time |", "|---|---|---|"]
-    lines += [f"| {peer} | {ratio(peer, 'blocking')} | {ratio(peer, 'fit')} |" for peer in PEERS]
-    return "\n".join(lines)
-
+        f"{spread_text(f['copy_floor_s'], three)} s.",
+        table(["plugin", "blocking per save s · ×floor", "first save s", "fit s",
+               ".ckpt written after the save s", "bytes written per save ÷ state"], rows),
+        table(["AsyncCkptIO against", "blocking per save", "fit time"],
+              [[peer, spread_text(r[peer]["blocking"], times), spread_text(r[peer]["fit"], times)]
+               for peer in PEERS]))

@@ -39,7 +39,7 @@ def run(root: str, quick: bool) -> dict:
 def render(block: dict) -> str:
     return render_pair(
         block, SYSTEMS,
-        "### Lightning ModelParallelStrategy: a sharded save's cost, the adapter against the "
+        "Lightning ModelParallelStrategy: a sharded save's cost, the adapter against the "
         "stock strategy", "FSDP2", "of parameters and Adam moments",
         ("per save", "`AsyncCkptModelParallelStrategy`", "`ModelParallelStrategy`"),
         "durable (every shard fsynced)", "DCP's save, then an fsync of `meta.pt`",

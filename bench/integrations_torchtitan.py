@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import ranks
 from .compare import interleaved, slowest, summarised
-from .markdown import milliseconds, spread_text, thousandths
+from .markdown import ms, ratio, section, table
 from .measure import log
 
 FULL = {"width": 2048, "layers": 4, "rounds": 4}  # 16.8 M parameters: 201 MB with AdamW
@@ -44,27 +44,24 @@ def run(root: str, quick: bool) -> dict:
 
 
 def render(block: dict) -> str:
+    title = "torchtitan: the checkpoint manager against torchtitan's own"
     if "skipped" in block:
-        return ("### torchtitan: the checkpoint manager against torchtitan's own\n\nNot measured: "
-                f"{block['skipped']} (pip install 'async_ckpt[torchtitan]', in an environment "
-                "without the transformers extra).")
-    f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
-
-    def ms(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms")
-
-    rows = [("training process blocked per save (2 ranks)", "blocking",
-             "staged", "staged by `dcp.async_save`"),
-            ("save to durable (2 ranks)", "durable", "committed", "DCP metadata written"),
-            ("restore of the 2-rank checkpoint on 4 ranks", "restore", "resharded", "`dcp.load`")]
-    return "\n".join([
-        "### torchtitan: the checkpoint manager against torchtitan's own (`async` mode)", "",
-        f"{mb:.0f} MB of FSDP2 model and AdamW state in torchtitan's containers, on CPU ranks "
-        f"(gloo); median of {f['blocking_ours']['n']} interleaved rounds after a warm-up "
-        "(min–max); the ratio round by round.", "",
-        f"| | `{OURS}` | `{THEIRS}` | ratio |", "|---|---|---|---|",
-        *[f"| {label} | {ms(key + '_ours')}, {ours} | {ms(key + '_theirs')}, {theirs} | "
-          f"×{spread_text(r[key], thousandths)} |" for label, key, ours, theirs in rows]])
+        return section(title, f"Not measured: {block['skipped']} (pip install "
+                       "'async_ckpt[torchtitan]', in an environment without the transformers "
+                       "extra).")
+    f = block["figures"]
+    rows = [[label, f"{ms(f[key + '_ours'])}, {ours}", f"{ms(f[key + '_theirs'])}, {theirs}",
+             ratio(block["ratios"][key], 3)] for label, key, ours, theirs in (
+        ("training process blocked per save (2 ranks)", "blocking", "staged",
+         "staged by `dcp.async_save`"),
+        ("save to durable (2 ranks)", "durable", "committed", "DCP metadata written"),
+        ("restore of the 2-rank checkpoint on 4 ranks", "restore", "resharded", "`dcp.load`"))]
+    return section(
+        f"{title} (`async` mode)",
+        f"{block['state_bytes'] / 1e6:.0f} MB of FSDP2 model and AdamW state in torchtitan's "
+        f"containers, on CPU ranks (gloo); median of {f['blocking_ours']['n']} interleaved rounds "
+        "after a warm-up (min–max); the ratio round by round.",
+        table(["", f"`{OURS}`", f"`{THEIRS}`", "ratio"], rows))
 
 
 # --- the worker (one per rank, under torchrun) ---------------------------------------------------

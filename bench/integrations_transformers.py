@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from .compare import interleaved, summarised
-from .markdown import milliseconds, spread_text, thousandths
+from .markdown import fixed, ms, ratio, section, spread_text, table
 from .measure import dir_bytes, timed
 
 FULL = {"model": {"n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 8192}, "rounds": 4}
@@ -96,25 +96,18 @@ def run(root: str, quick: bool) -> dict:
 
 
 def render(block: dict) -> str:
-    f, r, mb = block["figures"], block["ratios"], block["state_bytes"] / 1e6
-
-    def ms(key: str) -> str:
-        return spread_text(f[key], milliseconds, " ms")
-
-    def times(key: str) -> str:
-        return spread_text(f[key], lambda v: f"{v:.2f}×")
-
-    lines = ["### Hugging Face Trainer: a checkpoint save", "",
-             f"GPT-2 from a config with AdamW, {mb:.0f} MB of state; median of "
-             f"{f['stock_s']['n']} interleaved rounds after a warm-up (min–max); the ratio is "
-             "to the stock save, round by round.", "",
-             "| per save | blocks training | ratio | of which `snapshot()` | save → committed "
-             "(fsynced) | `checkpoint-N` there after | bytes written ÷ state |",
-             "|---|---|---|---|---|---|---|",
-             f"| {VARIANTS['stock'][0]} | {ms('stock_s')} | ×1 | | | "
-             f"{ms('stock_files_s')} | {times('stock_bytes_x_state')} |"]
-    lines += [f"| {label} | {ms(f'{name}_s')} | ×{spread_text(r[name], thousandths)} | "
-              f"{ms(f'{name}_snapshot_s')} | {ms(f'{name}_commit_s')} | "
-              f"{ms(f'{name}_files_s')} | {times(f'{name}_bytes_x_state')} |"
-              for name, (label, _) in VARIANTS.items() if name != "stock"]
-    return "\n".join(lines)
+    f, times = block["figures"], fixed(2, unit="×")
+    rows = [[VARIANTS["stock"][0], ms(f["stock_s"]), "×1", "", "", ms(f["stock_files_s"]),
+             spread_text(f["stock_bytes_x_state"], times)]]
+    rows += [[label, ms(f[f"{name}_s"]), ratio(block["ratios"][name], 3),
+              ms(f[f"{name}_snapshot_s"]), ms(f[f"{name}_commit_s"]), ms(f[f"{name}_files_s"]),
+              spread_text(f[f"{name}_bytes_x_state"], times)]
+             for name, (label, _) in VARIANTS.items() if name != "stock"]
+    return section(
+        "Hugging Face Trainer: a checkpoint save",
+        f"GPT-2 from a config with AdamW, {block['state_bytes'] / 1e6:.0f} MB of state; median of "
+        f"{f['stock_s']['n']} interleaved rounds after a warm-up (min–max); the ratio is to the "
+        "stock save, round by round.",
+        table(["per save", "blocks training", "ratio", "of which `snapshot()`",
+               "save → committed (fsynced)", "`checkpoint-N` there after",
+               "bytes written ÷ state"], rows))

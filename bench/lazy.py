@@ -4,10 +4,9 @@ state: its variants against eager staging and DCP's cached stager, every step an
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from .markdown import hundredths, spread_text
+from .markdown import fixed, over_one, ratio, section, spread_text, table
 from .measure import ratio_spread, spread
 from .registry import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY_FEWER
 from .training import run_training
@@ -55,34 +54,24 @@ def run(root: str, quick: bool) -> dict:
 def render(block: dict) -> str:
     ks = list(block["figures"][OURS_ASYNC.name]["ks"]) if block["figures"][OURS_ASYNC.name][
         "available"] else []
-    head = " | ".join(f"K={k}: step overhead · blocking ×copy" for k in ks)
-    rows = []
-    for name, f in block["figures"].items():
-        if not f["available"]:
-            rows.append(f"| {name} | n/a: {f['reason']} |")
-            continue
-        cells = []
-        for k in ks:
-            c = f["ks"][k]
-            extra = (f" ({_pct(c['overhead_vs_full_threads'])} against the full-thread loop "
-                     "without checkpointing)" if "overhead_vs_full_threads" in c else "")
-            cells.append(f"{_pct(c['overhead'])}{extra} · "
-                         f"×{spread_text(c['blocking_x_copy'], hundredths)} "
-                         f"({c['blocking_s']['median'] * 1e3:.1f} ms)")
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    tenths_ms = fixed(1, 1e-3)
+
+    def cell(c: dict) -> str:
+        extra = (f" ({spread_text(c['overhead_vs_full_threads'], over_one)} against the "
+                 "full-thread loop without checkpointing)" if "overhead_vs_full_threads" in c
+                 else "")
+        return (f"{spread_text(c['overhead'], over_one)}{extra} · {ratio(c['blocking_x_copy'])} "
+                f"({tenths_ms(c['blocking_s']['median'])} ms)")
+
+    rows = [[name, *(cell(f["ks"][k]) for k in ks)] if f["available"]
+            else [name, f"n/a: {f['reason']}"] for name, f in block["figures"].items()]
     floor = block["copy_floor_s"]
-    return "\n".join([
-        "### Lazy staging in the training loop", "",
+    return section(
+        "Lazy staging in the training loop",
         f"A {block['state_bytes'] / 1e6:.3g} MB state (MLP + AdamW) whose forward and backward "
-        f"take longer than one `copy_` of it ({floor['median'] * 1e3:.1f} ms, "
-        f"{floor['min'] * 1e3:.1f}–{floor['max'] * 1e3:.1f}); a snapshot every K steps. Step "
+        f"take longer than one `copy_` of it ({tenths_ms(floor['median'])} ms, "
+        f"{tenths_ms(floor['min'])}–{tenths_ms(floor['max'])}); a snapshot every K steps. Step "
         "overhead: each round's loop over the loop without checkpointing just before it, median "
         "(min–max) over the rounds; blocking: the median `snapshot()` call over the round's copy "
-        "floor.", "",
-        f"| system | {head} |", "|---|" + "---|" * len(ks), *rows])
-
-
-def _pct(r: dict) -> str:
-    return (f"{(r['median'] - 1) * 100:+.1f}% ({(r['min'] - 1) * 100:+.1f}%–"
-            f"{(r['max'] - 1) * 100:+.1f}%)")
-
+        "floor.",
+        table(["system", *(f"K={k}: step overhead · blocking ×copy" for k in ks)], rows))

@@ -15,7 +15,7 @@ import psutil
 
 from async_ckpt.tools.advise import advise
 
-from .markdown import hundredths, milliseconds, spread_text, table
+from .markdown import fixed, ms, section, spread_text, table
 from .measure import evict, log, ratio_spread, rotated, spread, timed
 from .registry import NEVER, OURS_MEMORY
 from .workloads import TrainingWorkload, restore_quietly, state_tensors
@@ -197,26 +197,23 @@ def worker(args) -> None:
 def render(block: dict) -> str:
     figures, restore, kills = block["figures"], block["figures"]["restore"], \
         block["figures"]["kills"]
-    rows = [[staging, spread_text(figures[staging]["blocking_s"], milliseconds, " ms"),
-             spread_text(figures[staging]["blocking_x_copy"], hundredths, "x"),
-             spread_text(figures[staging]["overhead"], hundredths, "x")] for staging in STAGINGS]
-    restores = [[way, spread_text(restore[f"{way}_s"], milliseconds, " ms"),
-                 spread_text(restore[f"{way}_x_copy"], hundredths, "x")]
+    x = fixed(2)
+    rows = [[staging, ms(figures[staging]["blocking_s"]),
+             spread_text(figures[staging]["blocking_x_copy"], x, "x"),
+             spread_text(figures[staging]["overhead"], x, "x")] for staging in STAGINGS]
+    restores = [[way, ms(restore[f"{way}_s"]), spread_text(restore[f"{way}_x_copy"], x, "x")]
                 for way in ("memory", "warm", "cold")]
     redone = ("not measured (full runs only)" if kills["memory_redone"] is None
-              else spread_text(kills["memory_redone"], lambda x: f"{x:.0f}", " steps"))
-    return "\n".join([
-        "### Memory tier (`memory_every=1`)", "",
-        f"State {block['state_bytes'] / 1e6:.0f} MB; copy floor "
-        f"{spread_text(block['copy_floor_s'], milliseconds, ' ms')}; medians of "
-        f"{block['config']['rounds']} interleaved rounds, min-max in brackets.", "",
+              else spread_text(kills["memory_redone"], fixed(0), " steps"))
+    return section(
+        "Memory tier (`memory_every=1`)",
+        f"State {block['state_bytes'] / 1e6:.0f} MB; copy floor {ms(block['copy_floor_s'])}; "
+        f"medians of {block['config']['rounds']} interleaved rounds, min-max in brackets.",
         table(["staging", "blocking per memory snapshot", "÷ copy floor",
-               "step time ÷ no checkpointing"], rows), "",
-        table(["restore", "time", "÷ copy floor"], restores), "",
-        f"Restore from memory ÷ warm disk restore: "
-        f"{spread_text(restore['memory_x_warm'], hundredths, 'x')}; ÷ cold: "
-        f"{spread_text(restore['memory_x_cold'], hundredths, 'x')}.", "",
+               "step time ÷ no checkpointing"], rows),
+        table(["restore", "time", "÷ copy floor"], restores),
+        f"Restore from memory ÷ warm disk restore: {spread_text(restore['memory_x_warm'], x, 'x')}"
+        f"; ÷ cold: {spread_text(restore['memory_x_cold'], x, 'x')}.",
         f"Steps redone after a SIGKILL at a random step: memory tier {redone}; the disk alone at "
         f"the interval `async-ckpt advise` gives here (every {kills['advised_every']} steps, "
-        f"MTBF 24 h) {kills['disk_redone_mean']:.1f} on average.", ""])
-
+        f"MTBF 24 h) {kills['disk_redone_mean']:.1f} on average.")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .floors import Floors
-from .markdown import factor, median_range, number, table
+from .markdown import median_range, number, section, table, with_ratios
 from .measure import log, ratio_spread, remove, spread, timed
 from .registry import RANK_SYSTEMS, SystemSpec
 from .rounds import FloorHook, run_rounds
@@ -194,32 +194,21 @@ def gather(value) -> list:
 
 def render(ranks: dict) -> str:
     floors = ranks["floors"]
-    rows = []
-    for name, s in ranks["systems"].items():
-        if not s["available"]:
-            rows.append([name, f"n/a ({s['reason']})", "", ""])
-            continue
-        rows.append([
-            name,
-            f"{median_range(s['blocking_s'])} · {factor(s['blocking_x_floor'])} · "
-            f"{factor(s['blocking_x_best_peer'])}",
-            f"{median_range(s['to_commit_s'])} · {factor(s['to_commit_x_floor'])} · "
-            f"{factor(s['to_commit_x_best_peer'])}",
-            f"{_mb(s['stored_bytes'])} ({' + '.join(_mb(b) for b in s['bytes_per_rank'])})"])
-    return (f"### {ranks['ranks']} ranks under torchrun (gloo), "
-            f"{ranks['state_bytes'] / 1e6:.3g} MB replicated state\n\n"
-            "The same model + Adam state on every rank, as DDP keeps it; medians (min–max) of "
-            f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
-            "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
-            f"{median_range(floors['copy_s'])} s); time to commit runs from rank 0's call until "
-            "rank 0 sees the snapshot committed, every rank's part durable (floor: the fastest way "
-            f"to make the state's bytes durable once, {median_range(floors['durable_s'])} s; per "
-            f"round: {', '.join(ranks['floor_ways'])}).\n\n"
-            + table(["system", "blocking s (min–max) · ×floor · ×best peer",
-                     "time to commit s (min–max) · ×floor · ×best peer",
-                     "MB written (per rank)"], rows))
-
-
-def _mb(x: Optional[float]) -> str:
-    return "–" if x is None else number(x / 1e6)
-
+    rows = [[name, f"n/a ({s['reason']})", "", ""] if not s["available"] else [
+        name, with_ratios(s["blocking_s"], s["blocking_x_floor"], s["blocking_x_best_peer"]),
+        with_ratios(s["to_commit_s"], s["to_commit_x_floor"], s["to_commit_x_best_peer"]),
+        f"{number(s['stored_bytes'] / 1e6)} "
+        f"({' + '.join(number(b / 1e6) for b in s['bytes_per_rank'])})"]
+        for name, s in ranks["systems"].items()]
+    return section(
+        f"{ranks['ranks']} ranks under torchrun (gloo), {ranks['state_bytes'] / 1e6:.3g} MB "
+        "replicated state",
+        "The same model + Adam state on every rank, as DDP keeps it; medians (min–max) of "
+        f"{ranks['rounds']} interleaved rounds, one measured snapshot per system per round. "
+        "Blocking is the slower rank's call (floor: one `copy_` of a rank's state, "
+        f"{median_range(floors['copy_s'])} s); time to commit runs from rank 0's call until "
+        "rank 0 sees the snapshot committed, every rank's part durable (floor: the fastest way "
+        f"to make the state's bytes durable once, {median_range(floors['durable_s'])} s; per "
+        f"round: {', '.join(ranks['floor_ways'])}).",
+        table(["system", "blocking s (min–max) · ×floor · ×best peer",
+               "time to commit s (min–max) · ×floor · ×best peer", "MB written (per rank)"], rows))

@@ -21,7 +21,7 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 
-from .markdown import hundredths, milliseconds, spread_text
+from .markdown import ms, ratio, seconds, section, table
 from .measure import log, ratio_spread, remove, spread
 from .registry import OURS_REMOTE
 
@@ -181,25 +181,16 @@ def run(root: str, quick: bool) -> dict:
 def render(block: dict) -> str:
     f, r, gb = block["figures"], block["ratios"], block["shard_bytes"] / 1e9
 
-    def cell(key: str) -> str:
-        return f"{spread_text(f[key], hundredths, ' s')}, {gb / f[key]['median']:.2f} GB/s"
+    def transfer(key: str) -> str:
+        return f"{seconds(f[key], 2)}, {gb / f[key]['median']:.2f} GB/s"
 
-    def ratio(key: str) -> str:
-        return f"×{spread_text(r[key], hundredths)}"
-
-    lines = [
-        "### Remote tier (moto S3 server on loopback)", "",
-        f"A {gb:.3g} GB shard; median of {f['upload_s']['n']} rounds after a warm-up (min–max).",
-        "", "| | async_ckpt | floor | ratio |", "|---|---|---|---|",
-        f"| upload (local commit → bucket manifest) | {cell('upload_s')} | "
-        f"{cell('upload_floor_s')} (best bulk upload) | {ratio('upload')} |",
-        f"| restore on an empty node | {cell('restore_s')} | {cell('download_floor_s')} "
-        f"(plain parallel download) | {ratio('restore')} |"]
+    rows = [["upload (local commit → bucket manifest)", transfer("upload_s"),
+             f"{transfer('upload_floor_s')} (best bulk upload)", ratio(r["upload"])],
+            ["restore on an empty node", transfer("restore_s"),
+             f"{transfer('download_floor_s')} (plain parallel download)", ratio(r["restore"])]]
     if "step_down_s" in f:  # results saved before this figure existed lack it
-        lines.append(
-            "| training step, snapshot every step, store stopped | "
-            f"{spread_text(f['step_down_s'], milliseconds, ' ms')} | "
-            f"{spread_text(f['step_up_s'], milliseconds, ' ms')} (store running) | "
-            f"{ratio('step_down')} |")
-    return "\n".join(lines)
-
+        rows.append(["training step, snapshot every step, store stopped", ms(f["step_down_s"]),
+                     f"{ms(f['step_up_s'])} (store running)", ratio(r["step_down"])])
+    return section("Remote tier (moto S3 server on loopback)",
+                   f"A {gb:.3g} GB shard; median of {f['upload_s']['n']} rounds after a warm-up "
+                   "(min–max).", table(["", "async_ckpt", "floor", "ratio"], rows))

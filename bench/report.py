@@ -17,7 +17,7 @@ import datetime
 from typing import Optional
 
 from .parts import PARTS
-from .markdown import factor, median_range, number, table
+from .markdown import factor, median_range, number, points, section, table, with_ratios
 from .measure import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
 from .registry import NONE, OURS_ASYNC, TORCH_SAVE
@@ -70,11 +70,16 @@ def _cell(entry: Value, scale: float = 1.0) -> str:
     """``median (min–max) · ×floor · ×best peer``, or why there is no value."""
     if isinstance(entry, NotAvailable):
         return str(entry)
-    return (f"{median_range(entry, scale)} · {factor(entry.x_floor)} · "
-            f"{factor(entry.x_best_peer)}")
+    return with_ratios(entry, entry.x_floor, entry.x_best_peer, scale=scale)
 
 
-# --- formatting ---------------------------------------------------------------------------------
+def _figures(results: dict, names: list[str], columns: list[tuple[str, str, str]]) -> str:
+    """A row per system of ``names``: its ``_cell`` of each column's ``(header, figure, case)``,
+    bytes in MB."""
+    f = results["figures"]
+    return table(["system", *(header for header, _, _ in columns)],
+                 [[name, *(_cell(f[key].values[name][case], 1e6 if f[key].unit == "B" else 1)
+                           for _, key, case in columns)] for name in names])
 
 
 def headline_case(results: dict) -> Optional[str]:
@@ -121,7 +126,7 @@ def overhead_headline(results: dict) -> str:
 
     def pct(name: Optional[str], k: str) -> str:
         e = figure.values.get(name, {}).get(k)
-        return _pct_points(e.median) if isinstance(e, Cell) else "n/a"
+        return points(e.median) if isinstance(e, Cell) else "n/a"
 
     runs: list[tuple[str, list[str]]] = []  # consecutive intervals with the same best peer
     for k in (k for k in ks if best.get(k)):
@@ -137,14 +142,10 @@ def overhead_headline(results: dict) -> str:
                                                       for name, cells in runs])
     training = results["raw"]["training"]
     return (f"Per training step, a snapshot every {_and([k.split('=')[1] for k in ks])} steps "
-            f"costs async_ckpt async {_and([median_range(ours[k], fmt=_pct_points) for k in ks])} "
+            f"costs async_ckpt async {_and([median_range(ours[k], fmt=points) for k in ks])} "
             f"against the same loop without checkpointing, {others} (medians (min–max) of "
             f"{training['rounds']} interleaved rounds, {number(training['state_bytes'] / 1e6)} MB "
             "state).")
-
-
-def _pct_points(x: float) -> str:
-    return f"{x:+.2g}%" if abs(x) < 10 else f"{x:+.0f}%"
 
 
 def _and(items: list[str]) -> str:
@@ -172,37 +173,33 @@ def _targets(results: dict) -> str:
     targets = results["targets"]
     if not targets.cases:
         return ""
-    rows = []
-    for row in targets.rows:
-        cells = []
-        for case in targets.cases:
-            e = row.values[case]
-            cells.append(str(e) if isinstance(e, NotAvailable) else
-                         f"{median_range(e, fmt=factor)} {'meets' if e.meets else 'MISSES'}")
-        rows.append([row.title, f"≤ {row.limit:g}×", *cells])
+
+    def verdict(e) -> str:
+        return (str(e) if isinstance(e, NotAvailable) else
+                f"{median_range(e, fmt=factor)} {'meets' if e.meets else 'MISSES'}")
+
+    rows = [[row.title, f"≤ {row.limit:g}×", *(verdict(row.values[c]) for c in targets.cases)]
+            for row in targets.rows]
     ratios = [e for row in targets.rows for e in row.values.values()
               if not isinstance(e, NotAvailable)]
     met, total = sum(e.meets for e in ratios), len(ratios)
-    return ("### Targets (\"At the storage floor\")\n\n"
-            "Each ratio is taken round by round (the system's value in round i over the floor's "
-            "or the peer's in round i), then the median (min–max) over the rounds; a target is "
-            f"met when the median is at or under it. Met: {met} of {total}.\n\n"
-            + table(["ratio", "target", *targets.cases], rows))
+    return section("Targets (\"At the storage floor\")",
+                   "Each ratio is taken round by round (the system's value in round i over the "
+                   "floor's or the peer's in round i), then the median (min–max) over the "
+                   f"rounds; a target is met when the median is at or under it. Met: {met} of "
+                   f"{total}.", table(["ratio", "target", *targets.cases], rows))
 
 
 def _floors(results: dict) -> str:
-    rows = []
-    for label, floors in results["floors"].items():
-        row = [label]
-        for key, _ in FLOOR_LABELS:
-            f = floors.get(key)
-            row.append(f"{median_range(f)} s ({f['gbps']:.2f} GB/s)" if f else "–")
-        rows.append(row)
-    return ("### Floors (median (min–max) of one sample per round, next to the systems)\n\n"
-            + table(["state", *(name for _, name in FLOOR_LABELS)], rows) + _floor_ways(results))
+    rows = [[label, *(f"{median_range(f)} s ({f['gbps']:.2f} GB/s)" if f else "–"
+                      for f in (floors.get(key) for key, _ in FLOOR_LABELS))]
+            for label, floors in results["floors"].items()]
+    return section("Floors (median (min–max) of one sample per round, next to the systems)",
+                   table(["state", *(name for _, name in FLOOR_LABELS)], rows),
+                   *_floor_ways(results))
 
 
-def _floor_ways(results: dict) -> str:
+def _floor_ways(results: dict) -> list[str]:
     """Which way was each floor in each round, and what the other ways took."""
     kinds = [(key, name) for key, name in FLOOR_LABELS if key != "copy_s"]
     rows, not_run = [], {}
@@ -217,83 +214,74 @@ def _floor_ways(results: dict) -> str:
                 row.append(f"**{fastest}** {number(ways[fastest])} s ({others})")
             rows.append(row)
     if not rows:
-        return ""
-    note = ("\n\nNot run: " + "; ".join(f"{w}: {s}" for w, s in not_run.items()) + ".") \
-        if not_run else ""
-    return ("\n\nEach floor is the fastest of several ways, measured in the same round "
+        return []
+    return ["Each floor is the fastest of several ways, measured in the same round "
             "(`bench/floors.py`): to make the bytes durable, `dd conv=fsync` with 1 MiB and 8 MiB "
             "blocks, a Python loop of 1 MiB `os.write` calls then `fsync`, and fio sequential "
             "1 MiB writes, direct (queue depth 8) and buffered, with an fsync at the end; to read "
             "them back, one `readinto` of the file and 1 MiB `readinto` calls, from the page cache "
             "(warm) or after `posix_fadvise(DONTNEED)` (cold). Per round the fastest way (bold, "
-            "the floor) and the others' seconds:\n\n"
-            + table(["state", "round", *(name.split(" (")[0] for _, name in kinds)], rows)
-            + note)
+            "the floor) and the others' seconds:",
+            table(["state", "round", *(name.split(" (")[0] for _, name in kinds)], rows),
+            ("Not run: " + "; ".join(f"{w}: {s}" for w, s in not_run.items()) + ".") if not_run
+            else ""]
 
 
 def _headline(results: dict, image_dir: str) -> str:
     case = headline_case(results)
     if case is None:
         return ""
-    f = {key: figure.values for key, figure in results["figures"].items()}
     blocks = results["raw"]["sweep"][case]["systems"]
     names = [name for name in _systems(results) if not blocks[name].get("skipped")]
     skipped = [name for name in _systems(results) if blocks[name].get("skipped")]
-    save = [[name, _cell(f["blocking_s"][name][case]), _cell(f["to_durable_s"][name][case])]
-            for name in names]
-    restore = [[name, _cell(f["restore_s"][name][case]), _cell(f["restore_cold_s"][name][case]),
-                _cell(f["stored_bytes"][name][case], scale=1e6),
-                _cell(f["compression_ratio"][name][case])]
-               for name in names]
     nbytes = results["raw"]["sweep"][case]["bytes"]
     rounds = results["raw"]["sweep"][case]["rounds"]
     note = (f" Not run at this size: {', '.join(skipped)} ({blocks[skipped[0]]['reason']}; see "
             "docs/performance.md).") if skipped else ""
-    return (f"### Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)\n\n"
-            f"Medians (min–max) of {rounds} interleaved rounds.{note}\n\n"
-            + table(["system", "blocking s (min–max) · ×copy · ×best peer",
-                     "to durable s (min–max) · ×disk floor · ×best peer"], save)
-            + "\n\n"
-            + table(["system", "warm restore s · ×warm read · ×best peer",
-                     "cold restore s · ×cold read · ×best peer",
-                     "MB written · ×state · ×best peer",
-                     "compression ratio · ×raw · ×best peer"], restore)
-            + f"\n\n![blocking time and time to durable vs state size]({image_dir}/"
-            "blocking_vs_size.png)")
+    return section(f"Saving and restoring a {case} state ({nbytes / 1e9:.2f} GB: MLP + Adam)",
+                   f"Medians (min–max) of {rounds} interleaved rounds.{note}",
+                   _figures(results, names, [
+                       ("blocking s (min–max) · ×copy · ×best peer", "blocking_s", case),
+                       ("to durable s (min–max) · ×disk floor · ×best peer", "to_durable_s",
+                        case)]),
+                   _figures(results, names, [
+                       ("warm restore s · ×warm read · ×best peer", "restore_s", case),
+                       ("cold restore s · ×cold read · ×best peer", "restore_cold_s", case),
+                       ("MB written · ×state · ×best peer", "stored_bytes", case),
+                       ("compression ratio · ×raw · ×best peer", "compression_ratio", case)]),
+                   "![blocking time and time to durable vs state size]"
+                   f"({image_dir}/blocking_vs_size.png)")
 
 
 def _training(results: dict, image_dir: str) -> str:
     f = results["figures"]
     training = results["raw"]["training"]
-    throughput, blocking = f["throughput_steps_s"], f["loop_blocking_s"]
-    overhead = f["step_overhead_pct"]
+    throughput, overhead = f["throughput_steps_s"], f["step_overhead_pct"]
     ks, names = throughput.cases, _systems(results)
     none = throughput.values[NONE.name]
     step_ms = 1000 / none[ks[-1]].median
-    overhead_rows = [[name] + [median_range(e, fmt=_pct_points) if isinstance(e, Cell) else str(e)
+    overhead_rows = [[name] + [median_range(e, fmt=points) if isinstance(e, Cell) else str(e)
                                for e in (overhead.values[name][k] for k in ks)]
                      for name in names]
     rows = [[NONE.name] + [median_range(none[k]) for k in ks]]
     rows += [[name] + [_cell(throughput.values[name][k]) for k in ks] for name in names]
-    blocking_rows = [[name] + [_cell(blocking.values[name][k]) for k in ks] for name in names]
     steps = ", ".join(f"{k}: {n} steps" for k, n in zip(ks, training["steps"].values()))
-    return (f"### Training loop: {number(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
-            f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps\n\n"
-            f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's "
-            "loop is timed against a loop without checkpointing run just before it. "
-            f"{_noise(training)}\n\n"
-            "Per-step time overhead against that loop without checkpointing, median (min–max) "
-            "over the rounds (lower is better):\n\n"
-            + table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows)
-            + "\n\nThroughput (steps/s; ×no ckpt: over the paired loop without checkpointing; "
-            "the first row is every such loop together):\n\n"
-            + table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)],
-                    rows)
-            + f"\n\n![training throughput vs K]({image_dir}/throughput_vs_k.png)\n\n"
-            + "Blocking time per snapshot in the loop (s; per round the median of its "
-            "snapshots):\n\n"
-            + table(["system", *(f"{k} (min–max) · ×copy · ×best peer" for k in ks)],
-                    blocking_rows))
+    return section(
+        f"Training loop: {number(training['state_bytes'] / 1e6)} MB state (MLP + AdamW), "
+        f"{step_ms:.0f} ms per step without checkpointing, a snapshot every K steps",
+        f"Steps per loop: {steps}; {training['rounds']} interleaved rounds. Each system's loop is "
+        "timed against a loop without checkpointing run just before it. "
+        f"{_noise(training)}",
+        "Per-step time overhead against that loop without checkpointing, median (min–max) over "
+        "the rounds (lower is better):",
+        table(["system", *(f"{k} step time overhead" for k in ks)], overhead_rows),
+        "Throughput (steps/s; ×no ckpt: over the paired loop without checkpointing; the first "
+        "row is every such loop together):",
+        table(["system", *(f"{k} steps/s (min–max) · ×no ckpt · ×best peer" for k in ks)], rows),
+        f"![training throughput vs K]({image_dir}/throughput_vs_k.png)",
+        "Blocking time per snapshot in the loop (s; per round the median of its snapshots):",
+        _figures(results, names, [(f"{k} (min–max) · ×copy · ×best peer", "loop_blocking_s", k)
+                                  for k in ks]))
 
 
 def _noise(training: dict) -> str:
@@ -309,16 +297,14 @@ def _noise(training: dict) -> str:
 
 
 def _memory(results: dict) -> str:
-    f = {key: figure.values for key, figure in results["figures"].items()}
-    rows = [[name,
-             _cell(f["trainer_peak_extra_bytes"][name]["loop"], scale=1e6),
-             _cell(f["writer_peak_bytes"][name]["loop"], scale=1e6),
-             _cell(f["rss_growth_per_snapshot_bytes"][name]["loop"], scale=1e6)]
-            for name in _systems(results)]
-    return ("### Memory in the training loop (MB; ×floor = × the state's bytes)\n\n"
-            + table(["system", "trainer peak above start · ×state · ×best peer",
-                     "writer processes peak · ×state · ×best peer",
-                     "growth per snapshot · ×state · ×best peer"], rows))
+    return section("Memory in the training loop (MB; ×floor = × the state's bytes)",
+                   _figures(results, _systems(results), [
+                       ("trainer peak above start · ×state · ×best peer",
+                        "trainer_peak_extra_bytes", "loop"),
+                       ("writer processes peak · ×state · ×best peer", "writer_peak_bytes",
+                        "loop"),
+                       ("growth per snapshot · ×state · ×best peer",
+                        "rss_growth_per_snapshot_bytes", "loop")]))
 
 
 def _consistency(results: dict) -> str:
@@ -330,23 +316,21 @@ def _consistency(results: dict) -> str:
             continue
         exact = "yes" if check.bit_exact else f"no: {check.differing_tensors} tensors differ"
         rows.append([name, exact, f"{check.damage.outcome}: {check.damage.how}"])
-    return ("### Recovery consistency (training state, measured)\n\n"
-            "A snapshot, two more steps, a restore compared bit for bit with the state at the "
-            "snapshot; then one byte flipped in the middle of the snapshot's largest file and "
-            "another restore.\n\n"
-            + table(["system", "restore bit-exact", "one flipped byte"], rows))
+    return section("Recovery consistency (training state, measured)",
+                   "A snapshot, two more steps, a restore compared bit for bit with the state at "
+                   "the snapshot; then one byte flipped in the middle of the snapshot's largest "
+                   "file and another restore.",
+                   table(["system", "restore bit-exact", "one flipped byte"], rows))
 
 
 def _per_size(results: dict) -> str:
     f = results["figures"]
-    parts = ["### Every state size"]
+    parts = []
     for key in ("blocking_s", "to_durable_s", "restore_s", "restore_cold_s", "compression_ratio"):
         figure = f[key]
-        rows = [[name] + [_cell(figure.values[name][c]) for c in figure.cases]
-                for name in _systems(results)]
-        parts.append(f"{figure.title.capitalize()} ({figure.unit}; ×floor: {figure.floor}):\n\n"
-                     + table(["system", *figure.cases], rows))
-    return "\n\n".join(parts)
+        parts += [f"{figure.title.capitalize()} ({figure.unit}; ×floor: {figure.floor}):",
+                  _figures(results, _systems(results), [(c, key, c) for c in figure.cases])]
+    return section("Every state size", *parts)
 
 
 def _load(results: dict) -> str:
@@ -363,19 +347,19 @@ def _load(results: dict) -> str:
                      " / ".join(f"{delta.get(k, 0):,}" for k in RECLAIM_KEYS),
                      _settled(load.get("settle"))])
     total = results["vmstat_delta"]
-    return ("### Machine load\n\n"
-            "The 1-minute load average at the start → end of each round (the machine has "
-            f"{results['machine']['nproc']} CPUs and is shared), and how far the kernel's reclaim "
-            f"counters ({', '.join(RECLAIM_KEYS)}) moved during each part; over the whole run: "
-            + " / ".join(f"{total.get(k, 0):,}" for k in RECLAIM_KEYS)
-            + ". Moving counters mean memory pressure slowed page-cache writes, the floors' and "
-            "the systems' alike. Before each system the run waited for the kernel's dirty and "
-            "writeback pages to fall under "
-            f"{SETTLE_BELOW_BYTES >> 20} MiB, at most as long as the disk takes to write the "
-            f"state at {SETTLE_BYTES_PER_S / 1e6:g} MB/s; a wait that ran out means other "
-            "writes kept the disk busy.\n\n"
-            + table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
-                     "disk settle before a system: median (max) s"], rows))
+    return section(
+        "Machine load",
+        "The 1-minute load average at the start → end of each round (the machine has "
+        f"{results['machine']['nproc']} CPUs and is shared), and how far the kernel's reclaim "
+        f"counters ({', '.join(RECLAIM_KEYS)}) moved during each part; over the whole run: "
+        + " / ".join(f"{total.get(k, 0):,}" for k in RECLAIM_KEYS)
+        + ". Moving counters mean memory pressure slowed page-cache writes, the floors' and the "
+        "systems' alike. Before each system the run waited for the kernel's dirty and writeback "
+        f"pages to fall under {SETTLE_BELOW_BYTES >> 20} MiB, at most as long as the disk takes "
+        f"to write the state at {SETTLE_BYTES_PER_S / 1e6:g} MB/s; a wait that ran out means "
+        "other writes kept the disk busy.",
+        table(["part", "load average per round", " / ".join(RECLAIM_KEYS),
+               "disk settle before a system: median (max) s"], rows))
 
 
 def _settled(rounds: Optional[list]) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import ranks
-from .markdown import factor, median_range, table
+from .markdown import factor, median_range, section, table
 from .measure import log, ratio_spread, spread, timed
 from .registry import DCP_SAVE, OURS_ASYNC, SHARDED_SYSTEMS
 from .rounds import FloorHook, run_rounds
@@ -129,10 +129,6 @@ def loads(block: dict) -> dict:
 
 
 def render(block: dict) -> str:
-
-    def ratio(entry: Optional[dict]) -> str:
-        return "–" if entry is None else median_range(entry, fmt=factor)
-
     save_rows, floor_notes = [], []
     for world, w in block["save"].items():
         floors = w["floors"]
@@ -147,22 +143,21 @@ def render(block: dict) -> str:
             cells = [world, name]
             for key in ("blocking", "to_commit"):
                 by_peer = s.get(f"{key}_x_dcp", {})
-                cells += [f"{median_range(s[f'{key}_s'])} · {ratio(s[f'{key}_x_floor'])}",
-                          " / ".join(ratio(by_peer.get(p)) for p in PEERS) if s["ours"] else "–"]
+                cells += [f"{median_range(s[f'{key}_s'])} · "
+                          f"{median_range(s[f'{key}_x_floor'], fmt=factor)}",
+                          " / ".join(median_range(by_peer.get(p), fmt=factor) for p in PEERS)
+                          if s["ours"] else "–"]
             cells.append(" + ".join(f"{b / 1e6:.3g}" for b in s["bytes_per_rank"]))
             save_rows.append(cells)
-    restore_rows = []
-    for r in block["restore"].values():
-        cells = [f"{r['saved_at']} → {r['restored_at']}"]
-        for name in (OURS, DCP_LOAD):
-            s = r["systems"][name]
-            cells.append(median_range(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})")
-        restore_rows.append(cells + [ratio(r["x_dcp"])])
+    restore_rows = [[f"{r['saved_at']} → {r['restored_at']}",
+                     *(median_range(s["restore_s"]) if s["available"] else f"n/a ({s['reason']})"
+                       for s in (r["systems"][OURS], r["systems"][DCP_LOAD])),
+                     median_range(r["x_dcp"], fmt=factor)] for r in block["restore"].values()]
     first = next(iter(block["save"].values()))
     peers = " / ".join(f"×DCP {p.split('(')[1].split()[0]}" for p in PEERS)  # ×DCP default...
-    return "\n".join([
-        f"### Sharded state (FSDP2) under torchrun (gloo), {first['state_bytes'] / 1e6:.3g} MB "
-        "across the ranks", "",
+    return section(
+        f"Sharded state (FSDP2) under torchrun (gloo), {first['state_bytes'] / 1e6:.3g} MB "
+        "across the ranks",
         "An MLP + AdamW `fully_shard`-ed over a CPU mesh, registered through "
         "`get_state_dict`/`set_state_dict` (DTensors): every rank writes only its pieces. Medians "
         f"(min–max) of {first['rounds']} interleaved rounds, one measured snapshot per system "
@@ -171,16 +166,16 @@ def render(block: dict) -> str:
         "time to commit runs from rank 0's call until rank 0 sees the snapshot committed, every "
         "rank's part durable (×floor: the fastest way to make the whole state's bytes "
         "durable, its way per round in parentheses). Floors: "
-        + "; ".join(floor_notes) + ".", "",
+        + "; ".join(floor_notes) + ".",
         table(["ranks", "system", "blocking s (min–max) · ×copy", f"blocking {peers}",
                "time to commit s (min–max) · ×disk floor", f"time to commit {peers}",
-               "MB written per rank"], save_rows), "",
+               "MB written per rank"], save_rows),
         "Restoring on another world size (warm page cache), into the live model and optimizer "
         "laid out for the new world size: async_ckpt `engine.restore()` of its snapshot against "
         "DCP `load` of a `dcp.save` of the same state at the same world size; the slowest "
-        "rank's time, a warm-up restore first in every round.", "",
+        "rank's time, a warm-up restore first in every round.",
         table(["saved at → restored at (ranks)", f"{OURS} restore s (min–max)",
-               f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows)])
+               f"{DCP_LOAD} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows))
 
 
 # --- the worker (one per rank, under torchrun) -------------------------------------------------------

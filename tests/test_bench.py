@@ -328,6 +328,17 @@ def test_render_from_saved_results(quick_run, tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_the_committed_report_is_what_the_renderer_makes_of_the_committed_results():
+    """The golden check of a refactoring of the report: rendering the committed results.json
+    gives the committed report.md byte for byte (re-rendered whenever the renderer changes)."""
+    from bench import report
+
+    with open(os.path.join(REPO, COMMITTED_RESULTS, "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    with open(os.path.join(REPO, COMMITTED_RESULTS, "report.md"), encoding="utf-8") as f:
+        assert report.render(results, image_dir=COMMITTED_RESULTS) == f.read()
+
+
 def test_options():
     args = parse_args(["--quick", "--sizes", "0.01,0.02", "--bf16-sizes", "", "--ks", "10,1"])
     assert args.sizes == (0.01, 0.02) and args.bf16_sizes == () and args.ks == (1, 10)
