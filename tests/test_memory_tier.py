@@ -333,10 +333,10 @@ def memory(data: bytes):
     return fd
 
 
-def hold(sock, fd, step, buffer=0, storages=((0, 100),)):
+def hold(sock, fd, step, buffer=0, storages=((0, 100),), checksums=None):
     send(sock, {"type": "hold", "buffer": buffer, "step": step, "tree": {"kind": "dict",
                                                                          "entries": {}},
-                "layout": layout_message(list(storages), [])}, fd)
+                "layout": layout_message(list(storages), []), "xxh3": checksums}, fd)
 
 
 def test_the_keeper_exits_after_its_idle_timeout_with_no_trainer(keeper):
@@ -454,6 +454,33 @@ def test_a_slot_handed_over_again_is_sealed_from_what_it_holds_now(keeper):
     assert not trainer.mapped and keeper.held_bytes() == 100  # the sealed one is still held
     for fd in (slot, other):
         os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["made by the copy", "one too few", "not a checksum"])
+def test_a_hold_with_its_checksums_is_sealed_without_reading_it(keeper, monkeypatch, how):
+    """The trainer's copy checksums what it copies (``StagingPool.start(checksums=True)``): the
+    keeper takes those (the seal then reads nothing of the slot, which cost a memory snapshot
+    most of its CPU), and makes its own where a hold's are not one per chunk."""
+    sock, _ = attach(keeper)
+    data = os.urandom(CHUNK_BYTES + 100)
+    expected = [checksum(data[:CHUNK_BYTES]), checksum(data[CHUNK_BYTES:])]
+    given = {"made by the copy": expected, "one too few": expected[:1],
+             "not a checksum": [expected[0], "X" * 16]}[how]
+    mapped = []
+    real = type(keeper).mapping
+    monkeypatch.setattr(type(keeper), "mapping",
+                        lambda self, s: (mapped.append(s.step), real(self, s))[1])
+    fd = memory(data)
+    hold(sock, fd, step=3, storages=((0, len(data)),), checksums=[given])
+    keeper.poll(0)
+    assert receive(sock)[0]["type"] == "sealed"
+    assert mapped == ([] if how == "made by the copy" else [3])
+    send(sock, {"type": "query"})
+    keeper.poll(0)
+    answer, held = receive(sock)
+    assert answer["storages"][0]["xxh3"] == expected
+    os.close(held)
+    os.close(fd)
 
 
 def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):

@@ -147,10 +147,16 @@ def index_budget(data_bytes: int) -> int:
 
 
 def checksum(*buffers) -> str:
-    h = xxhash.xxh3_64()
+    h = checksummer()
     for b in buffers:
         h.update(b)
     return h.hexdigest()
+
+
+def checksummer() -> "xxhash.xxh3_64":
+    """A running ``checksum``: ``update`` it with pieces in order, and its ``hexdigest()`` is
+    ``checksum`` of them all (for a copy that checksums each piece as it goes)."""
+    return xxhash.xxh3_64()
 
 
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")

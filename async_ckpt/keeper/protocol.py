@@ -209,6 +209,17 @@ def parse_layout(layout: Any, size: int) -> tuple[list[HeldStorage], list]:
     return storages, layout["tensors"]
 
 
+def with_checksums(storages: list[HeldStorage], checksums: Any) -> Optional[list[HeldStorage]]:
+    """``storages`` with the chunk checksums a hold carries (``xxh3``: made by the trainer's copy,
+    one list per storage, one per chunk), or None where it carries none, or not one per chunk
+    of every storage: then the keeper makes them."""
+    if not (isinstance(checksums, list) and len(checksums) == len(storages)
+            and all(isinstance(c, list) and len(c) == chunk_count(s.nbytes)
+                    and all(map(is_checksum, c)) for s, c in zip(storages, checksums))):
+        return None
+    return [HeldStorage(s.offset, s.nbytes, tuple(c)) for s, c in zip(storages, checksums)]
+
+
 def chunk_count(nbytes: int) -> int:
     return -(-nbytes // CHUNK_BYTES)
 

@@ -129,7 +129,8 @@ class SnapshotPipeline:
                                                               plan.tensors)
             if record.region is not None and record.region not in refer
             and record.region not in now and not t.is_inference()]
-        copy = self.pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
+        copy = self.pool.start(plan, sources, slot, skip=refer, background=lazy, now=now,
+                               checksums=to_memory)  # the keeper's seal then reads nothing
         prepared.sources = captured.tensors = []  # the live tensors: not kept past the copy
         self.pool.acquire(slot, writer=job is not None, keeper=to_memory)
         snapshot_job = None
@@ -147,7 +148,7 @@ class SnapshotPipeline:
     def hand_over(self, staged: Staged) -> None:
         """A copy that ended untouched: to the keeper, then the writer."""
         if staged.memory is not None:  # first: a writer gone must not keep the slot held
-            self._memory.hold(staged.slot, *staged.memory, staged.step)
+            self._memory.hold(staged.slot, *staged.memory, staged.step, staged.copy.checksums)
         if staged.job is not None:
             self._writer.submit(staged.job)
             if self._raw:
