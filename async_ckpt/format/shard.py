@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import xxhash
@@ -280,13 +280,19 @@ class ShardWriter:
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": [c.to_json() for c in chunks]})
 
-    def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
+    def add_storage(self, data: memoryview, itemsize: int, is_float: bool,
+                    checksums: Optional[Sequence[str]] = None, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
         version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``); from version 7 at a
         multiple of ``DIRECT_ALIGNMENT`` where the sink then writes it from ``data``'s memory
         straight to the disk, for a storage large enough (``DIRECT_BYTES``) to be worth the
-        padding."""
+        padding. ``checksums``: those of its ``CHUNK_BYTES`` chunks, made as ``data`` was staged
+        (``StagingPool.start``): where its chunks are stored raw, they are taken instead of
+        reading ``data`` again to make them."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
+        known = checksums if (checksums is not None and step == CHUNK_BYTES
+                              and self._encoders[0].compression is None
+                              and len(checksums) == -(-len(data) // step)) else None
         chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
@@ -297,8 +303,11 @@ class ShardWriter:
                 self._pad(alignment)
             else:  # where the previous storage ends is known once its chunks are written
                 self._pending.append((None, None, alignment))
-        for start in range(0, len(data), step):
+        for n, start in enumerate(range(0, len(data), step)):
             raw = data[start:start + step]
+            if known is not None:
+                self._add_known(chunks, raw, known[n])
+                continue
             if self._pool is None:
                 self._append(chunks, len(raw), *_encoded(self._encoders[0], raw, itemsize, is_float))
                 continue
@@ -309,6 +318,20 @@ class ShardWriter:
             self._encoding += 1
             self._pending.append((self._pool.submit(_encoded, encoder, raw, itemsize, is_float),
                                   chunks, len(raw)))
+
+    def _add_known(self, chunks: list, raw: memoryview, digest: str) -> None:
+        """A raw chunk whose checksum is known: written now, or after the chunks being encoded
+        before it (in order), its future done already (no encoder taken)."""
+        encoded = ({"codec": "raw"}, [raw], digest, 0.0)
+        if self._pool is None:
+            self._append(chunks, len(raw), *encoded)
+            return
+        while self._encoding >= len(self._encoders):
+            self._write_oldest()
+        done: Future = Future()
+        done.set_result(encoded)
+        self._encoding += 1  # in flight, as far as _write_oldest counts (never an encoder's)
+        self._pending.append((done, chunks, len(raw)))
 
     def _write_oldest(self) -> None:
         future, chunks, raw = self._pending.popleft()

@@ -129,8 +129,11 @@ class SnapshotPipeline:
                                                               plan.tensors)
             if record.region is not None and record.region not in refer
             and record.region not in now and not t.is_inference()]
+        # checksums made by the copy: the keeper's seal then reads nothing, nor does the writer
+        # for a chunk stored raw; a copy that blocks training (eager) makes them only for the
+        # keeper, whose seal would otherwise compete with training every step
         copy = self.pool.start(plan, sources, slot, skip=refer, background=lazy, now=now,
-                               checksums=to_memory)  # the keeper's seal then reads nothing
+                               checksums=to_memory or (lazy and self._raw))
         prepared.sources = captured.tensors = []  # the live tensors: not kept past the copy
         self.pool.acquire(slot, writer=job is not None, keeper=to_memory)
         snapshot_job = None
@@ -150,7 +153,7 @@ class SnapshotPipeline:
         if staged.memory is not None:  # first: a writer gone must not keep the slot held
             self._memory.hold(staged.slot, *staged.memory, staged.step, staged.copy.checksums)
         if staged.job is not None:
-            self._writer.submit(staged.job)
+            self._writer.submit(dataclasses.replace(staged.job, checksums=staged.copy.checksums))
             if self._raw:
                 self.pool.wrote(staged.slot, staged.step, staged.plan)
 

@@ -66,10 +66,10 @@ class Copy:
         self._digests = digests  # by region, filled in as the copy goes
 
     @property
-    def checksums(self) -> Optional[tuple[tuple[str, ...], ...]]:
+    def checksums(self) -> Optional[tuple[Optional[tuple[str, ...]], ...]]:
         """Each region's chunk checksums once ``wait`` returned, where the copy was asked for
-        them and made every one (a CUDA region, or one not copied, has none: then None)."""
-        if self.seconds is None or self._digests is None or None in self._digests:
+        them: None for a region it made none of (a CUDA region, one not copied)."""
+        if self.seconds is None or self._digests is None:
             return None
         return tuple(self._digests)
 

@@ -126,6 +126,9 @@ class SnapshotJob:
     # Sharded tensors: the index's ``dtensors`` records (docs/FORMAT.md 3.6), in tree order.
     dtensors: tuple[DTensorPiece, ...] = ()
     markers: tuple[Marker, ...] = ()  # written once the snapshot is committed
+    # By region of the plan: its chunk checksums, made as it was staged (None: not made, the
+    # writer makes them); taken where a chunk is stored raw, so the slot is not read for them.
+    checksums: Optional[tuple[Optional[tuple[str, ...]], ...]] = None
 
 
 @dataclass(frozen=True)

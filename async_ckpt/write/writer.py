@@ -248,7 +248,9 @@ class SnapshotWriter:
                                                          shard_file_name(self.rank), n))
                     else:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
-                                          region.itemsize, region.is_float, **fields)
+                                          region.itemsize, region.is_float,
+                                          None if job.checksums is None
+                                          else job.checksums[layout.written[n]], **fields)
             shard.flush()  # every chunk is read: only then may the buffer be released
             hashing_started = time.thread_time()
             replicas = [Replica(entry, owner, plan.regions[i].nbytes,
