@@ -421,20 +421,16 @@ class CheckpointEngine:
         except errors.CheckpointError as e:
             problem = e
         del newest  # its mapping lives as long as the tensors viewing it, no longer
-        answers = self._coordinator.gather(
-            (False, type(problem).__name__, str(problem)) if problem is not None
-            else (held is not None, None, None))
+        # each rank's outcome: its error itself (pickled with its class, as the writer's are), or
+        # whether it holds the step verified
+        answers = self._coordinator.gather(problem if problem is not None else held is not None)
         if problem is not None:
             raise problem
-        failed = [(r, name, text) for r, (_, name, text) in enumerate(answers) if name]
+        failed = [(r, e) for r, e in enumerate(answers) if isinstance(e, errors.CheckpointError)]
         if failed:
-            rank, name, text = failed[0]
-            error_type = getattr(errors, name, None)
-            if not (isinstance(error_type, type)
-                    and issubclass(error_type, errors.CheckpointError)):
-                error_type = errors.CheckpointError
-            raise error_type(f"rank {rank} cannot restore its memory snapshot: {text}")
-        if not all(ok for ok, _, _ in answers):
+            rank, error = failed[0]
+            raise type(error)(f"rank {rank} cannot restore its memory snapshot: {error}")
+        if not all(answers):
             if held is not None:
                 self._fall_back(f"another rank's memory snapshot of step {step} is unusable", 4)
             return None
@@ -473,8 +469,7 @@ class CheckpointEngine:
             return None
         held = received.held
         try:
-            loaded = read_held(held.tree, held.tensors,
-                               [(s.offset, s.nbytes, s.checksums) for s in held.storages],
+            loaded = read_held(held.tree, held.tensors, held.storages,
                                None if received.memory is None else memoryview(received.memory),
                                self.options.allow_pickle,
                                f"the memory tier's snapshot of step {held.step}")
@@ -661,7 +656,9 @@ class CheckpointEngine:
         (``snapshot()`` called to committed); ``committed_at`` (Unix time, as in the manifest);
         ``committed``; ``staged_bytes``, ``shard_bytes``, ``referred_bytes`` (incremental: not
         written, referred to in an earlier snapshot), ``raw_bytes``, ``stored_bytes``,
-        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``. Durations are seconds.
+        ``disk_free_bytes``; ``staging_gbps``, ``durable_gbps``; ``direct`` (the shard was
+        written with direct I/O: with ``direct_io``, False where the file system refused it).
+        Durations are seconds.
 
         The engine: ``in_flight`` (snapshots not yet committed); the counts ``committed``,
         ``failed``, ``skipped``, ``abandoned``, ``writer_behind``, ``consecutive_failures``

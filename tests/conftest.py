@@ -200,6 +200,8 @@ def connected_writer(tmp_path, rank=0, world_size=1):
     config = WriterConfig(root=str(tmp_path), rank=rank, world_size=world_size,
                           spread_replicated=False, reserve_bytes=0, compression=None, level=3,
                           keep_last=2, keep_every=None, commit_timeout=10.0, nice=0,
-                          low_io_priority=False, lock=str(tmp_path / "lock"), log_level=30)
+                          low_io_priority=False, lock=str(tmp_path / "lock"), log_level=30,
+                          remote=None, remote_options=None, remote_keep_last=1, own_root=False,
+                          direct_io=False)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     return Connection(ours.detach()), SnapshotWriter(Connection(theirs.detach()), config)

@@ -216,12 +216,14 @@ def test_no_module_outside_format_spells_out_a_tag_of_the_state_tree():
 # (docs/FORMAT.md 3.4 to 3.7): format/ parses them into records (format/records.py), and no other
 # module reads the parsed JSON by them.
 _INDEX_KEYS = {"storages", "chunks", "ref", "chunks_xxh3", "index_xxh3", "replicas", "dtensors",
-               "global_shape", "tensors", "storage", "offset", "dtype", "shape", "stride"}
+               "global_shape", "tensors", "tensor", "storage", "offset", "dtype", "shape",
+               "stride"}
 # Modules outside format/ with a message of their own that shares one of those keys.
 _OWN_FORMATS = {"async_ckpt.keeper.protocol": "a hold's layout and the keeper's answer carry its "
                 "'storages' (with their 'offset') and pass the tensor table on as 'tensors', "
                 "which read_held checks with the format's validator",
-                "async_ckpt.train.capture": "a group of tensors being planned has 'replicas'"}
+                "async_ckpt.train.capture": "a group of tensors being planned has 'replicas' and "
+                "its first 'tensor'"}
 
 
 def _index_key_uses(path: pathlib.Path) -> list[str]:

@@ -21,6 +21,7 @@ from async_ckpt.errors import (ChecksumMismatchError, CorruptSnapshotError, Inte
                                SnapshotWriteError)
 from async_ckpt.format.layout import Plan, Region, TensorRecord
 from async_ckpt.format.native import FORMATS
+from async_ckpt.format.records import Chunk
 from async_ckpt.format.shard import ChunkEncoder, ShardReader, ShardWriter, checksum
 from async_ckpt.storage import local
 from async_ckpt.storage.names import DATA_FILE, data_file_name, snapshot_dir_name
@@ -286,8 +287,8 @@ def crafted_shard(tmp_path, files, chunks_of, data=b"\0" * 128):
 
 
 def chunk(digest, **fields):
-    return [{"offset": 0, "stored": 64, "raw": 64, "xxh3": digest, "codec": "raw", "file": 0,
-             **fields}]
+    return [Chunk(**{"offset": 0, "stored": 64, "raw": 64, "xxh3": digest, "codec": "raw",
+                     "file": 0, **fields})]
 
 
 @pytest.mark.parametrize("files, fields, problem", [

@@ -215,7 +215,8 @@ def test_an_engine_on_a_file_system_that_refuses_direct_io_snapshots_through_the
                 model.weight.add_(step)
             engine.snapshot(step)
             engine.wait()
-        assert [s["step"] for s in engine.stats()["snapshots"]] == [1, 2, 3]
+        assert [(s["step"], s["direct"]) for s in engine.stats()["snapshots"]] == [
+            (1, False), (2, False), (3, False)]
     assert capfd.readouterr().err.count("refuses direct I/O") == 1
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     restored = torch.nn.Linear(1024, 1024)

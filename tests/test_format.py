@@ -23,7 +23,7 @@ from async_ckpt.errors import ChecksumMismatchError, CorruptSnapshotError, Unsup
 from async_ckpt.format.records import Chunk, Replica, StorageEntry, StoredTensor
 from async_ckpt.format.shard import (HEADER_SIZE, MAGIC, STORAGE_ALIGNMENT, TRAILER_MAGIC,
                                     TRAILER_SIZE, ChunkCache, ChunkEncoder, ShardReader,
-                                    ShardWriter, tensor_table, version_needed)
+                                    ShardWriter, checksum, tensor_table, version_needed)
 
 META = {"step": 7, "rank": 0}
 SMALL_CHUNK = 4096
@@ -911,6 +911,41 @@ def test_flush_and_abort_return_only_once_no_worker_reads_the_source(tmp_path):
     finished = len(reads)
     source[:] = bytes(len(source))  # the caller may reuse the memory now: nobody reads it
     assert len(reads) == finished and not (tmp_path / "rank-00000.ackpt").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_checksums_made_while_staging_are_taken_for_raw_chunks_only(tmp_path, monkeypatch,
+                                                                    workers, compression):
+    """A storage given its chunks' checksums (made by the staging copy) is not read for them
+    where its chunks are stored raw: what it was given is what the index holds (a wrong one is
+    then damage a read finds); zstd chunks are checksummed as encoded. Storages with and without
+    them, interleaved with chunks being encoded on workers, stay in order."""
+    import async_ckpt.format.shard as shard_module
+
+    monkeypatch.setattr(shard_module, "CHUNK_BYTES", SMALL_CHUNK)
+    data = [random_bytes(SMALL_CHUNK * 2 + 100, seed) for seed in range(3)]
+    given = [checksum(d[:SMALL_CHUNK]) for d in data]
+    fake = "0123456789abcdef"
+    path = str(tmp_path / "rank-00000.ackpt")
+    writer = ShardWriter(path, ChunkEncoder(compression), chunk_bytes=SMALL_CHUNK, version=7,
+                         workers=workers)
+    writer.add_storage(memoryview(data[0]), 1, False,
+                       checksums=[given[0], checksum(data[0][SMALL_CHUNK:2 * SMALL_CHUNK]), fake])
+    writer.add_storage(memoryview(data[1]), 1, False)
+    writer.add_storage(memoryview(data[2]), 1, False, checksums=[given[2]])  # not one a chunk
+    writer.finish(META)
+    with ShardReader(path) as reader:
+        for i, d in enumerate(data):
+            out = bytearray(len(d))
+            if compression is None and i == 0:
+                assert reader.storages[0].chunks[2].xxh3 == fake  # taken as given
+                with pytest.raises(ChecksumMismatchError):
+                    reader.read_storage(0, out)
+                continue
+            reader.read_storage(i, out)
+            assert out == d
+        assert (reader.verify() != []) == (compression is None)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

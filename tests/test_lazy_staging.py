@@ -38,10 +38,10 @@ def gate(monkeypatch):
     g = Gate()
     real_copy, real_wait = staging._copy_pieces, staging.Copy.wait
 
-    def held_copy(slot, pairs):
+    def held_copy(slot, regions, digests):
         if threading.current_thread().name.startswith("async_ckpt-stage"):  # not inline copies
             g.opened.wait(timeout=60)  # only a failing test waits that long: it fails, not hangs
-        return real_copy(slot, pairs)
+        return real_copy(slot, regions, digests)
 
     def noted_wait(self):
         g.waited.set()
@@ -227,9 +227,17 @@ def test_edits_at_random_moments_never_commit_a_torn_image(ckpt_dir, monkeypatch
             assert_same(saved(ckpt_dir, step), expected[step])
 
 
-def test_lazy_snapshots_commit_what_eager_ones_do(ckpt_dir, tmp_path):
-    """The same training, eager and lazy, commits the same bytes at every step."""
-    results = {}
+def test_lazy_snapshots_commit_what_eager_ones_do(ckpt_dir, tmp_path, monkeypatch):
+    """The same training, eager and lazy, commits the same bytes at every step, each read back
+    verified. A lazy copy checksums what it copies, and the writer's job carries those
+    checksums, which it takes instead of reading the slot again for them (an eager copy blocks
+    training, so it makes none)."""
+    from async_ckpt.write.client import WriterClient
+
+    results, jobs = {}, []
+    real_submit = WriterClient.submit
+    monkeypatch.setattr(WriterClient, "submit",
+                        lambda self, job: (jobs.append(job), real_submit(self, job))[1])
     for staging_kind in ("eager", "lazy"):
         model, opt, sched = make_training_state(seed=3)
         directory = str(tmp_path / staging_kind)
@@ -239,8 +247,10 @@ def test_lazy_snapshots_commit_what_eager_ones_do(ckpt_dir, tmp_path):
             for step in range(6):
                 train_step(model, opt, sched)
                 engine.snapshot(step)
-        results[staging_kind] = [load(directory, step)[1] for step in range(6)]
+        results[staging_kind] = [load(directory, step, verify=True)[1] for step in range(6)]
     assert_same(results["lazy"], results["eager"])
+    made = [job.checksums is not None and None not in job.checksums for job in jobs]
+    assert made == [False] * 6 + [True] * 6
 
 
 def test_staging_is_an_option_checked_at_construction(ckpt_dir):

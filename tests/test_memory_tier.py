@@ -27,7 +27,8 @@ from async_ckpt.errors import InsufficientMemoryError, MemoryTierError, StateMis
 from async_ckpt.format.shard import CHUNK_BYTES, checksum
 from async_ckpt.keeper.client import _mapped
 from async_ckpt.keeper.keeper import Keeper
-from async_ckpt.keeper.protocol import (MAGIC, Gone, HeldStorage, check_same_user, held_message,
+from async_ckpt.format.records import HeldStorage
+from async_ckpt.keeper.protocol import (MAGIC, Gone, check_same_user, held_message,
                                         keeper_address, layout_message, parse_held, receive, send)
 from conftest import assert_same, make_training_state, train_step
 
@@ -155,12 +156,12 @@ def test_a_rank_killed_under_torchrun_restarts_both_ranks_from_their_memory_snap
 
 def _second_rank(steps=None, verified=None):
     """A stand-in for the ranks' gather: a second rank answers the memory tier's questions (the
-    steps its keeper holds; then (verified, error type, error)) with ``steps`` and ``verified``
-    where given, and agrees with this rank on everything else."""
+    steps its keeper holds; then whether it verified its snapshot, or its error) with ``steps``
+    and ``verified`` where given, and agrees with this rank on everything else."""
     def gather(mine):
         if isinstance(mine, list) and steps is not None:
             return [mine, steps]
-        if isinstance(mine, tuple) and len(mine) == 3 and verified is not None:
+        if mine is True and verified is not None:
             return [mine, verified]
         return [mine, mine]
     return gather
@@ -222,12 +223,12 @@ def test_memory_snapshots_restore_verified_counted_and_fall_back_to_disk(tmp_pat
                 assert engine.restore() == 0
             assert_same(on_disk, _state_dicts(state))
             ranks.setattr(engine._coordinator, "gather", _second_rank(
-                verified=(False, None, None)))  # its snapshot of step 3 failed its checksums
+                verified=False))  # its snapshot of step 3 failed its checksums
             with pytest.warns(RuntimeWarning, match="another rank's memory snapshot of step 3 "
                               "is unusable: restoring from disk"):
                 assert engine.restore() == 0
             ranks.setattr(engine._coordinator, "gather", _second_rank(
-                verified=(False, "StateMismatchError", "it has no entry 'model'")))
+                verified=StateMismatchError("it has no entry 'model'")))
             with pytest.raises(StateMismatchError, match="rank 1 cannot restore its memory "
                                "snapshot: it has no entry 'model'"):
                 engine.restore()
@@ -332,10 +333,10 @@ def memory(data: bytes):
     return fd
 
 
-def hold(sock, fd, step, buffer=0, storages=((0, 100),)):
+def hold(sock, fd, step, buffer=0, storages=((0, 100),), checksums=None):
     send(sock, {"type": "hold", "buffer": buffer, "step": step, "tree": {"kind": "dict",
                                                                          "entries": {}},
-                "layout": layout_message(list(storages), [])}, fd)
+                "layout": layout_message(list(storages), []), "xxh3": checksums}, fd)
 
 
 def test_the_keeper_exits_after_its_idle_timeout_with_no_trainer(keeper):
@@ -453,6 +454,33 @@ def test_a_slot_handed_over_again_is_sealed_from_what_it_holds_now(keeper):
     assert not trainer.mapped and keeper.held_bytes() == 100  # the sealed one is still held
     for fd in (slot, other):
         os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["made by the copy", "one too few", "not a checksum"])
+def test_a_hold_with_its_checksums_is_sealed_without_reading_it(keeper, monkeypatch, how):
+    """The trainer's copy checksums what it copies (``StagingPool.start(checksums=True)``): the
+    keeper takes those (the seal then reads nothing of the slot, which cost a memory snapshot
+    most of its CPU), and makes its own where a hold's are not one per chunk."""
+    sock, _ = attach(keeper)
+    data = os.urandom(CHUNK_BYTES + 100)
+    expected = [checksum(data[:CHUNK_BYTES]), checksum(data[CHUNK_BYTES:])]
+    given = {"made by the copy": expected, "one too few": expected[:1],
+             "not a checksum": [expected[0], "X" * 16]}[how]
+    mapped = []
+    real = type(keeper).mapping
+    monkeypatch.setattr(type(keeper), "mapping",
+                        lambda self, s: (mapped.append(s.step), real(self, s))[1])
+    fd = memory(data)
+    hold(sock, fd, step=3, storages=((0, len(data)),), checksums=[given])
+    keeper.poll(0)
+    assert receive(sock)[0]["type"] == "sealed"
+    assert mapped == ([] if how == "made by the copy" else [3])
+    send(sock, {"type": "query"})
+    keeper.poll(0)
+    answer, held = receive(sock)
+    assert answer["storages"][0]["xxh3"] == expected
+    os.close(held)
+    os.close(fd)
 
 
 def test_hostile_frames_drop_their_connection_and_nothing_else(keeper):

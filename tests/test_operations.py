@@ -103,9 +103,9 @@ def test_heartbeat_is_written_from_snapshot_calls_and_rate_limited(ckpt_dir):
     with CheckpointEngine(ckpt_dir, {"t": torch.zeros(1)}, every=10, heartbeat_interval=3600) as engine:
         for step in range(5, 8):
             engine.snapshot(step)
-        assert [b["step"] for b in read_heartbeats(ckpt_dir)] == [5]  # one beat per interval
+        assert [b.step for b in read_heartbeats(ckpt_dir)] == [5]  # one beat per interval
     closed, = read_heartbeats(ckpt_dir)  # and close() writes its last one at once
-    assert closed["step"] == 7 and closed["closed"] is True
+    assert closed.step == 7 and closed.closed is True
 
 
 def test_heartbeat_can_be_turned_off(ckpt_dir):
@@ -159,4 +159,4 @@ def test_heartbeats_go_on_while_the_engine_waits_for_a_slow_commit(ckpt_dir, mon
 
         monkeypatch.setattr(engine._writer, "next_event", slow_writer)
         engine.wait()
-        assert [b["step"] for b in read_heartbeats(ckpt_dir)] == [4]
+        assert [b.step for b in read_heartbeats(ckpt_dir)] == [4]

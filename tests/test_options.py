@@ -153,6 +153,9 @@ def test_the_writer_settings_are_the_writer_config_less_what_the_session_decides
     session = {"root", "own_root", "lock", "log_level"}
     assert settings.keys() | session == {f.name for f in dataclasses.fields(WriterConfig)}
     assert not settings.keys() & session
+    # no second default to drift from the option's (remote_keep_last's was 1 here, 3 there)
+    assert [f.name for f in dataclasses.fields(WriterConfig)
+            if f.default is not dataclasses.MISSING] == []
     assert (settings["nice"], settings["low_io_priority"], settings["rank"]) == (10, False, 0)
     assert settings["remote_keep_last"] == 3 and settings["remote_options"] == {"region": "x"}
 

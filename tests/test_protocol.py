@@ -49,7 +49,8 @@ def config(**changes):
     settings = dict(root="/ckpt", rank=1, world_size=4, spread_replicated=True,
                     commit_timeout=120.0, keep_last=3, keep_every=None, compression="zstd",
                     level=1, reserve_bytes=0, nice=10, low_io_priority=True,
-                    lock="/ckpt/.lock.rank00001", log_level=20)
+                    lock="/ckpt/.lock.rank00001", log_level=20, remote=None,
+                    remote_options=None, remote_keep_last=1, own_root=False, direct_io=False)
     return WriterConfig(**{**settings, **changes})
 
 

@@ -74,6 +74,7 @@ def test_a_restore_right_after_a_snapshot_reads_no_data_from_disk(ckpt_dir, dire
         expected = {k: v.clone() for k, v in registered["model"].state_dict().items()}
         expected_moments = [s["exp_avg"].clone() for s in registered["optimizer"].state.values()]
         raw_bytes = engine.stats()["snapshots"][-1]["raw_bytes"]
+        assert engine.stats()["snapshots"][-1]["direct"] is direct_io
         path = shard_path(ckpt_dir, 1)
         with open(path, "r+b") as f:  # zeros over the middle of the data, on disk
             f.seek(os.path.getsize(path) // 3)

@@ -11,6 +11,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from async_ckpt.train.capture import Planner, capture
 from async_ckpt.errors import EncodingError, LayoutError
 from async_ckpt.format.layout import ALIGNMENT
+from async_ckpt.format.shard import checksum
+from async_ckpt.train import staging
 from async_ckpt.train.staging import StagingPool
 
 
@@ -103,6 +105,37 @@ def test_staging_copies_every_region_and_reuses_the_slot(tmp_path):
     finally:
         pool.close()
     assert all(s.fd == -1 and s.nbytes == 0 for s in pool.slots)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["lazy", "eager"])
+def test_a_copy_with_checksums_checksums_each_chunk_of_each_region_as_copied(monkeypatch,
+                                                                           background):
+    """What the memory tier's keeper would make of the slot, made while copying, in pieces
+    (small ones here, so that a chunk spans several and a region several chunks)."""
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(staging, "HASH_PIECE_BYTES", 1000)
+    pool = StagingPool(1)
+    try:
+        tensors = [torch.randn(3000), torch.arange(7, dtype=torch.int16), torch.zeros(0)]
+        plan, sources = Planner().plan(tensors)
+        slot = pool.free_slot()
+        pool.fit(slot, plan, pin=False)
+        copy = pool.start(plan, sources, slot, background=background, checksums=True)
+        assert copy.checksums is None  # not before the copy is waited for
+        copy.wait()
+        memory = slot.tensor.numpy()
+        assert copy.checksums == tuple(
+            tuple(checksum(memory[r.offset + at:r.offset + min(at + 4096, r.nbytes)])
+                  for at in range(0, r.nbytes, 4096)) for r in plan.regions)
+        assert [len(c) for c in copy.checksums][:1] == [3]  # 12000 bytes: 3 chunks
+        for region, tensor in zip(plan.regions, tensors):
+            assert bytes(_slot_bytes(slot, region).numpy()) == tensor.numpy().tobytes()
+        skipping = pool.start(plan, sources, slot, skip={1}, checksums=True)
+        skipping.wait()
+        assert skipping.checksums == (copy.checksums[0], None)  # region 1 was not copied
+        assert pool.start(plan, sources, slot).wait() >= 0
+    finally:
+        pool.close()
 
 
 def test_a_slot_is_free_once_the_writer_and_the_keeper_each_released_it():

@@ -29,9 +29,10 @@ import json
 import math
 import pickle
 import struct
+import sys
 import zipfile
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy
 
@@ -40,7 +41,7 @@ from ..storage.names import DATA_FILE_SUFFIXES
 from . import tree as tree_model
 from .tree import RNG_KEY, Leaf
 from .manifest import SnapshotRecord
-from .records import ITEMSIZES
+from .records import ITEMSIZES, StoredTensor
 from .references import References
 
 ARCHIVE = "archive"
@@ -162,21 +163,22 @@ Pieces = Callable[[int], Iterator[memoryview]]
 
 
 class NativeFile:
-    """A ``Derived`` of a snapshot whose index (``storages`` sizes, ``tensors``, ``tree``,
-    ``byteorder``) is ``index``, laid out: what it holds, and which storages it holds whole, in
-    one piece of the file each (``whole``), so that the file can be a shard's data file: its
-    bytes are those storages' chunks (docs/FORMAT.md 3.8). Raises LayoutError for a snapshot the
-    format cannot hold."""
+    """A ``Derived`` of a snapshot whose storages have ``sizes`` bytes, its tensor table
+    ``tensors`` and state tree ``tree``, laid out: what it holds, and which storages it holds
+    whole, in one piece of the file each (``whole``), so that the file can be a shard's data
+    file: its bytes are those storages' chunks (docs/FORMAT.md 3.8). Raises LayoutError for a
+    snapshot the format cannot hold."""
 
-    def __init__(self, index: dict, derived: Derived, where: str) -> None:
+    def __init__(self, sizes: Sequence[int], tensors: Sequence[StoredTensor], tree: Any,
+                 derived: Derived, where: str) -> None:
         if derived.entry is not None:
             where = f"{where} entry {derived.entry!r}"
-        storages = [_Storage(str(n), s["nbytes"]) for n, s in enumerate(index["storages"])]
-        state = _state(index, storages, derived.entry, where)
+        storages = [_Storage(str(n), nbytes) for n, nbytes in enumerate(sizes)]
+        state = _state(tree, tensors, storages, derived.entry, where)
         self.derived = derived
-        if derived.format == "torch":
+        if derived.format == "torch":  # a shard's byte order is this machine's (its validator)
             self._layout: _TorchLayout | _SafetensorsLayout = _TorchLayout(
-                state, index["byteorder"], derived.record)
+                state, sys.byteorder, derived.record)
         else:
             self._layout = _SafetensorsLayout(state, where)
         self.whole = self._layout.whole
@@ -195,7 +197,6 @@ def write_committed(out: BinaryIO, references: References, record: SnapshotRecor
     refers to) and verified, a chunk at a time. A snapshot the format cannot hold raises
     LayoutError."""
     reader = references.open(record.dir, rank)
-    index = reader.index
 
     def pieces(n: int) -> Iterator[memoryview]:
         entry = reader.storages[n]
@@ -204,14 +205,16 @@ def write_committed(out: BinaryIO, references: References, record: SnapshotRecor
             return source.storage_pieces(i)
         return reader.storage_pieces(n)
 
-    NativeFile(index, derived, reader.path).write(out, pieces)
+    NativeFile([s.nbytes for s in reader.storages], reader.tensors, reader.tree, derived,
+               reader.path).write(out, pieces)
 
 
-def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: str) -> Any:
+def _state(tree: Any, records: Sequence[StoredTensor], storages: list[_Storage],
+           entry: Optional[str], where: str) -> Any:
     """The snapshot's state as the values a file holds (without the engine's RNG entry), or
     only its top-level ``entry``."""
     empty = _Storage(str(len(storages)), 0)
-    tensors = [_tensor(record, storages, empty, where) for record in index["tensors"]]
+    tensors = [_tensor(record, storages, empty, where) for record in records]
 
     def leaf(kind: Leaf, v: Any) -> Any:
         if kind is Leaf.TENSOR:
@@ -225,7 +228,6 @@ def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: s
         raise LayoutError(f"{where} holds sharded tensors (DTensor): a framework's file "
                           "holds whole tensors only")
 
-    tree = index["tree"]
     if entry is not None:  # only that entry is rebuilt: the others may hold sharded tensors
         tree = tree_model.only(tree, entry)
         if tree is None:
@@ -235,17 +237,14 @@ def _state(index: dict, storages: list[_Storage], entry: Optional[str], where: s
     return root.plain() if entry is None else root.value[entry].plain()
 
 
-def _tensor(record: dict, storages: list[_Storage], empty: _Storage, where: str) -> _Tensor:
-    if "rank" in record:
+def _tensor(record: StoredTensor, storages: list[_Storage], empty: _Storage,
+            where: str) -> _Tensor:
+    if record.rank is not None:
         raise LayoutError(f"{where} refers to another rank's storage: a framework's file holds "
                           "one process's state")
-    dtype = record["dtype"]
-    if dtype not in ITEMSIZES:
-        raise LayoutError(f"{where} holds a tensor of dtype {dtype}, whose element size this "
-                          "release does not know: it cannot be written in a framework's format")
-    storage = empty if record["storage"] is None else storages[record["storage"]]
-    return _Tensor(storage, record["offset"] // ITEMSIZES[dtype], tuple(record["shape"]),
-                   tuple(record["stride"]), dtype)
+    storage = empty if record.storage is None else storages[record.storage]
+    return _Tensor(storage, record.offset // record.itemsize, record.shape, record.stride,
+                   record.dtype)
 
 
 # --- torch's format ------------------------------------------------------------------------------

@@ -4,15 +4,15 @@ The index is JSON; ``shard._validate_index`` checks it and builds these records 
 tensor table: ``shard.tensor_table``, when first asked for), so a record that exists describes
 a valid part of a file that was checked. Readers outside
 format/ use the records, never the parsed dicts: the keys of the file are known here and in the
-validator only. The writer still writes the dicts (``ShardWriter``), so the bytes on disk are
-exactly what they were.
+validator only. The write side builds the same records and writes their ``to_json`` (the keys
+in the order they always had), so the bytes on disk are exactly what they were.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from .layout import span_bytes
 
@@ -45,6 +45,13 @@ class Chunk:
     def of(cls, c: dict) -> "Chunk":
         return cls(c["offset"], c["stored"], c["raw"], c["codec"], c["xxh3"], c.get("file"),
                    tuple((codec, length) for codec, length in c.get("planes", ())))
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it (keys in the order shards have them)."""
+        return {"offset": self.offset, "stored": self.stored, "raw": self.raw, "xxh3": self.xxh3,
+                "codec": self.codec,
+                **({"planes": [[codec, n] for codec, n in self.planes]} if self.planes else {}),
+                **({} if self.file is None else {"file": self.file})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,3 +171,28 @@ class DTensorPiece:
     @classmethod
     def of(cls, d: dict) -> "DTensorPiece":
         return cls(d["key"], d["dtype"], tuple(d["global_shape"]), tuple(d["offset"]), d["tensor"])
+
+    def to_json(self) -> dict:
+        """The index's form of it, as ``of`` reads it."""
+        return {"key": self.key, "dtype": self.dtype, "global_shape": list(self.global_shape),
+                "offset": list(self.offset), "tensor": self.tensor}
+
+
+@dataclass(frozen=True, slots=True)
+class HeldStorage:
+    """A storage's bytes in a staging slot the memory tier's keeper holds: ``nbytes`` at
+    ``offset``, with the xxh3-64 checksum of each ``CHUNK_BYTES`` piece (the keeper's, made when
+    it sealed the snapshot)."""
+    offset: int
+    nbytes: int
+    checksums: tuple[str, ...] = ()
+
+
+class DataFile(NamedTuple):
+    """A data file of a shard (``files``, version 6, docs/FORMAT.md 3.8): ``name`` beside the
+    shard, of ``size`` bytes."""
+    name: str
+    size: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.size}

@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import xxhash
@@ -35,8 +35,8 @@ import zstandard
 
 from . import filters, values
 from .layout import DIRECT_BYTES, span_bytes
-from .records import (ITEMSIZES, Chunk, DTensorPiece, Replica, StorageEntry, StoredTensor,
-                      raw_bytes)
+from .records import (ITEMSIZES, Chunk, DataFile, DTensorPiece, Replica, StorageEntry,
+                      StoredTensor, raw_bytes)
 from ..checks import is_int, short_repr
 from ..storage.names import (DATA_FILE, MAX_DATA_FILES, SHARD_FILE, SNAPSHOT_DIR, checked_name,
                              data_files_of)
@@ -80,10 +80,10 @@ def version_needed(uses_references: bool, refers_to_snapshots: bool = False,
             else 4 if sharded else 3 if refers_to_snapshots else 2 if uses_references else 1)
 
 
-def data_files(index: dict) -> list[tuple[str, int]]:
-    """The (name, size) of a (validated) index's data files (version 6): the files beside its
-    shard that a snapshot holds, which only the index names (never a listing)."""
-    return [(f["name"], f["bytes"]) for f in index.get("files", ())]
+def data_files(index: dict) -> list[DataFile]:
+    """A (validated) index's data files (version 6): the files beside its shard that a snapshot
+    holds, which only the index names (never a listing)."""
+    return [DataFile(f["name"], f["bytes"]) for f in index.get("files", ())]
 
 
 def data_file_problems(index: dict, listing: dict[str, int], where: str) -> list[str]:
@@ -147,10 +147,16 @@ def index_budget(data_bytes: int) -> int:
 
 
 def checksum(*buffers) -> str:
-    h = xxhash.xxh3_64()
+    h = checksummer()
     for b in buffers:
         h.update(b)
     return h.hexdigest()
+
+
+def checksummer() -> "xxhash.xxh3_64":
+    """A running ``checksum``: ``update`` it with pieces in order, and its ``hexdigest()`` is
+    ``checksum`` of them all (for a copy that checksums each piece as it goes)."""
+    return xxhash.xxh3_64()
 
 
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
@@ -265,22 +271,28 @@ class ShardWriter:
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
                                "ref": ref})
 
-    def add_stored(self, nbytes: int, itemsize: int, is_float: bool, chunks: list[dict],
+    def add_stored(self, nbytes: int, itemsize: int, is_float: bool, chunks: Sequence[Chunk],
                    **extra) -> None:
         """Append a storage whose raw chunks were written into a data file (``chunks``, each with
         its ``file``); nothing is written here. Version 6 only."""
         if self.version < 6:
             raise ValueError(f"shard format version {self.version} keeps no data files")
         self._storages.append({"nbytes": nbytes, "itemsize": itemsize, "float": is_float,
-                               **extra, "chunks": chunks})
+                               **extra, "chunks": [c.to_json() for c in chunks]})
 
-    def add_storage(self, data: memoryview, itemsize: int, is_float: bool, **extra) -> None:
+    def add_storage(self, data: memoryview, itemsize: int, is_float: bool,
+                    checksums: Optional[Sequence[str]] = None, **extra) -> None:
         """Append one storage; ``extra`` fields go into its index entry (e.g. ``replica``). From
         version 5 its first chunk is aligned (``STORAGE_ALIGNMENT``); from version 7 at a
         multiple of ``DIRECT_ALIGNMENT`` where the sink then writes it from ``data``'s memory
         straight to the disk, for a storage large enough (``DIRECT_BYTES``) to be worth the
-        padding."""
+        padding. ``checksums``: those of its ``CHUNK_BYTES`` chunks, made as ``data`` was staged
+        (``StagingPool.start``): where its chunks are stored raw, they are taken instead of
+        reading ``data`` again to make them."""
         step = self._chunk_bytes - self._chunk_bytes % itemsize
+        known = checksums if (checksums is not None and step == CHUNK_BYTES
+                              and self._encoders[0].compression is None
+                              and len(checksums) == -(-len(data) // step)) else None
         chunks: list[dict] = []
         self._storages.append({"nbytes": len(data), "itemsize": itemsize, "float": is_float,
                                **extra, "chunks": chunks})
@@ -291,8 +303,11 @@ class ShardWriter:
                 self._pad(alignment)
             else:  # where the previous storage ends is known once its chunks are written
                 self._pending.append((None, None, alignment))
-        for start in range(0, len(data), step):
+        for n, start in enumerate(range(0, len(data), step)):
             raw = data[start:start + step]
+            if known is not None:
+                self._add_known(chunks, raw, known[n])
+                continue
             if self._pool is None:
                 self._append(chunks, len(raw), *_encoded(self._encoders[0], raw, itemsize, is_float))
                 continue
@@ -303,6 +318,20 @@ class ShardWriter:
             self._encoding += 1
             self._pending.append((self._pool.submit(_encoded, encoder, raw, itemsize, is_float),
                                   chunks, len(raw)))
+
+    def _add_known(self, chunks: list, raw: memoryview, digest: str) -> None:
+        """A raw chunk whose checksum is known: written now, or after the chunks being encoded
+        before it (in order), its future done already (no encoder taken)."""
+        encoded = ({"codec": "raw"}, [raw], digest, 0.0)
+        if self._pool is None:
+            self._append(chunks, len(raw), *encoded)
+            return
+        while self._encoding >= len(self._encoders):
+            self._write_oldest()
+        done: Future = Future()
+        done.set_result(encoded)
+        self._encoding += 1  # in flight, as far as _write_oldest counts (never an encoder's)
+        self._pending.append((done, chunks, len(raw)))
 
     def _write_oldest(self) -> None:
         future, chunks, raw = self._pending.popleft()
@@ -320,8 +349,8 @@ class ShardWriter:
     def _append(self, chunks: list, raw: int, fields: dict, buffers: list, digest: str,
                 cpu_s: float) -> None:
         self.encode_cpu_s += cpu_s
-        chunks.append({"offset": self._offset, "stored": sum(len(b) for b in buffers), "raw": raw,
-                       "xxh3": digest, **fields})
+        chunks.append(Chunk(self._offset, sum(len(b) for b in buffers), raw, fields["codec"],
+                            digest, planes=tuple(map(tuple, fields.get("planes", ())))).to_json())
         self._write(buffers)
 
     def flush(self) -> None:
@@ -429,8 +458,8 @@ class ShardReader:
                 self.index.get("world_size")) == (step, rank, world_size)
 
     @functools.cached_property
-    def data_files(self) -> tuple[tuple[str, int], ...]:
-        """The (name, size) of its data files (version 6), which only its index names."""
+    def data_files(self) -> tuple[DataFile, ...]:
+        """Its data files (version 6), which only its index names."""
         return tuple(data_files(self.index))
 
     @property

@@ -474,9 +474,9 @@ class AccelerateEngine(CheckpointEngine):
         pointer = None if input_dir is None else read_pointer(os.path.expanduser(input_dir))
         if (pointer is not None and not (load_kwargs or load_model_func_kwargs
                                          or self._accelerator._load_model_state_pre_hook)
-                and os.path.realpath(pointer[0]) == os.path.realpath(self.directory)
-                and pointer[1] in self.committed_steps()):
-            self.restore(pointer[1])
+                and os.path.realpath(pointer.directory) == os.path.realpath(self.directory)
+                and pointer.step in self.committed_steps()):
+            self.restore(pointer.step)
             return
         Accelerator.load_state(self._accelerator, input_dir, load_kwargs,
                                **load_model_func_kwargs)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 from .. import CheckpointEngine, Derived, Marker, load
 from ..errors import CheckpointError, EncodingError, PointerFileError, UnsupportedOptionError
 from ..rng import GlobalRNG
-from .pointer import pointer_file, read_pointer
+from .pointer import Target, pointer_file, read_pointer
 from .lightning import (DATA_POSITION_LOST, LAST_LINK_DANGLES, _count_saves_in_flight_as_files,
                         _encodable_hparams, _is_mid_epoch, _loses_data_position,
                         _read_named_or_newest, _restored_hparams, _stop_counting_saves_in_flight,
@@ -394,8 +394,8 @@ class AsyncCkptModelParallelStrategy(ModelParallelStrategy):
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _pointer_or_error(path: str) -> Union[None, tuple[str, int], CheckpointError]:
-    """What the checkpoint directory at ``path`` names ((engine directory, step)), None for a
+def _pointer_or_error(path: str) -> Union[None, Target, CheckpointError]:
+    """What the checkpoint directory at ``path`` names, None for a
     checkpoint that is not ours, or the error a damaged pointer raises (to be shared)."""
     try:
         return read_pointer(path)

@@ -21,7 +21,7 @@ import json
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 from .. import MAX_STEP, Marker
 from ..errors import PointerFileError
@@ -143,8 +143,16 @@ def pointer_file(engine_directory: str, checkpoint: str, step: int) -> tuple[str
     return POINTER_NAME, Pointer(step, os.path.relpath(engine_directory, checkpoint)).to_bytes()
 
 
-def read_pointer(checkpoint: str) -> Optional[tuple[str, int]]:
-    """(engine directory, step) that directory ``checkpoint``'s pointer names; None when it has
+class Target(NamedTuple):
+    """What a checkpoint directory's pointer names: snapshot ``step`` of the engine in
+    ``directory``."""
+
+    directory: str
+    step: int
+
+
+def read_pointer(checkpoint: str) -> Optional[Target]:
+    """The target that directory ``checkpoint``'s pointer names; None when it has
     none (a directory the framework's own code wrote). Its ``async_ckpt.json`` being anything
     but a pointer (not a regular file, not ours) raises PointerFileError."""
     path = os.path.join(checkpoint, POINTER_NAME)
@@ -155,4 +163,4 @@ def read_pointer(checkpoint: str) -> Optional[tuple[str, int]]:
                                    "holding one): delete the directory, or load it with the "
                                    "framework's own code")
         return None
-    return pointer.engine_directory(checkpoint), pointer.step
+    return Target(pointer.engine_directory(checkpoint), pointer.step)

@@ -334,8 +334,8 @@ class AsyncCkptTrainer(Trainer):
                 pointer = read_pointer(checkpoint)
             except PointerFileError:
                 continue
-            if pointer is not None and os.path.realpath(pointer[0]) == here:
-                steps.add(pointer[1])
+            if pointer is not None and os.path.realpath(pointer.directory) == here:
+                steps.add(pointer.step)
         return steps
 
     def _finalize_training(self, trial, num_train_samples, start_time):

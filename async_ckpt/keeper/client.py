@@ -17,7 +17,7 @@ import socket
 import stat
 import subprocess
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from ..errors import MemoryTierError
 from ..format.layout import ALIGNMENT
@@ -142,11 +142,16 @@ class KeeperClient:
             raise
         return cls(sock, pid, step, held, started, process)
 
-    def hold(self, buffer: int, fd: int, step: int, tree: dict, layout: Optional[dict]) -> None:
+    def hold(self, buffer: int, fd: int, step: int, tree: dict, layout: Optional[dict],
+             checksums: Optional[Sequence[Sequence[str]]] = None) -> None:
         """Hand the keeper staged buffer ``buffer`` (``fd``, its memfd) of ``step``; ``layout``
-        (``protocol.layout_message``) when it differs from the last hold's. Raises ``Gone``."""
+        (``protocol.layout_message``) when it differs from the last hold's; ``checksums``: each
+        storage's chunk checksums where the copy made them (else the keeper does). Raises
+        ``Gone``."""
         send(self.sock, {"type": "hold", "buffer": buffer, "step": step, "tree": tree,
-                         "layout": layout}, fd)
+                         "layout": layout,
+                         "xxh3": None if checksums is None else [list(c) for c in checksums]},
+             fd)
 
     def events(self, timeout: Optional[float] = 0) -> list[KeeperEvent]:
         """What the keeper has answered so far: waits up to ``timeout`` seconds (None: until

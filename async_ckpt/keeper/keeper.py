@@ -42,9 +42,10 @@ from typing import Callable, Optional
 
 from ..checks import is_int, is_number
 from ..errors import MemoryTierError
+from ..format.records import HeldStorage
 from ..format.shard import CHUNK_BYTES, checksum
-from .protocol import (FRAME_TIMEOUT_S, KEEP_MAX, Gone, HeldStorage, check_same_user, held_message,
-                       keeper_address, parse_layout, receive, send)
+from .protocol import (FRAME_TIMEOUT_S, KEEP_MAX, Gone, check_same_user, held_message,
+                       keeper_address, parse_layout, receive, send, with_checksums)
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16
@@ -73,7 +74,8 @@ class _Trainer:
 @dataclass
 class _Snapshot:
     """A hold: the memfd, its size, the step, the state tree, the tensor records, the storages
-    (with checksums once sealed), and who handed it over (for the answer)."""
+    (with checksums once sealed: ``checksummed``, from the hold or made by the seal), and who
+    handed it over (for the answer)."""
 
     fd: int
     size: int
@@ -82,6 +84,7 @@ class _Snapshot:
     tree: dict
     tensors: list
     storages: list[HeldStorage]
+    checksummed: bool
     trainer: Optional[_Trainer] = field(default=None, repr=False)
 
 
@@ -315,15 +318,17 @@ class Keeper:
             superseded, self.pending = self.pending, None
             self._answer(superseded.trainer, {"type": "superseded", "buffer": superseded.buffer})
             self._release(superseded)
-        self.pending = _Snapshot(fd, size, buffer, step, message["tree"], tensors, storages,
-                                 trainer)
+        checksummed = with_checksums(storages, message.get("xxh3"))
+        self.pending = _Snapshot(fd, size, buffer, step, message["tree"], tensors,
+                                 checksummed or storages, checksummed is not None, trainer)
 
     def seal(self) -> None:
-        """Checksum the pending hold and hold it, letting go of sealed ones past ``keep``."""
+        """Checksum the pending hold (unless it came with its checksums) and hold it, letting go
+        of sealed ones past ``keep``."""
         snapshot, self.pending = self.pending, None
         if snapshot is None:
             return
-        if snapshot.size:
+        if snapshot.size and not snapshot.checksummed:
             memory, owned = self.mapping(snapshot)
             try:
                 with memoryview(memory) as view:

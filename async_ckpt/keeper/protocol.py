@@ -31,6 +31,7 @@ from typing import Any, Optional
 from ..checks import is_int
 from ..errors import MemoryTierError
 from ..format import values
+from ..format.records import HeldStorage
 from ..format.shard import CHUNK_BYTES, MAX_INDEX_BYTES, index_budget, is_checksum
 from ..storage.names import MAX_STEP
 
@@ -187,16 +188,6 @@ def _memory_size(fd: int) -> int:
 # --- what the messages hold ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HeldStorage:
-    """A storage's bytes in a staging slot: ``nbytes`` at ``offset``, with the xxh3-64 checksum
-    of each ``CHUNK_BYTES`` piece (the keeper's, made when it sealed the snapshot)."""
-
-    offset: int
-    nbytes: int
-    checksums: tuple[str, ...] = ()
-
-
 def layout_message(storages: list[tuple[int, int]], tensors: list[dict]) -> dict:
     """A hold's ``layout``: where each storage sits in the slot, and the tensor records
     (docs/FORMAT.md 3.5, ``storage`` numbering these storages)."""
@@ -216,6 +207,17 @@ def parse_layout(layout: Any, size: int) -> tuple[list[HeldStorage], list]:
             raise MemoryTierError("a hold's layout names bytes outside its memory")
         storages.append(HeldStorage(s[0], s[1]))
     return storages, layout["tensors"]
+
+
+def with_checksums(storages: list[HeldStorage], checksums: Any) -> Optional[list[HeldStorage]]:
+    """``storages`` with the chunk checksums a hold carries (``xxh3``: made by the trainer's copy,
+    one list per storage, one per chunk), or None where it carries none, or not one per chunk
+    of every storage: then the keeper makes them."""
+    if not (isinstance(checksums, list) and len(checksums) == len(storages)
+            and all(isinstance(c, list) and len(c) == chunk_count(s.nbytes)
+                    and all(map(is_checksum, c)) for s, c in zip(storages, checksums))):
+        return None
+    return [HeldStorage(s.offset, s.nbytes, tuple(c)) for s, c in zip(storages, checksums)]
 
 
 def chunk_count(nbytes: int) -> int:

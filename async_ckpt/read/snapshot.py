@@ -30,7 +30,7 @@ from ..format import tree as tree_model
 from ..format.tree import RNG_KEY, Entry, Leaf, NodeKind
 from ..format.manifest import Manifest, SnapshotRecord, read_manifest
 from ..format.layout import SlotCopy, align_up
-from ..format.records import DTensorPiece, StoredTensor, raw_bytes
+from ..format.records import DTensorPiece, HeldStorage, StoredTensor, raw_bytes
 from ..format.references import References
 from ..format.shard import (CHUNK_BYTES, MAX_DIMS, MAX_EXTENT, ShardReader, checksum,
                             tensor_table)
@@ -178,32 +178,33 @@ def _chunk_starts(chunks) -> list[int]:
     return starts
 
 
-def read_held(tree: Any, table: Any, storages: list[tuple[int, int, tuple[str, ...]]],
+def read_held(tree: Any, table: Any, storages: Sequence[HeldStorage],
               memory: Optional[memoryview], allow_pickle: bool, where: str) -> Entry:
     """A snapshot the memory tier's keeper held, as ``read_snapshot`` reads a shard: ``storages``
-    are (offset, bytes, the xxh3-64 of each ``CHUNK_BYTES`` piece) in ``memory`` (the keeper's
-    memfd, mapped privately, inside which they lie), ``table`` the tensor table over them
+    lie in ``memory`` (the keeper's memfd, mapped privately), ``table`` the tensor table over them
     (storage ``i`` of rank 0; checked as a shard's is), ``tree`` the state tree. Every chunk is
     checked before anything is built (ChecksumMismatchError, naming the tensors it holds); the
     tensors view ``memory``, lent (``Entry.borrowed``): the restore copies them once, into
     place."""
-    records = tensor_table(table, where, [nbytes for _, nbytes, _ in storages])
+    records = tensor_table(table, where, [s.nbytes for s in storages])
     held = _HeldBy(tree, records, 0)
 
     def check(i: int, at: int, end: int, expected: str) -> None:
         if checksum(memory[at:end]) != expected:
-            chunk = (at - storages[i][0]) // CHUNK_BYTES
+            chunk = (at - storages[i].offset) // CHUNK_BYTES
             raise ChecksumMismatchError(f"{where}: storage {i} chunk {chunk} "
                                         "fails its checksum (the memory changed after the "
                                         "keeper sealed it)")
 
-    _in_parallel([_naming(functools.partial(check, i, at, min(at + CHUNK_BYTES, offset + nbytes),
+    _in_parallel([_naming(functools.partial(check, i, at, min(at + CHUNK_BYTES,
+                                                              s.offset + s.nbytes),
                                             expected), held, (0, i))
-                  for i, (offset, nbytes, checksums) in enumerate(storages)
-                  for at, expected in zip(range(offset, offset + nbytes, CHUNK_BYTES), checksums)])
-    buffers = {(0, i): torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
-               if nbytes else torch.empty(0, dtype=torch.uint8)
-               for i, (offset, nbytes, _) in enumerate(storages)}
+                  for i, s in enumerate(storages)
+                  for at, expected in zip(range(s.offset, s.offset + s.nbytes, CHUNK_BYTES),
+                                          s.checksums)])
+    buffers = {(0, i): torch.frombuffer(memory[s.offset:s.offset + s.nbytes], dtype=torch.uint8)
+               if s.nbytes else torch.empty(0, dtype=torch.uint8)
+               for i, s in enumerate(storages)}
     tensors = [_tensor_from_record(t, buffers, 0, where, n) for n, t in enumerate(records)]
     root_entry = _rebuild(tree, tensors, [], allow_pickle, where)
     tensors.clear()  # as in read_snapshot: the tensors live as long as the entries, no longer

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import math
 import os
 import shlex
@@ -60,8 +59,8 @@ import psutil
 from .argtypes import DURATION_FORMS, duration_arg, int_arg
 from .common import (EXIT_CANNOT_RUN, EXIT_JOB_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_SIGNALLED,
                      EXIT_USAGE, SUPERVISE_EXIT_CODES_HELP)
-from ..checks import is_int, is_number
 from ..errors import PREEMPTED_EXIT_CODE, CheckpointError
+from ..format.heartbeat import HeartbeatRecord
 from ..format.manifest import SnapshotRecord, read_manifest
 from ..storage.local import LocalStorage
 
@@ -78,30 +77,18 @@ _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 # --- heartbeats --------------------------------------------------------------------------------
 
 
-def read_heartbeats(directory: str) -> list[dict]:
+def read_heartbeats(directory: str) -> list[HeartbeatRecord]:
     """Every rank's latest heartbeat under ``directory``, as the engine writes them
-    (``train/heartbeat.py``); unreadable or half-replaced files are skipped: the next beat
-    replaces them."""
-    beats = []
-    for data in LocalStorage(directory).heartbeats():
-        try:
-            beats.append(json.loads(data))
-        except (ValueError, RecursionError):
-            continue
-    return beats
+    (``train/heartbeat.py``); unreadable files and what is not a heartbeat (half replaced,
+    another program's) are skipped: the next beat replaces them."""
+    return [beat for beat in map(HeartbeatRecord.parse, LocalStorage(directory).heartbeats())
+            if beat is not None]
 
 
-def _fresh_beats(directory: str, since: float) -> dict[int, dict]:
+def _fresh_beats(directory: str, since: float) -> dict[int, HeartbeatRecord]:
     """``{rank: heartbeat}`` of the heartbeats under ``directory`` written at or after ``since``
-    (Unix time); files that are not a heartbeat (no integer ``rank`` and ``step``, no finite
-    ``time``) are left out."""
-    beats = {}
-    for beat in read_heartbeats(directory):
-        if (isinstance(beat, dict) and is_int(beat.get("rank")) and is_int(beat.get("step"))
-                and is_number(beat.get("time")) and math.isfinite(beat["time"])
-                and beat["time"] >= since):
-            beats[beat["rank"]] = beat
-    return beats
+    (Unix time)."""
+    return {beat.rank: beat for beat in read_heartbeats(directory) if beat.time >= since}
 
 
 # --- the job's processes -----------------------------------------------------------------------
@@ -349,7 +336,7 @@ class _Supervisor:
     def _hang(self, job: _Job) -> Optional[str]:
         """Why the job counts as hung now, or None."""
         beats = _fresh_beats(self.ckpt_dir, job.started_wall)
-        live = {rank: beat for rank, beat in beats.items() if beat.get("closed") is not True}
+        live = {rank: beat for rank, beat in beats.items() if not beat.closed}
         if beats and not live:
             return None  # every rank's engine closed: the job is past checkpointing, exiting
         beats = live
@@ -359,18 +346,18 @@ class _Supervisor:
                 return (f"no heartbeat within {self.startup_timeout:g} s of the start "
                         "(--startup-timeout)")
             return None
-        rank, beat = min(beats.items(), key=lambda item: item[1]["time"])
-        interval = beat.get("interval")
-        if (not self._warned_interval and is_number(interval)
+        rank, beat = min(beats.items(), key=lambda item: item[1].time)
+        interval = beat.interval
+        if (not self._warned_interval and interval is not None
                 and interval >= self.heartbeat_timeout):
             self._warned_interval = True
             _log(f"warning: the job writes a heartbeat only every {interval:g} s, so "
                  f"--heartbeat-timeout {self.heartbeat_timeout:g} s is too short: a healthy job "
                  "may be killed; use a timeout several times the interval")
-        age = time.time() - beat["time"]
+        age = time.time() - beat.time
         if age > self.heartbeat_timeout:
             return (f"heartbeat stale for {age:.1f} s (rank {rank}, last heartbeat at step "
-                    f"{beat['step']})")
+                    f"{beat.step})")
         return None
 
     def _attempt(self, attempt: int) -> _Outcome:

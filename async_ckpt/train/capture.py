@@ -17,6 +17,7 @@ import torch
 from ..format import tree as tree_model, values
 from ..format.tree import Leaf, leaf_node, tensor_leaf
 from ..errors import EncodingError, LayoutError
+from ..format.records import DTensorPiece
 from ..format.layout import (ALIGNMENT, Plan, Region, TensorRecord, align_up, slot_alignment,
                              span_bytes)
 from ..tensors import DTYPES, as_stateful, dtensor_box, is_dtensor
@@ -35,9 +36,9 @@ class Captured:
     entry_of: list[str]  # the top-level entry each tensor belongs to
     paths: list[str]  # each tensor's key path, for messages
     # Sharded tensors (``DTensor``), one record each (docs/FORMAT.md 3.6), referenced from the
-    # tree as a ``Leaf.DTENSOR`` leaf; a record's "tensor" indexes ``tensors`` (its local piece),
-    # or is None where another rank stores the same (replicated) piece.
-    dtensors: list[dict] = field(default_factory=list)
+    # tree as a ``Leaf.DTENSOR`` leaf; a record's ``tensor`` indexes ``tensors`` (its local
+    # piece), or is None where another rank stores the same (replicated) piece.
+    dtensors: list[DTensorPiece] = field(default_factory=list)
 
 
 def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) -> Captured:
@@ -45,7 +46,7 @@ def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) 
     value that cannot be saved safely."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    dtensors: list[dict] = []
+    dtensors: list[DTensorPiece] = []
 
     def leaf(value: Any, path: str):
         if type(value) not in _PLAIN_TENSOR_TYPES and is_dtensor(value):
@@ -67,7 +68,7 @@ def capture(state: Mapping[str, Any], allow_pickle: values.AllowPickle = False) 
             raise EncodingError(f"state keys must be strings, not {key!r}")
         entries[key] = _capture_entry(obj, key, encode)
         entry_of += [key] * (len(tensors) - len(entry_of))
-    keys = [d["key"] for d in dtensors]
+    keys = [d.key for d in dtensors]
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise LayoutError(f"two sharded tensors have the same key path {twice[0]!r}: their pieces "
@@ -92,12 +93,11 @@ def _capture_dtensor(t: Any, path: str, tensors: list, dtensors: list) -> int:
         raise LayoutError(f"{path}: the DTensor's local tensor has shape {tuple(local.shape)}, "
                           f"its placements give {tuple(shape)}")
     stores = all(c == 0 for c, p in zip(coordinate, t.placements) if p.is_replicate())
-    record = {"key": path, "dtype": str(t.dtype).removeprefix("torch."),
-              "global_shape": list(t.shape), "offset": [int(o) for o in offset], "tensor": None}
     if stores:
         tensors.append(_checked(local, path))
-        record["tensor"] = len(tensors) - 1
-    dtensors.append(record)
+    dtensors.append(DTensorPiece(path, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                 tuple(int(o) for o in offset),
+                                 len(tensors) - 1 if stores else None))
     return len(dtensors) - 1
 
 

@@ -10,13 +10,13 @@ liveness now, not durability.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 from typing import Optional
 
+from ..format.heartbeat import HeartbeatRecord
 from ..storage.local import LocalStorage
 from ..storage.names import heartbeat_file_name
 
@@ -53,12 +53,10 @@ class Heartbeat:
         if now - self._last < self.interval and not closed:
             return
         self._last = now
-        record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
-                  "host": self._host, "interval": self.interval}
-        if closed:
-            record["closed"] = True
+        record = HeartbeatRecord(self.rank, self.step, time.time(), os.getpid(), self._host,
+                                 self.interval, closed)
         try:
-            self.directory.write_heartbeat(self.rank, json.dumps(record).encode())
+            self.directory.write_heartbeat(self.rank, record.to_bytes())
         except OSError as e:  # a directory planted at the name, a full disk: liveness only
             if not self._warned:
                 self._warned = True

@@ -125,8 +125,10 @@ class MemoryTier:
     def active(self) -> bool:
         return self.client is not None
 
-    def hold(self, slot: Slot, plan: Plan, tree: dict, step: int) -> None:
-        """Hand over ``slot`` (staged, held already) with the snapshot of ``step`` in it."""
+    def hold(self, slot: Slot, plan: Plan, tree: dict, step: int,
+             checksums: Optional[tuple[Optional[tuple[str, ...]], ...]]) -> None:
+        """Hand over ``slot`` (staged, held already) with the snapshot of ``step`` in it, and
+        each region's chunk checksums where the copy made them all (else the keeper does)."""
         if self.client is None:
             self.pool.release_held(slot.buffer_id)
             return
@@ -134,7 +136,8 @@ class MemoryTier:
             [(r.offset, r.nbytes) for r in plan.regions],
             [t.to_json(t.region) for t in plan.tensors])
         try:
-            self.client.hold(slot.buffer_id, slot.fd, step, tree, layout)
+            self.client.hold(slot.buffer_id, slot.fd, step, tree, layout,
+                             None if checksums is None or None in checksums else checksums)
         except Gone as e:
             self.pool.release_held(slot.buffer_id)
             self._lose(f"it closed the connection ({e})")

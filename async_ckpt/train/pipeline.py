@@ -87,14 +87,14 @@ class SnapshotPipeline:
         snapshot."""
         captured = self.capture(state)
         replica_of = [key if key in self._replicated else None for key in captured.entry_of]
-        sharded = [d for d in captured.dtensors if d["tensor"] is not None
-                   and replica_of[d["tensor"]] is not None]
+        sharded = [d for d in captured.dtensors if d.tensor is not None
+                   and replica_of[d.tensor] is not None]
         if sharded:
-            raise LayoutError(f"{sharded[0]['key']} is a sharded DTensor in an entry declared "
+            raise LayoutError(f"{sharded[0].key} is a sharded DTensor in an entry declared "
                               "replicated; its pieces differ between ranks: leave the entry out "
                               "of replicated= (sharded tensors are written once per piece anyway)")
         if to_memory and captured.dtensors:
-            raise LayoutError(f"{captured.dtensors[0]['key']} is a sharded tensor: "
+            raise LayoutError(f"{captured.dtensors[0].key} is a sharded tensor: "
                               f"{SHARDED_REFUSED}")
         plan, sources = self._planner.plan(captured.tensors, replica_of)
         self.fit(slot, plan, pin=any(t.is_cuda for t in captured.tensors))
@@ -129,7 +129,11 @@ class SnapshotPipeline:
                                                               plan.tensors)
             if record.region is not None and record.region not in refer
             and record.region not in now and not t.is_inference()]
-        copy = self.pool.start(plan, sources, slot, skip=refer, background=lazy, now=now)
+        # checksums made by the copy: the keeper's seal then reads nothing, nor does the writer
+        # for a chunk stored raw; a copy that blocks training (eager) makes them only for the
+        # keeper, whose seal would otherwise compete with training every step
+        copy = self.pool.start(plan, sources, slot, skip=refer, background=lazy, now=now,
+                               checksums=to_memory or (lazy and self._raw))
         prepared.sources = captured.tensors = []  # the live tensors: not kept past the copy
         self.pool.acquire(slot, writer=job is not None, keeper=to_memory)
         snapshot_job = None
@@ -147,9 +151,9 @@ class SnapshotPipeline:
     def hand_over(self, staged: Staged) -> None:
         """A copy that ended untouched: to the keeper, then the writer."""
         if staged.memory is not None:  # first: a writer gone must not keep the slot held
-            self._memory.hold(staged.slot, *staged.memory, staged.step)
+            self._memory.hold(staged.slot, *staged.memory, staged.step, staged.copy.checksums)
         if staged.job is not None:
-            self._writer.submit(staged.job)
+            self._writer.submit(dataclasses.replace(staged.job, checksums=staged.copy.checksums))
             if self._raw:
                 self.pool.wrote(staged.slot, staged.step, staged.plan)
 

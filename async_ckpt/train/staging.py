@@ -14,6 +14,12 @@ the pool's copy thread, in pieces of ``PIECE_BYTES`` (torch's ``copy_`` releases
 regions as non-blocking copies on a side stream ordered after the work already queued, with an
 event recorded after them. ``stage`` starts one and waits for it (eager staging); lazy staging
 lets training run on until a fence waits for it (``engine.py``).
+
+With ``checksums``, a copy also checksums each region's chunks (``CHUNK_BYTES`` from its start,
+as a shard and the memory tier's keeper cut them) while copying them: a piece of
+``HASH_PIECE_BYTES`` is checksummed right after it is copied, while it is still in the CPU's
+cache, which costs a fraction of reading the slot again afterwards (the keeper's seal did that,
+and it was the largest cost of a memory snapshot on a busy machine).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 from ..errors import StagingMemoryError
 from ..format.layout import Plan, align_up
+from ..format.shard import CHUNK_BYTES, checksummer
 from .capture import Source
 
 log = logging.getLogger(__name__)
@@ -41,17 +48,30 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device
 _GROWTH_ALIGNMENT = 2 << 20
 PIECE_BYTES = 64 << 20
 """The copy thread copies a CPU region this many bytes at a time."""
+HASH_PIECE_BYTES = 1 << 20
+"""With checksums, a CPU region is copied this many bytes at a time, each piece checksummed
+while in cache (about an L2 cache's size: smaller pieces cost more calls than they save)."""
 
 
 class Copy:
     """A copy into a slot in progress: CPU regions on the copy thread (``future``), CUDA regions
     on side streams (``events``). ``wait`` returns once every byte is in the slot."""
 
-    def __init__(self, future: Optional[Future], events: list):
+    def __init__(self, future: Optional[Future], events: list,
+                 digests: Optional[list[Optional[tuple[str, ...]]]] = None):
         self._future, self._events = future, events
         self.started = time.perf_counter()
         self.finished = self.started  # when the CPU part ended (set by whoever copied it)
         self.seconds: Optional[float] = None  # how long the copy ran, once waited for
+        self._digests = digests  # by region, filled in as the copy goes
+
+    @property
+    def checksums(self) -> Optional[tuple[Optional[tuple[str, ...]], ...]]:
+        """Each region's chunk checksums once ``wait`` returned, where the copy was asked for
+        them: None for a region it made none of (a CUDA region, one not copied)."""
+        if self.seconds is None or self._digests is None:
+            return None
+        return tuple(self._digests)
 
     def wait(self) -> float:
         """Wait for the whole copy; the seconds from its start to its end (re-raises an error
@@ -236,13 +256,14 @@ class StagingPool:
 
     def start(self, plan: Plan, sources: list[Source], slot: Slot,
               skip: Collection[int] = (), background: bool = True,
-              now: Collection[int] = ()) -> Copy:
+              now: Collection[int] = (), checksums: bool = False) -> Copy:
         """Start copying each region's bytes into the slot, except regions ``skip`` (an
         incremental snapshot refers to them where they are stored already); returns at once
         (unless not ``background``: then the CPU regions are copied before it returns), but
         for regions ``now``, which nothing may change after the call returns (module buffers,
         updated in the forward pass): CPU ones are copied before it returns, and the current
-        CUDA stream waits for the copy of CUDA ones before its next work.
+        CUDA stream waits for the copy of CUDA ones before its next work. ``checksums``: CPU
+        regions are checksummed as they are copied (``Copy.checksums``).
 
         The copy reads the tensors as they are while it runs: until ``Copy.wait`` returns, the
         caller must not change them (lazy staging fences every write path it knows of). CUDA
@@ -250,12 +271,13 @@ class StagingPool:
         current stream (the values the caller sees)."""
         slot.written = None
         cpu, inline, events, used_streams = [], [], [], []
+        digests = [None] * len(plan.regions) if checksums else None
         for k, (region, src) in enumerate(zip(plan.regions, sources)):
             if k in skip:
                 continue
             device = src.storage.device
             if device == _CPU:  # (capture refuses other devices than the CPU and CUDA ones)
-                (inline if k in now or not background else cpu).append((region.offset, src))
+                (inline if k in now or not background else cpu).append((k, region.offset, src))
                 continue
             stream = self._streams.get(device)
             if stream is None:
@@ -272,10 +294,10 @@ class StagingPool:
                 torch.cuda.current_stream(device).wait_event(stream.record_event())
         for stream in used_streams:
             events.append(stream.record_event())
-        copy = Copy(self._copy_thread().submit(_copy_pieces, slot.tensor, cpu) if cpu else None,
-                    events)
+        copy = Copy(self._copy_thread().submit(_copy_pieces, slot.tensor, cpu, digests)
+                    if cpu else None, events, digests)
         if inline:
-            copy.finished = _copy_pieces(slot.tensor, inline)
+            copy.finished = _copy_pieces(slot.tensor, inline, digests)
         return copy
 
     def _copy_thread(self) -> ThreadPoolExecutor:
@@ -295,14 +317,28 @@ class StagingPool:
             slot.free_memory()
 
 
-def _copy_pieces(slot: torch.Tensor, pairs: list[tuple[int, Source]]) -> float:
-    """Copy each (offset in the slot, source), ``PIECE_BYTES`` at a time; returns when it
-    finished (``time.perf_counter``)."""
-    for offset, source in pairs:
+def _copy_pieces(slot: torch.Tensor, regions: list[tuple[int, int, Source]],
+                 digests: Optional[list]) -> float:
+    """Copy each (region number, offset in the slot, source), ``PIECE_BYTES`` at a time, or
+    with ``digests`` ``HASH_PIECE_BYTES`` at a time, each region's chunk checksums put in
+    ``digests`` by its number; returns when it finished (``time.perf_counter``)."""
+    memory = None if digests is None else memoryview(slot.numpy())
+    for k, offset, source in regions:
         src = source.view()
-        for start in range(0, source.nbytes, PIECE_BYTES):
-            end = min(start + PIECE_BYTES, source.nbytes)
-            slot[offset + start:offset + end].copy_(src[start:end])
+        if memory is None:
+            for start in range(0, source.nbytes, PIECE_BYTES):
+                end = min(start + PIECE_BYTES, source.nbytes)
+                slot[offset + start:offset + end].copy_(src[start:end])
+            continue
+        chunks = []
+        for chunk in range(0, source.nbytes, CHUNK_BYTES):
+            digest = checksummer()
+            for start in range(chunk, min(chunk + CHUNK_BYTES, source.nbytes), HASH_PIECE_BYTES):
+                end = min(start + HASH_PIECE_BYTES, chunk + CHUNK_BYTES, source.nbytes)
+                slot[offset + start:offset + end].copy_(src[start:end])
+                digest.update(memory[offset + start:offset + end])
+            chunks.append(digest.hexdigest())
+        digests[k] = tuple(chunks)
     return time.perf_counter()
 
 

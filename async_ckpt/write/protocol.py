@@ -22,12 +22,14 @@ from typing import BinaryIO, Optional, Union
 from ..errors import CheckpointError
 from ..format.layout import Plan
 from ..format.native import Derived, read_record
+from ..format.records import DTensorPiece
 from ..storage.names import REPLACEMENT_FILE
 
 
 @dataclass(frozen=True)
 class WriterConfig:
-    """The writer process's settings, fixed for its lifetime."""
+    """The writer process's settings, fixed for its lifetime: the options' (``EngineOptions.
+    writer_settings``, their one declaration, so none has a default here) and the session's."""
 
     root: str
     rank: int
@@ -43,11 +45,11 @@ class WriterConfig:
     low_io_priority: bool
     lock: str  # this rank's lock file, which the writer joins (storage/locks.py)
     log_level: int
-    remote: Optional[str] = None  # the object store's URL (write/upload.py), if any
-    remote_options: Optional[dict] = None  # its settings, credentials perhaps
-    remote_keep_last: int = 1
-    own_root: bool = False  # the ranks share no directory: ``root`` is this rank's alone
-    direct_io: bool = False  # shards written with direct I/O where the file system allows it
+    remote: Optional[str]  # the object store's URL (write/upload.py), if any
+    remote_options: Optional[dict]  # its settings, credentials perhaps
+    remote_keep_last: int
+    own_root: bool  # the ranks share no directory: ``root`` is this rank's alone
+    direct_io: bool  # shards written with direct I/O where the file system allows it
 
 
 # --- trainer -> writer ---------------------------------------------------------------------------
@@ -122,8 +124,11 @@ class SnapshotJob:
     # since committed snapshot ``dir`` stored it (same plan); the shard refers to it there.
     refer: tuple[tuple[int, str], ...] = ()
     # Sharded tensors: the index's ``dtensors`` records (docs/FORMAT.md 3.6), in tree order.
-    dtensors: tuple[dict, ...] = ()
+    dtensors: tuple[DTensorPiece, ...] = ()
     markers: tuple[Marker, ...] = ()  # written once the snapshot is committed
+    # By region of the plan: its chunk checksums, made as it was staged (None: not made, the
+    # writer makes them); taken where a chunk is stored raw, so the slot is not read for them.
+    checksums: Optional[tuple[Optional[tuple[str, ...]], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,9 @@ class ShardFigures:
     (``write/writer.py``): seconds queued, writing and making it durable (the index written and
     every file fsynced); CPU seconds of every checksum and of compression, summed over the
     threads that computed them during ``write_s`` (so possibly more than ``write_s``); bytes
-    written, and bytes not written because an earlier snapshot holds them (incremental)."""
+    written, and bytes not written because an earlier snapshot holds them (incremental); and
+    whether the shard went to the disk with direct I/O (False where ``direct_io`` is off or its
+    file system refused it)."""
 
     queue_s: float = 0.0
     write_s: float = 0.0
@@ -185,6 +192,7 @@ class ShardFigures:
     encode_cpu_s: float = 0.0
     shard_bytes: int = 0
     referred_bytes: int = 0
+    direct: bool = False
 
 
 @dataclass(frozen=True)

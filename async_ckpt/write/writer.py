@@ -39,11 +39,11 @@ from .protocol import (Attach, Close, Committed, Detach, Drop, Dropped, Failed, 
                        WriterEvent)
 from .upload import Uploader
 from ..errors import CheckpointError, DiskFullError, LayoutError, SnapshotWriteError
-from ..format.records import Replica
+from ..format.records import Chunk, DataFile, Replica
 from ..format.references import References
 from ..format.native import Derived, NativeFile, write_committed
 from ..format.shard import (CHUNK_BYTES, ChunkEncoder, ShardReader, ShardWriter, checksum,
-                            reference_to, version_needed)
+                            reference_to, tensor_table, version_needed)
 from ..storage.local import (Content, Linked, LocalStorage, atomic_directory, atomic_write,
                              make_dirs, remove_tree)
 from ..storage.remote import ObjectStorage
@@ -235,7 +235,7 @@ class SnapshotWriter:
                             read_manifest(self.storage).snapshots if refer else ()) as references:
                 stored_elsewhere, files = self.write_data_files(job, natives, buf, regions,
                                                                 references, hashing)
-                data_bytes = sum(f["bytes"] for f in files)
+                data_bytes = sum(f.size for f in files)
                 for n, (region, fields) in enumerate(zip(regions, layout.replica_fields)):
                     if n in stored_elsewhere:
                         shard.add_stored(region.nbytes, region.itemsize, region.is_float,
@@ -248,7 +248,9 @@ class SnapshotWriter:
                                                          shard_file_name(self.rank), n))
                     else:
                         shard.add_storage(buf[region.offset:region.offset + region.nbytes],
-                                          region.itemsize, region.is_float, **fields)
+                                          region.itemsize, region.is_float,
+                                          None if job.checksums is None
+                                          else job.checksums[layout.written[n]], **fields)
             shard.flush()  # every chunk is read: only then may the buffer be released
             hashing_started = time.thread_time()
             replicas = [Replica(entry, owner, plan.regions[i].nbytes,
@@ -262,8 +264,8 @@ class SnapshotWriter:
                 "step": step, "rank": self.rank, "world_size": self.world_size,
                 "created": time.time(), "tensors": list(layout.tensors), "tree": job.tree,
                 **({"replicas": [r.to_json() for r in replicas]} if replicas else {}),
-                **({"dtensors": list(job.dtensors)} if job.dtensors else {}),
-                **({"files": files} if files else {})})
+                **({"dtensors": [d.to_json() for d in job.dtensors]} if job.dtensors else {}),
+                **({"files": [f.to_json() for f in files]} if files else {})})
         except BaseException:
             shard.abort()
             if self.world_size == 1 or self.own_root:  # a shared directory: rank 0 cleans
@@ -279,7 +281,7 @@ class SnapshotWriter:
                            fsync_s=t_durable - t_written,
                            encode_cpu_s=shard.encode_cpu_s + hashing[0],
                            shard_bytes=size + data_bytes,
-                           referred_bytes=referred_bytes),
+                           referred_bytes=referred_bytes, direct=sink.direct),
                        refers=tuple(sorted(set(refer.values()))), durable_at=t_durable,
                        data_bytes=data_bytes)
 
@@ -295,13 +297,13 @@ class SnapshotWriter:
         wanted = dict.fromkeys(c for m in markers
                                for c in ([m.content] if m.files is None else
                                          [c for _, c in m.files]) if isinstance(c, Derived))
-        index = {"storages": [{"nbytes": r.nbytes} for r in regions],
-                 "tensors": list(self.layout.tensors), "tree": job.tree,
-                 "byteorder": sys.byteorder}
+        where = f"the snapshot of step {job.step}"
+        sizes = [r.nbytes for r in regions]
         natives = []
         for derived in wanted:
-            try:
-                natives.append(NativeFile(index, derived, f"the snapshot of step {job.step}"))
+            try:  # the records the shard's index will hold, as a reader will see them
+                natives.append(NativeFile(sizes, tensor_table(list(self.layout.tensors), where,
+                                                              sizes), job.tree, derived, where))
             except LayoutError:
                 continue
             except Exception as e:  # a bug: the snapshot is written all the same
@@ -316,14 +318,14 @@ class SnapshotWriter:
 
     def write_data_files(self, job: SnapshotJob, natives: list[NativeFile], buf: memoryview,
                          regions: list[Region], references: References, hashing: list[float]
-                         ) -> tuple[dict[int, list[dict]], list[dict]]:
+                         ) -> tuple[dict[int, list[Chunk]], list[DataFile]]:
         """Write the shard's data files (``native_files``) from the staging buffer, durably;
         returns the chunks of each storage kept in one (by storage number, each storage in the
         first file that holds it whole, never one referred to an earlier snapshot) and the
         index's ``files`` table; the CPU seconds of their checksums are added to
         ``hashing[0]``."""
         refer, written = dict(job.refer), self.layout.written
-        chunks: dict[int, list[dict]] = {}
+        chunks: dict[int, list[Chunk]] = {}
         files, paths = [], {}
         for number, native in enumerate(natives):
             name = data_file_name(self.rank, number, native.derived.format)
@@ -337,7 +339,7 @@ class SnapshotWriter:
                     return _recorded(buf[regions[n].offset:regions[n].offset + regions[n].nbytes],
                                      regions[n].itemsize, out, number, kept.get(n), hashing)
                 native.write(out, pieces)
-                files.append({"name": name, "bytes": out.finish()})
+                files.append(DataFile(name, out.finish()))
             paths[native.derived] = self.storage.location(job.dir, name)
         self.data_files[job.job] = paths
         return chunks, files
@@ -417,7 +419,7 @@ def _unlink(files: tuple[str, ...]) -> Optional[Dropped]:
 
 
 def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
-              chunks: Optional[list[dict]], hashing: list[float]) -> Iterator[memoryview]:
+              chunks: Optional[list[Chunk]], hashing: list[float]) -> Iterator[memoryview]:
     """``data`` in chunks as the shard cuts them; with ``chunks``, each also recorded there as a
     raw chunk of data file ``file`` at the position ``out`` has when it is handed out (where the
     file's writer writes it), the CPU seconds of its checksum added to ``hashing[0]``."""
@@ -428,8 +430,7 @@ def _recorded(data: memoryview, itemsize: int, out: BinaryIO, file: int,
             started = time.thread_time()
             digest = checksum(piece)
             hashing[0] += time.thread_time() - started
-            chunks.append({"offset": out.tell(), "stored": len(piece), "raw": len(piece),
-                           "xxh3": digest, "codec": "raw", "file": file})
+            chunks.append(Chunk(out.tell(), len(piece), len(piece), "raw", digest, file=file))
         yield piece
 
 
