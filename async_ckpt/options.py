@@ -155,11 +155,12 @@ class EngineOptions:
         direct_io: the writer writes shards with direct I/O (``O_DIRECT``) where the file
             system allows it: from the staging slot's memory straight to the disk, several writes
             in flight, with almost no CPU and nothing left in the page cache; where the file
-            system refuses it (logged once), through the page cache. A restore in the same
-            process reads what the staging slot still holds of an uncompressed snapshot either
-            way; off by default because
-            a restarted process's restore then reads the disk, where buffered writes leave the
-            newest shards in the page cache while memory allows (docs/performance.md).
+            system refuses it (logged once), through the page cache. On by default: through the
+            page cache the writer needs the CPU that training keeps busy and falls far behind the
+            disk (docs/performance.md). A restore in the same process reads what the staging slot
+            still holds of an uncompressed snapshot either way; a restarted process's restore
+            reads the disk, where ``direct_io=False`` would leave the newest shards in the page
+            cache while memory allows.
     Retention:
         keep_last: committed snapshots kept (newest by commit order); at least 1.
         keep_every: also keep every snapshot whose step is a multiple of this.
@@ -221,7 +222,7 @@ class EngineOptions:
     writer_nice: Optional[int] = _setting(None, _int(0, 19, optional=True), writer="nice")
     writer_low_io: bool = _setting(True, _BOOL, writer="low_io_priority")
     reserve_bytes: int = _setting(0, _int(0), writer=True)
-    direct_io: bool = _setting(False, _BOOL, writer=True)
+    direct_io: bool = _setting(True, _BOOL, writer=True)
     # --- retention: which committed snapshots are kept ----------------------------------------
     keep_last: int = _setting(3, _int(1), shared=True, writer=True)
     keep_every: Optional[int] = _setting(None, _int(1, optional=True), shared=True, writer=True)
