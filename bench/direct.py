@@ -1,6 +1,6 @@
-"""Direct writes (``direct_io=True``) against the buffered writer, quiet and with every core kept
-busy (method: docs/performance.md, "What runs"; ``--dir``: put it on the disk you checkpoint
-to)."""
+"""Direct writes (``direct_io``, the default) against the buffered writer (``direct_io=False``),
+quiet and with every core kept busy (method: docs/performance.md, "What runs"; ``--dir``: put it
+on the disk you checkpoint to)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import psutil
 from .floors import Floors
 from .harness import log, ratio_spread, run_rounds, spread, timed
 from .markdown import fixed, ratio, seconds, section, spread_text, table
-from .systems import OURS_ASYNC, OURS_DIRECT, run_guarded
+from .systems import OURS_ASYNC, OURS_BUFFERED, run_guarded
 from .workloads import build_state
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
 QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
-WRITERS = {"direct": OURS_DIRECT, "buffered": OURS_ASYNC}
+WRITERS = {"direct": OURS_ASYNC, "buffered": OURS_BUFFERED}
 PHASES = {"blocking_s": "`snapshot()`", "queue_s": "queued", "write_s": "writing",
           "encode_cpu_s": "of which checksums (CPU)", "fsync_s": "fsync", "commit_s": "commit"}
 """The engine's figures of the snapshot (``stats()``): where its time to durable went."""
