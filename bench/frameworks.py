@@ -338,14 +338,6 @@ def _transformers_body(fw: Framework, block: dict) -> list[str]:
     return [_caption(fw, block), table(fw.header, rows)]
 
 
-def _accelerate_step(accelerator, model, opt, sched, batches) -> None:
-    (x,) = next(batches)
-    accelerator.backward(model(x).square().mean())
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-
-
 def _accelerate(fw: Framework, root: str, config: dict) -> dict:
     """The adapter's ``snapshot()`` and ``Accelerator.save_state()`` of the same prepared model,
     AdamW, scheduler and stateful loader, a training step before each save."""
@@ -371,8 +363,15 @@ def _accelerate(fw: Framework, root: str, config: dict) -> dict:
         batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
         steps = itertools.count(1)
 
+        def train_step() -> None:
+            (x,) = next(batches)
+            accelerator.backward(model(x).square().mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
         def save(system: str, n: int) -> dict:
-            _accelerate_step(accelerator, model, opt, sched, batches)
+            train_step()
             step = next(steps)
             start = time.perf_counter()
             if system == "adapter":
@@ -392,7 +391,7 @@ def _accelerate(fw: Framework, root: str, config: dict) -> dict:
             return figures
 
         try:
-            _accelerate_step(accelerator, model, opt, sched, batches)  # the optimizer's moments
+            train_step()  # the optimizer's moments
             state_bytes = _nbytes([*model.parameters(), *(
                 v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))])
             rounds = interleaved(fw.key, fw.sides, config["rounds"], save)
@@ -464,11 +463,6 @@ def _deepspeed_engine(width: int, layers: int):
     return engine
 
 
-def _deepspeed_step(engine, width: int) -> None:
-    engine.backward(engine(torch.randn(8, width)).square().mean())
-    engine.step()
-
-
 def _deepspeed_worker(fw: Framework, args: argparse.Namespace) -> dict:
     """Saves and restores in the same rounds: DeepSpeed loads ZeRO state only at the
     data-parallel size it was saved at (no resharded restore)."""
@@ -486,15 +480,20 @@ def _deepspeed_worker(fw: Framework, args: argparse.Namespace) -> dict:
     engines = {side: _deepspeed_engine(args.width, args.layers) for side in fw.sides}
     ours = install(engines["adapter"], os.path.join(args.dir, "adapter", "async_ckpt"),
                    keep_last=2, heartbeat_interval=None)
+
+    def step(engine) -> None:
+        engine.backward(engine(torch.randn(8, args.width)).square().mean())
+        engine.step()
+
     for engine in engines.values():
-        _deepspeed_step(engine, args.width)
+        step(engine)
     optimizer = engines["torch"].optimizer  # ZeRO's: this rank's fp32 partition and its moments
     partition = [*optimizer.single_partition_of_fp32_groups, *_moments(optimizer.optimizer)]
     state_bytes = int(_nbytes(engines["torch"].parameters()) + total(_nbytes(partition)))
 
     def save(side: str, n: int) -> dict:
         engine, save_dir, tag = engines[side], os.path.join(args.dir, side), f"round{n}"
-        _deepspeed_step(engine, args.width)
+        step(engine)
         dist.barrier()
         start = time.perf_counter()
         engine.save_checkpoint(save_dir, tag=tag)
