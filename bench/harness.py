@@ -374,7 +374,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.harness")
     parser.add_argument("part")
     for option in ("--dir", "--out", "--phase", "--restore", "--keep", "--log", "--workload",
-                   "--mode"):
+                   "--mode", "--framework"):
         parser.add_argument(option)
     for option in ("--rounds", "--width", "--layers"):
         parser.add_argument(option, type=int)

@@ -1,5 +1,5 @@
-"""The parts after the sweep and the training loop, in run and report order: each a module with
-``run`` (results.json's block under its name) and ``render``."""
+"""The parts after the sweep and the training loop, in run and report order: each a module, or a
+``frameworks.Framework``, with ``run`` (results.json's block under its key) and ``render``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import (decode, direct, incremental, integrations_accelerate, integrations_deepspeed,
-               integrations_lightning, integrations_lightning_sharded, integrations_torchtitan,
-               integrations_transformers, lazy, memory_tier, ranks, remote, sharded)
+from . import decode, direct, incremental, lazy, memory_tier, ranks, remote, sharded
+from .frameworks import (ACCELERATE, DEEPSPEED, LIGHTNING, LIGHTNING_SHARDED, TORCHTITAN,
+                         TRANSFORMERS, Framework)
 from .systems import shutdown_dcp
 
 
@@ -18,12 +18,14 @@ class Part:
     """``quick``: also under ``--quick`` (not parts that cost minutes); ``torchrun``: starts its own
     process groups and takes ``--rounds``."""
 
-    module: ModuleType
+    module: ModuleType | Framework
     quick: bool = True
     torchrun: bool = False
 
     @property
     def key(self) -> str:
+        if isinstance(self.module, Framework):
+            return self.module.key
         return self.module.__name__.rsplit(".", 1)[1]
 
     def run(self, args: argparse.Namespace, root: str) -> dict:
@@ -40,8 +42,7 @@ class Part:
 
 
 PARTS = (Part(lazy), Part(memory_tier), Part(ranks, torchrun=True), Part(sharded, torchrun=True),
-         Part(incremental), Part(decode), Part(direct), Part(remote), Part(integrations_lightning),
-         Part(integrations_lightning_sharded, quick=False), Part(integrations_transformers),
-         Part(integrations_accelerate),
-         Part(integrations_deepspeed, quick=False), Part(integrations_torchtitan, quick=False))
+         Part(incremental), Part(decode), Part(direct), Part(remote), Part(LIGHTNING),
+         Part(LIGHTNING_SHARDED, quick=False), Part(TRANSFORMERS), Part(ACCELERATE),
+         Part(DEEPSPEED, quick=False), Part(TORCHTITAN, quick=False))
 BY_KEY = {part.key: part for part in PARTS}

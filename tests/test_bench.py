@@ -435,11 +435,11 @@ def test_every_framework_adapter_is_measured_and_reported(quick_run):
 
 
 def test_the_torchtitan_part_is_measured_where_torchtitan_is_installed(tmp_path, monkeypatch):
-    from bench import integrations_torchtitan
+    from bench import frameworks
 
     assert BY_KEY["integrations_torchtitan"].render({"integrations_torchtitan": {}}) == ""
-    monkeypatch.setattr(integrations_torchtitan.importlib.util, "find_spec", lambda name: None)
-    skipped = integrations_torchtitan.run(str(tmp_path), quick=True)
+    monkeypatch.setattr(frameworks.importlib.util, "find_spec", lambda name: None)
+    skipped = frameworks.TORCHTITAN.run(str(tmp_path), quick=True)
     assert "Not measured: torchtitan is not installed" in BY_KEY["integrations_torchtitan"].render(
         {"integrations_torchtitan": skipped})
 
@@ -451,22 +451,17 @@ def test_the_two_rank_framework_parts_run_in_full_runs_only_and_report_after_the
                                                                                           setup):
     """Their torchruns of two framework ranks cost a minute each: measured by full runs only."""
     from bench.__main__ import FULL
-    from bench.compare import KINDS, pair_block
-    from bench.harness import summarised
+    from bench.frameworks import KINDS, pair_block
 
     part = BY_KEY[key]
     assert key in set(FULL.parts) - set(QUICK.parts)
-    ours, theirs = part.module.SYSTEMS
+    framework = part.module
+    ours, theirs = framework.sides
     rounds_of_pairs = ((9.0, 1.0), (0.1, 0.2), (0.3, 0.6))  # the first: a warm-up
-    rounds = [{f"{system}_{kind}_s": seconds for kind in KINDS
+    rounds = [{f"{system}_{kind}_s": seconds for kind in (*KINDS, "restore")
                for system, seconds in ((ours, a), (theirs, b))} for a, b in rounds_of_pairs]
-    block = pair_block({"state_bytes": 2.7e8, "rounds": rounds}, part.module.QUICK,
-                       part.module.SYSTEMS)
-    if key == "integrations_lightning_sharded":  # and a restore on 4 ranks of the last save
-        block["restore"] = summarised(
-            [{"adapter_restore_s": a, "stock_restore_s": b} for a, b in rounds_of_pairs],
-            ["adapter_restore_s", "stock_restore_s"],
-            {"restore": ("adapter_restore_s", "stock_restore_s")})
+    raw = {"state_bytes": 2.7e8, "rounds": rounds}  # the restores: the same figures
+    block = pair_block(framework, framework.configs[1], raw, raw)
     text = part.render({key: block})
     assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500 (0.500–0.500) |" \
         in text
