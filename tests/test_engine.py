@@ -404,18 +404,20 @@ def test_compression_shrinks_float_and_integer_state(ckpt_dir):
     assert_same(loaded, state)
 
 
-def test_host_memory_stays_flat_over_hundreds_of_snapshots(ckpt_dir):
+def test_host_memory_stays_flat_over_a_hundred_snapshots(ckpt_dir):
+    """From snapshot 40 (slots, pools and caches warm) to 160, neither process grows by 16 MiB:
+    a leak of a staging copy (4 MiB here) or of 140 KB per snapshot would."""
     model, opt, sched = make_training_state(width=256)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "big": torch.randn(1 << 20)}
     with CheckpointEngine(ckpt_dir, state, keep_last=2) as engine:
-        for step in range(300):
+        for step in range(160):
             engine.snapshot(step)
-            if step == 50:
+            if step == 40:
                 engine.wait()
                 early = engine.stats()
         engine.wait()
         late = engine.stats()
-    assert late["committed"] == 300
+    assert late["committed"] == 160
     growth_trainer = late["trainer_rss"] - early["trainer_rss"]
     growth_writer = late["writer_rss"] - early["writer_rss"]
     assert growth_trainer < 16 << 20, growth_trainer
