@@ -236,7 +236,8 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
                    "rounds": args.rounds},
         **summaries(args.preset.systems, raw["sweep"], raw.get(TRAINING.key)),
-        "loads": {label: load for part in ran for label, load in part.loads(raw[part.key]).items()},
+        "loads": {label: record for part in ran
+                  for label, record in part.loads(raw[part.key]).items()},
         "raw": {part.key: raw[part.key] for part in ran if part.raw},
     }
     results.update({part.key: raw[part.key] for part in ran if not part.raw})

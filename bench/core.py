@@ -28,6 +28,7 @@ from .systems import (BIG_SYSTEMS, DCP_SAVE, NONE, OURS_ASYNC, OURS_ASYNC_ZSTD, 
                       TORCH_SAVE, NoCheckpoint, System, SystemSpec, run_guarded, shutdown_dcp)
 from .workloads import TrainingWorkload, build_state
 
+
 @contextlib.contextmanager
 def scratch(prefix: str, parent: Optional[str]):
     """A directory for a run's files (under ``parent``, else the system's temporary directory),
@@ -138,7 +139,7 @@ def _writer_cpu_s(system: System) -> float:
 
 # --- the training loop ----------------------------------------------------------------------------
 
-GROWTH_SKIP = 3
+GROWTH_SKIP = 3  # RSS growth per snapshot: the slope after the first 3, which allocate buffers
 
 
 def run_training(specs: Sequence[SystemSpec], root: str, ks: Sequence[int], steps: dict,

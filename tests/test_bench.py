@@ -605,6 +605,8 @@ def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_
     assert events.count(("floor",)) == 3
     assert record["systems"]["b"] == {"available": False, "reason": "failed"}
     assert record["systems"]["a"]["runs"] == [{"round": i, "value": i} for i in range(3)]
+    budgeted = run_rounds(["a"], 3, 0, dict, lambda *_: {}, name=str, budget_s=1e-9)
+    assert len(budgeted["floors"]) == 1  # the next round would end past the budget
 
 
 def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
