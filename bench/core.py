@@ -253,10 +253,7 @@ def run_loop(system: System, workload, k: int, n_steps: int, step: int,
 def check_consistency(system: System, workload: TrainingWorkload, step: int) -> Consistency:
     """Is a restore bit-exact, and is one flipped byte caught? On a system with older snapshots,
     so that one that detects damage can fall back."""
-    to_commit = system.saved(step)
-    expected = workload.clone_tensors()
-    workload.step()
-    workload.step()  # so that a restore that does nothing is caught
+    to_commit, expected = snapshot_then_move_on(system, workload, step)
     system.restart()  # restores read the files, as after a crash (not what the process holds)
     restored = system.restore()
     differing = workload.differing_tensors(expected)
@@ -277,6 +274,16 @@ def check_consistency(system: System, workload: TrainingWorkload, step: int) -> 
         return result(Damage("not detected",
                              f"loaded silently; {differing} of {len(expected)} tensors wrong"))
     return result(Damage("no effect", "the flipped byte changed no tensor"))
+
+
+def snapshot_then_move_on(system: System, workload, step: int) -> tuple[float, list]:
+    """``system.saved(step)`` and the state's tensors at it, then two more training steps, so
+    that a restore that does nothing is caught."""
+    to_commit = system.saved(step)
+    expected = workload.clone_tensors()
+    workload.step()
+    workload.step()
+    return to_commit, expected
 
 
 @contextlib.contextmanager

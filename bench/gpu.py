@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .core import paired_loops, scratch
+from .core import paired_loops, scratch, snapshot_then_move_on
 from .floors import Floors
 from .harness import log, machine, ratio_spread, run_rounds, spread, timed, write_results
 from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
@@ -108,10 +108,8 @@ def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, 
 def exactness(system: System, workload: TransformerWorkload, step: int, ours: bool) -> dict:
     """Snapshot, wait until durable, move the state and the RNGs on, restore (timed to a device
     synchronisation), compare bit for bit (async_ckpt's RNG states too: the peers save none)."""
-    to_durable_s = system.saved(step)
-    expected, rng = workload.clone_tensors(), _rng_states()
-    workload.step()
-    workload.step()
+    rng = _rng_states()  # a snapshot's: saving moves no generator
+    to_durable_s, expected = snapshot_then_move_on(system, workload, step)
     torch.rand(8, device=workload.device)  # moves the device's generator (and the CPU's)
     torch.rand(8)
     workload.synchronize()
