@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from . import gpu, plots, records, report
 from .core import scratch, summaries
 from .harness import load_between, load_now, log, machine, write_atomic, write_results
-from .parts import BY_KEY, PARTS, TRAINING
+from .parts import BY_KEY, PARTS, SWEEP, TRAINING
 from .systems import STALL_SYSTEMS, SYSTEMS, SystemSpec
 
 SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
@@ -47,7 +47,7 @@ FULL = Preset("full", (0.256, 1.0, 2.0), (0.256,), 3, {"width": 768, "depth": 10
 QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3),
                parts=tuple(p.key for p in PARTS if p.quick))
 STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS,
-               parts=("sweep",))
+               parts=(SWEEP.key,))
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 PARTIAL = "raw.partial.json"  # the parts measured so far, under --out (measure_parts)
@@ -235,7 +235,7 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
                    "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
                    "rounds": args.rounds},
-        **summaries(args.preset.systems, raw["sweep"], raw.get(TRAINING.key)),
+        **summaries(args.preset.systems, raw[SWEEP.key], raw.get(TRAINING.key)),
         "loads": {label: record for part in ran
                   for label, record in part.loads(raw[part.key]).items()},
         "raw": {part.key: raw[part.key] for part in ran if part.raw},
