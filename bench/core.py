@@ -412,25 +412,19 @@ def build_figures(sweep: dict, training: Optional[dict],
     """Every figure of the preset's ``specs`` from the sweep's and the training loop's runs."""
     names = [spec.name for spec in specs]
     peers = {spec.name for spec in specs if not spec.ours}
-    figures = {}
-    for figure in SWEEP_FIGURES:
-        figures[figure.key] = _figure(figure, {case: {name: _sweep_entry(figure.key, data, name)
-                                                      for name in names}
-                                               for case, data in sweep.items()}, peers)
+    figures = {f.key: _figure(f, {case: _entries(names, data["systems"], lambda runs: _sweep_entry(
+        f.key, runs, data)) for case, data in sweep.items()}, peers) for f in SWEEP_FIGURES}
     if training is None:
         return figures
-    none_rates = _none_rates(training)
-    for figure in TRAINING_FIGURES:
-        loop_names = [NONE.name, *names] if figure.key == "throughput_steps_s" else names
-        figures[figure.key] = _figure(figure, {
-            f"K={k}": {name: _training_entry(figure.key, name, training["systems"].get(name), k,
-                                             none_rates, training["floors"])
-                       for name in loop_names}
+    blocks, floors = training["systems"], training["floors"]
+    for f in TRAINING_FIGURES:
+        figures[f.key] = _figure(f, {f"K={k}": {
+            **({NONE.name: _none_entry(training, k)} if f.key == "throughput_steps_s" else {}),
+            **_entries(names, blocks, lambda runs: _training_entry(f.key, runs, k, floors))}
             for k in training["steps"]}, peers)
-    for figure in MEMORY_FIGURES:
-        figures[figure.key] = _figure(figure, {"loop": {
-            name: _memory_entry(figure.key, training["systems"].get(name), training["state_bytes"])
-            for name in names}}, peers)
+    for f in MEMORY_FIGURES:
+        figures[f.key] = _figure(f, {"loop": _entries(names, blocks, lambda runs: _memory_entry(
+            f.key, runs, training["state_bytes"]))}, peers)
     return figures
 
 
@@ -457,6 +451,14 @@ def _figure(figure: Figure, by_case: dict[str, dict[str, Value]], peers: set[str
                         {name: {case: by_case[case][name] for case in by_case} for name in names})
 
 
+def _entries(names: Sequence[str], blocks: dict,
+             entry: Callable[[list], Value]) -> dict[str, Value]:
+    """Per system of ``names``, ``entry`` of its runs, or why it has none."""
+    return {name: NotAvailable("did not run") if blocks.get(name) is None
+            else entry(blocks[name]["runs"]) if blocks[name].get("available", True)
+            else NotAvailable(blocks[name]["reason"]) for name in names}
+
+
 def _entry(values: list, floors, **extra) -> Cell:
     """``floors``: one per value (the same round's) or one for all (bytes)."""
     floors = list(floors) if isinstance(floors, (list, tuple)) else [floors] * len(values)
@@ -465,20 +467,8 @@ def _entry(values: list, floors, **extra) -> Cell:
                 x_floor=paired, extra=extra)
 
 
-def _na(block: Optional[dict]) -> Optional[NotAvailable]:
-    if block is None:
-        return NotAvailable("did not run")
-    if not block.get("available", True):
-        return NotAvailable(block["reason"])
-    return None
-
-
-def _sweep_entry(key: str, case: dict, name: str) -> Value:
-    block = case["systems"].get(name)
-    missing = _na(block)
-    if missing:
-        return missing
-    runs, nbytes = block["runs"], case["bytes"]
+def _sweep_entry(key: str, runs: list, case: dict) -> Cell:
+    nbytes = case["bytes"]
     if key in SWEEP_SOURCES:
         run_key, floor_key = SWEEP_SOURCES[key]
         return _entry([r[run_key] for r in runs],
@@ -489,24 +479,16 @@ def _sweep_entry(key: str, case: dict, name: str) -> Value:
     return _entry([nbytes / s for s in stored], 1.0)  # compression_ratio
 
 
-def _none_rates(training: dict) -> dict:
-    """Every no-checkpoint loop's steps/s per K: the report's reference row (each system's ratios
-    use its own paired loops)."""
-    return {k: [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
-                if b.get("available") for r in b["runs"]] for k in training["steps"]}
+def _none_entry(training: dict, k: str) -> Value:
+    """Every loop without checkpointing at ``k`` together: the report's reference row (each
+    system's ratios use its own paired loops)."""
+    rates = [r["loops"][k]["baseline"]["steps_per_s"] for b in training["systems"].values()
+             if b.get("available") for r in b["runs"]]
+    return _entry(rates, rates, drain_s=0.0) if rates else NotAvailable("no snapshots")
 
 
-def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rates: dict,
-                    floors: list) -> Value:
-    if name == NONE.name:
-        if key != "throughput_steps_s" or not none_rates[k]:
-            return NotAvailable("no snapshots")
-        return _entry(none_rates[k], none_rates[k], drain_s=0.0)
-    missing = _na(block)
-    if missing:
-        return missing
-    rounds = block["runs"]
-    loops = [r["loops"][k] for r in rounds]
+def _training_entry(key: str, runs: list, k: str, floors: list) -> Cell:
+    loops = [r["loops"][k] for r in runs]
     if key == "throughput_steps_s":
         return _entry([lp["steps_per_s"] for lp in loops],
                       [lp["baseline"]["steps_per_s"] for lp in loops],
@@ -516,27 +498,23 @@ def _training_entry(key: str, name: str, block: Optional[dict], k: str, none_rat
                       step_s=spread([lp["step_s"] for lp in loops]),
                       baseline_step_s=spread([lp["baseline"]["step_s"] for lp in loops]))
     return _entry([spread(lp["blocking_s"])["median"] for lp in loops],
-                  [floors[r["round"]]["copy_s"] for r in rounds],
+                  [floors[r["round"]]["copy_s"] for r in runs],
                   snapshots=sum(len(lp["blocking_s"]) for lp in loops))
 
 
-def _memory_entry(key: str, block: Optional[dict], state_bytes: int) -> Value:
-    missing = _na(block)
-    if missing:
-        return missing
-    rounds = block["runs"]
+def _memory_entry(key: str, runs: list, state_bytes: int) -> Value:
     if key == "trainer_peak_extra_bytes":
-        values = [r["trainer_peak_extra_bytes"] for r in rounds]
+        values = [r["trainer_peak_extra_bytes"] for r in runs]
     elif key == "writer_peak_bytes":
-        values = [r["writer_peak_bytes"] for r in rounds]
+        values = [r["writer_peak_bytes"] for r in runs]
         if not any(values):
             return NotAvailable("writes in the training process: counted in the trainer's RSS")
     else:
-        if any(r["trainer_growth_per_snapshot_bytes"] is None for r in rounds):
+        if any(r["trainer_growth_per_snapshot_bytes"] is None for r in runs):
             return NotAvailable(f"fewer than 3 snapshots after the first {GROWTH_SKIP} of a round")
         # whole bytes: the fit's float noise is not growth
         values = [round(r["trainer_growth_per_snapshot_bytes"]
-                        + (r["writer_growth_per_snapshot_bytes"] or 0.0)) for r in rounds]
+                        + (r["writer_growth_per_snapshot_bytes"] or 0.0)) for r in runs]
     return _entry(values, state_bytes)
 
 
