@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import figures, gpu, plots, records, report, sharded, targets
+from . import distributed, figures, gpu, plots, records, report, targets
 from .floors import FLOOR_KEYS
 from .harness import load_between, load_now, log, machine, spread, write_atomic
 from .parts import BY_KEY, PARTS
@@ -289,12 +289,7 @@ def _loads(raw: dict) -> dict:
         parts["training loop"] = raw[TRAINING]
     loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
                      "settle": part["settle"]} for label, part in parts.items()}
-    if "ranks" in raw:
-        loads["two ranks"] = {"rounds": raw["ranks"]["loads"], "vmstat_delta": None,
-                              "settle": raw["ranks"]["raw"]["settle"]}
-    if "sharded" in raw:
-        loads.update(sharded.loads(raw["sharded"]))
-    return loads
+    return {**loads, **distributed.loads(raw)}
 
 
 def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,

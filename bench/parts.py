@@ -1,5 +1,6 @@
-"""The parts after the sweep and the training loop, in run and report order: each a module, or a
-``frameworks.Framework``, with ``run`` (results.json's block under its key) and ``render``."""
+"""The parts after the sweep and the training loop, in run and report order: each a module, a
+``distributed.TorchrunPart`` or a ``frameworks.Framework``, with ``run`` (results.json's block
+under its key) and ``render``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import decode, direct, incremental, lazy, memory_tier, ranks, remote, sharded
+from . import decode, direct, incremental, lazy, memory_tier, remote
+from .distributed import RANKS, SHARDED, TorchrunPart
 from .frameworks import (ACCELERATE, DEEPSPEED, LIGHTNING, LIGHTNING_SHARDED, TORCHTITAN,
                          TRANSFORMERS, Framework)
 from .systems import shutdown_dcp
@@ -18,15 +20,15 @@ class Part:
     """``quick``: also under ``--quick`` (not parts that cost minutes); ``torchrun``: starts its own
     process groups and takes ``--rounds``."""
 
-    module: ModuleType | Framework
+    module: ModuleType | Framework | TorchrunPart
     quick: bool = True
     torchrun: bool = False
 
     @property
     def key(self) -> str:
-        if isinstance(self.module, Framework):
-            return self.module.key
-        return self.module.__name__.rsplit(".", 1)[1]
+        if isinstance(self.module, ModuleType):
+            return self.module.__name__.rsplit(".", 1)[1]
+        return self.module.key
 
     def run(self, args: argparse.Namespace, root: str) -> dict:
         if not self.torchrun:
@@ -41,7 +43,7 @@ class Part:
         return self.module.render(block) if block else ""
 
 
-PARTS = (Part(lazy), Part(memory_tier), Part(ranks, torchrun=True), Part(sharded, torchrun=True),
+PARTS = (Part(lazy), Part(memory_tier), Part(RANKS, torchrun=True), Part(SHARDED, torchrun=True),
          Part(incremental), Part(decode), Part(direct), Part(remote), Part(LIGHTNING),
          Part(LIGHTNING_SHARDED, quick=False), Part(TRANSFORMERS), Part(ACCELERATE),
          Part(DEEPSPEED, quick=False), Part(TORCHTITAN, quick=False))
