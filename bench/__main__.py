@@ -289,7 +289,11 @@ def _loads(raw: dict) -> dict:
         parts["training loop"] = raw[TRAINING]
     loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
                      "settle": part["settle"]} for label, part in parts.items()}
-    return {**loads, **distributed.loads(raw)}
+    if "ranks" in raw:
+        loads.update(distributed.ranks_loads(raw["ranks"]))
+    if "sharded" in raw:
+        loads.update(distributed.sharded_loads(raw["sharded"]))
+    return loads
 
 
 def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,

@@ -9,14 +9,13 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
 from .floors import Floors, copy_s
-from .harness import (FloorHook, finish, gather, log, ratio_spread, remove, run_rounds, slowest,
-                      slowest_timed, spread, timed, torchrun)
+from .harness import (FloorHook, PartOf, finish, gather, log, ratio_spread, remove, run_rounds,
+                      slowest, slowest_timed, spread, timed, torchrun)
 from .markdown import factor, median_range, number, section, table, with_ratios
 from .systems import (DCP_LOAD, DCP_SAVE, OURS_ASYNC, RANK_SYSTEMS, SHARDED_SYSTEMS, System,
                       SystemSpec, Unavailable)
@@ -160,20 +159,18 @@ def _by_round(runs: list[dict], references: Mapping[int, float], key: str) -> di
     return ratio_spread([r[key] for r in both], [references[r["round"]] for r in both])
 
 
-def loads(raw: dict) -> dict:
-    """The machine's load per round of each torchrun run, for the report's "Machine load" table
-    (the two-rank part: per round only)."""
-    found = {}
-    if "ranks" in raw:
-        found["two ranks"] = {"rounds": raw["ranks"]["loads"], "vmstat_delta": None,
-                              "settle": raw["ranks"]["raw"]["settle"]}
-    if "sharded" in raw:
-        runs = raw["sharded"]["raw"]
-        labelled = {**{f"sharded, {w} ranks saving": r for w, r in runs["save"].items()},
-                    **{f"sharded, restore {pair}": r for pair, r in runs["restore"].items()}}
-        found.update({label: {"rounds": r["loads"], "vmstat_delta": r["load"]["vmstat_delta"],
-                              "settle": r["settle"]} for label, r in labelled.items()})
-    return found
+def ranks_loads(block: dict) -> dict:
+    """The two-rank part's machine load per round, for the report's "Machine load" table."""
+    return {"two ranks": {"rounds": block["loads"], "vmstat_delta": None,
+                          "settle": block["raw"]["settle"]}}
+
+
+def sharded_loads(block: dict) -> dict:
+    """The machine's load per round of each sharded run, for the report's "Machine load" table."""
+    runs = {**{f"sharded, {w} ranks saving": r for w, r in block["raw"]["save"].items()},
+            **{f"sharded, restore {pair}": r for pair, r in block["raw"]["restore"].items()}}
+    return {label: {"rounds": r["loads"], "vmstat_delta": r["load"]["vmstat_delta"],
+                    "settle": r["settle"]} for label, r in runs.items()}
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -251,18 +248,8 @@ def render_sharded(block: dict) -> str:
                f"{DCP_LOAD.name} s (min–max)", "async_ckpt / DCP (min–max)"], restore_rows))
 
 
-@dataclass(frozen=True)
-class TorchrunPart:
-    """One of this module's parts: its key in results.json, ``run(root, quick, rounds)`` and its
-    section of the report."""
-
-    key: str
-    run: Callable[[str, bool, Optional[int]], dict]
-    render: Callable[[dict], str]
-
-
-RANKS = TorchrunPart("ranks", run_ranks, render_ranks)
-SHARDED = TorchrunPart("sharded", run_sharded, render_sharded)
+RANKS = PartOf("ranks", run_ranks, render_ranks)
+SHARDED = PartOf("sharded", run_sharded, render_sharded)
 
 
 # --- the worker (one per rank, under torchrun) ----------------------------------------------------

@@ -1,5 +1,5 @@
 """The parts after the sweep and the training loop, in run and report order: each a module, a
-``distributed.TorchrunPart`` or a ``frameworks.Framework``, with ``run`` (results.json's block
+``harness.PartOf`` or a ``frameworks.Framework``, with ``run`` (results.json's block
 under its key) and ``render``."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ import argparse
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import decode, direct, incremental, lazy, memory_tier, remote
-from .distributed import RANKS, SHARDED, TorchrunPart
+from . import direct, lazy
+from .distributed import RANKS, SHARDED
+from .features import DECODE, INCREMENTAL, MEMORY_TIER, REMOTE
 from .frameworks import (ACCELERATE, DEEPSPEED, LIGHTNING, LIGHTNING_SHARDED, TORCHTITAN,
                          TRANSFORMERS, Framework)
+from .harness import PartOf
 from .systems import shutdown_dcp
 
 
@@ -20,7 +22,7 @@ class Part:
     """``quick``: also under ``--quick`` (not parts that cost minutes); ``torchrun``: starts its own
     process groups and takes ``--rounds``."""
 
-    module: ModuleType | Framework | TorchrunPart
+    module: ModuleType | Framework | PartOf
     quick: bool = True
     torchrun: bool = False
 
@@ -43,8 +45,8 @@ class Part:
         return self.module.render(block) if block else ""
 
 
-PARTS = (Part(lazy), Part(memory_tier), Part(RANKS, torchrun=True), Part(SHARDED, torchrun=True),
-         Part(incremental), Part(decode), Part(direct), Part(remote), Part(LIGHTNING),
+PARTS = (Part(lazy), Part(MEMORY_TIER), Part(RANKS, torchrun=True), Part(SHARDED, torchrun=True),
+         Part(INCREMENTAL), Part(DECODE), Part(direct), Part(REMOTE), Part(LIGHTNING),
          Part(LIGHTNING_SHARDED, quick=False), Part(TRANSFORMERS), Part(ACCELERATE),
          Part(DEEPSPEED, quick=False), Part(TORCHTITAN, quick=False))
 BY_KEY = {part.key: part for part in PARTS}
