@@ -481,15 +481,13 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
     client = boto3.client("s3")
     transfer = TransferConfig(multipart_chunksize=PART_BYTES, max_concurrency=TRANSFER_CONCURRENCY)
     key = f"{storage.prefix}/floor.bin"
-    floors = {}
-    floors["obstore put"] = timed(lambda: obstore.put(
+    floors = {"obstore put": timed(lambda: obstore.put(
         storage.store, "floor.bin", Path(shard), chunk_size=PART_BYTES,
-        max_concurrency=TRANSFER_CONCURRENCY))
-    floors["boto3 upload_file"] = timed(lambda: client.upload_file(shard, BUCKET, key,
-                                                                   Config=transfer))
-    fresh = os.path.join(root, "fresh")
+        max_concurrency=TRANSFER_CONCURRENCY)), "boto3 upload_file": timed(
+            lambda: client.upload_file(shard, BUCKET, key, Config=transfer))}
     target = {"weights": torch.empty(nbytes // 4)}
-    with contextlib.closing(OURS_REMOTE.open(target, fresh, remote=url)) as system:
+    with contextlib.closing(OURS_REMOTE.open(target, os.path.join(root, "fresh"),
+                                             remote=url)) as system:
         restore_s = timed(system.restore)
     assert torch.equal(target["weights"], state["weights"])
     downloads = {}
