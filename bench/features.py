@@ -10,12 +10,12 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
+from unittest import mock
 
 import psutil
 import torch
@@ -24,6 +24,7 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 from async_ckpt.tools.advise import advise
+from tests.s3server import S3Server
 
 from .floors import copy_s
 from .harness import (REPO, PartOf, command, evict, interleaved, log, ratio_spread, remove,
@@ -430,40 +431,19 @@ def run_remote(root: str, quick: bool) -> dict:
 
 
 @contextlib.contextmanager
-def _moto():
-    """A moto S3 server on a free loopback port with ``BUCKET`` made, the AWS environment
-    pointing at it while it runs: its process (stopped by ``_steps_while_down``)."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                               str(port)],  # this Python's moto, wherever its scripts went
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _moto() -> Iterator[S3Server]:
+    """The test suite's moto S3 server (tests/s3server.py) on loopback with ``BUCKET`` made, the
+    AWS environment pointing at it while it runs (``_steps_while_down`` stops its process)."""
+    server = S3Server(BUCKET)
+    server.start()
     try:
-        for _ in range(600):  # moto imports for seconds on a busy machine
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-                break
-            if server.poll() is not None:
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("moto_server did not start listening")
-        boto3.client("s3").create_bucket(Bucket=BUCKET)  # raises if the server exited
-        yield server
+        with mock.patch.dict(os.environ, server.env):
+            yield server
     finally:
         server.kill()
-        server.wait()
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> dict:
+def _one_round(server: S3Server, root: str, nbytes: int, steps: int) -> dict:
     import boto3
     import obstore
     from boto3.s3.transfer import TransferConfig
@@ -514,7 +494,7 @@ def _one_round(server: subprocess.Popen, root: str, nbytes: int, steps: int) -> 
             **_steps_while_down(server, os.path.join(root, "steps"), steps)}
 
 
-def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
+def _steps_while_down(server: S3Server, local: str, steps: int) -> dict:
     """Median seconds of a training step (snapshot every step) with the store running, and with
     its process stopped, in blocks up, down, up, down; the server runs again on return."""
     torch.manual_seed(0)
@@ -528,7 +508,7 @@ def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
         step = 0
         try:
             for phase in ("up", "down", "up", "down"):
-                os.kill(server.pid, signal.SIGSTOP if phase == "down" else signal.SIGCONT)
+                os.kill(server.process.pid, signal.SIGSTOP if phase == "down" else signal.SIGCONT)
                 for _ in range(steps):
                     start = time.perf_counter()
                     model(x).square().mean().backward()
@@ -538,7 +518,7 @@ def _steps_while_down(server: subprocess.Popen, local: str, steps: int) -> dict:
                     times[phase].append(time.perf_counter() - start)
                     step += 1
         finally:
-            os.kill(server.pid, signal.SIGCONT)
+            os.kill(server.process.pid, signal.SIGCONT)
         lag = system.engine.stats()["upload_lag_steps"]
         system.engine.wait(remote=True)
     remove(local)
