@@ -364,6 +364,12 @@ def one_round(what: str, systems: Sequence[str], n: int, rounds: int,
     return figures
 
 
+def samples(record: dict, key: str) -> dict[str, list]:
+    """Each available item's ``key``, round by round, from a ``run_rounds`` record."""
+    return {name: [run[key] for run in block["runs"]]
+            for name, block in record["systems"].items() if block["available"]}
+
+
 def summarised(rounds: list[dict], keys: Iterable[str],
                ratios: Mapping[str, tuple[str, str]]) -> dict:
     """Each key's spread over the rounds after the warm-up (``figures``), and each named
@@ -376,6 +382,16 @@ def summarised(rounds: list[dict], keys: Iterable[str],
     return {"figures": {key: spread(column(key)) for key in keys},
             "ratios": {name: ratio_spread(column(key), column(reference))
                        for name, (key, reference) in ratios.items()}}
+
+
+@dataclass(frozen=True)
+class PartOf:
+    """One of a module's parts, for ``parts.PARTS``: its block's key in results.json,
+    ``run(root, quick[, rounds])`` (the block) and ``render(block)`` (its section)."""
+
+    key: str
+    run: Callable[..., dict]
+    render: Callable[[dict], str]
 
 
 # --- workers: a part's code in a process of its own (a torchrun rank, a child on some cores) ------

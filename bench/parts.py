@@ -1,16 +1,20 @@
 """Every part of a run, in run and report order, registered once: the sweep, the training loop,
-then each module or ``frameworks.Framework`` with ``run(root, quick)`` and ``render(block)``."""
+then each module, ``harness.PartOf`` or ``frameworks.Framework`` with ``run(root, quick)`` and
+``render(block)``."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
-from . import decode, direct, incremental, lazy, memory_tier, ranks, remote, report, sharded
+from . import direct, lazy, report
 from .core import run_sweep, run_training
+from .distributed import RANKS, SHARDED, ranks_loads, sharded_loads
+from .features import DECODE, INCREMENTAL, MEMORY_TIER, REMOTE
 from .frameworks import (ACCELERATE, DEEPSPEED, LIGHTNING, LIGHTNING_SHARDED, TORCHTITAN,
-                         TRANSFORMERS, Framework)
+                         TRANSFORMERS)
 from .systems import shutdown_dcp
 
 
@@ -61,7 +65,7 @@ def _part(module, quick: bool = True, torchrun: bool = False,
           loads: Callable[[dict], dict] = lambda block: {}) -> Part:
     """A module's or framework's part; ``torchrun``: it starts its own process groups and takes
     ``--rounds`` (``--quick``: once, unless given)."""
-    key = module.key if isinstance(module, Framework) else module.__name__.rsplit(".", 1)[-1]
+    key = module.__name__.rsplit(".", 1)[-1] if isinstance(module, ModuleType) else module.key
 
     def run(args: argparse.Namespace, root: str) -> dict:
         if not torchrun:
@@ -74,12 +78,10 @@ def _part(module, quick: bool = True, torchrun: bool = False,
                 if results.get(key) else "", quick, loads=loads)
 
 
-PARTS = (SWEEP, TRAINING, _part(lazy), _part(memory_tier),
-         _part(ranks, torchrun=True, loads=lambda block: {"two ranks": {
-             "rounds": block["loads"], "vmstat_delta": None,
-             "settle": block["raw"]["settle"]}}),
-         _part(sharded, torchrun=True, loads=sharded.loads), _part(incremental), _part(decode),
-         _part(direct), _part(remote), _part(LIGHTNING), _part(LIGHTNING_SHARDED, quick=False),
+PARTS = (SWEEP, TRAINING, _part(lazy), _part(MEMORY_TIER),
+         _part(RANKS, torchrun=True, loads=ranks_loads),
+         _part(SHARDED, torchrun=True, loads=sharded_loads), _part(INCREMENTAL), _part(DECODE),
+         _part(direct), _part(REMOTE), _part(LIGHTNING), _part(LIGHTNING_SHARDED, quick=False),
          _part(TRANSFORMERS), _part(ACCELERATE), _part(DEEPSPEED, quick=False),
          _part(TORCHTITAN, quick=False))
 BY_KEY = {part.key: part for part in PARTS}

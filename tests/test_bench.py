@@ -34,10 +34,9 @@ from bench import floors as floors_module  # noqa: E402
 from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
 from bench.harness import Settled, load_now, ratio_spread, rotated, run_rounds  # noqa: E402
 from bench.harness import settle, spread  # noqa: E402
-from bench.ranks import QUICK as RANKS_QUICK  # noqa: E402
 from bench.parts import BY_KEY, PARTS, loop_steps  # noqa: E402
-from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
-from bench.sharded import QUICK as SHARDED_QUICK  # noqa: E402
+from bench.distributed import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
+from bench.distributed import QUICK as TORCHRUN_QUICK  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -150,7 +149,7 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
                 "fp32", QUICK.sizes[0])]
             assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
             assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
-    assert len(results["ranks"]["raw"]["floors"]) == RANKS_QUICK["rounds"]
+    assert len(results["ranks"]["raw"]["floors"]) == TORCHRUN_QUICK["rounds"]
     assert set(results["loads"]) >= {"training loop", "two ranks"}
 
 
@@ -173,7 +172,7 @@ def test_two_ranks_against_dcp(quick_run):
     _, results, _ = quick_run
     ranks = results["ranks"]
     assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "durable_s"}
-    assert len(ranks["floor_ways"]) == RANKS_QUICK["rounds"]
+    assert len(ranks["floor_ways"]) == TORCHRUN_QUICK["rounds"]
     assert set(ranks["floor_ways"]) <= set(WRITE_WAYS)
     assert set(ranks["systems"]) == {spec.name for spec in RANK_SYSTEMS}
     for spec in RANK_SYSTEMS:
@@ -184,7 +183,7 @@ def test_two_ranks_against_dcp(quick_run):
         assert s["available"], name
         for key in ("blocking", "to_commit"):
             assert s[f"{key}_s"]["median"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
-            assert s[f"{key}_s"]["n"] == RANKS_QUICK["rounds"], (name, key)
+            assert s[f"{key}_s"]["n"] == TORCHRUN_QUICK["rounds"], (name, key)
         assert len(s["bytes_per_rank"]) == 2 and s["stored_bytes"] >= sum(s["bytes_per_rank"])
     ours = ranks["systems"]["async_ckpt async, replicated written by rank 0"]
     # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
@@ -198,9 +197,9 @@ def test_sharded_state_against_dcp(quick_run):
     assert set(block["save"]) == {str(world) for world, _, save in SHARDED_PLAN if save} == {"2", "4"}
     for world, w in block["save"].items():
         assert w["ranks"] == int(world) == len(w["rank_bytes"])
-        assert w["rounds"] == SHARDED_QUICK["rounds"]
+        assert w["rounds"] == TORCHRUN_QUICK["rounds"]
         assert set(w["floors"]) == {"copy_s", "durable_s"}
-        assert len(w["floor_ways"]) == SHARDED_QUICK["rounds"]
+        assert len(w["floor_ways"]) == TORCHRUN_QUICK["rounds"]
         assert set(w["systems"]) == {spec.name for spec in SHARDED_SYSTEMS}
         for spec in SHARDED_SYSTEMS:
             name, s = spec.name, w["systems"][spec.name]
@@ -209,7 +208,7 @@ def test_sharded_state_against_dcp(quick_run):
                 continue
             assert s["available"], (world, name)
             for key in ("blocking", "to_commit"):
-                assert s[f"{key}_s"]["n"] == SHARDED_QUICK["rounds"]
+                assert s[f"{key}_s"]["n"] == TORCHRUN_QUICK["rounds"]
                 assert s[f"{key}_s"]["median"] > 0
                 assert s[f"{key}_x_floor"]["median"] > 0, (world, name, key)
             assert len(s["bytes_per_rank"]) == int(world), (world, name)
@@ -222,9 +221,9 @@ def test_sharded_state_against_dcp(quick_run):
     assert set(block["restore"]) == {"2->4", "4->2"}
     for pair, r in block["restore"].items():
         assert f"{r['saved_at']}->{r['restored_at']}" == pair
-        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == SHARDED_QUICK["rounds"], pair
+        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == TORCHRUN_QUICK["rounds"], pair
         if r["systems"]["DCP load"]["available"]:
-            assert r["x_dcp"]["n"] == SHARDED_QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
+            assert r["x_dcp"]["n"] == TORCHRUN_QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
     assert {"sharded, 4 ranks saving", "sharded, restore 4->2"} <= set(results["loads"])
     report = (out / "report.md").read_text()
     assert "### Sharded state (FSDP2) under torchrun" in report
