@@ -10,33 +10,27 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import figures, gpu, plots, records, report, sharded, targets
-from .floors import FLOOR_KEYS
-from .harness import load_between, load_now, log, machine, spread, write_atomic
-from .parts import BY_KEY, PARTS
-from .systems import STALL_SYSTEMS, SYSTEMS, SystemSpec, shutdown_dcp
-from .sweep import run_sweep
-from .training import run_training
+from . import gpu, plots, records, report
+from .core import scratch, summaries
+from .harness import load_between, load_now, log, machine, write_atomic, write_results
+from .parts import BY_KEY, PARTS, SWEEP, TRAINING
+from .systems import STALL_SYSTEMS, SYSTEMS, SystemSpec
 
 SCHEMA = 3  # 2: interleaved rounds (min-max spreads, per-round floors), cold restores, targets;
 # 3: floors as the fastest of several ways (durable_s), settle waits, step_overhead_pct
-TRAINING = "training"
-"""The training loop (``bench/training.py``): the first of a preset's parts, its figures the
-report's own; the others are ``parts.PARTS``."""
 
 
 @dataclass(frozen=True)
 class Preset:
     """A run's defaults (``name``): the sweep's fp32 and bf16 state sizes (GB), the interleaved
     rounds, the training loop's model (``workloads.TrainingWorkload``) and snapshot intervals, the
-    systems, and the parts that run after the sweep (``TRAINING`` and keys of ``parts.PARTS``)."""
+    systems, and the keys of the ``parts.PARTS`` it runs, in order."""
 
     name: str
     sizes: tuple[float, ...]
@@ -45,25 +39,18 @@ class Preset:
     workload: dict
     ks: tuple[int, ...]
     systems: tuple[SystemSpec, ...] = SYSTEMS
-    parts: tuple[str, ...] = (TRAINING, *BY_KEY)
+    parts: tuple[str, ...] = tuple(BY_KEY)
 
 
 FULL = Preset("full", (0.256, 1.0, 2.0), (0.256,), 3, {"width": 768, "depth": 10, "batch": 16},
               (1, 10, 100))
 QUICK = Preset("quick", (0.008,), (), 2, {"width": 128, "depth": 2, "batch": 8}, (1, 3),
-               parts=(TRAINING, *(p.key for p in PARTS if p.quick)))
-STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS, parts=())
+               parts=tuple(p.key for p in PARTS if p.quick))
+STALL = Preset("stall", (1.0,), (), 7, FULL.workload, (), systems=STALL_SYSTEMS,
+               parts=(SWEEP.key,))
 KS = FULL.ks
 COMMITTED_RESULTS = os.path.join("bench", "results")  # the report the README quotes
 PARTIAL = "raw.partial.json"  # the parts measured so far, under --out (measure_parts)
-
-
-def loop_steps(k: int, quick: bool) -> int:
-    """Steps of one round's loop at interval K: snapshots enough to see a pattern over the rounds
-    (8 at K=1, 3 at K=10, 1 at K=100; 4 and 3 at K=1, 3 with --quick) while every round of every
-    system stays within minutes in all."""
-    snapshots = max(2, round(4 / k ** 0.3)) if quick else max(1, round(8 / k ** 0.45))
-    return k * snapshots
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -102,7 +89,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "so that it never overwrites the committed report)")
     parser.add_argument("--dir", default=None,
                         help="where to make the scratch directory (default /tmp); it is removed")
-    parser.add_argument("--part", choices=sorted(BY_KEY), default=None,
+    parser.add_argument("--part", choices=sorted(p.key for p in PARTS if not p.raw), default=None,
                         help="run this part alone (no sweep): its report section on stdout, "
                              "nothing written under --out")
     parser.add_argument("--resume", action="store_true",
@@ -129,7 +116,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if not args.sizes or any(s <= 0 for s in args.sizes + args.bf16_sizes):
         parser.error("--sizes needs at least one size, and every size must be positive")
-    if TRAINING in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
+    if TRAINING.key in preset.parts and (not args.ks or any(k < 1 for k in args.ks)):
         parser.error("--ks needs at least one interval, each at least 1")
     args.ks = tuple(sorted(set(args.ks)))
     if args.part:  # its section on stdout: no outputs, no plots
@@ -187,14 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started, start = time.time(), time.perf_counter()
     machine_info, load_start = machine(), load_now()
     os.makedirs(args.out, exist_ok=True)
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "/tmp")
-    try:
+    with scratch("bench-", args.dir or "/tmp") as root:
         raw = measure_parts(args, root, start)
-    finally:
-        shutdown_dcp()
-        shutil.rmtree(root, ignore_errors=True)
     results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
     write_outputs(results, args.out)
     os.remove(os.path.join(args.out, PARTIAL))
@@ -204,35 +185,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run_part(part, args: argparse.Namespace) -> int:
     """``--part``: one part alone, its section printed; its scratch directory removed."""
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix=f"bench-{part.key}-", dir=args.dir or "/tmp")
-    try:
-        print(part.render({part.key: part.run(args, root)}))
-    finally:
-        shutdown_dcp()
-        shutil.rmtree(root, ignore_errors=True)
+    with scratch(f"bench-{part.key}-", args.dir or "/tmp") as root:
+        print(part.render({part.key: part.run(args, root)}, ""))
     return 0
 
 
 def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
-    """The sweep, then each part of the preset in turn: their raw results, by part, saved under
+    """Each part of the preset in turn: their raw results, by part, saved under
     ``--out`` after each (``PARTIAL``), so that a run stopped by a failing part goes on from
     there with ``--resume`` rather than measuring an hour again."""
     partial = os.path.join(args.out, PARTIAL)
     identity = {"preset": args.preset.name, "sizes": list(args.sizes), "ks": list(args.ks),
                 "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
     raw = _resumed(partial, identity) if args.resume else {}
-    cases = [("fp32", s) for s in args.sizes] + [("bf16", s) for s in args.bf16_sizes]
-    for part in ("sweep", *args.preset.parts):
+    for part in args.preset.parts:
         if part in raw:
             log(f"{part}: measured by the run resumed, kept")
             continue
-        raw[part] = (run_sweep(args.preset.systems, cases, root, args.rounds) if part == "sweep"
-                     else run_training(args.preset.systems, root, args.ks,
-                                       {k: loop_steps(k, args.quick) for k in args.ks},
-                                       args.preset.workload, args.rounds)
-                     if part == TRAINING else BY_KEY[part].run(args, root))
+        raw[part] = BY_KEY[part].run(args, root)
         write_atomic(partial, json.dumps({"identity": identity, "raw": raw},
                                          default=records.to_json))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
@@ -256,7 +226,7 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
     """results.json's content (with typed records, ``records.to_json`` writes them) from the
     parts' raw results."""
     load = load_between(load_start, load_now())
-    specs, sweep, training = args.preset.systems, raw["sweep"], raw.get(TRAINING)
+    ran = [part for part in PARTS if part.key in raw]
     results = {
         "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
         "machine": machine_info, "loadavg_end": load["loadavg_end"],
@@ -265,85 +235,21 @@ def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start
                    "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
                    "rounds": args.rounds},
-        "systems": _availability(specs, sweep, training),
-        "floors": _floor_summary(sweep, training),
-        "figures": figures.build(sweep, training, specs),
-        "targets": targets.build(sweep, specs),
-        "loads": _loads(raw),
-        "raw": {part: raw[part] for part in ("sweep", TRAINING) if part in raw},
+        **summaries(args.preset.systems, raw[SWEEP.key], raw.get(TRAINING.key)),
+        "loads": {label: record for part in ran
+                  for label, record in part.loads(raw[part.key]).items()},
+        "raw": {part.key: raw[part.key] for part in ran if part.raw},
     }
-    if training is not None:
-        results["consistency"] = {name: block["consistency"] if block["available"]
-                                  else records.NotAvailable(block["reason"])
-                                  for name, block in training["systems"].items()}
-    results.update({part.key: raw[part.key] for part in PARTS if part.key in raw})
+    results.update({part.key: raw[part.key] for part in ran if not part.raw})
     return results
 
 
-def _loads(raw: dict) -> dict:
-    """Per part of the run: loadavg at the start and end of each round, the reclaim counters'
-    movement over the part (the two-rank part: per round only), and the disk-settle waits before
-    each system."""
-    parts = {f"sweep {label}": case for label, case in raw["sweep"].items()}
-    if TRAINING in raw:
-        parts["training loop"] = raw[TRAINING]
-    loads = {label: {"rounds": part["loads"], "vmstat_delta": part["load"]["vmstat_delta"],
-                     "settle": part["settle"]} for label, part in parts.items()}
-    if "ranks" in raw:
-        loads["two ranks"] = {"rounds": raw["ranks"]["loads"], "vmstat_delta": None,
-                              "settle": raw["ranks"]["raw"]["settle"]}
-    if "sharded" in raw:
-        loads.update(sharded.loads(raw["sharded"]))
-    return loads
-
-
-def _availability(specs: Sequence[SystemSpec], sweep_raw: dict,
-                  training_raw: Optional[dict]) -> list[dict]:
-    """Per system, in report order: whether it ran, and if it failed somewhere, why."""
-    rows = []
-    for spec in specs:
-        blocks = [c["systems"][spec.name] for c in sweep_raw.values()
-                  if not c["systems"][spec.name].get("skipped")]
-        if training_raw is not None:
-            blocks.append(training_raw["systems"][spec.name])
-        failed = [b for b in blocks if not b["available"]]
-        rows.append({"name": spec.name, "ours": spec.ours,
-                     "ran": len(failed) < len(blocks),
-                     "reason": failed[0]["reason"] if failed else None,
-                     "failed_cases": len(failed)})
-    return rows
-
-
-def _floor_summary(sweep_raw: dict, training_raw: Optional[dict]) -> dict:
-    groups = {label: (c["floors"], c["bytes"]) for label, c in sweep_raw.items()}
-    if training_raw is not None:
-        groups[f"training state ({training_raw['state_bytes'] / 1e6:.3g} MB)"] = (
-            training_raw["floors"], training_raw["state_bytes"])
-    summary = {}
-    for label, (samples, nbytes) in groups.items():
-        summary[label] = {}
-        for key in FLOOR_KEYS:
-            stats = spread([s[key] for s in samples])
-            stem = key.removesuffix("_s")  # the fastest way of each round, where there are several
-            ways = ({"fastest": [s[f"{stem}_way"] for s in samples],
-                     "ways": [s[f"{stem}_ways"] for s in samples]}
-                    if f"{stem}_way" in samples[0] else {})
-            summary[label][key] = {**stats, "gbps": nbytes / stats["median"] / 1e9, **ways}
-    return summary
-
-
 def write_outputs(results: dict, out: str, write_json: bool = True) -> None:
-    """results.json and report.md written whole (temporary file, then rename), then the plots;
-    the report is printed. The report links the plots relative to the working directory (the
-    repository root), so that it can be pasted into the README as it is."""
-    saved = json.dumps(results, indent=1, default=records.to_json)
-    results = json.loads(saved)  # reported as results.json holds it, like --render
-    text = report.render(results, image_dir=_image_dir(out))
-    if write_json:
-        write_atomic(os.path.join(out, "results.json"), saved)
-    write_atomic(os.path.join(out, "report.md"), text)
+    """``harness.write_results``, then the plots. The report links the plots relative to the
+    working directory (the repository root), so that it can be pasted into the README as it is."""
+    results = write_results(out, results, lambda r: report.render(r, PARTS, _image_dir(out)),
+                            write_json)
     pngs = plots.write(results, out)
-    print(text)
     log(f"wrote to {out}: {', '.join(['results.json'] * write_json + ['report.md'])}, "
         f"{', '.join(map(os.path.basename, pngs))}")
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 
-import psutil
-
-from .floors import Floors
-from .harness import log, ratio_spread, run_rounds, spread, timed
+from .core import run_case
+from .harness import log, ratio_spread, spread
 from .markdown import fixed, ratio, seconds, section, spread_text, table
-from .systems import OURS_ASYNC, OURS_BUFFERED, run_guarded
-from .workloads import build_state
+from .systems import OURS_ASYNC, OURS_BUFFERED
 
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
 QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
@@ -45,69 +41,40 @@ def burners(count: int):
             proc.wait()
 
 
-def _writer_cpu_s(system) -> float:
-    times = psutil.Process(system.writer_pids()[0]).cpu_times()
-    return times.user + times.system
-
-
-def _one_run(directory: str, state: dict, nbytes: int, spec) -> dict:
-    def measure(system) -> dict:
-        system.save(0)
-        system.wait()
-        cpu, start = _writer_cpu_s(system), time.perf_counter()
-        system.save(1)
-        system.wait()
-        to_durable = time.perf_counter() - start
-        cpu = _writer_cpu_s(system) - cpu
-        newest = system.newest_figures()
-        warm = timed(system.restore)  # right after the snapshot, in its process; then cold
-        return {"to_durable_s": to_durable, "writer_cpu_s_per_gb": cpu / (nbytes / 1e9),
-                "restore_s": warm, "restore_cold_s": system.cold_restore_s(directory),
-                "state_bytes": nbytes, **{key: newest[key] for key in PHASES}}
-
-    return run_guarded(spec, state, directory, measure)
-
-
 def run(root: str, quick: bool) -> dict:
-    """Every size, every load, both writers in interleaved rounds; the results block."""
+    """The sweep's measurement (``core.run_case``) of both writers at every size and load; the
+    results block."""
     config = QUICK if quick else FULL
     cells = []
     for size_gb in config["sizes_gb"]:
-        state, nbytes = build_state(size_gb)
         for load in config["loads"]:
-            floors = Floors(root, nbytes)
-
-            def one(index: int, name: str, floor_hook) -> dict:
-                run_ = _one_run(os.path.join(root, name), state, nbytes, WRITERS[name])
-                log(f"  {size_gb:g} GB, {load} burner(s), {name}: to durable "
-                    f"{run_['to_durable_s']:.3f} s, writer {run_['writer_cpu_s_per_gb']:.2f} "
-                    "CPU s/GB")
-                return run_
-
+            log(f"direct writes, {load} burner(s):")
             with burners(load):
-                record = run_rounds(list(WRITERS), config["rounds"], 0, floors.measure, one,
-                                    name=str, settle_bytes=nbytes)
-            floors.close()
-            cells.append(_cell(size_gb, load, nbytes, record))
-        state = None  # freed before the next size is built
+                case = run_case(list(WRITERS.values()), "fp32", size_gb, root, config["rounds"],
+                                0, writer_cpu=True)
+            cells.append(_cell(size_gb, load, case))
     return {"config": {**config, "sizes_gb": list(config["sizes_gb"]),
                        "loads": list(config["loads"])}, "cells": cells}
 
 
-def _cell(size_gb: float, load: int, nbytes: int, record: dict) -> dict:
-    runs = {name: record["systems"][name]["runs"] for name in WRITERS}
-    floors = record["floors"]
+def _cell(size_gb: float, load: int, case: dict) -> dict:
+    nbytes, floors = case["bytes"], case["floors"]
     durable_floor = [f["durable_s"] for f in floors]
     cold_floor = [f["read_cold_s"] for f in floors]
     cell = {"size_gb": size_gb, "burners": load, "state_bytes": nbytes,
             "floors": {"durable_s": spread(durable_floor, samples=True),
                        "read_cold_s": spread(cold_floor, samples=True),
                        "ways": [f["durable_ways"] for f in floors]}}
-    for name, samples in runs.items():
-        figures = {k: spread([r[k] for r in samples], samples=True) for k in FIGURES}
-        figures["to_durable_over_floor"] = ratio_spread([r["to_durable_s"] for r in samples],
+    for name, spec in WRITERS.items():
+        runs = [{"to_durable_s": r["wall_to_durable_s"],
+                 "writer_cpu_s_per_gb": r["writer_cpu_s"] / (nbytes / 1e9),
+                 "restore_s": r["restore_s"], "restore_cold_s": r["restore_cold_s"],
+                 **{key: r["engine"][key] for key in PHASES}}
+                for r in case["systems"][spec.name]["runs"]]
+        figures = {k: spread([r[k] for r in runs], samples=True) for k in FIGURES}
+        figures["to_durable_over_floor"] = ratio_spread([r["to_durable_s"] for r in runs],
                                                         durable_floor)
-        figures["cold_restore_over_floor"] = ratio_spread([r["restore_cold_s"] for r in samples],
+        figures["cold_restore_over_floor"] = ratio_spread([r["restore_cold_s"] for r in runs],
                                                           cold_floor)
         cell[name] = figures
     return cell

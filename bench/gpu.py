@@ -10,7 +10,6 @@ the same code on the CPU; ``--quick`` is a smoke test. docs/performance.md descr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -23,13 +22,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from . import records
+from .core import paired_loops, scratch, snapshot_then_move_on
 from .floors import Floors
-from .harness import log, machine, ratio_spread, run_rounds, spread, timed, write_atomic
+from .harness import log, machine, ratio_spread, run_rounds, spread, timed, write_results
 from .markdown import factor, fixed, median_range, number, over_one, section, spread_text, table
-from .systems import (DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, NoCheckpoint, System, SystemSpec,
-                      run_guarded, shutdown_dcp)
-from .training import run_loop
+from .systems import DCP_DEFAULT, DCP_PINNED, GPU_SYSTEMS, System, SystemSpec, run_guarded
 from .workloads import TransformerWorkload, state_tensors
 
 COMMITTED_RESULTS = os.path.join("bench", "results", "gpu")
@@ -90,18 +87,14 @@ def device_floors(tensors: list[torch.Tensor], device: torch.device) -> Callable
 
 def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, config: Config,
                round_: int, floor_hook: Callable[[], dict]) -> dict:
-    """An untimed warm-up snapshot, then each K's ``run_loop`` without and with checkpointing
+    """An untimed warm-up snapshot, then ``core.paired_loops`` at K = 1 and K = every
     (``fence`` before the optimizer's step, counted as blocking), then ``exactness``."""
     system.save(1)
     system.fence()
     system.wait()
-    step, loops, baseline = 1, {}, NoCheckpoint(workload.state, system.directory)
-    for k, n in ((1, config.steps_every_step), (config.every, config.steps_every_n)):
-        workload.synchronize()
-        base, step = run_loop(baseline, workload, k, n, step, fence=baseline.fence)
-        workload.synchronize()
-        loops[str(k)], step = run_loop(system, workload, k, n, step, fence=system.fence)
-        loops[str(k)]["baseline"] = base
+    loops, step = paired_loops(system, workload, {1: config.steps_every_step,
+                                                  config.every: config.steps_every_n}, 1,
+                               fenced=True, settle=workload.synchronize)
     check = exactness(system, workload, step + 1, spec.ours)
     log(f"  {spec.name}: " + ", ".join(f"K={k} {x['step_s'] * 1e3:.0f} ms/step "
                                        f"({x['baseline']['step_s'] * 1e3:.0f} without)"
@@ -115,10 +108,8 @@ def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, 
 def exactness(system: System, workload: TransformerWorkload, step: int, ours: bool) -> dict:
     """Snapshot, wait until durable, move the state and the RNGs on, restore (timed to a device
     synchronisation), compare bit for bit (async_ckpt's RNG states too: the peers save none)."""
-    to_durable_s = system.saved(step)
-    expected, rng = workload.clone_tensors(), _rng_states()
-    workload.step()
-    workload.step()
+    rng = _rng_states()  # a snapshot's: saving moves no generator
+    to_durable_s, expected = snapshot_then_move_on(system, workload, step)
     torch.rand(8, device=workload.device)  # moves the device's generator (and the CPU's)
     torch.rand(8)
     workload.synchronize()
@@ -136,7 +127,7 @@ def _rng_states() -> list[torch.Tensor]:
 
 
 def measure(config: Config, device: str, root: str) -> dict:
-    """The raw results: ``run_rounds`` one round at a time, so that ``--budget`` can stop them."""
+    """The raw results: ``run_rounds``, which ``--budget`` may end early."""
     workload = TransformerWorkload(config.params_gb, config.width, config.seq, config.batch,
                                    device)
     log(f"gpu bench on {device}: {workload.depth} blocks of width {config.width}, "
@@ -144,35 +135,20 @@ def measure(config: Config, device: str, root: str) -> dict:
         f"state; up to {config.rounds} rounds")
     copy_floors = device_floors(state_tensors(workload.state), workload.device)
     disk = Floors(root, min(workload.nbytes, DISK_SAMPLE_BYTES))
-    raw: dict = {"state_bytes": workload.nbytes, "param_bytes": workload.param_bytes,
-                 "depth": workload.depth, "disk_sample_bytes": disk.nbytes, "floors": [],
-                 "systems": {s.name: {"available": True, "runs": []} for s in GPU_SYSTEMS},
-                 "order": [], "settle": [], "loads": [], "rounds_run": 0}
 
-    def run_slot(_, spec: SystemSpec, floor_hook) -> dict:  # round_: the loop's (run_rounds': 0)
+    def run_slot(round_: int, spec: SystemSpec, floor_hook) -> dict:
         return run_guarded(spec, workload.state, os.path.join(root, "system"), lambda system:
                            run_system(spec, system, workload, config, round_, floor_hook))
 
-    started = time.perf_counter()
     try:
-        for round_ in range(config.rounds):
-            specs = [s for s in GPU_SYSTEMS if raw["systems"][s.name]["available"]]
-            record = run_rounds(specs, 1, round_, lambda: {**copy_floors(), **disk.measure()},
-                                run_slot, settle_bytes=SETTLE_BYTES)
-            for name, block in record["systems"].items():  # n/a: its earlier runs dropped too
-                raw["systems"][name] = ({"available": True,
-                                         "runs": raw["systems"][name]["runs"] + block["runs"]}
-                                        if block["available"] else block)
-            for key in ("floors", "order", "settle", "loads"):
-                raw[key] += record[key]
-            raw["rounds_run"] = round_ + 1
-            elapsed, budget = time.perf_counter() - started, config.budget_s
-            log(f"round {round_ + 1} done after {elapsed:.0f} s")
-            if budget is not None and elapsed * (round_ + 2) / (round_ + 1) > budget:
-                break  # the next round would end past the budget
+        record = run_rounds(GPU_SYSTEMS, config.rounds, 0,
+                            lambda: {**copy_floors(), **disk.measure()}, run_slot,
+                            settle_bytes=SETTLE_BYTES, budget_s=config.budget_s)
     finally:
         disk.close()
-    return raw
+    return {"state_bytes": workload.nbytes, "param_bytes": workload.param_bytes,
+            "depth": workload.depth, "disk_sample_bytes": disk.nbytes, **record,
+            "rounds_run": len(record["floors"])}
 
 
 def build_figures(raw: dict) -> dict:
@@ -234,12 +210,8 @@ def run(args: argparse.Namespace) -> int:
     started, start = time.time(), time.perf_counter()
     info = {**machine(), "gpu": gpu_info(args.device), "platform": platform.platform()}
     os.makedirs(args.out, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.dir or None)
-    try:
+    with scratch("bench-gpu-", args.dir) as root:
         raw = measure(config, args.device, root)
-    finally:
-        shutdown_dcp()
-        shutil.rmtree(root, ignore_errors=True)
     checks = [{"system": name, "round": r["round"], **r["exactness"]}
               for name, block in raw["systems"].items() if block["available"]
               for r in block["runs"]]
@@ -247,11 +219,7 @@ def run(args: argparse.Namespace) -> int:
                "machine": info, "config": {"command": args.command, "device": args.device,
                                            "quick": args.quick, **config._asdict()},
                "figures": build_figures(raw), "exactness": checks, "raw": raw}
-    saved = json.dumps(results, indent=1, default=records.to_json)
-    text = render(json.loads(saved))
-    for name, content in (("results.json", saved), ("report.md", text)):
-        write_atomic(os.path.join(args.out, name), content)
-    print(text)
+    write_results(args.out, results, render)
     log(f"results in {args.out}")
     return 1 if any(not c["bit_exact"] or c.get("rng_exact") is False for c in checks) else 0
 

@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from async_ckpt.storage.local import fsync_dir
 
+from . import records
+
 
 def log(message: str) -> None:
     """Progress goes to stderr so that stdout holds only the report."""
@@ -195,6 +197,21 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_results(out: str, results: dict, render: Callable[[dict], str],
+                  write_json: bool = True) -> dict:
+    """results.json (with typed records, ``records.to_json``) and report.md written whole, the
+    report printed; rendered from the results as results.json holds them, as ``--render`` reads
+    them, which are returned."""
+    saved = json.dumps(results, indent=1, default=records.to_json)
+    results = json.loads(saved)
+    text = render(results)
+    if write_json:
+        write_atomic(os.path.join(out, "results.json"), saved)
+    write_atomic(os.path.join(out, "report.md"), text)
+    print(text)
+    return results
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
@@ -291,13 +308,14 @@ class FloorSlot:
 def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable[[], dict],
                run_slot: Callable[[int, object, FloorHook], dict],
                name: Callable[[object], str] = lambda item: item.name,
-               settle_bytes: int = 0) -> dict:
+               settle_bytes: int = 0, budget_s: Optional[float] = None) -> dict:
     """``run_slot(round, item, hook)`` per item and round (``settle_bytes``: what a slot writes;
     ``hook()``: the round's floor sample, to call before the slot's cleanup); an n/a run drops the
-    item's earlier runs too, so every available item has one run per round."""
+    item's earlier runs too, so every available item has one run per round. ``budget_s``: no
+    round that would end past this many seconds of rounds."""
     blocks = {name(item): {"available": True, "runs": []} for item in items}
     record: dict = {"systems": blocks, "order": [], "settle": [], "floors": [], "loads": []}
-    first = load_now()
+    first, started = load_now(), time.perf_counter()
     for index in range(rounds):
         order = [item for item in rotated(items, shift + index) if blocks[name(item)]["available"]]
         start = load_now()
@@ -316,6 +334,9 @@ def run_rounds(items: Sequence, rounds: int, shift: int, measure_floor: Callable
         record["settle"].append(settled)
         record["floors"].append(slot.sample)
         record["loads"].append(load_between(start, load_now()))
+        elapsed = time.perf_counter() - started
+        if budget_s is not None and elapsed * (index + 2) / (index + 1) > budget_s:
+            break
     record["load"] = load_between(first, load_now())
     return record
 
@@ -343,6 +364,12 @@ def one_round(what: str, systems: Sequence[str], n: int, rounds: int,
     return figures
 
 
+def samples(record: dict, key: str) -> dict[str, list]:
+    """Each available item's ``key``, round by round, from a ``run_rounds`` record."""
+    return {name: [run[key] for run in block["runs"]]
+            for name, block in record["systems"].items() if block["available"]}
+
+
 def summarised(rounds: list[dict], keys: Iterable[str],
                ratios: Mapping[str, tuple[str, str]]) -> dict:
     """Each key's spread over the rounds after the warm-up (``figures``), and each named
@@ -355,6 +382,16 @@ def summarised(rounds: list[dict], keys: Iterable[str],
     return {"figures": {key: spread(column(key)) for key in keys},
             "ratios": {name: ratio_spread(column(key), column(reference))
                        for name, (key, reference) in ratios.items()}}
+
+
+@dataclass(frozen=True)
+class PartOf:
+    """One of a module's parts, for ``parts.PARTS``: its block's key in results.json,
+    ``run(root, quick[, rounds])`` (the block) and ``render(block)`` (its section)."""
+
+    key: str
+    run: Callable[..., dict]
+    render: Callable[[dict], str]
 
 
 # --- workers: a part's code in a process of its own (a torchrun rank, a child on some cores) ------

@@ -9,7 +9,7 @@ import numpy as np
 from .harness import ratio_spread, spread
 from .markdown import fixed, over_one, ratio, section, spread_text, table
 from .systems import LAZY_SYSTEMS, OURS_ASYNC, OURS_LAZY_FEWER
-from .training import run_training
+from .core import run_training
 
 FULL = {"workload": {"width": 768, "depth": 10, "batch": 16}, "ks": (1, 10),
         "steps": {1: 24, 10: 40}, "rounds": 3}

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Optional, Sequence
 
 from .harness import RECLAIM_KEYS, SETTLE_BELOW_BYTES, SETTLE_BYTES_PER_S, spread
 from .markdown import factor, median_range, number, points, section, table, with_ratios
-from .parts import PARTS
 from .records import Cell, Consistency, FigureValues, NotAvailable, Targets, Value
 from .systems import NONE, OURS_ASYNC, TORCH_SAVE
 
@@ -29,14 +28,13 @@ FLOOR_LABELS = (("copy_s", "copy_"), ("durable_s", "disk (fastest durable write)
                 ("read_cold_s", "cold read (fastest, from disk)"))
 
 
-def render(results: dict, image_dir: str = "bench/results") -> str:
-    """The report of results.json's ``results``: the sections of the parts that ran."""
+def render(results: dict, parts: Sequence, image_dir: str = "bench/results") -> str:
+    """The report of results.json's ``results``: the summary sections around those of the
+    ``parts`` (``parts.PARTS``: each renders "" where it did not run)."""
     results = _typed(results)
-    trained = "training" in results["raw"]  # not in the --stall preset
     sections = [_header(results), _legend(results), _targets(results), _floors(results),
-                _headline(results, image_dir), trained and _training(results, image_dir),
-                trained and _memory(results), *(part.render(results) for part in PARTS),
-                trained and _consistency(results), _per_size(results), _load(results)]
+                *(part.render(results, image_dir) for part in parts), _consistency(results),
+                _per_size(results), _load(results)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -227,7 +225,8 @@ def _floor_ways(results: dict) -> list[str]:
             else ""]
 
 
-def _headline(results: dict, image_dir: str) -> str:
+def saving_and_restoring(results: dict, image_dir: str) -> str:
+    """The sweep's section: every figure of the case nearest 1 GB."""
     case = headline_case(results)
     if case is None:
         return ""
@@ -251,6 +250,13 @@ def _headline(results: dict, image_dir: str) -> str:
                        ("compression ratio · ×raw · ×best peer", "compression_ratio", case)]),
                    "![blocking time and time to durable vs state size]"
                    f"({image_dir}/blocking_vs_size.png)")
+
+
+def training_loop(results: dict, image_dir: str) -> str:
+    """The training loop's sections: throughput, overhead and blocking, then memory."""
+    if "training" not in results["raw"]:  # not in the --stall preset
+        return ""
+    return "\n\n".join([_training(results, image_dir), _memory(results)])
 
 
 def _training(results: dict, image_dir: str) -> str:
@@ -308,6 +314,8 @@ def _memory(results: dict) -> str:
 
 
 def _consistency(results: dict) -> str:
+    if "consistency" not in results:
+        return ""
     rows = []
     for name in _systems(results):
         check = results["consistency"].get(name)

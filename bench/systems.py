@@ -505,7 +505,7 @@ OURS_INCREMENTAL = _engine("async_ckpt async, incremental", incremental=True)
 OURS_BUFFERED = _engine("async_ckpt async, page cache writes", direct_io=False)
 """The writer through the page cache: ``OURS_ASYNC`` writes direct (``direct_io``'s default)."""
 OURS_REMOTE = _engine("async_ckpt async, remote tier", rng=False)
-"""Opened with ``remote=URL`` (``bench/remote.py``)."""
+"""Opened with ``remote=URL`` (``features.REMOTE``)."""
 OURS_LAZY_NICED = _engine("async_ckpt async, lazy, niced copy thread", staging="lazy", copy_nice=10)
 OURS_LAZY_FEWER = _engine("async_ckpt async, lazy, one torch thread fewer", staging="lazy",
                           fewer_threads=True)
@@ -513,7 +513,7 @@ NEVER = 10 ** 9  # an ``every`` no loop reaches: the disk gets the first snapsho
 OURS_MEMORY = {staging: _engine(f"async_ckpt memory tier, {staging} staging", staging=staging,
                                 every=NEVER, memory_every=1, slots=3, heartbeat_interval=None)
                for staging in ("eager", "lazy")}
-"""The memory tier (``bench/memory_tier.py``): a memory snapshot at every step."""
+"""The memory tier (``features.MEMORY_TIER``): a memory snapshot at every step."""
 OURS_REPLICATED = _engine("async_ckpt async, replicated written by rank 0", replicated=REPLICATED)
 OURS_REPLICATED_SPREAD = _engine("async_ckpt async, replicated spread over ranks",
                                 replicated=REPLICATED, spread_replicated=True)

@@ -1,5 +1,6 @@
-"""The training states the benchmarks checkpoint: the sweep's (``build_state``), the training
-loop's and the GPU benchmark's; described in docs/performance.md, "What runs"."""
+"""The training states the benchmarks checkpoint: the sweep's (``build_state``), the sharded
+part's (``sharded_state``), the training loop's and the GPU benchmark's; described in
+docs/performance.md, "What runs"."""
 
 from __future__ import annotations
 
@@ -29,18 +30,73 @@ def build_state(size_gb: float, dtype: torch.dtype = torch.float32,
                 width: Optional[int] = None) -> tuple[dict, int]:
     """``({"model", "optimizer"}, tensor bytes)`` of about ``size_gb`` GB, after one real step so
     that the Adam moments exist."""
+    model, width = mlp(size_gb, dtype, width)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _first_step(model, optimizer, width, dtype)
+    state = {"model": model, "optimizer": optimizer}
+    return state, tensor_bytes(state)
+
+
+def mlp(size_gb: float, dtype: torch.dtype = torch.float32,
+        width: Optional[int] = None) -> tuple[torch.nn.Sequential, int]:
+    """Linear + ReLU layers of about ``size_gb`` GB with their optimizer state, and their width;
+    seeded: the same on every rank."""
     torch.manual_seed(0)
     width = width_for(size_gb, dtype) if width is None else width
     layers = max(1, round(size_gb * 1e9 / layer_bytes(width, dtype)))
     model = torch.nn.Sequential(*[m for _ in range(layers)
                                   for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
-    model.to(dtype)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model.to(dtype), width
+
+
+def _first_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, width: int,
+                dtype: torch.dtype = torch.float32) -> None:
+    """One real step: the optimizer's moments exist from here on."""
     model(torch.randn(8, width, dtype=dtype)).float().square().mean().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    state = {"model": model, "optimizer": optimizer}
-    return state, tensor_bytes(state)
+
+
+class AppState:
+    """DCP's ``Stateful`` pattern for FSDP2 (PyTorch's checkpoint tutorial; a user of the engine
+    writes the same, as examples/train_fsdp.py does): model and optimizer through
+    ``get_state_dict``/``set_state_dict``, as DTensors, for every system alike."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def sharded_state(size_gb: float, world: int) -> tuple[dict, int]:
+    """``{"app": AppState}`` of ``mlp(size_gb)`` ``fully_shard``-ed over ``world`` ranks, with
+    AdamW after one step, and the bytes of this rank's share of it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model, width = mlp(size_gb)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _first_step(model, optimizer, width)
+    tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()
+                                      if isinstance(t, torch.Tensor))]
+    own = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+    return {"app": AppState(model, optimizer)}, own
 
 
 def tensor_bytes(state: dict) -> int:

@@ -25,21 +25,18 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.figures import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TRAINING_FIGURES  # noqa: E402
+from bench.core import FIGURES, MEMORY_FIGURES, SWEEP_FIGURES, TARGETS  # noqa: E402
+from bench.core import TRAINING_FIGURES, case_label  # noqa: E402
 from bench.systems import NONE, RANK_SYSTEMS, SHARDED_SYSTEMS, STALL_SYSTEMS  # noqa: E402
 from bench.systems import SYSTEM_NAMES, SYSTEMS  # noqa: E402
-from bench.__main__ import (COMMITTED_RESULTS, KS, QUICK, STALL, assemble, loop_steps,  # noqa: E402
-                            parse_args)
-from bench.sweep import case_label  # noqa: E402
+from bench.__main__ import COMMITTED_RESULTS, KS, QUICK, STALL, assemble, parse_args  # noqa: E402
 from bench import floors as floors_module  # noqa: E402
 from bench.floors import FLOOR_KEYS, READ_WAYS, WRITE_WAYS, Fastest, Floors  # noqa: E402
 from bench.harness import Settled, load_now, ratio_spread, rotated, run_rounds  # noqa: E402
 from bench.harness import settle, spread  # noqa: E402
-from bench.ranks import QUICK as RANKS_QUICK  # noqa: E402
-from bench.parts import BY_KEY  # noqa: E402
-from bench.sharded import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
-from bench.sharded import QUICK as SHARDED_QUICK  # noqa: E402
-from bench.targets import TARGETS  # noqa: E402
+from bench.parts import BY_KEY, PARTS, loop_steps  # noqa: E402
+from bench.distributed import OURS as SHARDED_OURS, PLAN as SHARDED_PLAN  # noqa: E402
+from bench.distributed import QUICK as TORCHRUN_QUICK  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -152,7 +149,7 @@ def test_rounds_are_interleaved_with_a_floor_each(quick_run):
                 "fp32", QUICK.sizes[0])]
             assert entry["n"] == rounds and entry["min"] <= entry["median"] <= entry["max"]
             assert len(results["raw"]["training"]["systems"][spec.name]["runs"]) == rounds
-    assert len(results["ranks"]["raw"]["floors"]) == RANKS_QUICK["rounds"]
+    assert len(results["ranks"]["raw"]["floors"]) == TORCHRUN_QUICK["rounds"]
     assert set(results["loads"]) >= {"training loop", "two ranks"}
 
 
@@ -175,7 +172,7 @@ def test_two_ranks_against_dcp(quick_run):
     _, results, _ = quick_run
     ranks = results["ranks"]
     assert ranks["ranks"] == 2 and set(ranks["floors"]) == {"copy_s", "durable_s"}
-    assert len(ranks["floor_ways"]) == RANKS_QUICK["rounds"]
+    assert len(ranks["floor_ways"]) == TORCHRUN_QUICK["rounds"]
     assert set(ranks["floor_ways"]) <= set(WRITE_WAYS)
     assert set(ranks["systems"]) == {spec.name for spec in RANK_SYSTEMS}
     for spec in RANK_SYSTEMS:
@@ -186,7 +183,7 @@ def test_two_ranks_against_dcp(quick_run):
         assert s["available"], name
         for key in ("blocking", "to_commit"):
             assert s[f"{key}_s"]["median"] > 0 and s[f"{key}_x_floor"] > 0, (name, key)
-            assert s[f"{key}_s"]["n"] == RANKS_QUICK["rounds"], (name, key)
+            assert s[f"{key}_s"]["n"] == TORCHRUN_QUICK["rounds"], (name, key)
         assert len(s["bytes_per_rank"]) == 2 and s["stored_bytes"] >= sum(s["bytes_per_rank"])
     ours = ranks["systems"]["async_ckpt async, replicated written by rank 0"]
     # Replicated state is written once, by rank 0: rank 1 writes only its own small state.
@@ -200,9 +197,9 @@ def test_sharded_state_against_dcp(quick_run):
     assert set(block["save"]) == {str(world) for world, _, save in SHARDED_PLAN if save} == {"2", "4"}
     for world, w in block["save"].items():
         assert w["ranks"] == int(world) == len(w["rank_bytes"])
-        assert w["rounds"] == SHARDED_QUICK["rounds"]
+        assert w["rounds"] == TORCHRUN_QUICK["rounds"]
         assert set(w["floors"]) == {"copy_s", "durable_s"}
-        assert len(w["floor_ways"]) == SHARDED_QUICK["rounds"]
+        assert len(w["floor_ways"]) == TORCHRUN_QUICK["rounds"]
         assert set(w["systems"]) == {spec.name for spec in SHARDED_SYSTEMS}
         for spec in SHARDED_SYSTEMS:
             name, s = spec.name, w["systems"][spec.name]
@@ -211,7 +208,7 @@ def test_sharded_state_against_dcp(quick_run):
                 continue
             assert s["available"], (world, name)
             for key in ("blocking", "to_commit"):
-                assert s[f"{key}_s"]["n"] == SHARDED_QUICK["rounds"]
+                assert s[f"{key}_s"]["n"] == TORCHRUN_QUICK["rounds"]
                 assert s[f"{key}_s"]["median"] > 0
                 assert s[f"{key}_x_floor"]["median"] > 0, (world, name, key)
             assert len(s["bytes_per_rank"]) == int(world), (world, name)
@@ -224,9 +221,9 @@ def test_sharded_state_against_dcp(quick_run):
     assert set(block["restore"]) == {"2->4", "4->2"}
     for pair, r in block["restore"].items():
         assert f"{r['saved_at']}->{r['restored_at']}" == pair
-        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == SHARDED_QUICK["rounds"], pair
+        assert r["systems"][SHARDED_OURS]["restore_s"]["n"] == TORCHRUN_QUICK["rounds"], pair
         if r["systems"]["DCP load"]["available"]:
-            assert r["x_dcp"]["n"] == SHARDED_QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
+            assert r["x_dcp"]["n"] == TORCHRUN_QUICK["rounds"] and r["x_dcp"]["median"] > 0, pair
     assert {"sharded, 4 ranks saving", "sharded, restore 4->2"} <= set(results["loads"])
     report = (out / "report.md").read_text()
     assert "### Sharded state (FSDP2) under torchrun" in report
@@ -336,7 +333,7 @@ def test_the_committed_report_is_what_the_renderer_makes_of_the_committed_result
     with open(os.path.join(REPO, COMMITTED_RESULTS, "results.json"), encoding="utf-8") as f:
         results = json.load(f)
     with open(os.path.join(REPO, COMMITTED_RESULTS, "report.md"), encoding="utf-8") as f:
-        assert report.render(results, image_dir=COMMITTED_RESULTS) == f.read()
+        assert report.render(results, PARTS, image_dir=COMMITTED_RESULTS) == f.read()
 
 
 def test_options():
@@ -437,11 +434,11 @@ def test_every_framework_adapter_is_measured_and_reported(quick_run):
 def test_the_torchtitan_part_is_measured_where_torchtitan_is_installed(tmp_path, monkeypatch):
     from bench import frameworks
 
-    assert BY_KEY["integrations_torchtitan"].render({"integrations_torchtitan": {}}) == ""
+    assert BY_KEY["integrations_torchtitan"].render({"integrations_torchtitan": {}}, "") == ""
     monkeypatch.setattr(frameworks.importlib.util, "find_spec", lambda name: None)
     skipped = frameworks.TORCHTITAN.run(str(tmp_path), quick=True)
     assert "Not measured: torchtitan is not installed" in BY_KEY["integrations_torchtitan"].render(
-        {"integrations_torchtitan": skipped})
+        {"integrations_torchtitan": skipped}, "")
 
 
 @pytest.mark.parametrize("key, setup", [
@@ -451,25 +448,25 @@ def test_the_two_rank_framework_parts_run_in_full_runs_only_and_report_after_the
                                                                                           setup):
     """Their torchruns of two framework ranks cost a minute each: measured by full runs only."""
     from bench.__main__ import FULL
-    from bench.frameworks import KINDS, pair_block
+    from bench.frameworks import DEEPSPEED, KINDS, LIGHTNING_SHARDED, pair_block
 
     part = BY_KEY[key]
     assert key in set(FULL.parts) - set(QUICK.parts)
-    framework = part.module
+    framework = {f.key: f for f in (DEEPSPEED, LIGHTNING_SHARDED)}[key]
     ours, theirs = framework.sides
     rounds_of_pairs = ((9.0, 1.0), (0.1, 0.2), (0.3, 0.6))  # the first: a warm-up
     rounds = [{f"{system}_{kind}_s": seconds for kind in (*KINDS, "restore")
                for system, seconds in ((ours, a), (theirs, b))} for a, b in rounds_of_pairs]
     raw = {"state_bytes": 2.7e8, "rounds": rounds}  # the restores: the same figures
     block = pair_block(framework, framework.configs[1], raw, raw)
-    text = part.render({key: block})
+    text = part.render({key: block}, "")
     assert "| training blocked | 200 ms (100–300) | 400 ms (200–600) | ×0.500 (0.500–0.500) |" \
         in text
     if key == "integrations_lightning_sharded":
         assert ("| restore of the last 2-rank checkpoint on 4 ranks (resharded) | 200 ms "
                 "(100–300) | 400 ms (200–600) (DCP's load) | ×0.500 (0.500–0.500) |") in text
     assert setup in text and "median of 2 interleaved rounds after a warm-up" in text
-    assert part.render({}) == ""
+    assert part.render({}, "") == ""
 
 
 def test_typed_records_travel_through_results_json_unchanged():
@@ -607,18 +604,20 @@ def test_run_rounds_follows_the_order_rule_and_takes_the_floor_before_the_first_
     assert events.count(("floor",)) == 3
     assert record["systems"]["b"] == {"available": False, "reason": "failed"}
     assert record["systems"]["a"]["runs"] == [{"round": i, "value": i} for i in range(3)]
+    budgeted = run_rounds(["a"], 3, 0, dict, lambda *_: {}, name=str, budget_s=1e-9)
+    assert len(budgeted["floors"]) == 1  # the next round would end past the budget
 
 
 def test_big_states_run_the_big_systems_only(monkeypatch, tmp_path):
-    from bench import sweep
+    from bench import core
     from bench.systems import BIG_SYSTEMS, TORCH_SAVE, by_name
 
-    monkeypatch.setattr(sweep, "BIG_GB", 0.001)  # 2 MB counts as big
+    monkeypatch.setattr(core, "BIG_GB", 0.001)  # 2 MB counts as big
     small = by_name("DCP async_save (default stager)")
     assert TORCH_SAVE.name in BIG_SYSTEMS and small.name not in BIG_SYSTEMS
-    case = sweep.run_case([TORCH_SAVE, small], "fp32", 0.002, str(tmp_path), rounds=2, shift=0)
+    case = core.run_case([TORCH_SAVE, small], "fp32", 0.002, str(tmp_path), rounds=2, shift=0)
     assert case["systems"][small.name] == {"available": False, "skipped": True,
-                                           "reason": sweep.SKIPPED}
+                                           "reason": core.SKIPPED}
     assert case["order"] == [[TORCH_SAVE.name]] * 2 and len(case["floors"]) == 2
     runs = case["systems"][TORCH_SAVE.name]["runs"]
     assert [r["round"] for r in runs] == [0, 1]
@@ -718,9 +717,10 @@ def test_resume_takes_only_parts_a_run_of_the_same_settings_measured(tmp_path, m
     import json
 
     import bench.__main__ as bench_main
+    from bench.parts import SWEEP, TRAINING
 
     args = bench_main.parse_args(["--quick", "--out", str(tmp_path), "--resume"])
-    args.preset = dataclasses.replace(args.preset, parts=(bench_main.TRAINING,))
+    args.preset = dataclasses.replace(args.preset, parts=("sweep", TRAINING.key))
     with pytest.raises(SystemExit, match="nothing to resume"):
         bench_main.measure_parts(args, str(tmp_path), 0.0)
     identity = {"preset": "quick", "sizes": list(args.sizes), "ks": list(args.ks),
@@ -730,8 +730,10 @@ def test_resume_takes_only_parts_a_run_of_the_same_settings_measured(tmp_path, m
     with pytest.raises(SystemExit, match="other settings"):
         bench_main.measure_parts(args, str(tmp_path), 0.0)
     partial.write_text(json.dumps({"identity": identity, "raw": {"sweep": {"kept": 1}}}))
-    monkeypatch.setattr(bench_main, "run_sweep", lambda *a: pytest.fail("measured again"))
-    monkeypatch.setattr(bench_main, "run_training", lambda *a: {"measured": 2})
+    monkeypatch.setitem(bench_main.BY_KEY, SWEEP.key, dataclasses.replace(
+        SWEEP, run=lambda *a: pytest.fail("measured again")))
+    monkeypatch.setitem(bench_main.BY_KEY, TRAINING.key, dataclasses.replace(
+        TRAINING, run=lambda *a: {"measured": 2}))
     assert bench_main.measure_parts(args, str(tmp_path), 0.0) == {
-        "sweep": {"kept": 1}, bench_main.TRAINING: {"measured": 2}}
-    assert json.loads(partial.read_text())["raw"][bench_main.TRAINING] == {"measured": 2}
+        "sweep": {"kept": 1}, TRAINING.key: {"measured": 2}}
+    assert json.loads(partial.read_text())["raw"][TRAINING.key] == {"measured": 2}
