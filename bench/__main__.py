@@ -171,12 +171,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.part:
         return _run_part(BY_KEY[args.part], args)
-    started, start = time.time(), time.perf_counter()
     machine_info, load_start = machine(), load_now()
     os.makedirs(args.out, exist_ok=True)
     with scratch("bench-", args.dir or "/tmp") as root:
-        raw = measure_parts(args, root, start)
-    results = assemble(args, raw, machine_info, load_start, started, time.perf_counter() - start)
+        raw, started, runtime_s = measure_parts(args, root)
+    results = assemble(args, raw, machine_info, load_start, started, runtime_s)
     write_outputs(results, args.out)
     os.remove(os.path.join(args.out, PARTIAL))
     log(f"results in {args.out}")
@@ -190,27 +189,34 @@ def _run_part(part, args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_parts(args: argparse.Namespace, root: str, start: float) -> dict:
+def measure_parts(args: argparse.Namespace, root: str) -> tuple[dict, float, float]:
     """Each part of the preset in turn: their raw results, by part, saved under
     ``--out`` after each (``PARTIAL``), so that a run stopped by a failing part goes on from
-    there with ``--resume`` rather than measuring an hour again."""
+    there with ``--resume`` rather than measuring an hour again; with the raw results, when the
+    first of those runs started and how long they measured the parts kept (the report's "Measured
+    ... in ... min")."""
     partial = os.path.join(args.out, PARTIAL)
     identity = {"preset": args.preset.name, "sizes": list(args.sizes), "ks": list(args.ks),
                 "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
-    raw = _resumed(partial, identity) if args.resume else {}
+    saved = _resumed(partial, identity) if args.resume else {}
+    raw, started = saved.get("raw", {}), saved.get("started_at", time.time())
+    earlier_s, start = saved.get("runtime_s", 0.0), time.perf_counter()
     for part in args.preset.parts:
         if part in raw:
             log(f"{part}: measured by the run resumed, kept")
             continue
         raw[part] = BY_KEY[part].run(args, root)
-        write_atomic(partial, json.dumps({"identity": identity, "raw": raw},
-                                         default=records.to_json))
+        write_atomic(partial, json.dumps(
+            {"identity": identity, "started_at": started,
+             "runtime_s": earlier_s + time.perf_counter() - start, "raw": raw},
+            default=records.to_json))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
-    return raw
+    return raw, started, earlier_s + time.perf_counter() - start
 
 
 def _resumed(partial: str, identity: dict) -> dict:
-    """The parts a stopped run of the same settings measured (``--resume``)."""
+    """What a stopped run of the same settings saved (``--resume``): its parts' raw results, and
+    when it started and for how long it measured them (a file from before these two lacks them)."""
     try:
         with open(partial, encoding="utf-8") as f:
             saved = json.load(f)
@@ -218,7 +224,7 @@ def _resumed(partial: str, identity: dict) -> dict:
         sys.exit(f"--resume: no {partial}: nothing to resume")
     if saved.get("identity") != identity:
         sys.exit(f"--resume: {partial} was measured with other settings ({saved.get('identity')})")
-    return saved["raw"]
+    return saved
 
 
 def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,

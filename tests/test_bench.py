@@ -722,18 +722,23 @@ def test_resume_takes_only_parts_a_run_of_the_same_settings_measured(tmp_path, m
     args = bench_main.parse_args(["--quick", "--out", str(tmp_path), "--resume"])
     args.preset = dataclasses.replace(args.preset, parts=("sweep", TRAINING.key))
     with pytest.raises(SystemExit, match="nothing to resume"):
-        bench_main.measure_parts(args, str(tmp_path), 0.0)
+        bench_main.measure_parts(args, str(tmp_path))
     identity = {"preset": "quick", "sizes": list(args.sizes), "ks": list(args.ks),
                 "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
     partial = tmp_path / bench_main.PARTIAL
     partial.write_text(json.dumps({"identity": {**identity, "rounds": 7}, "raw": {}}))
     with pytest.raises(SystemExit, match="other settings"):
-        bench_main.measure_parts(args, str(tmp_path), 0.0)
-    partial.write_text(json.dumps({"identity": identity, "raw": {"sweep": {"kept": 1}}}))
+        bench_main.measure_parts(args, str(tmp_path))
+    first_start, first_runtime_s = 1.7e9, 3600.0
+    partial.write_text(json.dumps({"identity": identity, "started_at": first_start,
+                                   "runtime_s": first_runtime_s, "raw": {"sweep": {"kept": 1}}}))
     monkeypatch.setitem(bench_main.BY_KEY, SWEEP.key, dataclasses.replace(
         SWEEP, run=lambda *a: pytest.fail("measured again")))
     monkeypatch.setitem(bench_main.BY_KEY, TRAINING.key, dataclasses.replace(
         TRAINING, run=lambda *a: {"measured": 2}))
-    assert bench_main.measure_parts(args, str(tmp_path), 0.0) == {
-        "sweep": {"kept": 1}, TRAINING.key: {"measured": 2}}
-    assert json.loads(partial.read_text())["raw"][TRAINING.key] == {"measured": 2}
+    raw, started, runtime_s = bench_main.measure_parts(args, str(tmp_path))
+    assert raw == {"sweep": {"kept": 1}, TRAINING.key: {"measured": 2}}
+    assert started == first_start and runtime_s >= first_runtime_s  # the report names the first
+    # start and the time of both runs, not the resumed run's alone
+    saved = json.loads(partial.read_text())
+    assert saved["raw"][TRAINING.key] == {"measured": 2} and saved["started_at"] == first_start
