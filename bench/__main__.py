@@ -171,11 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.part:
         return _run_part(BY_KEY[args.part], args)
-    machine_info, load_start = machine(), load_now()
     os.makedirs(args.out, exist_ok=True)
     with scratch("bench-", args.dir or "/tmp") as root:
-        raw, started, runtime_s = measure_parts(args, root)
-    results = assemble(args, raw, machine_info, load_start, started, runtime_s)
+        raw, first, runtime_s = measure_parts(args, root)
+    results = assemble(args, raw, first, runtime_s)
     write_outputs(results, args.out)
     os.remove(os.path.join(args.out, PARTIAL))
     log(f"results in {args.out}")
@@ -189,17 +188,19 @@ def _run_part(part, args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_parts(args: argparse.Namespace, root: str) -> tuple[dict, float, float]:
+def measure_parts(args: argparse.Namespace, root: str) -> tuple[dict, dict, float]:
     """Each part of the preset in turn: their raw results, by part, saved under
     ``--out`` after each (``PARTIAL``), so that a run stopped by a failing part goes on from
-    there with ``--resume`` rather than measuring an hour again; with the raw results, when the
-    first of those runs started and how long they measured the parts kept (the report's "Measured
-    ... in ... min")."""
+    there with ``--resume`` rather than measuring an hour again. With the raw results: the first
+    of those runs' start (``started_at``, ``machine``, ``load_start``, ``command``: the report's
+    header) and how long all of them measured the parts kept."""
     partial = os.path.join(args.out, PARTIAL)
     identity = {"preset": args.preset.name, "sizes": list(args.sizes), "ks": list(args.ks),
                 "bf16_sizes": list(args.bf16_sizes), "rounds": args.rounds}
     saved = _resumed(partial, identity) if args.resume else {}
-    raw, started = saved.get("raw", {}), saved.get("started_at", time.time())
+    raw, first = saved.get("raw", {}), saved.get("first") or {
+        "started_at": time.time(), "machine": machine(), "load_start": load_now(),
+        "command": args.command}
     earlier_s, start = saved.get("runtime_s", 0.0), time.perf_counter()
     for part in args.preset.parts:
         if part in raw:
@@ -207,16 +208,16 @@ def measure_parts(args: argparse.Namespace, root: str) -> tuple[dict, float, flo
             continue
         raw[part] = BY_KEY[part].run(args, root)
         write_atomic(partial, json.dumps(
-            {"identity": identity, "started_at": started,
+            {"identity": identity, "first": first,
              "runtime_s": earlier_s + time.perf_counter() - start, "raw": raw},
             default=records.to_json))
         log(f"{part} done after {time.perf_counter() - start:.0f} s")
-    return raw, started, earlier_s + time.perf_counter() - start
+    return raw, first, earlier_s + time.perf_counter() - start
 
 
 def _resumed(partial: str, identity: dict) -> dict:
-    """What a stopped run of the same settings saved (``--resume``): its parts' raw results, and
-    when it started and for how long it measured them (a file from before these two lacks them)."""
+    """What a stopped run of the same settings saved (``--resume``): its parts' raw results, its
+    first start and how long it measured (a file from before these two lacks them)."""
     try:
         with open(partial, encoding="utf-8") as f:
             saved = json.load(f)
@@ -227,17 +228,16 @@ def _resumed(partial: str, identity: dict) -> dict:
     return saved
 
 
-def assemble(args: argparse.Namespace, raw: dict, machine_info: dict, load_start: dict,
-             started: float, runtime_s: float) -> dict:
+def assemble(args: argparse.Namespace, raw: dict, first: dict, runtime_s: float) -> dict:
     """results.json's content (with typed records, ``records.to_json`` writes them) from the
-    parts' raw results."""
-    load = load_between(load_start, load_now())
+    parts' raw results; ``first``: the first run's start (``measure_parts``)."""
+    load = load_between(first["load_start"], load_now())
     ran = [part for part in PARTS if part.key in raw]
     results = {
-        "schema": SCHEMA, "started_at": started, "runtime_s": runtime_s,
-        "machine": machine_info, "loadavg_end": load["loadavg_end"],
+        "schema": SCHEMA, "started_at": first["started_at"], "runtime_s": runtime_s,
+        "machine": first["machine"], "loadavg_end": load["loadavg_end"],
         "vmstat_delta": load["vmstat_delta"],
-        "config": {"command": args.command, "preset": args.preset.name,
+        "config": {"command": first["command"], "preset": args.preset.name,
                    "quick": args.quick, "sizes_gb": list(args.sizes),
                    "bf16_sizes_gb": list(args.bf16_sizes), "ks": list(args.ks),
                    "rounds": args.rounds},

@@ -70,22 +70,22 @@ def run_sweep(specs: Sequence[SystemSpec], cases: Sequence[tuple[str, float]], r
 
 
 def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str, rounds: int,
-             shift: int, writer_cpu: bool = False) -> dict:
-    """``rounds`` interleaved rounds of ``measure_restores`` on one state; a system that fails in
-    any is n/a for all."""
+             shift: int, writer_cpu: bool = False, part: str = "sweep") -> dict:
+    """``rounds`` interleaved rounds of ``measure_round`` on one state; a system that fails in
+    any is n/a for all. ``part``: the part it measures for (log lines, scratch directory)."""
     state, nbytes = build_state(size_gb, DTYPES[dtype])
     label = case_label(dtype, size_gb)
     running = [s for s in specs if runs_at(s, size_gb)]
-    log(f"sweep {label}: {nbytes / 1e9:.3f} GB of tensors, {rounds} rounds of {len(running)} "
+    log(f"{part} {label}: {nbytes / 1e9:.3f} GB of tensors, {rounds} rounds of {len(running)} "
         "systems")
     case = {"dtype": dtype, "size_gb": size_gb, "bytes": nbytes,
             "layers": len(state["model"]) // 2, "rounds": rounds}
-    directory = os.path.join(root, "sweep")
+    directory = os.path.join(root, part)
     floors = Floors(root, nbytes)
     try:
         case.update(run_rounds(running, rounds, shift, floors.measure, lambda index, spec, hook:
                                run_guarded(spec, state, directory, functools.partial(
-                                   measure_restores, spec, hook, writer_cpu=writer_cpu)),
+                                   measure_round, spec, hook, writer_cpu=writer_cpu)),
                                settle_bytes=nbytes))
         case["floor_buffer_bytes"] = floors.buffer_bytes
     finally:
@@ -95,7 +95,7 @@ def run_case(specs: Sequence[SystemSpec], dtype: str, size_gb: float, root: str,
     return case
 
 
-def measure_restores(spec: SystemSpec, floor_hook: FloorHook, system: System,
+def measure_round(spec: SystemSpec, floor_hook: FloorHook, system: System,
                      writer_cpu: bool = False) -> dict:
     """A warm-up snapshot, the measured one, a warm restore right after it in its process, a cold
     one as a restarted process does it; ``floor_hook`` runs before the cleanup (never after a

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-from .core import run_case
+from .core import run_case, runs_at
 from .harness import log, ratio_spread, spread
 from .markdown import fixed, ratio, seconds, section, spread_text, table
 from .systems import OURS_ASYNC, OURS_BUFFERED
@@ -17,6 +17,8 @@ from .systems import OURS_ASYNC, OURS_BUFFERED
 FULL = {"sizes_gb": (0.256, 1.0, 2.0), "loads": (0, len(os.sched_getaffinity(0))), "rounds": 3}
 QUICK = {"sizes_gb": (0.008,), "loads": (0,), "rounds": 1}
 WRITERS = {"direct": OURS_ASYNC, "buffered": OURS_BUFFERED}
+assert all(runs_at(spec, max(FULL["sizes_gb"])) for spec in WRITERS.values()), \
+    "run_case leaves a system out of sizes it does not run at: both writers must run at all"
 PHASES = {"blocking_s": "`snapshot()`", "queue_s": "queued", "write_s": "writing",
           "encode_cpu_s": "of which checksums (CPU)", "fsync_s": "fsync", "commit_s": "commit"}
 """The engine's figures of the snapshot (``stats()``): where its time to durable went."""
@@ -51,7 +53,7 @@ def run(root: str, quick: bool) -> dict:
             log(f"direct writes, {load} burner(s):")
             with burners(load):
                 case = run_case(list(WRITERS.values()), "fp32", size_gb, root, config["rounds"],
-                                0, writer_cpu=True)
+                                0, writer_cpu=True, part="direct")
             cells.append(_cell(size_gb, load, case))
     return {"config": {**config, "sizes_gb": list(config["sizes_gb"]),
                        "loads": list(config["loads"])}, "cells": cells}

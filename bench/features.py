@@ -14,7 +14,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 from unittest import mock
 
 import psutil
@@ -24,7 +24,6 @@ from async_ckpt.format.manifest import read_manifest
 from async_ckpt.storage.local import LocalStorage
 from async_ckpt.storage.remote import PART_BYTES, TRANSFER_CONCURRENCY, ObjectStorage
 from async_ckpt.tools.advise import advise
-from tests.s3server import S3Server
 
 from .floors import copy_s
 from .harness import (REPO, PartOf, command, evict, interleaved, log, ratio_spread, remove,
@@ -33,6 +32,9 @@ from .markdown import fixed, ms, ratio, seconds, section, spread_text, table
 from .systems import (NEVER, OURS_ASYNC, OURS_ASYNC_ZSTD, OURS_INCREMENTAL, OURS_MEMORY,
                       OURS_REMOTE)
 from .workloads import TrainingWorkload, build_state, restore_quietly, state_tensors, tensor_bytes
+
+if TYPE_CHECKING:  # started in _moto only: the other parts run without tests/ on the path
+    from tests.s3server import S3Server
 
 # --- the memory tier (``memory_every=1``): what it costs a training loop, how fast it restores, and
 # how many steps a real SIGKILL costs against the disk alone --------------------------------------
@@ -75,7 +77,7 @@ def run_memory_tier(root: str, quick: bool) -> dict:
              for key in ("baseline_step_s", "to_durable_s", "disk_blocking_s")}
     every = advise(eager["baseline_step_s"], eager["to_durable_s"], MTBF_S,
                    eager["disk_blocking_s"])["interval_steps"]
-    kills = [_killed_and_restarted(workload, os.path.join(root, f"kill-{n}"), config)
+    kills = [_killed_and_restarted(os.path.join(root, f"kill-{n}"), config)
              for n in range(config["kills"])]
     figures["kills"] = {"advised_every": every, "disk_redone_mean": (every - 1) / 2,
                         "memory_redone": spread([k["redone"] for k in kills]) if kills else None}
@@ -147,7 +149,7 @@ def _restores(system, workload: TrainingWorkload, directory: str, step: int) -> 
     return times
 
 
-def _killed_and_restarted(workload: TrainingWorkload, directory: str, config: dict) -> dict:
+def _killed_and_restarted(directory: str, config: dict) -> dict:
     """A child trains with the memory tier and is SIGKILLed after a random step; its restart
     restores. The killed run's last finished step, the restored one, and what it redid."""
     log_path = directory + ".jsonl"
@@ -434,6 +436,8 @@ def run_remote(root: str, quick: bool) -> dict:
 def _moto() -> Iterator[S3Server]:
     """The test suite's moto S3 server (tests/s3server.py) on loopback with ``BUCKET`` made, the
     AWS environment pointing at it while it runs (``_steps_while_down`` stops its process)."""
+    from tests.s3server import S3Server
+
     server = S3Server(BUCKET)
     server.start()
     try:
@@ -555,4 +559,7 @@ REMOTE = PartOf("remote", run_remote, render_remote)
 def worker(args) -> None:
     """A child of this module's parts (``harness.command``): ``--mode decode``, a zstd restore
     on some cores; ``train``/``restore``, the memory tier's kill run and its restart."""
-    (_decode_child if args.mode == "decode" else _kill_run_child)(args)
+    children = {"decode": _decode_child, "train": _kill_run_child, "restore": _kill_run_child}
+    if args.mode not in children:
+        raise SystemExit(f"bench.features: --mode {args.mode!r} is none of {sorted(children)}")
+    children[args.mode](args)

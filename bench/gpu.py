@@ -86,9 +86,10 @@ def device_floors(tensors: list[torch.Tensor], device: torch.device) -> Callable
 
 
 def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, config: Config,
-               round_: int, floor_hook: Callable[[], dict]) -> dict:
+               floor_hook: Callable[[], dict]) -> dict:
     """An untimed warm-up snapshot, then ``core.paired_loops`` at K = 1 and K = every
-    (``fence`` before the optimizer's step, counted as blocking), then ``exactness``."""
+    (``fenced``: ``fence`` before the optimizer's step, counted as blocking), then
+    ``exactness``."""
     system.save(1)
     system.fence()
     system.wait()
@@ -102,7 +103,7 @@ def run_system(spec: SystemSpec, system: System, workload: TransformerWorkload, 
         + f"; restore {check['restore_s']:.2f} s, "
         + ("bit-exact" if check["bit_exact"] else "DIFFERS"))
     floor_hook()  # before run_guarded's close deletes the snapshots
-    return {"round": round_, "loops": loops, "exactness": check, "details": system.details()}
+    return {"loops": loops, "exactness": check, "details": system.details()}
 
 
 def exactness(system: System, workload: TransformerWorkload, step: int, ours: bool) -> dict:
@@ -138,7 +139,7 @@ def measure(config: Config, device: str, root: str) -> dict:
 
     def run_slot(round_: int, spec: SystemSpec, floor_hook) -> dict:
         return run_guarded(spec, workload.state, os.path.join(root, "system"), lambda system:
-                           run_system(spec, system, workload, config, round_, floor_hook))
+                           run_system(spec, system, workload, config, floor_hook))
 
     try:
         record = run_rounds(GPU_SYSTEMS, config.rounds, 0,

@@ -1,6 +1,6 @@
 """Lazy staging in a training loop whose forward and backward take longer than one copy of the
 state: its variants against eager staging and DCP's cached stager, every step and every 10
-(``training.run_training``'s loop; method: docs/performance.md, "The data path's choices")."""
+(``core.run_training``'s loop; method: docs/performance.md, "The data path's choices")."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ class Damage:
 
 @dataclass(frozen=True)
 class Consistency:
-    """``consistency.check``'s result."""
+    """``core.check_consistency``'s result."""
 
     step: int
     to_commit_s: float

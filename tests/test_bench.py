@@ -295,7 +295,9 @@ def test_the_stall_preset_reports_its_sweep_alone(quick_run, tmp_path):
              for label, case in results["raw"]["sweep"].items()}
     args = parse_args(["--stall", "--sizes", ",".join(map(str, QUICK.sizes)), "--rounds",
                        str(QUICK.rounds), "--out", str(tmp_path)])
-    write_outputs(assemble(args, {"sweep": sweep}, results["machine"], load_now(), 0.0, 1.0),
+    first = {"started_at": 0.0, "machine": results["machine"], "load_start": load_now(),
+             "command": args.command}
+    write_outputs(assemble(args, {"sweep": sweep}, first, 1.0),
                   str(tmp_path))
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [s["name"] for s in saved["systems"]] == names and saved["config"]["preset"] == "stall"
@@ -729,16 +731,17 @@ def test_resume_takes_only_parts_a_run_of_the_same_settings_measured(tmp_path, m
     partial.write_text(json.dumps({"identity": {**identity, "rounds": 7}, "raw": {}}))
     with pytest.raises(SystemExit, match="other settings"):
         bench_main.measure_parts(args, str(tmp_path))
-    first_start, first_runtime_s = 1.7e9, 3600.0
-    partial.write_text(json.dumps({"identity": identity, "started_at": first_start,
-                                   "runtime_s": first_runtime_s, "raw": {"sweep": {"kept": 1}}}))
+    first = {"started_at": 1.7e9, "machine": {"nproc": 2}, "load_start": {"loadavg": [2.0]},
+             "command": "python -m bench"}
+    partial.write_text(json.dumps({"identity": identity, "first": first, "runtime_s": 3600.0,
+                                   "raw": {"sweep": {"kept": 1}}}))
     monkeypatch.setitem(bench_main.BY_KEY, SWEEP.key, dataclasses.replace(
         SWEEP, run=lambda *a: pytest.fail("measured again")))
     monkeypatch.setitem(bench_main.BY_KEY, TRAINING.key, dataclasses.replace(
         TRAINING, run=lambda *a: {"measured": 2}))
-    raw, started, runtime_s = bench_main.measure_parts(args, str(tmp_path))
+    raw, kept_first, runtime_s = bench_main.measure_parts(args, str(tmp_path))
     assert raw == {"sweep": {"kept": 1}, TRAINING.key: {"measured": 2}}
-    assert started == first_start and runtime_s >= first_runtime_s  # the report names the first
-    # start and the time of both runs, not the resumed run's alone
+    assert kept_first == first and runtime_s >= 3600.0  # the report's header: the first run's
+    # start, machine, load and command, and the time of both runs, not the resumed run's alone
     saved = json.loads(partial.read_text())
-    assert saved["raw"][TRAINING.key] == {"measured": 2} and saved["started_at"] == first_start
+    assert saved["raw"][TRAINING.key] == {"measured": 2} and saved["first"] == first
